@@ -1,0 +1,236 @@
+"""Load diffusers ``QwenImageTransformer2DModel`` checkpoints into ``digen_jax.models.mmdit.MMDiT``.
+
+Only safetensors files are read (never pickle / torch.load). Every diffusers tensor must map to exactly one of our
+params and every one of our params must be set, else a ValueError lists what is missing or unexpected.
+
+    model = load_diffusers_folder("/ckpt/Qwen-Image")            # pipeline folder (uses transformer/) or model folder
+    cfg = config_from_diffusers(json.load(open("config.json")))
+    load_diffusers_state(model, {key: np.ndarray})                # in place
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can hand out BF16 tensors)
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from digen_jax.models.mmdit import MMDiT, MMDiTConfig
+
+DIFFUSERS_CLASS_NAME = "QwenImageTransformer2DModel"
+
+# diffusers config key -> MMDiTConfig field (identical names; out_channels=None means in_channels).
+_CONFIG_KEYS = ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
+                "num_attention_heads", "joint_attention_dim", "axes_dims_rope", "guidance_embeds",
+                "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+
+# (diffusers module prefix, our module path): Linear layers, weight [out, in] -> kernel [in, out], bias -> bias.
+_GLOBAL_LINEARS = (
+    ("time_text_embed.timestep_embedder.linear_1", ("time_embed", "linear_1")),
+    ("time_text_embed.timestep_embedder.linear_2", ("time_embed", "linear_2")),
+    ("img_in", ("img_in",)),
+    ("txt_in", ("txt_in",)),
+    ("norm_out.linear", ("norm_out",)),
+    ("proj_out", ("proj_out",)),
+)
+_GLOBAL_NORMS = (("txt_norm.weight", ("txt_norm", "scale")),)
+# Per block, relative to "transformer_blocks.{i}."; ours are stacked along a leading layer axis under "blocks".
+_BLOCK_LINEARS = (
+    ("img_mod.1", ("img_mod",)),
+    ("txt_mod.1", ("txt_mod",)),
+    ("attn.to_q", ("attn", "to_q")),
+    ("attn.to_k", ("attn", "to_k")),
+    ("attn.to_v", ("attn", "to_v")),
+    ("attn.add_q_proj", ("attn", "add_q_proj")),
+    ("attn.add_k_proj", ("attn", "add_k_proj")),
+    ("attn.add_v_proj", ("attn", "add_v_proj")),
+    ("attn.to_out.0", ("attn", "to_out")),
+    ("attn.to_add_out", ("attn", "to_add_out")),
+    ("img_mlp.net.0.proj", ("img_mlp", "fc1")),
+    ("img_mlp.net.2", ("img_mlp", "fc2")),
+    ("txt_mlp.net.0.proj", ("txt_mlp", "fc1")),
+    ("txt_mlp.net.2", ("txt_mlp", "fc2")),
+)
+_BLOCK_NORMS = (
+    ("attn.norm_q.weight", ("attn", "norm_q", "scale")),
+    ("attn.norm_k.weight", ("attn", "norm_k", "scale")),
+    ("attn.norm_added_q.weight", ("attn", "norm_added_q", "scale")),
+    ("attn.norm_added_k.weight", ("attn", "norm_added_k", "scale")),
+)
+
+
+def config_from_diffusers(cfg: Mapping[str, Any], **overrides: Any) -> MMDiTConfig:
+    """MMDiTConfig from a diffusers transformer config.json dict. Keys starting with '_' (metadata) are ignored;
+    any other unknown key raises (it may change the math). `overrides` set MMDiTConfig fields (e.g. remat=True)."""
+    cls = cfg.get("_class_name", DIFFUSERS_CLASS_NAME)
+    if cls != DIFFUSERS_CLASS_NAME:
+        raise ValueError(f"config _class_name is {cls!r}; expected {DIFFUSERS_CLASS_NAME!r}")
+    unknown = sorted(k for k in cfg if not k.startswith("_") and k not in _CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"unknown diffusers config keys {unknown}; MMDiTConfig only understands {list(_CONFIG_KEYS)}")
+    kwargs = {k: cfg[k] for k in _CONFIG_KEYS if k in cfg}
+    if kwargs.get("out_channels", 0) is None:  # diffusers: out_channels=None means in_channels
+        kwargs["out_channels"] = kwargs.get("in_channels", MMDiTConfig.in_channels)
+    if "axes_dims_rope" in kwargs:
+        kwargs["axes_dims_rope"] = tuple(kwargs["axes_dims_rope"])
+    kwargs.update(overrides)
+    return MMDiTConfig(**kwargs)
+
+
+def _key_table(config: MMDiTConfig) -> dict[tuple[str, ...], tuple[list[str], bool]]:
+    """Our param path -> (diffusers keys, one per layer for block params; transpose?)."""
+    table: dict[tuple[str, ...], tuple[list[str], bool]] = {}
+    for prefix, path in _GLOBAL_LINEARS:
+        table[path + ("kernel",)] = ([f"{prefix}.weight"], True)
+        table[path + ("bias",)] = ([f"{prefix}.bias"], False)
+    for key, path in _GLOBAL_NORMS:
+        table[path] = ([key], False)
+    layers = range(config.num_layers)
+    for prefix, path in _BLOCK_LINEARS:
+        table[("blocks",) + path + ("kernel",)] = ([f"transformer_blocks.{i}.{prefix}.weight" for i in layers], True)
+        table[("blocks",) + path + ("bias",)] = ([f"transformer_blocks.{i}.{prefix}.bias" for i in layers], False)
+    for key, path in _BLOCK_NORMS:
+        table[("blocks",) + path] = ([f"transformer_blocks.{i}.{key}" for i in layers], False)
+    return table
+
+
+def _fmt_keys(keys, limit: int = 20) -> str:
+    keys = sorted(keys)
+    more = f" ... (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
+
+def load_diffusers_state(model: MMDiT, state_dict: Mapping[str, Any]) -> MMDiT:
+    """Set every param of `model` IN PLACE from a diffusers state dict {key: array [torch layout]}; returns `model`.
+
+    `model` may be abstract (built under nnx.eval_shape) so that no random init is materialised. Arrays are cast to
+    each param's existing dtype. Raises ValueError naming missing / unexpected keys, or the key with a wrong shape.
+    """
+    table = _key_table(model.config)
+    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    unset = sorted(".".join(map(str, p)) for p in params if p not in table)
+    if unset:  # a module was added to MMDiT without a converter entry
+        raise ValueError(f"converter has no diffusers source for our params: {_fmt_keys(unset)}")
+    expected = {k for keys, _ in table.values() for k in keys}
+    given = set(state_dict.keys())
+    missing, unexpected = expected - given, given - expected
+    if missing or unexpected:
+        msg = []
+        if missing:
+            msg.append(f"missing diffusers keys ({len(missing)}): {_fmt_keys(missing)}")
+        if unexpected:
+            msg.append(f"unexpected diffusers keys ({len(unexpected)}): {_fmt_keys(unexpected)}")
+        raise ValueError("state dict does not match MMDiT(config): " + "; ".join(msg))
+
+    for path, var in params.items():
+        keys, transpose = table[path]
+        target = var.get_value()
+        stacked = path[0] == "blocks"
+        want = tuple(target.shape[1:] if stacked else target.shape)
+        want_torch = want[::-1] if transpose else want
+        arrays = []
+        for key in keys:
+            arr = np.asarray(state_dict[key])
+            if tuple(arr.shape) != want_torch:
+                raise ValueError(f"diffusers key {key!r} has shape {tuple(arr.shape)}, expected {want_torch} "
+                                 f"for our param {'.'.join(map(str, path))}")
+            arrays.append(arr.T if transpose else arr)
+        value = np.stack(arrays) if stacked else arrays[0]
+        var.set_value(jnp.asarray(value, dtype=target.dtype))
+        del arrays, value
+    return model
+
+
+class _SafetensorsDict(Mapping):
+    """Read-only {key: np.ndarray} over one or more safetensors files; tensors are read lazily on access so a large
+    checkpoint is never held twice in host memory."""
+
+    def __init__(self, files: list[Path]):
+        self._handles = {}
+        self._where: dict[str, Path] = {}
+        for f in files:
+            try:
+                handle = safe_open(str(f), framework="np")
+                keys = list(handle.keys())
+            except Exception as e:  # noqa: BLE001 - safetensors raises several types; report them uniformly
+                raise ValueError(f"cannot read safetensors file {f}: {e}") from e
+            self._handles[f] = handle
+            for k in keys:
+                if k in self._where:
+                    raise ValueError(f"tensor {k!r} appears in both {self._where[k]} and {f}; "
+                                     f"keep one checkpoint (or variant) per folder")
+                self._where[k] = f
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._handles[self._where[key]].get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise ValueError(f"several safetensors index files in {folder}: {[i.name for i in indexes]}; keep one")
+    if indexes:
+        try:
+            weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cannot read shard index {indexes[0]}: {e}") from e
+        files = sorted({folder / name for name in weight_map.values()})
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"shard index {indexes[0]} names missing files: {absent}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder} (pickle .bin/.pt files are never read; "
+                         f"re-save with safe_serialization=True)")
+    return files
+
+
+def resolve_transformer_folder(path: str | os.PathLike) -> Path:
+    """The folder holding the transformer's config.json: `path` itself or `path`/transformer (pipeline folder)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"diffusers folder not found: {folder}")
+    for candidate in (folder, folder / "transformer"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(f"no config.json in {folder} or {folder / 'transformer'}; expected a diffusers "
+                            f"QwenImageTransformer2DModel folder or a pipeline folder with transformer/")
+
+
+def load_diffusers_folder(path: str | os.PathLike, *, param_dtype: Any = jnp.float32, **config_overrides: Any
+                          ) -> MMDiT:
+    """MMDiT with weights from a diffusers folder (config.json + *.safetensors, optionally sharded with an index;
+    or a pipeline folder with transformer/). Params are stored in `param_dtype`; no random init is materialised."""
+    folder = resolve_transformer_folder(path)
+    config_file = folder / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {config_file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    config = config_from_diffusers(raw, **config_overrides)
+    state = _SafetensorsDict(_weight_files(folder))
+    model = nnx.eval_shape(lambda: MMDiT(config, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+    load_diffusers_state(model, state)
+    # Every variable must now be concrete (an abstract leftover would mean a non-Param variable we never set).
+    leftovers = [".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
+                 if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    if leftovers:
+        raise ValueError(f"model variables not set by the checkpoint: {_fmt_keys(leftovers)}")
+    return model

@@ -1,0 +1,413 @@
+"""QwenImage double-stream MMDiT transformer in flax NNX.
+
+Matches diffusers' ``QwenImageTransformer2DModel`` (0.42.1, default variant: no guidance embedding, no
+``zero_cond_t``, no additional timestep condition, plain ``QwenEmbedRope``) to float32 rounding; see
+tests/test_mmdit_parity.py. Weights are loaded from diffusers checkpoints by ``digen_jax.models.convert``.
+
+Layout of our parameters (names mirror diffusers so the converter table reads one-to-one):
+
+  time_embed.linear_1 / linear_2      TimestepEmbedding MLP (256 -> D -> D)
+  txt_norm.scale                      RMSNorm over joint_attention_dim
+  img_in, txt_in                      input projections to D = heads * head_dim
+  blocks.*                            ONE MMDiTBlock whose params carry a leading [num_layers] axis; the forward
+                                      pass runs it under lax.scan (one compiled block instead of num_layers copies)
+  norm_out                            AdaLayerNormContinuous projection (D -> 2D, chunk order: scale, shift)
+  proj_out                            D -> patch_size**2 * out_channels
+
+Linear kernels are [in, out] (torch stores [out, in]).
+
+Precision: matmuls run in the params' dtype (activations are cast to it on entry), so casting every param to
+bfloat16 gives a bf16 forward. RMSNorm/LayerNorm statistics, RoPE rotation and the attention softmax run in
+float32; the output is float32. One deliberate difference from diffusers: diffusers rounds the timestep to the
+compute dtype before the sinusoidal embedding; we keep sigma in float32 there (identical in a float32 forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# Fixed by diffusers' QwenTimestepProjEmbeddings / FeedForward (not config options there either).
+TIMESTEP_CHANNELS = 256  # Timesteps(num_channels=256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)
+TIMESTEP_SCALE = 1000.0  # the pipeline passes sigma = timestep / 1000; the embedding multiplies it back
+TIMESTEP_MAX_PERIOD = 10000.0
+MLP_RATIO = 4  # FeedForward(mult=4, activation_fn="gelu-approximate")
+
+
+@dataclasses.dataclass(frozen=True)
+class MMDiTConfig:
+    """Architecture of a QwenImage transformer. Defaults are diffusers' (the 20B QwenImage release)."""
+
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int = 16
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    # Hard-coded in diffusers (QwenEmbedRope(theta=10000), eps=1e-6 for every norm); kept as fields so that a
+    # variant that changes them is one config line away.
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+    # Diffusers flags that change the math; only the default (False) variant is implemented.
+    guidance_embeds: bool = False
+    zero_cond_t: bool = False
+    use_additional_t_cond: bool = False
+    use_layer3d_rope: bool = False
+    # Rematerialise each block in the backward pass (jax.checkpoint); does not change the forward math.
+    remat: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
+        for name in ("patch_size", "in_channels", "out_channels", "num_layers", "attention_head_dim",
+                     "num_attention_heads", "joint_attention_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"MMDiTConfig.{name} must be a positive int, got {value!r}")
+        if len(self.axes_dims_rope) != 3 or any(a <= 0 or a % 2 for a in self.axes_dims_rope):
+            raise ValueError(
+                f"MMDiTConfig.axes_dims_rope must be 3 positive even ints (frame, height, width), "
+                f"got {self.axes_dims_rope}")
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"MMDiTConfig.axes_dims_rope must sum to attention_head_dim={self.attention_head_dim}, "
+                f"got sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"MMDiTConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if not self.eps > 0:
+            raise ValueError(f"MMDiTConfig.eps must be > 0, got {self.eps}")
+        if self.guidance_embeds:
+            raise ValueError("MMDiTConfig.guidance_embeds=True (FLUX-style guidance embedding) is not supported; "
+                             "QwenImage checkpoints use guidance_embeds=False")
+        for name in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
+            if getattr(self, name):
+                raise ValueError(f"MMDiTConfig.{name}=True (a QwenImage edit/layered variant) is not supported; "
+                                 f"set {name}=False")
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def out_dim(self) -> int:
+        """Channels per output token: patch_size**2 * out_channels."""
+        return self.patch_size * self.patch_size * self.out_channels
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure helpers (numpy at trace time for anything that only depends on static shapes).
+
+
+def timestep_embedding(sigma: jax.Array) -> jax.Array:
+    """Sinusoidal embedding of sigma*1000, diffusers Timesteps(256, flip_sin_to_cos=True, shift=0, scale=1000).
+
+    sigma [B] -> [B, 256] float32, order (cos, sin).
+    """
+    half = TIMESTEP_CHANNELS // 2
+    # Same op order as diffusers' get_timestep_embedding so float32 results agree bit-for-bit or nearly.
+    exponent = np.float32(-math.log(TIMESTEP_MAX_PERIOD)) * np.arange(half, dtype=np.float32) / np.float32(half)
+    freqs = jnp.asarray(np.exp(exponent, dtype=np.float32))
+    args = sigma.astype(jnp.float32)[:, None] * freqs[None, :]
+    args = TIMESTEP_SCALE * args
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def _axis_inv_freq(dim: int, theta: float) -> np.ndarray:
+    """1 / theta^(2i/dim), i < dim/2, computed in float32 like QwenEmbedRope.rope_params."""
+    return (1.0 / np.power(np.float32(theta), np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+            ).astype(np.float32)
+
+
+def rope_positions(img_shape: tuple[int, int, int], n_txt: int) -> tuple[np.ndarray, np.ndarray]:
+    """QwenEmbedRope positions (scale_rope=True).
+
+    Image token (f, y, x) (row-major over img_shape) gets (f, y - (h - h//2), x - (w - w//2)): height and width
+    centred on zero. Text token j gets j + max(h//2, w//2) on all three axes, i.e. text starts after the largest
+    image position. Returns (img_pos [F*H*W, 3], txt_pos [n_txt, 3]) int64.
+    """
+    frames, h, w = img_shape
+    f_pos = np.arange(frames)
+    h_pos = np.arange(h) - (h - h // 2)
+    w_pos = np.arange(w) - (w - w // 2)
+    grid = np.stack(np.meshgrid(f_pos, h_pos, w_pos, indexing="ij"), axis=-1).reshape(-1, 3)
+    start = max(h // 2, w // 2)
+    txt = np.repeat((start + np.arange(n_txt))[:, None], 3, axis=1)
+    return grid.astype(np.int64), txt.astype(np.int64)
+
+
+def rope_cos_sin(img_shape: tuple[int, int, int], n_txt: int, axes_dims: tuple[int, int, int],
+                 theta: float = 10000.0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rotation tables for image and text tokens, deterministic numpy, float32.
+
+    Returns (img_cos, img_sin [N_img, head_dim/2], txt_cos, txt_sin [n_txt, head_dim/2]); entry i rotates the
+    interleaved pair (x[2i], x[2i+1]); the half-dims are split over axes (frame, height, width) as axes_dims/2.
+    """
+    img_pos, txt_pos = rope_positions(img_shape, n_txt)
+    inv = [_axis_inv_freq(d, theta) for d in axes_dims]
+
+    def angles(pos):
+        # float32 product like torch.outer(index, inv_freq), then cos/sin in float64 and rounded once.
+        ang = np.concatenate([pos[:, a:a + 1].astype(np.float32) * inv[a][None, :] for a in range(3)], axis=1)
+        ang = ang.astype(np.float64)
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    return (*angles(img_pos), *angles(txt_pos))
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate interleaved pairs of x [B, S, H, Dh] by tables [S, Dh/2]; computed in float32, returns x.dtype."""
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    xr, xi = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = jnp.stack([xr * c - xi * s, xr * s + xi * c], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm without affine params over the last axis; statistics in float32, returns x.dtype."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules.
+
+
+def _linear(n_in: int, n_out: int, rngs: nnx.Rngs, param_dtype: Any) -> nnx.Linear:
+    # dtype=None: compute in the promoted dtype of input and params; we cast inputs to the params' dtype.
+    return nnx.Linear(n_in, n_out, use_bias=True, param_dtype=param_dtype, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis with a learned scale; statistics in float32 (diffusers RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: Any = jnp.float32):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+        y = xf * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class TimestepEmbedder(nnx.Module):
+    """diffusers TimestepEmbedding: linear_1 -> SiLU -> linear_2, on the 256-channel sinusoidal embedding."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+        self.linear_1 = _linear(TIMESTEP_CHANNELS, dim, rngs, param_dtype)
+        self.linear_2 = _linear(dim, dim, rngs, param_dtype)
+
+    def __call__(self, sigma: jax.Array) -> jax.Array:
+        emb = timestep_embedding(sigma).astype(self.linear_1.kernel.dtype)
+        return self.linear_2(jax.nn.silu(self.linear_1(emb)))
+
+
+class MLP(nnx.Module):
+    """diffusers FeedForward(activation_fn='gelu-approximate'): Linear(D, 4D) -> tanh-GELU -> Linear(4D, D)."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+        self.fc1 = _linear(dim, MLP_RATIO * dim, rngs, param_dtype)
+        self.fc2 = _linear(MLP_RATIO * dim, dim, rngs, param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
+
+
+class JointAttention(nnx.Module):
+    """Joint text+image attention (QwenDoubleStreamAttnProcessor2_0): separate Q/K/V/out projections per stream,
+    per-head RMSNorm on Q and K, RoPE, one softmax over the concatenated [text, image] sequence."""
+
+    def __init__(self, config: MMDiTConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+        d, hd = config.inner_dim, config.attention_head_dim
+        self.heads, self.head_dim = config.num_attention_heads, hd
+        self.to_q = _linear(d, d, rngs, param_dtype)
+        self.to_k = _linear(d, d, rngs, param_dtype)
+        self.to_v = _linear(d, d, rngs, param_dtype)
+        self.add_q_proj = _linear(d, d, rngs, param_dtype)
+        self.add_k_proj = _linear(d, d, rngs, param_dtype)
+        self.add_v_proj = _linear(d, d, rngs, param_dtype)
+        self.to_out = _linear(d, d, rngs, param_dtype)
+        self.to_add_out = _linear(d, d, rngs, param_dtype)
+        self.norm_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
+        self.norm_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
+        self.norm_added_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
+        self.norm_added_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
+
+    def __call__(self, img, txt, rope, mask):
+        """img [B, N, D], txt [B, L, D]; rope = (img_cos, img_sin, txt_cos, txt_sin); mask [B, 1, 1, L+N] bool
+        or None (True = key may be attended). Returns (img_out [B, N, D], txt_out [B, L, D])."""
+        img_cos, img_sin, txt_cos, txt_sin = rope
+
+        def heads(x):
+            return x.reshape(*x.shape[:-1], self.heads, self.head_dim)
+
+        iq = apply_rope(self.norm_q(heads(self.to_q(img))), img_cos, img_sin)
+        ik = apply_rope(self.norm_k(heads(self.to_k(img))), img_cos, img_sin)
+        iv = heads(self.to_v(img))
+        tq = apply_rope(self.norm_added_q(heads(self.add_q_proj(txt))), txt_cos, txt_sin)
+        tk = apply_rope(self.norm_added_k(heads(self.add_k_proj(txt))), txt_cos, txt_sin)
+        tv = heads(self.add_v_proj(txt))
+        # Order [text, image], as diffusers; the xla implementation does the softmax in float32.
+        q = jnp.concatenate([tq, iq], axis=1)
+        k = jnp.concatenate([tk, ik], axis=1)
+        v = jnp.concatenate([tv, iv], axis=1)
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        out = out.reshape(*out.shape[:2], -1)
+        n_txt = txt.shape[1]
+        return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
+
+
+def _modulate(x, shift, scale):
+    return x * (1 + scale[:, None, :]) + shift[:, None, :]
+
+
+class MMDiTBlock(nnx.Module):
+    """One double-stream block (QwenImageTransformerBlock): AdaLN(shift, scale, gate) x2 per stream."""
+
+    def __init__(self, config: MMDiTConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+        d = config.inner_dim
+        self.eps = config.eps
+        self.img_mod = _linear(d, 6 * d, rngs, param_dtype)
+        self.txt_mod = _linear(d, 6 * d, rngs, param_dtype)
+        self.attn = JointAttention(config, rngs=rngs, param_dtype=param_dtype)
+        self.img_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
+        self.txt_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
+
+    def __call__(self, img, txt, temb, rope, mask):
+        """img [B, N, D], txt [B, L, D], temb [B, D] -> (img, txt) same shapes."""
+        # Chunk order along the 6D axis: (shift1, scale1, gate1, shift2, scale2, gate2).
+        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = jnp.split(self.img_mod(jax.nn.silu(temb)), 6, axis=-1)
+        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = jnp.split(self.txt_mod(jax.nn.silu(temb)), 6, axis=-1)
+
+        img_attn, txt_attn = self.attn(_modulate(layer_norm(img, self.eps), i_sh1, i_sc1),
+                                       _modulate(layer_norm(txt, self.eps), t_sh1, t_sc1), rope, mask)
+        img = img + i_g1[:, None, :] * img_attn
+        txt = txt + t_g1[:, None, :] * txt_attn
+        img = img + i_g2[:, None, :] * self.img_mlp(_modulate(layer_norm(img, self.eps), i_sh2, i_sc2))
+        txt = txt + t_g2[:, None, :] * self.txt_mlp(_modulate(layer_norm(txt, self.eps), t_sh2, t_sc2))
+        return img, txt
+
+
+class MMDiT(nnx.Module):
+    """QwenImage transformer: predicts the flow velocity for packed latent patch tokens."""
+
+    def __init__(self, config: MMDiTConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+        if not isinstance(config, MMDiTConfig):
+            raise ValueError(f"config must be an MMDiTConfig, got {type(config).__name__}")
+        self.config = config
+        d = config.inner_dim
+        self.time_embed = TimestepEmbedder(d, rngs=rngs, param_dtype=param_dtype)
+        self.txt_norm = RMSNorm(config.joint_attention_dim, config.eps, param_dtype=param_dtype)
+        self.img_in = _linear(config.in_channels, d, rngs, param_dtype)
+        self.txt_in = _linear(config.joint_attention_dim, d, rngs, param_dtype)
+
+        # Stacked blocks: every param gets a leading [num_layers] axis (lax.scan in __call__).
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(block_rngs):
+            return MMDiTBlock(config, rngs=block_rngs, param_dtype=param_dtype)
+
+        self.blocks = make_blocks(rngs)
+        self.norm_out = _linear(d, 2 * d, rngs, param_dtype)
+        self.proj_out = _linear(d, config.out_dim, rngs, param_dtype)
+
+    def __call__(self, latents: jax.Array, sigma: jax.Array, text: jax.Array, text_mask: jax.Array | None, *,
+                 img_shape: tuple[int, int, int]) -> jax.Array:
+        """latents [B, N_img, in_channels] packed patch tokens; sigma [B] in [0, 1]; text [B, L, joint_attention_dim];
+        text_mask [B, L] (1 = real token, 0 = padding) or None (all real); img_shape = (frames, h_tokens, w_tokens)
+        static ints with frames*h*w == N_img. Returns [B, N_img, patch_size**2 * out_channels] float32."""
+        cfg = self.config
+        b, n_img, n_txt = self._check_inputs(latents, sigma, text, text_mask, img_shape)
+        dtype = self.img_in.kernel.dtype
+
+        img = self.img_in(latents.astype(dtype))
+        txt = self.txt_in(self.txt_norm(text.astype(dtype)))
+        temb = self.time_embed(sigma)
+
+        rope = tuple(jnp.asarray(t) for t in rope_cos_sin(img_shape, n_txt, cfg.axes_dims_rope, cfg.rope_theta))
+        if text_mask is None:
+            mask = None
+        else:
+            # Padded text keys are hidden from every query; image keys are always visible, so no row is empty.
+            keys = jnp.concatenate([text_mask.astype(bool), jnp.ones((b, n_img), bool)], axis=1)
+            mask = keys[:, None, None, :]
+
+        graphdef, block_state = nnx.split(self.blocks)
+
+        def body(carry, layer_state):
+            block = nnx.merge(graphdef, layer_state)
+            return block(*carry, temb, rope, mask), None
+
+        if cfg.remat:
+            body = jax.checkpoint(body)
+        (img, _), _ = jax.lax.scan(body, (img, txt), block_state)
+
+        scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
+        img = _modulate(layer_norm(img, cfg.eps), shift, scale)
+        return self.proj_out(img).astype(jnp.float32)
+
+    def _check_inputs(self, latents, sigma, text, text_mask, img_shape):
+        cfg = self.config
+        if latents.ndim != 3 or latents.shape[-1] != cfg.in_channels:
+            raise ValueError(f"latents must be [B, N_img, in_channels={cfg.in_channels}], got {latents.shape}")
+        b, n_img = latents.shape[:2]
+        if (not isinstance(img_shape, (tuple, list)) or len(img_shape) != 3
+                or any(not isinstance(s, (int, np.integer)) or s <= 0 for s in img_shape)):
+            raise ValueError(f"img_shape must be 3 positive static ints (frames, h_tokens, w_tokens), got {img_shape!r}")
+        if int(np.prod(img_shape)) != n_img:
+            raise ValueError(f"img_shape {tuple(img_shape)} has {int(np.prod(img_shape))} tokens but latents has "
+                             f"N_img={n_img}; pass img_shape=(frames, h_tokens, w_tokens) of the packed latents")
+        if sigma.shape != (b,):
+            raise ValueError(f"sigma must be [B={b}], got {sigma.shape}")
+        if text.ndim != 3 or text.shape[0] != b or text.shape[-1] != cfg.joint_attention_dim:
+            raise ValueError(f"text must be [B={b}, L, joint_attention_dim={cfg.joint_attention_dim}], "
+                             f"got {text.shape}")
+        if text_mask is not None and text_mask.shape != text.shape[:2]:
+            raise ValueError(f"text_mask must be [B, L]={text.shape[:2]}, got {text_mask.shape}")
+        return b, n_img, text.shape[1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Analytic sizes.
+
+
+def count_params(config: MMDiTConfig) -> int:
+    """Number of parameters of MMDiT(config) (equals diffusers' model for the same config)."""
+    d, j, hd = config.inner_dim, config.joint_attention_dim, config.attention_head_dim
+
+    def lin(i, o):
+        return i * o + o
+
+    per_block = (2 * lin(d, 6 * d)            # img_mod, txt_mod
+                 + 8 * lin(d, d)              # q/k/v/out for both streams
+                 + 4 * hd                     # q/k RMSNorm scales, both streams
+                 + 2 * (lin(d, MLP_RATIO * d) + lin(MLP_RATIO * d, d)))
+    return (lin(TIMESTEP_CHANNELS, d) + lin(d, d) + j + lin(config.in_channels, d) + lin(j, d)
+            + config.num_layers * per_block + lin(d, 2 * d) + lin(d, config.out_dim))
+
+
+def flops_per_forward(config: MMDiTConfig, batch: int, n_img: int, n_txt: int) -> float:
+    """Analytic matmul FLOPs (2 per multiply-add) of one forward on `batch` samples with n_img image and n_txt text
+    tokens: every Linear plus the two attention matmuls (QK^T, PV). Norms, RoPE, softmax and activations are
+    excluded (they are O(tokens * D), negligible next to the matmuls)."""
+    d, j = config.inner_dim, config.joint_attention_dim
+    s = n_img + n_txt
+    per_sample = (TIMESTEP_CHANNELS * d + d * d             # time embedding (one row per sample)
+                  + n_img * config.in_channels * d + n_txt * j * d)
+    per_block = (2 * d * 6 * d                              # modulation (one row per sample per stream)
+                 + s * 4 * d * d                            # q, k, v, out projections, either stream
+                 + s * 2 * MLP_RATIO * d * d                # MLP fc1 + fc2
+                 + 2 * s * s * d)                           # QK^T and PV over all heads
+    per_sample += config.num_layers * per_block + d * 2 * d + n_img * d * config.out_dim
+    return 2.0 * batch * per_sample
