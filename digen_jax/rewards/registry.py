@@ -1,0 +1,109 @@
+"""Reward registry: name -> reward function, and weighted combinations of them.
+
+A reward function maps a batch of images and their prompts to one float32 score per image:
+
+    fn(images: np.ndarray [B, H, W, 3] float32 in [-1, 1], prompts: list[str]) -> np.ndarray [B] float32
+
+Rewards run on the host (numpy), outside jit: they are arbitrary code (parsers, JPEG
+encoders, ...). Bad *values* (NaN, garbage) are the reward's business and must give a finite
+score; bad *shapes* (wrong rank, batch/prompt mismatch) are caller bugs and raise ValueError.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: `@register("my_reward") def fn(images, prompts): ...`.
+
+    Re-registering a name raises ValueError unless it is the same function (same module and
+    qualified name, e.g. a module reload).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"reward name must be a non-empty str; got {name!r}")
+
+    def deco(fn: RewardFn) -> RewardFn:
+        old = _REGISTRY.get(name)
+        if old is not None and _ident(old) != _ident(fn):
+            raise ValueError(f"reward {name!r} is already registered to {_ident(old)}; pick another name")
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def _ident(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def registered_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward(name: str) -> RewardFn:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown reward {name!r}; registered rewards: {registered_names()}")
+    return _REGISTRY[name]
+
+
+def check_batch(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """Validates the reward-call contract; returns images as a numpy array (no copy if possible)."""
+    images = np.asarray(images)
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"images must have shape [B, H, W, 3]; got {images.shape}")
+    if isinstance(prompts, str) or len(prompts) != images.shape[0]:
+        raise ValueError(
+            f"prompts must be a list with one prompt per image ({images.shape[0]}); got "
+            f"{'a str' if isinstance(prompts, str) else len(prompts)}")
+    return images
+
+
+def call_reward(name: str, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """Runs one registered reward and checks that it returned [B] finite float32."""
+    images = check_batch(images, prompts)
+    out = np.asarray(get_reward(name)(images, list(prompts)), np.float32)
+    if out.shape != (images.shape[0],):
+        raise ValueError(f"reward {name!r} returned shape {out.shape}; expected ({images.shape[0]},)")
+    if not np.all(np.isfinite(out)):
+        raise ValueError(f"reward {name!r} returned non-finite values: {out}")
+    return out
+
+
+def build_reward(weights: Mapping[str, float]) -> RewardFn:
+    """sum_k weights[k] * reward_k(images, prompts): one [B] float32 reward from several.
+
+    The returned function carries `.weights` (a copy) and `.components(images, prompts)`, which
+    returns {name: [B] float32} for logging each term.
+    """
+    if not isinstance(weights, Mapping) or not weights:
+        raise ValueError(f"weights must be a non-empty dict name -> float; got {weights!r}")
+    unknown = [k for k in weights if k not in _REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown reward(s) {unknown}; registered rewards: {registered_names()}")
+    w = {}
+    for k, v in weights.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(float(v)):
+            raise ValueError(f"weight for reward {k!r} must be a finite number; got {v!r}")
+        w[k] = float(v)
+
+    def components(images: np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
+        return {k: call_reward(k, images, prompts) for k in w}
+
+    def combined(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+        parts = components(images, prompts)
+        total = np.zeros(np.asarray(images).shape[0], np.float32)
+        for k, r in parts.items():
+            total += np.float32(w[k]) * r
+        return total
+
+    combined.weights = dict(w)
+    combined.components = components
+    return combined

@@ -1,0 +1,202 @@
+"""ShapesBench grammar (round trip, splits) and renderer (geometry, anti-aliasing, determinism)."""
+import itertools
+
+import numpy as np
+import pytest
+
+from digen_jax.data.shapes import grammar as G
+from digen_jax.data.shapes import render as R
+
+
+# ------------------------------------------------------------------------------------ grammar
+
+def test_round_trip_every_prompt():
+    prompts = G.all_prompts()
+    texts = [p.to_text() for p in prompts]
+    assert len(set(texts)) == len(texts) > 1000
+    for p, t in zip(prompts, texts):
+        q = G.parse(t)
+        assert q == p and q.to_text() == t
+
+
+def test_examples_and_normalisation():
+    p = G.parse("two red circles on a white background")
+    assert p.objects == (G.ShapeObject("red", "circle", 2),) and p.relation is None
+    assert p.background == "white"
+    q = G.parse("  A Red Circle left of a Blue Square on a black background ")
+    assert q.relation == "left of" and [o.color for o in q.objects] == ["red", "blue"]
+    assert q.to_text() == "a red circle left of a blue square on a black background"
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "a red circle",                                             # no background
+    "a red circles on a white background",                      # number disagreement
+    "two red circle on a white background",
+    "four red circles on a white background",                   # count out of range
+    "a pink circle on a white background",                      # unknown colour
+    "a red hexagon on a white background",
+    "a red circle on a red background",                         # background is not an object colour
+    "a red circle left of a red square on a white background",  # same colour in a relation
+    "two red circles left of a blue square on a white background",
+    "a red circle near a blue square on a white background",
+    "a red circle on a white background please",
+])
+def test_parse_rejects(text):
+    with pytest.raises(ValueError):
+        G.parse(text)
+
+
+def test_parse_rejects_non_str():
+    with pytest.raises(ValueError, match="str"):
+        G.parse(None)
+
+
+def test_structured_validation():
+    with pytest.raises(ValueError, match="count"):
+        G.ShapeObject("red", "circle", 0)
+    with pytest.raises(ValueError, match="background"):
+        G.ShapesPrompt((G.ShapeObject("red", "circle"),), None, "red")
+    with pytest.raises(ValueError, match="relation"):
+        G.ShapesPrompt((G.ShapeObject("red", "circle"),), "above", "white")
+    with pytest.raises(ValueError, match="count 1"):
+        G.ShapesPrompt((G.ShapeObject("red", "circle", 2), G.ShapeObject("blue", "square")),
+                       "above", "white")
+
+
+def test_palette_is_separable():
+    cols = {**G.COLORS, **G.BACKGROUNDS}
+    for a, b in itertools.combinations(cols, 2):
+        if a in G.BACKGROUNDS and b in G.BACKGROUNDS:
+            continue
+        assert np.linalg.norm(np.subtract(cols[a], cols[b])) >= 0.55, (a, b)
+    assert not set(G.COLORS) & set(G.BACKGROUNDS)
+
+
+def test_split_is_compositional_and_disjoint():
+    s = G.split_prompts()
+    train, ev = s["train"], s["eval"]
+    assert len(train) >= 300 and 50 <= len(ev) <= 110
+    train_t, eval_t = {p.to_text() for p in train}, {p.to_text() for p in ev}
+    assert len(train_t) == len(train) and len(eval_t) == len(ev)
+    assert not train_t & eval_t
+    # The rule: no held-out (colour, shape) pair anywhere in train; one in every eval prompt.
+    train_pairs = set().union(*(p.pairs() for p in train))
+    assert not train_pairs & G.HELD_OUT_PAIRS
+    assert all(p.pairs() & G.HELD_OUT_PAIRS for p in ev)
+    assert {pair for p in ev for pair in p.pairs()} >= G.HELD_OUT_PAIRS
+    # ... while training still sees every colour, shape, count, relation and background.
+    assert {c for c, _ in train_pairs} == set(G.COLORS)
+    assert {s_ for _, s_ in train_pairs} == set(G.SHAPES)
+    assert {p.objects[0].count for p in train} == {1, 2, 3}
+    assert {p.relation for p in train if p.relation} == set(G.RELATIONS)
+    assert {p.background for p in train} == set(G.BACKGROUNDS)
+    # Both prompt kinds are evaluated.
+    assert sum(p.is_relation for p in ev) >= 20 and sum(not p.is_relation for p in ev) >= 20
+
+
+def test_split_and_sampling_deterministic():
+    assert G.split_prompts() == G.split_prompts()
+    a, b = G.sample_prompts(50, seed=3), G.sample_prompts(50, seed=3)
+    assert a == b and a != G.sample_prompts(50, seed=4)
+    ev = set(G.split_prompts()["eval"])
+    assert all(p in ev for p in G.sample_prompts(40, seed=1, split="eval"))
+    with pytest.raises(ValueError, match="split"):
+        G.sample_prompts(2, 0, split="test")
+
+
+def test_grammar_words_cover_all_prompts():
+    words = set(G.grammar_words())
+    used = {w for p in G.iter_all_prompts() for w in p.to_text().split()}
+    assert used == words
+
+
+# ------------------------------------------------------------------------------------ render
+
+def _relation_prompts(n, seed):
+    return [p for p in G.sample_prompts(4 * n, seed) if p.is_relation][:n]
+
+
+def test_render_contract():
+    p = G.parse("three blue triangles on a gray background")
+    img = R.render(p, 32, np.random.default_rng(0))
+    assert img.shape == (32, 32, 3) and img.dtype == np.float32
+    assert img.min() >= -1.0 and img.max() <= 1.0
+    np.testing.assert_array_equal(img, R.render(p, 32, 0))  # int seed == Generator(seed)
+    assert not np.array_equal(img, R.render(p, 32, 1))      # jitter
+    assert R.render("a red circle on a white background", 48, 0).shape == (48, 48, 3)
+    with pytest.raises(ValueError, match="size"):
+        R.render(p, 8, 0)
+
+
+@pytest.mark.parametrize("size", [24, 32, 64])
+def test_border_is_pure_background_and_edges_antialiased(size):
+    rng = np.random.default_rng(size)
+    n_partial = 0
+    for p in G.sample_prompts(30, seed=size):
+        img = (R.render(p, size, rng) + 1) / 2
+        bg = np.asarray(G.BACKGROUNDS[p.background], np.float32)
+        ring = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
+        np.testing.assert_allclose(ring, np.broadcast_to(bg, ring.shape), atol=1e-6)
+        # Anti-aliasing: some pixels are strict mixtures of background and an object colour.
+        for o in p.objects:
+            d = np.asarray(G.COLORS[o.color], np.float32) - bg
+            alpha = ((img - bg) @ d) / (d @ d)
+            resid = np.linalg.norm(img - bg - alpha[..., None] * d, axis=-1)
+            n_partial += int(np.sum((alpha > 0.05) & (alpha < 0.95) & (resid < 1e-4)))
+    assert n_partial > 100
+
+
+def test_coverage_matches_analytic_area():
+    for shape, area in [("circle", np.pi / 4), ("square", 1.0), ("triangle", 0.5)]:
+        p = R.Placed("red", shape, 15.3, 16.7, 11.4)
+        cov = R.coverage(p, 32, supersample=8)
+        assert cov.min() >= 0 and cov.max() <= 1
+        np.testing.assert_allclose(cov.sum(), area * 11.4 ** 2, rtol=0.02)
+
+
+def test_layout_counts_colours_no_overlap_margins():
+    rng = np.random.default_rng(0)
+    for p in G.sample_prompts(300, seed=5):
+        for size in (32, 64):
+            objs = R.layout(p, size, rng)
+            want = [(o.color, o.shape) for o in p.objects for _ in range(o.count)]
+            assert sorted((q.color, q.shape) for q in objs) == sorted(want)
+            m = R.default_margin(size)
+            for q in objs:
+                x0, y0, x1, y1 = q.box
+                assert x0 >= m - 1e-9 and y0 >= m - 1e-9 and x1 <= size - m + 1e-9 and y1 <= size - m + 1e-9
+            for a, b in itertools.combinations(objs, 2):
+                assert R._box_gap(a, b) >= R.default_gap(size) - 1e-9
+
+
+def test_relations_geometrically_true():
+    rng = np.random.default_rng(1)
+    for p in _relation_prompts(200, seed=7):
+        a, b = R.layout(p, 32, rng)
+        ax0, ay0, ax1, ay1 = a.box
+        bx0, by0, bx1, by1 = b.box
+        if p.relation == "left of":
+            gap, du, dv = bx0 - ax1, b.cx - a.cx, b.cy - a.cy
+        elif p.relation == "right of":
+            gap, du, dv = ax0 - bx1, a.cx - b.cx, a.cy - b.cy
+        elif p.relation == "above":  # y grows downward
+            gap, du, dv = by0 - ay1, b.cy - a.cy, b.cx - a.cx
+        else:
+            gap, du, dv = ay0 - by1, a.cy - b.cy, a.cx - b.cx
+        assert gap >= R.default_gap(32) - 1e-9, p.to_text()
+        assert abs(dv) <= 0.3 * du + 1e-9, p.to_text()
+
+
+def test_size_jitter():
+    p = G.parse("a red square on a black background")
+    extents = {round(R.layout(p, 32, s)[0].e, 3) for s in range(20)}
+    assert len(extents) == 20
+    assert max(extents) / min(extents) < 1.6
+
+
+def test_render_batch_deterministic():
+    ps = G.sample_prompts(8, 0)
+    a, b = R.render_batch(ps, 32, seed=11), R.render_batch(ps, 32, seed=11)
+    assert a.shape == (8, 32, 32, 3) and a.dtype == np.float32
+    np.testing.assert_array_equal(a, b)
