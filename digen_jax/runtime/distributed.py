@@ -1,0 +1,194 @@
+"""Multi-process start-up and a small key-value store shared by all processes.
+
+`launch/local.py` (one machine) and `launch/slurm.sh` (a cluster) start N copies of a command
+and give each one these environment variables:
+
+  DIGEN_COORDINATOR_ADDRESS  host:port of the coordinator service (process 0 binds it)
+  DIGEN_NUM_PROCESSES        N
+  DIGEN_PROCESS_ID           this process's rank, 0..N-1
+  DIGEN_LOCAL_DEVICE_IDS     optional, e.g. "0" or "0,1": the local devices this process may use
+                             (one-process-per-GPU launches)
+
+`maybe_initialize()` reads them and calls `jax.distributed.initialize`; without them it does
+nothing and reports a single process. It must run before anything touches a JAX backend.
+
+Every process then sees the global device list (`jax.devices()`), its own devices
+(`jax.local_devices()`), and can use the coordinator's key-value store (`kv_set` / `kv_get`)
+to exchange short strings, e.g. transfer-server addresses (see `runtime/transfer.py`).
+Cross-process collectives on CPU use gloo.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import jax
+
+ENV_COORDINATOR = 'DIGEN_COORDINATOR_ADDRESS'
+ENV_NUM_PROCESSES = 'DIGEN_NUM_PROCESSES'
+ENV_PROCESS_ID = 'DIGEN_PROCESS_ID'
+ENV_LOCAL_DEVICE_IDS = 'DIGEN_LOCAL_DEVICE_IDS'
+LAUNCHER_ENV_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+  """Where this process sits in the job."""
+  process_id: int
+  num_processes: int
+  coordinator_address: str | None = None
+
+  @property
+  def is_distributed(self) -> bool:
+    """True when jax.distributed is running (the KV store and transfer servers are usable)."""
+    return self.coordinator_address is not None
+
+  @property
+  def is_coordinator(self) -> bool:
+    return self.process_id == 0
+
+
+def _parse_int(name: str, value: str) -> int:
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f'{name}={value!r} is not an integer; launch through launch/local.py or '
+                     'launch/slurm.sh, or unset it to run as a single process.') from None
+
+
+def launcher_env(environ=None) -> dict | None:
+  """Reads the launcher's variables from `environ` (default os.environ).
+
+  Returns None when none of them is set (single-process run), else a dict of
+  jax.distributed.initialize keyword arguments. Raises ValueError on a partial or invalid set.
+  """
+  environ = os.environ if environ is None else environ
+  present = [k for k in LAUNCHER_ENV_VARS if environ.get(k)]
+  if not present:
+    return None
+  missing = [k for k in LAUNCHER_ENV_VARS if not environ.get(k)]
+  if missing:
+    raise ValueError(f'{", ".join(present)} set but {", ".join(missing)} missing: set all of '
+                     f'{", ".join(LAUNCHER_ENV_VARS)} (launch/local.py does) or none of them.')
+  address = environ[ENV_COORDINATOR]
+  host, sep, port = address.rpartition(':')
+  if not sep or not host or not port.isdigit():
+    raise ValueError(f'{ENV_COORDINATOR}={address!r} must look like host:port.')
+  num_processes = _parse_int(ENV_NUM_PROCESSES, environ[ENV_NUM_PROCESSES])
+  process_id = _parse_int(ENV_PROCESS_ID, environ[ENV_PROCESS_ID])
+  if num_processes < 1:
+    raise ValueError(f'{ENV_NUM_PROCESSES}={num_processes} must be >= 1.')
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f'{ENV_PROCESS_ID}={process_id} must be in [0, {num_processes}).')
+  kwargs = dict(coordinator_address=address, num_processes=num_processes, process_id=process_id)
+  ids = environ.get(ENV_LOCAL_DEVICE_IDS, '').strip()
+  if ids:
+    kwargs['local_device_ids'] = [_parse_int(ENV_LOCAL_DEVICE_IDS, s) for s in ids.split(',')]
+  return kwargs
+
+
+def _global_state():
+  # jax keeps the distributed client/service here; there is no public accessor for the client.
+  from jax._src import distributed as _dist
+  return _dist.global_state
+
+
+def maybe_initialize(initialization_timeout_s: int = 120,
+                     heartbeat_timeout_s: int = 100,
+                     exit_on_uncaught: bool = True) -> ProcessInfo:
+  """Initializes jax.distributed from the launcher's environment variables, if they are set.
+
+  Idempotent: a second call returns the running job's info. Without the variables this is a
+  no-op returning ProcessInfo(0, 1). Must be called before any JAX computation.
+
+  exit_on_uncaught: an uncaught exception prints its traceback and ends the process at once
+  (exit 1). Otherwise the interpreter's exit waits in jax.distributed's shutdown barrier for
+  peers that may be blocked on this very process, and the job hangs instead of failing (seen
+  with jax 0.10.2); the launcher then stops the other processes.
+  """
+  state = _global_state()
+  if state.client is not None:
+    return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address)
+  kwargs = launcher_env()
+  if kwargs is None:
+    return ProcessInfo(process_id=0, num_processes=1)
+  # Cross-process collectives of the CPU backend: gloo over TCP, with peers found through the
+  # distributed KV store. It is jax 0.10's default already; set it only when nobody chose
+  # another implementation (e.g. JAX_CPU_COLLECTIVES_IMPLEMENTATION=mpi).
+  if jax.config.jax_cpu_collectives_implementation is None:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(
+      **kwargs,
+      # Our variables are authoritative; do not let SLURM/OpenMPI auto-detection override them.
+      cluster_detection_method='deactivate',
+      initialization_timeout=initialization_timeout_s,
+      heartbeat_timeout_seconds=heartbeat_timeout_s,
+  )
+  if exit_on_uncaught:
+    _exit_on_uncaught_exception()
+  return ProcessInfo(kwargs['process_id'], kwargs['num_processes'], kwargs['coordinator_address'])
+
+
+def _exit_on_uncaught_exception() -> None:
+  previous = sys.excepthook
+
+  def hook(exc_type, exc, tb):
+    previous(exc_type, exc, tb)  # the usual traceback
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit skips atexit, where jax.distributed.shutdown would wait for the peers.
+    os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+  sys.excepthook = hook
+
+
+def process_info() -> ProcessInfo:
+  """The current job's info without initializing anything."""
+  state = _global_state()
+  if state.client is None:
+    return ProcessInfo(process_id=0, num_processes=1)
+  return ProcessInfo(state.process_id, state.num_processes, state.coordinator_address)
+
+
+# ------------------------------------------------------------------------------------------
+# Key-value store over the coordination service: small strings (addresses, metadata), not data.
+
+
+def kv_client():
+  """The jax.distributed client; raises RuntimeError in a single-process run."""
+  client = _global_state().client
+  if client is None:
+    raise RuntimeError('The key-value store needs jax.distributed: start the job with '
+                       'launch/local.py (or launch/slurm.sh) and call maybe_initialize() first.')
+  return client
+
+
+def kv_set(key: str, value: str, overwrite: bool = False) -> None:
+  """Stores `value` under `key` for all processes. Without overwrite, an existing key is an error."""
+  kv_client().key_value_set(key, value, allow_overwrite=overwrite)
+
+
+def kv_get(key: str, timeout_s: float = 60.0) -> str:
+  """Blocks until some process has set `key` (or raises after timeout_s) and returns its value."""
+  return kv_client().blocking_key_value_get(key, int(timeout_s * 1000))
+
+
+def kv_try_get(key: str) -> str | None:
+  """The value under `key`, or None when it is not set (does not block)."""
+  try:
+    return kv_client().key_value_try_get(key)
+  except jax.errors.JaxRuntimeError as e:
+    if 'NOT_FOUND' in str(e):
+      return None
+    raise
+
+
+def kv_delete(key: str) -> None:
+  """Deletes `key` (and, as a directory, every key under `key/`)."""
+  kv_client().key_value_delete(key)
+
+
+def barrier(name: str, timeout_s: float = 120.0) -> None:
+  """Waits until every process reaches the barrier `name` (names must not be reused)."""
+  kv_client().wait_at_barrier(name, int(timeout_s * 1000))

@@ -1,0 +1,238 @@
+"""Start N cooperating copies of a command on this machine (one jax.distributed process each).
+
+Usage:
+  python launch/local.py --num_processes=N [--devices_per_process=K] [--cpu_pinning]
+                         [--port=P] [--platforms=cpu] [--timeout_s=T] [--grace_s=G] -- CMD [ARGS...]
+
+Each copy i (0 <= i < N) gets the environment of this launcher plus
+  DIGEN_COORDINATOR_ADDRESS=127.0.0.1:<port>  (a free port unless --port is given)
+  DIGEN_NUM_PROCESSES=N, DIGEN_PROCESS_ID=i
+  JAX_PLATFORMS=<--platforms>                 (default cpu; --platforms='' leaves it alone)
+  XLA_FLAGS=... --xla_force_host_platform_device_count=K   (only with --devices_per_process;
+                                              replaces any count already in XLA_FLAGS)
+  PYTHONPATH=<repo root>:...                  (so `digen_jax` imports without installing)
+which `digen_jax.runtime.distributed.maybe_initialize()` turns into jax.distributed.initialize.
+
+--cpu_pinning pins copy i to the i % ncores-th core this launcher may run on (taskset when
+installed, else os.sched_setaffinity).
+
+Output: stdout and stderr of copy i are merged and every line is printed as "[i] line".
+Exit: 0 when every copy exits 0. On the first copy that fails (nonzero exit or a signal), all
+other copies are terminated (SIGTERM to their process groups, SIGKILL after --grace_s) and the
+launcher exits with the failing copy's code (128+signal for a signal). SIGINT/SIGTERM to the
+launcher terminate every copy the same way (exit 130/143); --timeout_s>0 does so after T seconds
+(exit 124). Each copy runs in its own process group, so whatever it starts is terminated with it.
+Should the launcher itself be SIGKILLed, the copies still die (PDEATHSIG); only processes they
+started themselves could then outlive them.
+
+Note: jax.distributed catches SIGTERM in its children (preemption notifier), so stopping a
+jax copy takes --grace_s before the SIGKILL.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PR_SET_PDEATHSIG = 1
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  """Splits `argv` at the first '--' into launcher flags and the command."""
+  if '--' not in argv:
+    raise SystemExit('usage: local.py --num_processes=N [flags] -- CMD [ARGS...] (missing "--")')
+  split = argv.index('--')
+  flags, cmd = argv[:split], argv[split + 1:]
+  p = argparse.ArgumentParser(prog='launch/local.py', description=__doc__.split('\n')[0])
+  p.add_argument('--num_processes', type=int, required=True, help='copies to start (>= 1)')
+  p.add_argument('--devices_per_process', type=int, default=None,
+                 help='fake host-platform (CPU) devices per copy')
+  p.add_argument('--cpu_pinning', action='store_true', help='pin copy i to core i % ncores')
+  p.add_argument('--port', type=int, default=0, help='coordinator port (0: pick a free one)')
+  p.add_argument('--platforms', default='cpu', help="JAX_PLATFORMS for the copies ('' = inherit)")
+  p.add_argument('--timeout_s', type=float, default=0.0, help='kill everything after this (0=never)')
+  p.add_argument('--grace_s', type=float, default=5.0, help='SIGTERM -> SIGKILL delay')
+  args = p.parse_args(flags)
+  if args.num_processes < 1:
+    p.error(f'--num_processes={args.num_processes} must be >= 1')
+  if args.devices_per_process is not None and args.devices_per_process < 1:
+    p.error(f'--devices_per_process={args.devices_per_process} must be >= 1')
+  if not cmd:
+    p.error('no command after "--"')
+  return args, cmd
+
+
+def free_port() -> int:
+  """A TCP port that was free a moment ago (the coordinator binds it shortly after)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def child_env(base: dict, rank: int, args: argparse.Namespace, port: int) -> dict:
+  env = dict(base)
+  env['DIGEN_COORDINATOR_ADDRESS'] = f'127.0.0.1:{port}'
+  env['DIGEN_NUM_PROCESSES'] = str(args.num_processes)
+  env['DIGEN_PROCESS_ID'] = str(rank)
+  if args.platforms:
+    env['JAX_PLATFORMS'] = args.platforms
+  if args.devices_per_process is not None:
+    flags = [f for f in env.get('XLA_FLAGS', '').split()
+             if not f.startswith('--xla_force_host_platform_device_count')]
+    flags.append(f'--xla_force_host_platform_device_count={args.devices_per_process}')
+    env['XLA_FLAGS'] = ' '.join(flags)
+  env['PYTHONPATH'] = os.pathsep.join(p for p in (REPO_ROOT, env.get('PYTHONPATH')) if p)
+  env['PYTHONUNBUFFERED'] = '1'  # lines show up as they are printed, not at exit
+  return env
+
+
+def _die_with_parent():
+  """preexec_fn: SIGKILL this child if the launcher dies (even by SIGKILL)."""
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+  except (OSError, AttributeError):
+    pass  # not Linux: the signal handlers and the finally-block still clean up
+
+
+class Launcher:
+  """Owns the children: spawning, output forwarding, and killing their process groups."""
+
+  def __init__(self, args: argparse.Namespace, cmd: list[str]):
+    self.args, self.cmd = args, cmd
+    self.procs: list[subprocess.Popen] = []
+    self.readers: list[threading.Thread] = []
+    self.out_lock = threading.Lock()
+    self._killed = False
+
+  def spawn(self) -> None:
+    port = self.args.port or free_port()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else []
+    taskset = shutil.which('taskset')
+    for rank in range(self.args.num_processes):
+      cmd = list(self.cmd)
+      core = cores[rank % len(cores)] if (self.args.cpu_pinning and cores) else None
+      if core is not None and taskset:
+        cmd = [taskset, '-c', str(core)] + cmd
+      # All children are spawned before any reader thread starts, so preexec_fn runs while the
+      # launcher is single-threaded (it is unsafe otherwise).
+      proc = subprocess.Popen(cmd, env=child_env(os.environ, rank, self.args, port),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, start_new_session=True,
+                              preexec_fn=_die_with_parent)
+      if core is not None and not taskset:
+        os.sched_setaffinity(proc.pid, {core})
+      self.procs.append(proc)
+    for rank, proc in enumerate(self.procs):
+      t = threading.Thread(target=self._forward, args=(rank, proc.stdout), daemon=True)
+      t.start()
+      self.readers.append(t)
+
+  def _forward(self, rank: int, stream) -> None:
+    prefix = f'[{rank}] '.encode()
+    out = sys.stdout.buffer
+    for line in iter(stream.readline, b''):
+      if not line.endswith(b'\n'):
+        line += b'\n'
+      with self.out_lock:
+        out.write(prefix + line)
+        out.flush()
+    stream.close()
+
+  def kill_all(self) -> None:
+    """SIGTERM every live child's process group, then SIGKILL what is left after grace_s."""
+    if self._killed:
+      return
+    self._killed = True
+    live = [p for p in self.procs if p.poll() is None]
+    for p in live:
+      _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + self.args.grace_s
+    for p in live:
+      try:
+        p.wait(timeout=max(0.0, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        pass
+    for p in self.procs:
+      # Also the groups of children that already exited: their own children may linger.
+      _signal_group(p.pid, signal.SIGKILL)
+      try:
+        p.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        pass
+
+  def wait(self) -> int:
+    """Polls the children; returns the launcher's exit code."""
+    deadline = time.monotonic() + self.args.timeout_s if self.args.timeout_s > 0 else None
+    while True:
+      codes = [p.poll() for p in self.procs]
+      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+      if failed:
+        rank, code = failed[0]
+        code = 128 - code if code < 0 else code  # killed by signal -s
+        self._note(f'process {rank} exited with {code}; terminating the others')
+        self.kill_all()
+        return code
+      if all(c == 0 for c in codes):
+        return 0
+      if deadline is not None and time.monotonic() > deadline:
+        self._note(f'timeout after {self.args.timeout_s}s; terminating all processes')
+        self.kill_all()
+        return 124
+      time.sleep(0.05)
+
+  def join_readers(self) -> None:
+    for t in self.readers:
+      t.join(timeout=5)
+
+  def _note(self, msg: str) -> None:
+    with self.out_lock:
+      sys.stdout.flush()
+      print(f'[launcher] {msg}', file=sys.stderr, flush=True)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+  try:
+    os.killpg(pid, sig)  # start_new_session=True: the child's pgid is its pid
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+class _Interrupted(Exception):
+  def __init__(self, signum: int):
+    self.signum = signum
+
+
+def main(argv: list[str]) -> int:
+  args, cmd = parse_args(argv)
+  launcher = Launcher(args, cmd)
+
+  def on_signal(signum, frame):
+    raise _Interrupted(signum)
+
+  old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+  code = 1
+  try:
+    launcher.spawn()
+    code = launcher.wait()
+  except _Interrupted as e:
+    launcher._note(f'got signal {e.signum}; terminating all processes')
+    code = 128 + e.signum
+  finally:
+    # Ignore further Ctrl-C while cleaning up so that no child is left behind.
+    for s in old:
+      signal.signal(s, signal.SIG_IGN)
+    launcher.kill_all()
+    launcher.join_readers()
+  return code
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))
