@@ -1,0 +1,162 @@
+"""The full default config tree every config file starts from, and its validation.
+
+Config files in configs/ call `base_config()` and override fields; the tree is locked, so a
+command-line override of a key that does not exist (`--config.rl.grup_size=4`) fails at parse
+time. `validate(config, num_devices)` checks cross-field consistency before anything compiles.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.total_steps = 4                 # optimizer steps (one per logical batch)
+
+  # --- the generator -------------------------------------------------------------------------
+  c.model = ml_collections.ConfigDict()
+  c.model.checkpoint = ''           # diffusers folder / our pretrained checkpoint; '' = random init
+  c.model.init = 'checkpoint'       # 'checkpoint' (needs model.checkpoint) or 'random'
+  c.model.patch_size = 2
+  c.model.in_channels = 64          # latent channels * patch_size**2 (packed)
+  c.model.out_channels = 16
+  c.model.num_layers = 60
+  c.model.attention_head_dim = 128
+  c.model.num_attention_heads = 24
+  c.model.joint_attention_dim = 3584
+  c.model.axes_dims_rope = (16, 56, 56)
+
+  # --- what the generator works in: latent grid and decoder ----------------------------------
+  c.latent = ml_collections.ConfigDict()
+  c.latent.space = 'vae'            # 'pixel' (identity decoder, tiny configs) or 'vae'
+  c.latent.channels = 16            # unpacked latent channels (3 for pixel space)
+  c.latent.height = 166             # latent grid (pixels for 'pixel' space)
+  c.latent.width = 166
+  c.latent.frames = 1
+
+  # --- text conditioning ---------------------------------------------------------------------
+  c.text = ml_collections.ConfigDict()
+  c.text.encoder = 'qwen2.5-vl'     # 'word' (small frozen word-level encoder) or 'qwen2.5-vl'
+  c.text.max_length = 1024
+
+  # --- prompts -------------------------------------------------------------------------------
+  c.data = ml_collections.ConfigDict()
+  c.data.prompts = 'shapes'         # 'shapes' (ShapesBench) or a path to a text file, one prompt per line
+  c.data.split = 'train'
+  c.data.data_dir = ''              # tfds data_dir; '' = <workdir>/data
+
+  # --- sampling ------------------------------------------------------------------------------
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.num_steps = 50
+  c.sampler.scheduler = 'qwenimage' # 'qwenimage' | 'flux' (the diffusers scheduler configs)
+  c.sampler.shift = 0.0             # > 0: static shift overriding the scheduler's dynamic shift
+  c.sampler.sde = 'flow_grpo'       # 'flow_grpo' | 'dance' | 'cps'
+  c.sampler.noise_level = 0.7
+  c.sampler.logprob_reduce = 'mean' # 'mean' | 'sum' over latent dims
+  c.sampler.guidance_scale = 0.0    # > 1 turns on CFG (rollout and training alike)
+  c.sampler.norm_rescale = True     # QwenImage "true CFG" norm rescale
+
+  # --- GRPO ----------------------------------------------------------------------------------
+  c.rl = ml_collections.ConfigDict()
+  c.rl.prompts_per_step = 2
+  c.rl.group_size = 4
+  c.rl.adv_std = 'group'            # 'group' | 'global'
+  c.rl.adv_eps = 1e-4
+  c.rl.adv_clip = 5.0
+  c.rl.clip_range = 1e-4            # PPO epsilon (small: log-probs are means over latent dims)
+  c.rl.kl_beta = 0.0
+  c.rl.inner_epochs = 1
+  c.rl.timesteps = 'all_but_last'   # 'all_but_last' | 'random_fraction' | 'fixed_window' | 'sliding_window'
+  c.rl.timestep_fraction = 0.5
+  c.rl.window_start = 0
+  c.rl.window_size = 2
+  c.rl.slide_every = 1
+
+  # --- reward --------------------------------------------------------------------------------
+  c.reward = ml_collections.ConfigDict()
+  c.reward.weights = ml_collections.ConfigDict({'jpeg_compressibility': 1.0})
+
+  # --- optimizer -----------------------------------------------------------------------------
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-4
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.eps = 1e-8
+  c.optim.weight_decay = 1e-4
+  c.optim.grad_clip = 1.0
+  c.optim.compute_dtype = 'float32' # 'bfloat16': bf16 forward/backward, float32 master weights
+
+  # --- execution -----------------------------------------------------------------------------
+  c.runtime = ml_collections.ConfigDict()
+  c.runtime.mode = 'colocated'
+  c.runtime.num_devices = 0         # 0 = all local devices
+
+  # --- bookkeeping ---------------------------------------------------------------------------
+  c.log_every = 1
+  c.checkpoint_every = 1
+  c.keep_checkpoints = 2
+  c.sample_grid_every = 0           # write samples/ PNG grids every N steps (0 = off)
+  return c
+
+
+_CHOICES = {
+    'model.init': ('checkpoint', 'random'),
+    'latent.space': ('pixel', 'vae'),
+    'text.encoder': ('word', 'qwen2.5-vl'),
+    'sampler.scheduler': ('qwenimage', 'flux'),
+    'sampler.sde': ('flow_grpo', 'dance', 'cps'),
+    'sampler.logprob_reduce': ('mean', 'sum'),
+    'rl.adv_std': ('group', 'global'),
+    'rl.timesteps': ('all_but_last', 'random_fraction', 'fixed_window', 'sliding_window'),
+    'optim.compute_dtype': ('float32', 'bfloat16'),
+    'runtime.mode': ('colocated',),
+}
+
+
+def _get(config, dotted):
+  node = config
+  for part in dotted.split('.'):
+    node = node[part]
+  return node
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Raises ValueError naming the field and the fix; called before anything compiles."""
+  for field, choices in _CHOICES.items():
+    if _get(config, field) not in choices:
+      raise ValueError(f'config.{field}={_get(config, field)!r} is not one of {choices}')
+  m, lat = config.model, config.latent
+  p = m.patch_size
+  if lat.height % p or lat.width % p:
+    raise ValueError(f'config.latent.height/width ({lat.height}x{lat.width}) must be divisible by '
+                     f'config.model.patch_size={p}')
+  if m.in_channels != lat.channels * p * p:
+    raise ValueError(f'config.model.in_channels={m.in_channels} must equal latent.channels * '
+                     f'patch_size**2 = {lat.channels * p * p}')
+  if m.out_channels != lat.channels:
+    raise ValueError(f'config.model.out_channels={m.out_channels} must equal '
+                     f'config.latent.channels={lat.channels}')
+  if sum(m.axes_dims_rope) != m.attention_head_dim:
+    raise ValueError(f'sum(config.model.axes_dims_rope)={sum(m.axes_dims_rope)} must equal '
+                     f'config.model.attention_head_dim={m.attention_head_dim}')
+  if config.rl.group_size < 2:
+    raise ValueError(f'config.rl.group_size={config.rl.group_size}: GRPO needs at least 2 samples '
+                     'per prompt')
+  batch = config.rl.prompts_per_step * config.rl.group_size
+  if batch % num_devices:
+    raise ValueError(f'batch = rl.prompts_per_step * rl.group_size = {batch} is not divisible by '
+                     f'the {num_devices} devices; change rl.prompts_per_step or runtime.num_devices')
+  if config.sampler.num_steps < 2:
+    raise ValueError(f'config.sampler.num_steps={config.sampler.num_steps} must be >= 2')
+  if config.total_steps < 1:
+    raise ValueError(f'config.total_steps={config.total_steps} must be >= 1')
+  if config.rl.inner_epochs < 1:
+    raise ValueError(f'config.rl.inner_epochs={config.rl.inner_epochs} must be >= 1')
+  if config.model.init == 'checkpoint' and not config.model.checkpoint:
+    raise ValueError('config.model.checkpoint is empty: give a diffusers QwenImage folder with '
+                     '--config.model.checkpoint=PATH, or run the random-initialised tiny variant '
+                     'configs/qwenimage.py:tiny')
+  if not config.reward.weights:
+    raise ValueError('config.reward.weights is empty: name at least one reward, e.g. '
+                     "--config.reward.weights.jpeg_compressibility=1.0")

@@ -1,0 +1,137 @@
+"""Builds every part of a run from its config: model, text encoder, prompts, reward, schedule,
+optimizer. Pure construction: nothing here compiles or runs the hot loop."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from digen_jax import configlib
+from digen_jax.data import prompts as prompt_data
+from digen_jax.diffusion import schedule as schedule_lib
+from digen_jax.diffusion import sde as sde_lib
+from digen_jax.models import convert
+from digen_jax.models import latents as latents_lib
+from digen_jax.models import mmdit
+from digen_jax.models import text as text_lib
+from digen_jax.rewards import registry as reward_registry
+from digen_jax.rl import timesteps as timesteps_lib
+
+
+@dataclasses.dataclass
+class Experiment:
+  config: ml_collections.ConfigDict
+  model_config: mmdit.MMDiTConfig
+  graphdef: Any
+  params: Any                       # nnx.State, float32 master weights (host/default device)
+  text_encoder: Any                 # prompts -> (emb [B, L, D], mask [B, L])
+  prompts: Any                      # PromptIterator: next_batch(), position, restore()
+  reward_fn: Callable[[np.ndarray, list[str]], np.ndarray]
+  sigmas: np.ndarray                # [T+1]
+  sde_cfg: sde_lib.SDEConfig
+  selection: timesteps_lib.TimestepSelection
+  optimizer: optax.GradientTransformation
+  img_shape: tuple[int, int, int]   # (frames, h_tokens, w_tokens)
+  latent_shape: tuple[int, int]     # (tokens, packed channels)
+
+  @property
+  def compute_dtype(self):
+    return jnp.bfloat16 if self.config.optim.compute_dtype == 'bfloat16' else jnp.float32
+
+  @property
+  def batch_size(self) -> int:
+    return self.config.rl.prompts_per_step * self.config.rl.group_size
+
+  def decode(self, tokens):
+    """Packed final latents [B, N, C] -> images [B, H, W, 3] in [-1, 1]."""
+    lat = self.config.latent
+    if lat.space != 'pixel':
+      raise ValueError("config.latent.space='vae': no VAE decoder is implemented yet; use a pixel-space "
+                       'config such as configs/qwenimage.py:tiny')
+    return latents_lib.decode_pixels(tokens, lat.height, lat.width, self.config.model.patch_size)
+
+
+def model_config_from(config) -> mmdit.MMDiTConfig:
+  m = config.model
+  return mmdit.MMDiTConfig(
+      patch_size=m.patch_size, in_channels=m.in_channels, out_channels=m.out_channels,
+      num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
+      num_attention_heads=m.num_attention_heads, joint_attention_dim=m.joint_attention_dim,
+      axes_dims_rope=tuple(m.axes_dims_rope))
+
+
+def build_model(config) -> tuple[mmdit.MMDiTConfig, Any, Any]:
+  """Returns (model config, graphdef, float32 params)."""
+  mcfg = model_config_from(config)
+  if config.model.init == 'random':
+    model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
+  else:
+    path = config.model.checkpoint
+    if not os.path.isdir(path):
+      raise ValueError(f'config.model.checkpoint={path!r} is not a readable folder; give a diffusers '
+                       'QwenImage folder (config.json + *.safetensors) or run configs/qwenimage.py:tiny')
+    model = convert.load_diffusers_folder(path)
+    if model.config != mcfg:
+      raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
+                       f'{model.config}, config asks for {mcfg}')
+  graphdef, params = nnx.split(model)
+  return mcfg, graphdef, params
+
+
+def build_text_encoder(config):
+  if config.text.encoder != 'word':
+    raise ValueError(f"config.text.encoder={config.text.encoder!r} is not available offline; use 'word'")
+  enc = text_lib.WordEncoder(text_lib.shapes_vocab(), dim=config.model.joint_attention_dim,
+                             max_length=config.text.max_length, seed=config.seed)
+  return text_lib.CachedEncoder(enc)
+
+
+def build_schedule(config, num_tokens: int) -> np.ndarray:
+  s = config.sampler
+  base = (schedule_lib.qwenimage_scheduler_config() if s.scheduler == 'qwenimage'
+          else schedule_lib.flux_scheduler_config())
+  shift = s.shift if s.shift > 0 else None
+  return np.asarray(schedule_lib.sigmas(base, s.num_steps, image_seq_len=num_tokens, shift=shift),
+                    np.float32)
+
+
+def build_optimizer(config) -> optax.GradientTransformation:
+  o = config.optim
+  return optax.chain(
+      optax.clip_by_global_norm(o.grad_clip),
+      optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
+
+
+def build(config, workdir: str, num_devices: int) -> Experiment:
+  """Validates the config (before anything compiles) and builds the run's parts."""
+  configlib.validate(config, num_devices)
+  lat = config.latent
+  p = config.model.patch_size
+  img_shape = (lat.frames, lat.height // p, lat.width // p)
+  num_tokens = int(np.prod(img_shape))
+  # Cheap parts first so their errors come before the (possibly large) model build.
+  reward_fn = reward_registry.build_reward(dict(config.reward.weights))
+  data_dir = config.data.data_dir or os.path.join(workdir, 'data')
+  source = prompt_data.load_prompts(config.data.prompts, config.data.split, data_dir)
+  prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
+  text_encoder = build_text_encoder(config)
+  sigmas = build_schedule(config, num_tokens)
+  sde_cfg = sde_lib.SDEConfig(kind=config.sampler.sde, noise_level=config.sampler.noise_level,
+                              logprob_reduce=config.sampler.logprob_reduce)
+  r = config.rl
+  selection = timesteps_lib.TimestepSelection(
+      kind=r.timesteps, fraction=r.timestep_fraction, window_start=r.window_start,
+      window_size=r.window_size, slide_every=r.slide_every)
+  mcfg, graphdef, params = build_model(config)
+  return Experiment(
+      config=config, model_config=mcfg, graphdef=graphdef, params=params,
+      text_encoder=text_encoder, prompts=prompts, reward_fn=reward_fn, sigmas=sigmas,
+      sde_cfg=sde_cfg, selection=selection, optimizer=build_optimizer(config),
+      img_shape=img_shape, latent_shape=(num_tokens, config.model.in_channels))
