@@ -92,6 +92,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.runtime.mode = 'colocated'
   c.runtime.num_devices = 0         # 0 = all local devices
 
+  # --- evaluation (deterministic ODE sampling; strict accuracy for ShapesBench prompts) ---------
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 0                  # evaluate every N optimizer steps (0 = off); also at start/end
+  c.eval.split = 'eval'
+  c.eval.num_prompts = 0            # 0 = the whole split
+  c.eval.samples_per_prompt = 4
+  c.eval.batch_size = 32
+  c.eval.seed = 1234
+
   # --- bookkeeping ---------------------------------------------------------------------------
   c.log_every = 1
   c.checkpoint_every = 1
@@ -157,6 +166,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ValueError('config.model.checkpoint is empty: give a diffusers QwenImage folder with '
                      '--config.model.checkpoint=PATH, or run the random-initialised tiny variant '
                      'configs/qwenimage.py:tiny')
+  if config.eval.samples_per_prompt < 1:
+    raise ValueError(f'config.eval.samples_per_prompt={config.eval.samples_per_prompt} must be >= 1')
   if not config.reward.weights:
     raise ValueError('config.reward.weights is empty: name at least one reward, e.g. '
                      "--config.reward.weights.jpeg_compressibility=1.0")

@@ -33,11 +33,12 @@ class MetricsWriter:
 
   def write(self, row: dict[str, Any]):
     row = {k: _jsonable(v) for k, v in row.items()}
+    row.setdefault('time', time.time())
     self._file.write(json.dumps(row) + '\n')
     if self._tb is not None:
       step = int(row.get('step', 0))
       for k, v in row.items():
-        if k != 'step' and isinstance(v, (int, float)) and not isinstance(v, bool):
+        if k not in ('step', 'time') and isinstance(v, (int, float)) and not isinstance(v, bool):
           self._tb.add_scalar(k, v, step)
 
   def write_image(self, tag: str, image_hwc_uint8: np.ndarray, step: int):

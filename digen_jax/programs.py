@@ -31,7 +31,8 @@ def make_velocity_fn(graphdef, img_shape, compute_dtype):
   return velocity_fn
 
 
-def _guidance(exp):
+def guidance_of(exp):
+  """(guidance_scale or None, norm_rescale) as the sampler and objective take them."""
   s = exp.config.sampler
   return (s.guidance_scale, s.norm_rescale) if s.guidance_scale > 1.0 else (None, False)
 
@@ -43,7 +44,7 @@ def make_rollout(exp, mesh):
   velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
   sigmas = jnp.asarray(exp.sigmas)
   T = len(exp.sigmas) - 1
-  guidance, norm_rescale = _guidance(exp)
+  guidance, norm_rescale = guidance_of(exp)
 
   def rollout(params, cond, uncond, key, step):
     sde_steps = timesteps_lib.sde_step_mask(exp.selection, T, step)
@@ -70,7 +71,7 @@ def make_update(exp, mesh, param_shardings, opt_shardings):
   velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
   r = exp.config.rl
   T = len(exp.sigmas) - 1
-  guidance, norm_rescale = _guidance(exp)
+  guidance, norm_rescale = guidance_of(exp)
   optimizer = exp.optimizer
 
   def update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params):

@@ -97,3 +97,29 @@ def test_missing_config_file_is_one_line(tmp_path):
   assert r.returncode != 0
   assert r.stderr.strip().splitlines()[-1].startswith('digen_jax: cannot load --config')
   assert 'configs/nope.py' in r.stderr
+
+
+@pytest.mark.slow
+def test_periodic_eval_report_and_eval_cli_agree(tmp_path):
+  wd = tmp_path / 'run'
+  small_eval = ['--config.eval.num_prompts=4', '--config.eval.samples_per_prompt=2',
+                '--config.eval.batch_size=8']
+  r = _cli(wd, '--config=configs/qwenimage.py:tiny', '--config.total_steps=2',
+           '--config.eval.every=2', *small_eval)
+  assert r.returncode == 0, r.stderr[-3000:]
+  rows = [json.loads(l) for l in open(wd / 'metrics.jsonl')]
+  evals = [r for r in rows if 'eval/strict_accuracy' in r]
+  assert [e['step'] for e in evals] == [0, 2]
+  assert {e['eval/num_prompts'] for e in evals} == {4}
+  for f in ('reward.png', 'summary.json', 'eval/eval_000000.png', 'eval/eval_000002.json'):
+    assert os.path.exists(wd / f), f
+  summary = json.load(open(wd / 'summary.json'))
+  assert summary['steps'] == 2 and summary['final_eval_step'] == 2
+  # The standalone eval of the final checkpoint reproduces the in-training eval exactly.
+  r = subprocess.run([sys.executable, '-m', 'digen_jax.eval', f'--workdir={wd}',
+                      '--config=configs/qwenimage.py:tiny', *small_eval],
+                     cwd=REPO, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  last = [json.loads(l) for l in open(wd / 'metrics.jsonl')][-1]
+  assert last['step'] == 2
+  assert last['eval/reward_mean'] == evals[-1]['eval/reward_mean']

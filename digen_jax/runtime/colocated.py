@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from digen_jax import checkpoint as ckpt_lib
+from digen_jax import evaluation
 from digen_jax import metrics as metrics_lib
 from digen_jax import programs
 from digen_jax import visualize
@@ -67,6 +68,18 @@ def train(exp, workdir: str, devices=None) -> dict:
 
   writer = metrics_lib.MetricsWriter(workdir)
   progress = metrics_lib.Progress(start, config.total_steps)
+  evaluator = None
+  if config.eval.every > 0:
+    evaluator = evaluation.Evaluator(exp, mesh, evaluation.eval_prompts(exp, workdir))
+
+  def run_eval(step):
+    result = evaluator(params, seed=config.eval.seed)
+    writer.write({'step': step, **result['metrics']})
+    grid = evaluation.write_report(result, os.path.join(workdir, 'eval'), step)
+    logging.info('eval at step %d: %s (%s)', step, result['metrics'], grid)
+
+  if evaluator is not None and start == 0:
+    run_eval(0)                                                  # the base model's score
   G = config.rl.group_size
   for step in range(start, config.total_steps):
     t0 = time.perf_counter()
@@ -118,6 +131,9 @@ def train(exp, workdir: str, devices=None) -> dict:
       writer.write_image('samples', grid, step + 1)
     if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
       progress.log(step + 1, row)
+    if evaluator is not None and ((step + 1) % config.eval.every == 0
+                                  or step + 1 == config.total_steps):
+      run_eval(step + 1)
     checkpointer.save(step + 1, {'params': params, 'opt_state': opt_state,
                                  'rng': ckpt_lib.key_to_data(base_key)},
                       {'step': step + 1, 'data_position': exp.prompts.position,

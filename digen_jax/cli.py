@@ -1,0 +1,77 @@
+"""What every entry point (main, eval, pretrain) shares: the --config/--workdir flags, a flag parser
+that turns bad input into one clear line, quiet library logs, and the experiment build."""
+from __future__ import annotations
+
+import logging as logging_std
+import os
+import sys
+
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/qwenimage.py:tiny.')
+WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (metrics, checkpoints, samples).')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def fail(message: str):
+  sys.exit(f'digen_jax: {message}')
+
+
+def parse_flags(argv):
+  """absl's parser, but a bad config file/override is one clear line, not a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
+    text = str(e).strip('\'"').replace("\\'", "'").replace('\\n', '\n')
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    if 'Traceback (most recent call last):' in lines:   # error raised inside a config file
+      lines = [lines[0], lines[-1]]
+    fail('bad --config: ' + ' '.join(lines))
+
+
+def quiet_library_logs():
+  """orbax logs every checkpoint phase at INFO through absl; keep our progress lines readable."""
+  class _DropOrbaxInfo(logging_std.Filter):
+    def filter(self, record):
+      return record.levelno >= logging_std.WARNING or '/orbax/' not in record.pathname
+  logging.get_absl_handler().addFilter(_DropOrbaxInfo())
+
+
+def config_and_workdir():
+  """The parsed config (a failed file load becomes one line) and --workdir."""
+  try:
+    config = CONFIG.value
+    config.runtime  # pylint: disable=pointless-statement  (a failed load raises on first use)
+  except OSError as e:  # config_flags defers a failed file load to the first access
+    fail('cannot load --config: ' + ' '.join(str(e.__cause__ or e).split()))
+  return config, WORKDIR.value
+
+
+def setup():
+  """Common start of every entry point: logs, compilation cache, config. -> (config, workdir, n_dev)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from digen_jax import compile_cache  # pylint: disable=g-import-not-at-top
+  quiet_library_logs()
+  compile_cache.enable()
+  config, workdir = config_and_workdir()
+  n = config.runtime.num_devices or jax.local_device_count()
+  if n > jax.local_device_count():
+    fail(f'config.runtime.num_devices={n} but only {jax.local_device_count()} local devices exist')
+  return config, workdir, n
+
+
+def build_experiment(config, workdir: str, num_devices: int):
+  """experiment.build with bad input reported as one line before anything compiles or is written."""
+  from digen_jax import experiment  # pylint: disable=g-import-not-at-top
+  try:
+    return experiment.build(config, workdir, num_devices)
+  except (ValueError, FileNotFoundError) as e:
+    fail(str(e))
+
+
+def write_config(config, workdir: str):
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort(indent=2))

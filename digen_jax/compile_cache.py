@@ -1,0 +1,20 @@
+"""JAX's persistent compilation cache, so a restarted run does not recompile its programs."""
+from __future__ import annotations
+
+import os
+
+import jax
+
+DEFAULT_DIR = os.path.join(os.path.expanduser('~'), '.cache', 'digen_jax', 'jax_cache')
+
+
+def enable(directory: str | None = None) -> str:
+  """Turns the cache on (DIGEN_COMPILATION_CACHE overrides the folder; '0' disables it)."""
+  directory = directory or os.environ.get('DIGEN_COMPILATION_CACHE', DEFAULT_DIR)
+  if directory == '0':
+    return ''
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update('jax_compilation_cache_dir', directory)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+  return directory

@@ -1,0 +1,50 @@
+"""python -m digen_jax.eval --config=configs/X.py --workdir=DIR
+
+Evaluates the latest checkpoint in DIR/checkpoints (or the config's initial model when there is
+none) on the eval split: strict accuracy and mean reward with deterministic ODE sampling and
+eval.samples_per_prompt samples per prompt. Appends a row to metrics.jsonl and writes
+DIR/eval/eval_<step>.json and .png."""
+from __future__ import annotations
+
+import os
+
+from absl import app
+from absl import logging
+
+from digen_jax import cli
+
+
+def main(argv):
+  del argv
+  import jax  # pylint: disable=g-import-not-at-top
+  from digen_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax import evaluation  # pylint: disable=g-import-not-at-top
+  from digen_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax.runtime import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+
+  config, workdir, n = cli.setup()
+  exp = cli.build_experiment(config, workdir, n)
+  mesh = mesh_lib.make_mesh(jax.local_devices()[:n])
+  params, step = exp.params, 0
+  ckpt_dir = os.path.join(workdir, 'checkpoints')
+  if os.path.isdir(ckpt_dir):
+    checkpointer = ckpt_lib.Checkpointer(ckpt_dir)
+    step = checkpointer.latest_step() or 0
+    if step:
+      template = {'params': params, 'opt_state': jax.eval_shape(exp.optimizer.init, params),
+                  'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+      state, _ = checkpointer.restore(step, template)
+      params = state['params']
+    checkpointer.close()
+  logging.info('evaluating %s at step %d', 'checkpoint' if step else 'the initial model', step)
+  evaluator = evaluation.Evaluator(exp, mesh, evaluation.eval_prompts(exp, workdir))
+  result = evaluator(params, seed=config.eval.seed)
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=False)
+  writer.write({'step': step, **result['metrics']})
+  writer.close()
+  grid = evaluation.write_report(result, os.path.join(workdir, 'eval'), step)
+  print(f"digen_jax eval: step={step} {result['metrics']} grid={grid}", flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,125 @@
+"""Evaluation: deterministic ODE sampling of N samples per eval prompt, scored by the reward and
+(for ShapesBench prompts) the strict checker; a JSON report and a PNG grid with pass/fail marks.
+
+Used by `python -m digen_jax.eval` and periodically inside training."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from PIL import Image
+
+from digen_jax import programs
+from digen_jax import visualize
+from digen_jax.data import prompts as prompt_data
+from digen_jax.data.shapes import grammar
+from digen_jax.diffusion import sampler as sampler_lib
+from digen_jax.rewards import shapes_checker
+from digen_jax.runtime import mesh as mesh_lib
+
+
+def eval_prompts(exp, workdir: str) -> list[str]:
+  """The eval split's prompts (all of them, or the first eval.num_prompts)."""
+  c = exp.config
+  data_dir = c.data.data_dir or os.path.join(workdir, 'data')
+  source = prompt_data.load_prompts(c.data.prompts, c.eval.split, data_dir)
+  n = len(source) if c.eval.num_prompts <= 0 else min(c.eval.num_prompts, len(source))
+  return list(source[:n])
+
+
+def _is_shapes(prompts) -> bool:
+  try:
+    for p in prompts:
+      grammar.parse(p)
+    return True
+  except ValueError:
+    return False
+
+
+class Evaluator:
+  """Compiles the ODE sampler once for `mesh` and evaluates any params on the eval prompts."""
+
+  def __init__(self, exp, mesh, prompts: list[str]):
+    self.exp, self.mesh, self.prompts = exp, mesh, prompts
+    c = exp.config
+    self.n_per = c.eval.samples_per_prompt
+    n_dev = mesh.devices.size
+    self.batch = max(n_dev, (c.eval.batch_size // n_dev) * n_dev)
+    velocity_fn = programs.make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+    sigmas = jnp.asarray(exp.sigmas)
+    T = len(exp.sigmas) - 1
+    guidance, norm_rescale = programs.guidance_of(exp)
+    latent_shape = (self.batch, *exp.latent_shape)
+
+    def ode_sample(params, cond, uncond, keys):
+      traj = sampler_lib.sample(
+          velocity_fn, params, cond, sigmas, keys, latent_shape=latent_shape,
+          sde_cfg=exp.sde_cfg, sde_steps=jnp.zeros((T,), bool), guidance_scale=guidance,
+          uncond=uncond if guidance is not None else None, norm_rescale=norm_rescale)
+      return exp.decode(traj.latents[-1])
+
+    rep = mesh_lib.replicated(mesh)
+    cond_sh = {'text': mesh_lib.batch_sharding(mesh, 3), 'text_mask': mesh_lib.batch_sharding(mesh, 2)}
+    self._sample = jax.jit(ode_sample, in_shardings=(rep, cond_sh, cond_sh, mesh_lib.batch_sharding(mesh, 1)))
+    self.shapes = _is_shapes(prompts)
+    self._uncond = self._encode([''] * self.batch)
+
+  def _encode(self, prompts):
+    emb, mask = self.exp.text_encoder.encode(prompts)
+    return {'text': jnp.asarray(emb, jnp.float32), 'text_mask': jnp.asarray(mask, jnp.int32)}
+
+  def __call__(self, params, seed: int = 0) -> dict[str, Any]:
+    """Returns {'metrics': {...}, 'images', 'prompts', 'rewards', 'passed'} (numpy)."""
+    all_prompts = [p for p in self.prompts for _ in range(self.n_per)]
+    params = jax.device_put(params, mesh_lib.replicated(self.mesh))
+    images = []
+    base = jax.random.key(seed)
+    for start in range(0, len(all_prompts), self.batch):
+      chunk = all_prompts[start:start + self.batch]
+      padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
+      keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(start + jnp.arange(self.batch))
+      out = self._sample(params, self._encode(padded), self._uncond, keys)
+      images.append(np.asarray(out)[:len(chunk)])
+    images = np.concatenate(images)
+    rewards = np.asarray(self.exp.reward_fn(images, all_prompts), np.float32)
+    metrics = {'eval/reward_mean': float(rewards.mean()), 'eval/num_prompts': len(self.prompts),
+               'eval/samples_per_prompt': self.n_per}
+    passed = None
+    if self.shapes:
+      passed = np.asarray(shapes_checker.shapes_strict(images, all_prompts), bool)
+      metrics['eval/strict_accuracy'] = float(passed.mean())
+    return {'metrics': metrics, 'images': images, 'prompts': all_prompts, 'rewards': rewards,
+            'passed': passed}
+
+
+def write_report(result: dict[str, Any], out_dir: str, step: int, *, grid_prompts: int = 16) -> str:
+  """eval_<step>.json (metrics + per-prompt pass rates) and eval_<step>.png (a sample grid with
+  ✓/✗ marks and prompts). Returns the PNG path."""
+  os.makedirs(out_dir, exist_ok=True)
+  prompts, rewards, passed = result['prompts'], result['rewards'], result['passed']
+  per_prompt: dict[str, dict[str, float]] = {}
+  for i, p in enumerate(prompts):
+    d = per_prompt.setdefault(p, {'reward_sum': 0.0, 'passed': 0, 'n': 0})
+    d['reward_sum'] += float(rewards[i])
+    d['passed'] += int(passed[i]) if passed is not None else 0
+    d['n'] += 1
+  report = {'step': step, **result['metrics'],
+            'per_prompt': {p: {'reward_mean': d['reward_sum'] / d['n'],
+                               **({'pass_rate': d['passed'] / d['n']} if passed is not None else {})}
+                           for p, d in per_prompt.items()}}
+  with open(os.path.join(out_dir, f'eval_{step:06d}.json'), 'w') as f:
+    json.dump(report, f, indent=1)
+  # Grid: the first samples of the first `grid_prompts` prompts.
+  n_per = result['metrics']['eval/samples_per_prompt']
+  idx = [i for i in range(len(prompts)) if i // n_per < grid_prompts]
+  caps = [('PASS ' if passed is not None and passed[i] else 'FAIL ' if passed is not None else '')
+          + f'{prompts[i]} r={rewards[i]:.2f}' for i in idx]
+  grid = visualize.image_grid(result['images'][idx], caps, cols=n_per,
+                              passed=None if passed is None else [bool(passed[i]) for i in idx])
+  path = os.path.join(out_dir, f'eval_{step:06d}.png')
+  Image.fromarray(grid).save(path)
+  return path

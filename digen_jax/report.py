@@ -1,0 +1,64 @@
+"""End-of-run report: reward.png (reward and eval accuracy against step) and a short summary."""
+from __future__ import annotations
+
+import json
+import os
+
+from absl import logging
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from digen_jax import metrics as metrics_lib
+
+ACC = 'eval/strict_accuracy'
+
+
+def summarize(rows: list[dict]) -> dict:
+  train = [r for r in rows if 'reward_mean' in r]
+  evals = [r for r in rows if ACC in r or 'eval/reward_mean' in r]
+  out = {'steps': train[-1]['step'] if train else 0,
+         'wall_s': (rows[-1]['time'] - rows[0]['time']) if len(rows) > 1 else 0.0,
+         'train_s': sum(r.get('wall_s', 0.0) for r in train)}
+  if train:
+    out.update(first_reward_mean=train[0]['reward_mean'], last_reward_mean=train[-1]['reward_mean'])
+  if evals:
+    for key in (ACC, 'eval/reward_mean'):
+      if key in evals[0]:
+        out[f'base_{key.split("/")[1]}'] = evals[0][key]
+        out[f'final_{key.split("/")[1]}'] = evals[-1][key]
+    out['base_eval_step'], out['final_eval_step'] = evals[0]['step'], evals[-1]['step']
+  return out
+
+
+def plot(rows: list[dict], path: str):
+  train = [r for r in rows if 'reward_mean' in r]
+  evals = [r for r in rows if ACC in r]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  if train:
+    ax.plot([r['step'] for r in train], [r['reward_mean'] for r in train], color='tab:blue',
+            alpha=0.8, label='rollout reward (mean)')
+  ax.set_xlabel('optimizer step')
+  ax.set_ylabel('reward', color='tab:blue')
+  if evals:
+    ax2 = ax.twinx()
+    ax2.plot([r['step'] for r in evals], [r[ACC] for r in evals], 'o-', color='tab:red',
+             label='eval strict accuracy')
+    ax2.set_ylabel('eval strict accuracy', color='tab:red')
+    ax2.set_ylim(0, 1)
+  fig.suptitle('GRPO progress')
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def finish(workdir: str) -> dict:
+  rows = metrics_lib.read_metrics(workdir)
+  plot(rows, os.path.join(workdir, 'reward.png'))
+  summary = summarize(rows)
+  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=1)
+  line = ', '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in summary.items())
+  logging.info('summary: %s', line)
+  print(f'digen_jax summary: {line}', flush=True)
+  return summary
