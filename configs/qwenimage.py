@@ -2,6 +2,11 @@
 
   python -m digen_jax.main --config=configs/qwenimage.py --config.model.checkpoint=/path/Qwen-Image
   python -m digen_jax.main --config=configs/qwenimage.py:tiny --workdir=/tmp/x
+
+Disaggregated (rollout and trainer on separate meshes; README "Disaggregated runs"):
+  python launch/local.py --num_processes=2 -- \
+      python -m digen_jax.main --config=configs/qwenimage.py:tiny_disagg --workdir=/tmp/x
+  :disagg is the real model the same way (bf16 rollout copy: the compute dtype is bf16 anyway).
 """
 from digen_jax import configlib
 
@@ -30,7 +35,7 @@ def get_config(arg: str | None = None):
   c.rl.group_size = 16
   c.rl.prompts_per_step = 8
 
-  if arg == 'tiny':
+  if arg in ('tiny', 'tiny_disagg'):
     # Same architecture, random init, pixel space (identity decoder): runs in seconds on a CPU.
     c.model.init = 'random'
     c.model.num_layers = 2
@@ -52,6 +57,13 @@ def get_config(arg: str | None = None):
     c.rl.group_size = 4
     c.rl.prompts_per_step = 2
     c.total_steps = 3
-  elif arg:
-    raise ValueError(f'configs/qwenimage.py: unknown variant {arg!r}; known: tiny')
+  elif arg not in (None, '', 'disagg'):
+    raise ValueError(f'configs/qwenimage.py: unknown variant {arg!r}; known: tiny, tiny_disagg, '
+                     'disagg')
+  if arg in ('disagg', 'tiny_disagg'):
+    # 'auto' layout: 2 processes -> process 0 trains, process 1 rolls out; 1 process -> half
+    # of its devices each. A bf16 compute dtype casts the weights inside the programs anyway,
+    # so a bf16 rollout copy changes nothing but halves every publish.
+    configlib.set_disagg(c, rollout_param_dtype=(
+        'bfloat16' if c.optim.compute_dtype == 'bfloat16' else 'float32'))
   return c

@@ -89,8 +89,25 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- execution -----------------------------------------------------------------------------
   c.runtime = ml_collections.ConfigDict()
-  c.runtime.mode = 'colocated'
-  c.runtime.num_devices = 0         # 0 = all local devices
+  c.runtime.mode = 'colocated'      # 'colocated' (one mesh) | 'disagg' (rollout and trainer meshes)
+  c.runtime.num_devices = 0         # colocated: 0 = all local devices (disagg: see cluster)
+  c.runtime.transfer_guard = 'disallow'  # jax.transfer_guard around the hot loop: no implicit copies
+
+  # --- cluster: roles and meshes of runtime.mode='disagg' (colocated ignores it) -------------
+  # layout 'auto': 2 processes -> process 0 trains, process 1 rolls out; 1 process -> the first
+  # half of its devices train, the second half roll out. 'explicit': the roles' fields below.
+  # See set_disagg().
+  c.cluster = ml_collections.ConfigDict()
+  c.cluster.layout = 'auto'
+  for role in ('trainer', 'rollout'):
+    r = c.cluster[role] = ml_collections.ConfigDict()
+    r.devices = ()                  # positions in jax.devices(), e.g. (0, 1)
+    r.processes = ()                # or process ids: every device of those processes
+    r.mesh_shape = ()               # () = 1-D over the role's devices; else e.g. (2, 2)
+    r.axis_names = ('data',)        # one name per mesh axis ('data,fsdp' on the command line)
+    r.speed = 1.0                   # relative device speed label (heterogeneous clusters)
+  c.cluster.rollout.param_dtype = 'float32'         # 'bfloat16': lower-precision rollout copy
+  c.cluster.rollout.param_sharding = 'replicated'   # 'replicated' (data-parallel) | 'fsdp'
 
   # --- evaluation (deterministic ODE sampling; strict accuracy for ShapesBench prompts) ---------
   c.eval = ml_collections.ConfigDict()
@@ -119,7 +136,11 @@ _CHOICES = {
     'rl.adv_std': ('group', 'global'),
     'rl.timesteps': ('all_but_last', 'random_fraction', 'fixed_window', 'sliding_window'),
     'optim.compute_dtype': ('float32', 'bfloat16'),
-    'runtime.mode': ('colocated',),
+    'runtime.mode': ('colocated', 'disagg'),
+    'runtime.transfer_guard': ('allow', 'log', 'disallow'),
+    'cluster.layout': ('auto', 'explicit'),
+    'cluster.rollout.param_dtype': ('float32', 'bfloat16'),
+    'cluster.rollout.param_sharding': ('replicated', 'fsdp'),
 }
 
 
@@ -171,3 +192,33 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if not config.reward.weights:
     raise ValueError('config.reward.weights is empty: name at least one reward, e.g. '
                      "--config.reward.weights.jpeg_compressibility=1.0")
+
+
+def set_disagg(c: ml_collections.ConfigDict, *, trainer=None, rollout=None, by: str = 'devices',
+               rollout_param_dtype: str | None = None,
+               rollout_param_sharding: str | None = None) -> ml_collections.ConfigDict:
+  """Makes `c` a disaggregated run (runtime.mode='disagg') in place and returns it.
+
+  trainer / rollout: each role's device positions in jax.devices() (by='devices') or process
+  ids (by='processes'). Both None: the 'auto' layout (2 processes: process 0 trains, process 1
+  rolls out; 1 process: the first half of its devices train, the second half roll out).
+  The roles are checked against the real devices by runtime.cluster.resolve, before compiling.
+  """
+  if by not in ('devices', 'processes'):
+    raise ValueError(f"set_disagg: by={by!r} must be 'devices' or 'processes'")
+  if (trainer is None) != (rollout is None):
+    raise ValueError('set_disagg: give both trainer= and rollout= (or neither, for the auto layout)')
+  c.runtime.mode = 'disagg'
+  if trainer is None:
+    c.cluster.layout = 'auto'
+  else:
+    c.cluster.layout = 'explicit'
+    for name, ids in (('trainer', trainer), ('rollout', rollout)):
+      role = c.cluster[name]
+      role.devices, role.processes = (), ()
+      role[by] = tuple(int(i) for i in ids)
+  if rollout_param_dtype is not None:
+    c.cluster.rollout.param_dtype = rollout_param_dtype
+  if rollout_param_sharding is not None:
+    c.cluster.rollout.param_sharding = rollout_param_sharding
+  return c

@@ -1,5 +1,14 @@
-"""Entry point: python -m digen_jax.main --config=configs/X.py[:variant] --workdir=DIR [--config.a.b=v]."""
+"""Entry point: python -m digen_jax.main --config=configs/X.py[:variant] --workdir=DIR [--config.a.b=v].
+
+runtime.mode='colocated' runs in one process. runtime.mode='disagg' runs in one process (a mesh
+per role over its devices) or in two (python launch/local.py --num_processes=2 -- python -m
+digen_jax.main ...: process 0 trains, process 1 rolls out); see runtime/disagg.py.
+"""
 from __future__ import annotations
+
+import math
+import os
+import sys
 
 from absl import app
 from absl import logging
@@ -9,17 +18,67 @@ from digen_jax import cli
 
 def main(argv):
   del argv
+  # Before anything touches a JAX backend: joins the launcher's jax.distributed job, if any.
+  from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
+  try:
+    info = distributed.maybe_initialize()
+  except ValueError as e:
+    cli.fail(str(e))
+  try:
+    _run(info)
+  except SystemExit as e:
+    if info.num_processes > 1 and e.code not in (None, 0):
+      # A normal exit would wait in jax.distributed's shutdown for peers that may be waiting
+      # for this process (e.g. at a barrier): report and leave now; the launcher stops the rest.
+      print(e.code if isinstance(e.code, str) else f'exit {e.code}', file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(e.code if isinstance(e.code, int) else 1)
+    raise
+
+
+def _run(info):
+  from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top  (after absl parsed flags such as --jax_*)
   from digen_jax import report  # pylint: disable=g-import-not-at-top
+  from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import colocated  # pylint: disable=g-import-not-at-top
+  from digen_jax.runtime import disagg  # pylint: disable=g-import-not-at-top
 
   config, workdir, n = cli.setup()
-  exp = cli.build_experiment(config, workdir, n)
-  cli.write_config(config, workdir)
-  logging.info('workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n,
-               exp.batch_size)
-  colocated.train(exp, workdir, devices=jax.local_devices()[:n])
-  report.finish(workdir)
+  if config.runtime.mode != 'disagg':
+    if info.num_processes > 1:
+      cli.fail(f'config.runtime.mode={config.runtime.mode!r} runs in one process, but this job has '
+               f'{info.num_processes}; use --config.runtime.mode=disagg (e.g. '
+               'configs/qwenimage.py:tiny_disagg) or launch one process')
+    exp = cli.build_experiment(config, workdir, n)       # also rejects unknown modes
+    cli.write_config(config, workdir)
+    logging.info('workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n,
+                 exp.batch_size)
+    colocated.train(exp, workdir, devices=jax.local_devices()[:n])
+    report.finish(workdir)
+    return
+
+  try:
+    cluster = cluster_lib.resolve(config)
+  except ValueError as e:
+    cli.fail(str(e))
+  writer = info.process_id == cluster.writer_process
+  # experiment.build checks that the batch splits over a device count; resolve() checked each
+  # role's, so their lcm divides it too.
+  n_check = math.lcm(cluster.rollout.size, cluster.trainer.size)
+  if info.num_processes > 1 and not writer:
+    distributed.barrier('digen/experiment_built', timeout_s=1800)  # the writer prepares data first
+  exp = cli.build_experiment(config, workdir, n_check)
+  if info.num_processes > 1 and writer:
+    distributed.barrier('digen/experiment_built', timeout_s=1800)
+  if writer:
+    cli.write_config(config, workdir)
+  logging.info('workdir %s  mode disagg  process %d/%d (%s)  batch %d  %s', workdir,
+               info.process_id, info.num_processes, cluster.role_of(info.process_id),
+               exp.batch_size, cluster.describe())
+  disagg.train(exp, workdir, cluster)
+  if writer:
+    report.finish(workdir)
 
 
 if __name__ == '__main__':

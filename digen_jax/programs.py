@@ -37,10 +37,12 @@ def guidance_of(exp):
   return (s.guidance_scale, s.norm_rescale) if s.guidance_scale > 1.0 else (None, False)
 
 
-def make_rollout(exp, mesh):
+def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None):
   """rollout(params, cond, uncond, key, step) -> Trajectory, data-parallel over `mesh`.
 
-  Params arrive replicated (the rollout copy); cond/uncond/trajectory are batch-sharded."""
+  Params arrive as the rollout copy: replicated unless `param_shardings` says otherwise (e.g. an
+  FSDP layout on the rollout mesh); cond/uncond are batch-sharded. `traj_shardings` (a
+  Trajectory of shardings) pins the output layout; None lets XLA choose."""
   velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
   sigmas = jnp.asarray(exp.sigmas)
   T = len(exp.sigmas) - 1
@@ -58,13 +60,16 @@ def make_rollout(exp, mesh):
 
   rep = mesh_lib.replicated(mesh)
   cond_sharding = {'text': mesh_lib.batch_sharding(mesh, 3), 'text_mask': mesh_lib.batch_sharding(mesh, 2)}
-  return jax.jit(rollout, in_shardings=(rep, cond_sharding, cond_sharding, rep, rep))
+  return jax.jit(rollout, in_shardings=(rep if param_shardings is None else param_shardings,
+                                       cond_sharding, cond_sharding, rep, rep),
+                 out_shardings=traj_shardings)
 
 
-def make_update(exp, mesh, param_shardings, opt_shardings):
+def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None):
   """update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params)
        -> (params, opt_state, metrics); rl.inner_epochs PPO epochs over the batch.
   ref_params: the frozen reference (FSDP-sharded like params) when rl.kl_beta > 0, else None.
+  traj_shardings: the layout the trajectory arrives in (None: whatever it has).
 
   A step whose gradient is not finite is skipped (params and optimizer state unchanged) and
   reported as metrics['nonfinite'] = 1: NaN/inf never enters the weights."""
@@ -109,7 +114,7 @@ def make_update(exp, mesh, param_shardings, opt_shardings):
   cond_sharding = {'text': data(3), 'text_mask': data(2)}
   return jax.jit(
       update,
-      in_shardings=(param_shardings, opt_shardings, None, cond_sharding, cond_sharding,
+      in_shardings=(param_shardings, opt_shardings, traj_shardings, cond_sharding, cond_sharding,
                     data(1), data(1), rep, rep, param_shardings if r.kl_beta > 0 else None),
       out_shardings=(param_shardings, opt_shardings, rep),
       donate_argnums=(0, 1))

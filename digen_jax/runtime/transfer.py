@@ -35,12 +35,14 @@ Do not donate or delete sent arrays before `wait_delivered` returns for that sen
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import itertools
 import json
 import os
 import socket
+import time
 from typing import Any
 
 import jax
@@ -197,8 +199,12 @@ def _norm_index(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], 
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _assemble(pieces, slices, shape):
-  """Writes `pieces` (on one device) into a zero array of `shape` at `slices` ((start, stop)...)."""
+  """Writes `pieces` (on one device) into a zero array of `shape` at `slices` ((start, stop)...).
+
+  Jitted with static slices: it runs on the pieces' device with no host scalars, so it is legal
+  under jax.transfer_guard('disallow')."""
   out = jnp.zeros(shape, pieces[0].dtype)
   for p, sl in zip(pieces, slices):
     out = lax.dynamic_update_slice(out, p, tuple(a for a, _ in sl))
@@ -265,6 +271,15 @@ def _build(spec, pieces: list, plan: dict):
 # Channel
 
 
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+  """What Channel.receive_full returns."""
+  tree: Any
+  info: dict
+  wait_s: float
+  pull_s: float
+
+
 class Channel:
   """Point-to-point pytree transfer between this process and process `peer`.
 
@@ -290,11 +305,13 @@ class Channel:
   def _key(self, src: int, dst: int, tag: str, seq: int) -> str:
     return f'{_KV_PREFIX}/{self.name}/{src}-{dst}/{tag}/{seq}'
 
-  def send(self, tree, tag: str, dtype=None) -> int:
+  def send(self, tree, tag: str, dtype=None, info: dict | None = None) -> int:
     """Offers `tree` (pytree of fully addressable jax.Arrays) to the peer under `tag`.
 
     Returns at once (the peer pulls when it calls receive); floating leaves are cast to `dtype`
-    first when given. Returns the send's sequence number for wait_delivered.
+    first when given. `info`: a small JSON-serialisable dict that travels with the send (e.g.
+    a policy version); the peer gets it from `receive_full`. Returns the send's sequence number
+    for wait_delivered.
     """
     dt = _cast_dtype(dtype)
     paths, leaves, _ = _path_strings(tree)
@@ -318,7 +335,7 @@ class Channel:
     key = self._key(self.process_id, self.peer, tag, seq)
     # Published after await_pull, so a receiver that sees the key never pulls too early.
     distributed.kv_set(key + '/meta', json.dumps({'pull_id': pull_id, 'paths': paths,
-                                                  'leaves': meta_leaves}))
+                                                  'leaves': meta_leaves, 'info': info or {}}))
     self._sent[tag] = seq + 1
     if seq > 0:  # keep the KV store small: drop the previous send's ack once it is there
       prev = self._key(self.process_id, self.peer, tag, seq - 1) + '/ack'
@@ -337,6 +354,10 @@ class Channel:
     distributed.kv_delete(key)
 
   def receive(self, abstract_tree, tag: str):
+    """The tree of the peer's next send under `tag` (see receive_full)."""
+    return self.receive_full(abstract_tree, tag).tree
+
+  def receive_full(self, abstract_tree, tag: str) -> 'Delivery':
     """Receives the peer's next send under `tag`, laid out as `abstract_tree` asks.
 
     Args:
@@ -344,7 +365,9 @@ class Channel:
         whose .sharding lives on this process's devices; shapes and dtypes must match the sent
         leaves (see `abstract`).
     Returns:
-      Pytree of jax.Arrays on those shardings, ready (the peer may free its copies).
+      Delivery: .tree, a pytree of jax.Arrays on those shardings, ready (the peer may free its
+      copies); .info, the sender's info dict; .wait_s, seconds spent waiting for the send to be
+      posted; .pull_s, seconds from then until every array was ready here.
     Raises:
       ValueError on any structure/shape/dtype/sharding mismatch, before anything is pulled (the
       receive can then be retried with the right tree).
@@ -363,7 +386,9 @@ class Channel:
                          'jax.local_devices().')
     seq = self._received.get(tag, 0)
     key = self._key(self.peer, self.process_id, tag, seq)
+    t_wait = time.perf_counter()
     meta = json.loads(distributed.kv_get(key + '/meta', self.timeout_s))
+    t_pull = time.perf_counter()
     self._check(meta, paths, specs, tag)
 
     pull_specs, builders = [], []
@@ -384,10 +409,12 @@ class Channel:
            for s, (start, n, plan) in zip(specs, builders)]
     # Ready before acking: after the ack the sender may free or donate its buffers.
     out = jax.block_until_ready(out)
+    t_done = time.perf_counter()
     distributed.kv_set(key + '/ack', '1')
     distributed.kv_delete(key + '/meta')
     self._received[tag] = seq + 1
-    return jax.tree.unflatten(treedef, out)
+    return Delivery(jax.tree.unflatten(treedef, out), meta.get('info', {}),
+                    wait_s=t_pull - t_wait, pull_s=t_done - t_pull)
 
   @staticmethod
   def _check(meta: dict, paths: list[str], specs: list, tag: str) -> None:

@@ -1,0 +1,212 @@
+"""Naive disaggregated GRPO (DESIGN.md §3): rollout and trainer on separate meshes, full-batch
+barrier, one versioned weight publish per optimizer step.
+
+One process (both roles' devices local): runtime/synchronous.py with a mesh per role; weights
+and batches move by jax.device_put.
+
+Two processes (launch/local.py --num_processes=2, or launch/slurm.sh): process 0 is the trainer,
+the other process the rollout; weights and batches move over a transfer.Channel. Per step:
+
+  trainer (process 0)                          rollout (process 1)
+  publish weights v=step  ------------------>  receive policy v=step; eval if due
+                                               prompts -> sample -> decode -> reward -> adv
+  receive batch (+ info)  <------------------  send batch (traj, adv, valid) + info (JSON:
+  update; metrics row; checkpoint                step, policy version, prompts, rewards, times)
+
+Who writes what: the trainer process owns params and optimizer state and writes checkpoints,
+metrics.jsonl (rollout statistics and eval rows arrive in the batch info), TensorBoard scalars,
+config.json and the summary; the rollout process writes samples/ and eval/ (it holds the
+images). Prompts come from the rollout's PromptIterator only (their text travels with the
+batch; the trainer encodes them itself, which is cheap and deterministic), so the data position
+has one owner; the trainer checkpoints it and tells the rollout where to resume through the
+jax.distributed key-value store.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import logging
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from digen_jax import checkpoint as ckpt_lib
+from digen_jax import metrics as metrics_lib
+from digen_jax.runtime import distributed
+from digen_jax.runtime import publish
+from digen_jax.runtime import synchronous
+from digen_jax.runtime import transfer
+from digen_jax.runtime import workers
+
+_KV = 'digen/disagg'
+# Control messages wait for the peer's whole step (or an eval); a dead peer ends the job
+# through the launcher long before this.
+PEER_TIMEOUT_S = 3600.0
+
+
+def train(exp, workdir: str, cluster) -> dict:
+  """Runs the naive disaggregated schedule on `cluster` (runtime.cluster.resolve) for this
+  process's role. Returns {'params', 'opt_state', 'step'} where this process trains, else
+  {'step'}."""
+  if not cluster.multi_process:
+    return synchronous.train(exp, workdir, cluster)
+  me = distributed.process_info().process_id
+  role = cluster.role_of(me)
+  if role == 'trainer':
+    return _trainer_process(exp, workdir, cluster)
+  if role == 'rollout':
+    return _rollout_process(exp, workdir, cluster)
+  raise ValueError(f'config.cluster gives process {me} no role')
+
+
+class ProcessCheckpointer(ckpt_lib.Checkpointer):
+  """A Checkpointer for a multi-process job in which only this process saves.
+
+  orbax 0.12 refuses to save arrays that live on one process's devices when the job has
+  several processes, so state goes through host memory (numpy) and is saved by this process
+  alone (active_processes); NumpyHandler writes from process 0 only, hence the trainer is
+  process 0. Restores come back as numpy and are placed on the template's shardings. Same
+  on-disk format as Checkpointer: single-process tools (digen_jax.eval) read these checkpoints.
+  """
+
+  def __init__(self, directory: str, *, max_to_keep: int = 2, save_every: int = 1):
+    pid = jax.process_index()
+    if pid != 0:
+      raise ValueError(f'ProcessCheckpointer runs in process 0 (this is process {pid}): make the '
+                       'trainer process 0 (config.cluster.trainer.processes=(0,))')
+    self.directory = os.path.abspath(directory)
+    os.makedirs(self.directory, exist_ok=True)   # orbax cannot create it with active_processes
+    mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid})
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                             save_interval_steps=max(1, save_every),
+                                             create=False, multiprocessing_options=mp),
+        item_handlers={'state': ocp.StandardCheckpointHandler(multiprocessing_options=mp),
+                       'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
+
+  def save(self, step, state, meta, *, force=False):
+    if self._manager.should_save(step) or force:
+      super().save(step, jax.device_get(state), meta, force=force)
+
+  def restore(self, step, template):
+    host = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), template)
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(host), meta=ocp.args.JsonRestore()))
+    state = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding),
+                         restored['state'], template)
+    return state, restored['meta']
+
+
+def _trainer_process(exp, workdir: str, cluster) -> dict:
+  config = exp.config
+  level = config.runtime.transfer_guard
+  trainer = workers.TrainerWorker(
+      exp, cluster.trainer.mesh,
+      ProcessCheckpointer(os.path.join(workdir, 'checkpoints'),
+                          max_to_keep=config.keep_checkpoints,
+                          save_every=config.checkpoint_every),
+      level)
+  start = trainer.start
+  distributed.kv_set(f'{_KV}/start', json.dumps({'step': start,
+                                                 'data_position': trainer.data_position}))
+  chan = transfer.Channel(cluster.rollout.process, name='disagg', timeout_s=PEER_TIMEOUT_S)
+  dtype = publish.rollout_param_dtype(cluster)
+  publish_mb = publish.publish_megabytes(exp.params, dtype)
+  batch_abstract = workers.with_shardings(workers.abstract_batch(exp), trainer.batch_shardings)
+  writer = metrics_lib.MetricsWriter(workdir)
+  progress = metrics_lib.Progress(start, config.total_steps)
+  eval_on = config.eval.every > 0
+
+  def publish_now(version: int) -> float:
+    t = time.perf_counter()
+    with workers.guard(level):
+      publish.send_weights(chan, trainer.params, version, dtype)
+    return time.perf_counter() - t
+
+  for step in range(start, config.total_steps):
+    t0 = time.perf_counter()
+    send_s = publish_now(step)
+    with workers.guard(level):
+      batch, info, t_move = publish.receive_batch(chan, batch_abstract)
+    if info['step'] != step or info['policy_version'] != step:
+      raise RuntimeError(f'trainer at step {step} got the batch of step {info["step"]} sampled '
+                         f'by policy version {info["policy_version"]}; the naive schedule is '
+                         'strictly on-policy')
+    for row in info['evals']:
+      writer.write(row)
+    t0 += info['eval_s']                         # the step's wall time excludes eval
+    chan.wait_delivered(publish.WEIGHTS_TAG)     # the rollout holds its copy: params may be donated
+    m, update_s = trainer.train_step(batch, info['batch_prompts'], step)
+    wall = time.perf_counter() - t0
+    if m['nonfinite'] > 0:
+      logging.error('step %d: non-finite loss/gradient; the update was skipped (weights '
+                    'unchanged)', step + 1)
+    row = workers.step_row(
+        step=step + 1, policy_version=info['policy_version'],
+        rewards=np.asarray(info['rewards'], np.float32), valid_frac=info['valid_frac'],
+        metrics=m, wall_s=wall, rollout_s=info['rollout_s'], reward_s=info['reward_s'],
+        update_s=update_s, publish_s=send_s + info['publish_pull_s'], publish_mb=publish_mb,
+        batch_move_s=t_move, cluster=cluster)
+    writer.write(row)
+    if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
+      progress.log(step + 1, row)
+    trainer.save(step + 1, info['data_position'], force=step + 1 == config.total_steps)
+  if eval_on and start < config.total_steps:
+    publish_now(config.total_steps)                                 # the final policy
+    for row in json.loads(distributed.kv_get(f'{_KV}/final_evals', PEER_TIMEOUT_S)):
+      writer.write(row)
+    chan.wait_delivered(publish.WEIGHTS_TAG)
+  trainer.close()
+  writer.close()
+  return {'params': trainer.params, 'opt_state': trainer.opt_state, 'step': config.total_steps}
+
+
+def _rollout_process(exp, workdir: str, cluster) -> dict:
+  config = exp.config
+  level = config.runtime.transfer_guard
+  start_info = json.loads(distributed.kv_get(f'{_KV}/start', PEER_TIMEOUT_S))
+  start = int(start_info['step'])
+  exp.prompts.restore(int(start_info['data_position']))
+  chan = transfer.Channel(cluster.trainer.process, name='disagg', timeout_s=PEER_TIMEOUT_S)
+  rollout = workers.RolloutWorker(exp, cluster.rollout.mesh,
+                                  publish.rollout_param_shardings(cluster, exp.params), level)
+  weights_abstract = transfer.abstract(exp.params, rollout.param_shardings,
+                                       publish.rollout_param_dtype(cluster))
+  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
+
+  def receive(version: int):
+    with workers.guard(level):
+      policy, pull_s = publish.receive_weights(chan, weights_abstract)
+    if policy.version != version:
+      raise RuntimeError(f'rollout expected policy version {version}, got {policy.version}')
+    return policy, pull_s
+
+  G = config.rl.group_size
+  for step in range(start, config.total_steps):
+    policy, pull_s = receive(step)
+    eval_rows, t_eval = [], time.perf_counter()
+    if evals.due(step, start):
+      eval_rows.append(evals(policy))
+    t_eval = time.perf_counter() - t_eval
+    out = rollout.generate(policy, exp.prompts.next_batch(), step)
+    info = {'step': step, 'policy_version': out.policy_version,
+            'batch_prompts': out.batch_prompts, 'data_position': exp.prompts.position,
+            'rewards': [float(r) for r in out.rewards], 'valid_frac': out.valid_frac,
+            'rollout_s': out.rollout_s, 'reward_s': out.reward_s, 'publish_pull_s': pull_s,
+            'eval_s': t_eval, 'evals': eval_rows}
+    with workers.guard(level):
+      publish.send_batch(chan, out.batch, info)
+    if config.sample_grid_every and (step + 1) % config.sample_grid_every == 0:
+      synchronous.write_samples(None, workdir, out, step + 1, G)
+    # Keep the batch alive until the trainer has pulled it (it does so at once).
+    chan.wait_delivered(publish.BATCH_TAG, timeout_s=PEER_TIMEOUT_S)
+    logging.info('rollout step %d/%d: policy v%d, reward_mean=%.4g, sampling %.2fs, '
+                 'weights pulled in %.3fs', step + 1, config.total_steps, policy.version,
+                 float(np.mean(out.rewards)), out.rollout_s, pull_s)
+  if evals.enabled and start < config.total_steps:
+    policy, _ = receive(config.total_steps)
+    distributed.kv_set(f'{_KV}/final_evals', json.dumps([evals(policy)]))
+  return {'step': config.total_steps}

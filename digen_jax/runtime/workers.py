@@ -1,0 +1,268 @@
+"""The per-step work of the two roles, shared by every schedule (colocated, disagg, ...).
+
+`RolloutWorker`: prompts + a published policy -> trajectories, images, rewards and advantages on
+the rollout mesh. `TrainerWorker`: the trainer state (FSDP float32 params and optimizer state,
+orbax checkpoints) and one GRPO update per batch on the trainer mesh. Schedules decide where
+each runs and how weights and batches travel between them; the math is the same everywhere:
+both roles derive their keys from (config.seed, step), and every sample's noise key folds in its
+index, so a sample does not depend on how the batch is cut or where it runs.
+
+The device work of each step runs under jax.transfer_guard(config.runtime.transfer_guard)
+('disallow' by default): an implicit host<->device copy in the hot path is an error, not a
+silent slowdown. Host work (text encoding, reward scoring, metrics) stays outside the guard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Any
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from digen_jax import checkpoint as ckpt_lib
+from digen_jax import evaluation
+from digen_jax import programs
+from digen_jax.diffusion import sampler as sampler_lib
+from digen_jax.rl import advantages as adv_lib
+from digen_jax.runtime import mesh as mesh_lib
+
+
+@jax.jit
+def _step_keys(base_key, step):
+  """(k_rollout, k_update) of `step`: the same in every role, mode and process."""
+  k = jax.random.split(jax.random.fold_in(base_key, step))
+  return k[0], k[1]
+
+
+def encode(exp, prompts: list[str], mesh):
+  """Text conditioning for `prompts`, batch-sharded on `mesh` (host encoder, explicit copy)."""
+  emb, mask = exp.text_encoder.encode(prompts)
+  return {'text': jax.device_put(np.asarray(emb, np.float32), mesh_lib.batch_sharding(mesh, 3)),
+          'text_mask': jax.device_put(np.asarray(mask, np.int32),
+                                      mesh_lib.batch_sharding(mesh, 2))}
+
+
+def trajectory_shardings(mesh) -> sampler_lib.Trajectory:
+  """Trajectory layout on `mesh`: batch-sharded per-sample fields, replicated schedule."""
+  rep = mesh_lib.replicated(mesh)
+  return sampler_lib.Trajectory(
+      latents=mesh_lib.batch_sharding(mesh, 4, 1),      # [T+1, B, N, C]
+      log_probs=mesh_lib.batch_sharding(mesh, 2, 1),    # [T, B]
+      sigmas=rep, sde_steps=rep,                        # [T+1], [T]
+      stds=mesh_lib.batch_sharding(mesh, 2, 1))         # [T, B]
+
+
+def trainer_batch_shardings(mesh) -> dict:
+  """Where the update program takes a batch: {'traj', 'adv' [B], 'valid' [B]} batch-sharded."""
+  return {'traj': trajectory_shardings(mesh), 'adv': mesh_lib.batch_sharding(mesh, 1),
+          'valid': mesh_lib.batch_sharding(mesh, 1)}
+
+
+def rollout_batch_shardings(mesh) -> dict:
+  """Where the rollout leaves a batch: advantages replicated (every device computes all groups,
+  so their values do not depend on the mesh)."""
+  rep = mesh_lib.replicated(mesh)
+  return {'traj': trajectory_shardings(mesh), 'adv': rep, 'valid': rep}
+
+
+def guard(level: str):
+  """jax.transfer_guard(level) for the device work of a step (config.runtime.transfer_guard)."""
+  return jax.transfer_guard(level)
+
+
+@dataclasses.dataclass
+class RolloutOutput:
+  """One step's rollout. batch: {'traj', 'adv', 'valid'} on the rollout mesh."""
+  batch: Any
+  step: int
+  policy_version: int
+  prompts: list[str]          # one per group
+  batch_prompts: list[str]    # one per sample, group-contiguous
+  rewards: np.ndarray         # [B] float32
+  valid_frac: float
+  images: np.ndarray          # [B, H, W, 3] in [-1, 1]
+  rollout_s: float            # sampling + decode (device busy)
+  reward_s: float             # host reward scoring
+
+
+class RolloutWorker:
+  """The rollout role on `mesh`: one compiled sampling program for params laid out as
+  `param_shardings` (the published rollout copy)."""
+
+  def __init__(self, exp, mesh, param_shardings, guard_level: str = 'allow'):
+    self.exp, self.mesh, self.param_shardings = exp, mesh, param_shardings
+    self.guard_level = guard_level
+    c = exp.config
+    self.batch_shardings = rollout_batch_shardings(mesh)
+    traj_sh = self.batch_shardings['traj']
+    self._rollout = programs.make_rollout(exp, mesh, param_shardings, traj_sh)
+    self._decode = jax.jit(lambda traj: exp.decode(traj.latents[-1]), in_shardings=(traj_sh,))
+    self._rep = mesh_lib.replicated(mesh)
+    self._advantages = jax.jit(
+        functools.partial(adv_lib.grpo_advantages, group_size=c.rl.group_size,
+                          std_mode=c.rl.adv_std, eps=c.rl.adv_eps, clip=c.rl.adv_clip),
+        in_shardings=self._rep, out_shardings=(self._rep, self._rep))
+    self._uncond = (encode(exp, [''] * exp.batch_size, mesh)
+                    if c.sampler.guidance_scale > 1.0 else None)
+    self._base_key = jax.device_put(jax.random.key(c.seed), self._rep)
+
+  def generate(self, policy, prompts: list[str], step: int) -> RolloutOutput:
+    """Samples one group per prompt with `policy` (a publish.Policy on this mesh), decodes,
+    scores on the host and computes the GRPO advantages."""
+    G = self.exp.config.rl.group_size
+    batch_prompts = [p for p in prompts for _ in range(G)]     # group-contiguous
+    t0 = time.perf_counter()
+    cond = encode(self.exp, batch_prompts, self.mesh)
+    with guard(self.guard_level):
+      step_arr = jax.device_put(np.int32(step), self._rep)
+      k_rollout, _ = _step_keys(self._base_key, step_arr)
+      uncond = self._uncond if self._uncond is not None else cond
+      traj = self._rollout(policy.params, cond, uncond, k_rollout, step_arr)
+      images = jax.device_get(self._decode(traj))
+    t1 = time.perf_counter()
+    rewards = np.asarray(self.exp.reward_fn(images, batch_prompts), np.float32)
+    t2 = time.perf_counter()
+    with guard(self.guard_level):
+      adv, valid = self._advantages(jax.device_put(rewards, self._rep))
+      valid_frac = float(np.mean(jax.device_get(valid)))
+    return RolloutOutput(
+        batch={'traj': traj, 'adv': adv, 'valid': valid}, step=step,
+        policy_version=policy.version, prompts=list(prompts), batch_prompts=batch_prompts,
+        rewards=rewards, valid_frac=valid_frac, images=images, rollout_s=t1 - t0,
+        reward_s=t2 - t1)
+
+
+def abstract_batch(exp) -> dict:
+  """Shapes and dtypes of one rollout batch {'traj', 'adv', 'valid'}: the rollout program
+  traced (not compiled) on one local device. Lay it out with `with_shardings`."""
+  mesh = mesh_lib.make_mesh(jax.local_devices()[:1])
+  sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  c, b = exp.config, exp.batch_size
+  params = jax.tree.map(lambda x: sds(x.shape, x.dtype), exp.params)
+  cond = {'text': sds((b, c.text.max_length, c.model.joint_attention_dim), jnp.float32),
+          'text_mask': sds((b, c.text.max_length), jnp.int32)}
+  traj = jax.eval_shape(programs.make_rollout(exp, mesh), params, cond, cond,
+                        sds((), jax.random.key(0).dtype), sds((), jnp.int32))
+  return {'traj': traj, 'adv': sds((b,), jnp.float32), 'valid': sds((b,), jnp.bool_)}
+
+
+def with_shardings(abstract, shardings):
+  """ShapeDtypeStructs of `abstract` laid out on `shardings` (same tree): what Channel.receive
+  takes."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, shardings)
+
+
+class TrainerWorker:
+  """The trainer role on `mesh`: FSDP float32 params and optimizer state (restored from
+  `checkpointer` when it holds a step), the compiled update program, checkpoint saves."""
+
+  def __init__(self, exp, mesh, checkpointer, guard_level: str = 'allow'):
+    self.exp, self.mesh, self.checkpointer = exp, mesh, checkpointer
+    self.guard_level = guard_level
+    c = exp.config
+    self.param_shardings = mesh_lib.fsdp_shardings(exp.params, mesh)
+    self.params = jax.device_put(exp.params, self.param_shardings)
+    opt_shapes = jax.eval_shape(exp.optimizer.init, self.params)
+    self.opt_shardings = mesh_lib.fsdp_shardings(opt_shapes, mesh)
+    self.opt_state = jax.jit(exp.optimizer.init, out_shardings=self.opt_shardings)(self.params)
+    # The KL reference is the initial model, also after a resume.
+    self.ref_params = jax.tree.map(jnp.copy, self.params) if c.rl.kl_beta > 0 else None
+    base_key = jax.random.key(c.seed)
+    self.start = checkpointer.latest_step() or 0
+    self.data_position = 0
+    if self.start:
+      state, meta = checkpointer.restore(self.start, {
+          'params': self.params, 'opt_state': self.opt_state,
+          'rng': ckpt_lib.key_to_data(base_key)})
+      self.params, self.opt_state = state['params'], state['opt_state']
+      base_key = ckpt_lib.data_to_key(state['rng'])
+      self.data_position = int(meta['data_position'])
+      logging.info('resumed from %s at step %d (data position %d)', checkpointer.directory,
+                   self.start, self.data_position)
+    self._rng_data = ckpt_lib.key_to_data(base_key)
+    self._rep = mesh_lib.replicated(mesh)
+    self._base_key = jax.device_put(base_key, self._rep)
+    self.batch_shardings = trainer_batch_shardings(mesh)
+    self._update = programs.make_update(exp, mesh, self.param_shardings, self.opt_shardings,
+                                        traj_shardings=self.batch_shardings['traj'])
+    self._uncond = (encode(exp, [''] * exp.batch_size, mesh)
+                    if c.sampler.guidance_scale > 1.0 else None)
+
+  def train_step(self, batch, batch_prompts: list[str], step: int) -> tuple[dict, float]:
+    """One GRPO update on `batch` (on self.batch_shardings). Returns (metrics, seconds)."""
+    cond = encode(self.exp, batch_prompts, self.mesh)
+    t0 = time.perf_counter()
+    with guard(self.guard_level):
+      step_arr = jax.device_put(np.int32(step), self._rep)
+      _, k_update = _step_keys(self._base_key, step_arr)
+      uncond = self._uncond if self._uncond is not None else cond
+      self.params, self.opt_state, m = self._update(
+          self.params, self.opt_state, batch['traj'], cond, uncond, batch['adv'],
+          batch['valid'], k_update, step_arr, self.ref_params)
+      m = jax.device_get(m)
+    return {k: float(v) for k, v in m.items()}, time.perf_counter() - t0
+
+  def save(self, step: int, data_position: int, *, force: bool = False):
+    self.checkpointer.save(step, {'params': self.params, 'opt_state': self.opt_state,
+                                  'rng': self._rng_data},
+                           {'step': step, 'data_position': int(data_position),
+                            'policy_version': step},
+                           force=force)
+
+  def close(self):
+    self.checkpointer.close()
+
+
+def step_row(*, step: int, policy_version: int, rewards: np.ndarray, valid_frac: float,
+             metrics: dict, wall_s: float, rollout_s: float, reward_s: float, update_s: float,
+             publish_s: float, publish_mb: float, batch_move_s: float, cluster) -> dict:
+  """The metrics.jsonl row of one optimizer step.
+
+  utilization = busy device-seconds / (devices x wall seconds): rollout devices are busy while
+  sampling, trainer devices while updating (host reward scoring and transfers count as idle)."""
+  busy = cluster.rollout.size * rollout_s + cluster.trainer.size * update_s
+  batch = int(np.size(rewards))
+  return {
+      'step': step, 'policy_version': policy_version,
+      'reward_mean': float(np.mean(rewards)), 'reward_std': float(np.std(rewards)),
+      'samples': batch, 'samples_per_s': batch / wall_s, 'wall_s': wall_s,
+      'rollout_s': rollout_s, 'reward_s': reward_s, 'update_s': update_s,
+      'publish_s': publish_s, 'publish_mb': publish_mb, 'batch_move_s': batch_move_s,
+      'utilization': min(1.0, busy / (cluster.num_devices * wall_s)),
+      'valid_frac': valid_frac, **metrics,
+  }
+
+
+class EvalRunner:
+  """Periodic evaluation (config.eval.every) on the rollout mesh with a published policy;
+  writes <workdir>/eval/eval_<version>.{json,png} and returns the metrics row."""
+
+  def __init__(self, exp, mesh, workdir: str):
+    self.exp, self.workdir = exp, workdir
+    self.every = exp.config.eval.every
+    self.evaluator = (evaluation.Evaluator(exp, mesh, evaluation.eval_prompts(exp, workdir))
+                      if self.every > 0 else None)
+
+  @property
+  def enabled(self) -> bool:
+    return self.evaluator is not None
+
+  def due(self, version: int, start: int) -> bool:
+    """Before the rollout of step `version` (a run also evaluates once more at its end): the
+    base model of a fresh run, and every eval.every versions after the resume point (the run
+    that stopped there evaluated it)."""
+    if not self.enabled:
+      return False
+    return (version == 0 and start == 0) or (version > start and version % self.every == 0)
+
+  def __call__(self, policy) -> dict:
+    result = self.evaluator(policy.params, seed=self.exp.config.eval.seed)
+    grid = evaluation.write_report(result, os.path.join(self.workdir, 'eval'), policy.version)
+    logging.info('eval at step %d: %s (%s)', policy.version, result['metrics'], grid)
+    return {'step': policy.version, **result['metrics']}

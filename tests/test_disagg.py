@@ -1,0 +1,299 @@
+"""Disaggregated runtime: cluster specs, versioned publish and batch moves on device, and exactness
+(naive disagg in one process == colocated; two processes == one process)."""
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import qwenimage
+from digen_jax import checkpoint as ckpt_lib
+from digen_jax import configlib
+from digen_jax import experiment
+from digen_jax.runtime import cluster as cluster_lib
+from digen_jax.runtime import colocated
+from digen_jax.runtime import disagg
+from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime import publish
+from digen_jax.runtime import workers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    'launcher_util', os.path.join(REPO, 'tests', 'mp_scripts', 'launcher_util.py'))
+util = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(util)
+
+STEPS = 3
+
+
+def _tiny(**overrides):
+  c = qwenimage.get_config('tiny')
+  c.total_steps = STEPS
+  for k, v in overrides.items():
+    node = c
+    *path, last = k.split('.')
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def _max_abs_diff(a, b) -> float:
+  la, lb = _leaves(a), _leaves(b)
+  assert len(la) == len(lb)
+  return max(float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max())
+             for x, y in zip(la, lb))
+
+
+def _rows(workdir):
+  return [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+
+
+# ------------------------------------------------------------------------ config and cluster
+
+
+def test_set_disagg_fills_the_cluster_block():
+  c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=[2, 3],
+                           rollout_param_dtype='bfloat16')
+  assert c.runtime.mode == 'disagg' and c.cluster.layout == 'explicit'
+  assert c.cluster.trainer.devices == (0, 1) and c.cluster.rollout.devices == (2, 3)
+  assert c.cluster.rollout.processes == () and c.cluster.rollout.param_dtype == 'bfloat16'
+  c = configlib.set_disagg(_tiny(), trainer=[0], rollout=[1], by='processes')
+  assert c.cluster.trainer.processes == (0,) and c.cluster.trainer.devices == ()
+  auto = qwenimage.get_config('tiny_disagg')
+  assert auto.runtime.mode == 'disagg' and auto.cluster.layout == 'auto'
+  assert qwenimage.get_config('disagg').cluster.rollout.param_dtype == 'bfloat16'
+  with pytest.raises(ValueError, match='both'):
+    configlib.set_disagg(_tiny(), trainer=(0,))
+
+
+def test_resolve_layouts_and_meshes():
+  devs = jax.devices()
+  auto = cluster_lib.resolve(configlib.set_disagg(_tiny()))
+  assert auto.trainer.devices == tuple(devs[:2]) and auto.rollout.devices == tuple(devs[2:])
+  assert not auto.multi_process and not auto.is_colocated and auto.num_devices == 4
+  c = configlib.set_disagg(_tiny(), trainer=(3,), rollout=(0, 1))
+  c.cluster.rollout.mesh_shape = (1, 2)
+  c.cluster.rollout.axis_names = ('replica,data',)       # as --config...axis_names=replica,data
+  c.cluster.rollout.speed = 2.5
+  cl = cluster_lib.resolve(c)
+  assert cl.trainer.devices == (devs[3],) and cl.rollout.size == 2
+  assert dict(cl.rollout.mesh.shape) == {'replica': 1, 'data': 2} and cl.rollout.speed == 2.5
+  # A batch over a 2-D mesh is split over both axes.
+  assert mesh_lib.batch_sharding(cl.rollout.mesh, 2).spec[0] == ('replica', 'data')
+  col = cluster_lib.colocated(devs[:2])
+  assert col.is_colocated and col.num_devices == 2 and col.role_of(0) == 'both'
+
+
+@pytest.mark.parametrize('roles, extra, message', [
+    (((0, 1), (1, 2)), {}, r'config.cluster.trainer and config.cluster.rollout overlap on device'),
+    (((0, 1), (2, 7)), {}, r'config.cluster.rollout.devices=\(2, 7\) names device 7'),
+    (((0, 1), ()), {}, r'config.cluster.rollout is empty'),
+    (((), (2, 3)), {}, r'config.cluster.trainer is empty'),
+    (((0, 1), (2, 3)), {'cluster.trainer.mesh_shape': (3,)},
+     r'config.cluster.trainer.mesh_shape=\(3,\) holds 3 devices'),
+    (((0, 1), (2, 3)), {'cluster.rollout.mesh_shape': (2, 1)},
+     r'config.cluster.rollout.axis_names'),
+    (((0, 1), (2,)), {'rl.prompts_per_step': 3, 'rl.group_size': 3},
+     r'not divisible by the 2 devices of config.cluster.trainer'),
+    (((0, 1), (2, 3)), {'cluster.rollout.processes': (0,)}, r'config.cluster.rollout: give devices'),
+    (((0, 1), (2, 3)), {'cluster.layout': 'auto'}, r"config.cluster.trainer.devices=.*layout='auto'"),
+])
+def test_resolve_rejects_bad_specs_naming_the_field(roles, extra, message):
+  c = _tiny(**extra)
+  c.runtime.mode = 'disagg'
+  c.cluster.layout = extra.get('cluster.layout', 'explicit')
+  c.cluster.trainer.devices, c.cluster.rollout.devices = roles
+  with pytest.raises(ValueError, match=message):
+    cluster_lib.resolve(c)
+
+
+def test_resolve_rejects_unknown_process_and_odd_auto_split():
+  c = configlib.set_disagg(_tiny(), trainer=(0,), rollout=(1,), by='processes')
+  with pytest.raises(ValueError, match=r'config.cluster.rollout.processes=\(1,\) names process 1'):
+    cluster_lib.resolve(c)
+  with pytest.raises(ValueError, match=r"layout='auto' splits this process's devices in half"):
+    cluster_lib.resolve(configlib.set_disagg(_tiny()), devices=jax.devices()[:3])
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeDevice:
+  """Stands in for another process's device (validation only looks at process_index)."""
+  id: int
+  process_index: int
+
+
+@pytest.mark.parametrize('trainer, rollout, message', [
+    ((2, 3), (0, 1), r'config.cluster.trainer must be process 0'),
+    ((0, 2), (1, 3), r'config.cluster.trainer spans processes \[0, 1\]'),
+    ((0,), (1,), r'process\(es\) \[1\] have no role'),
+])
+def test_resolve_multi_process_rules(trainer, rollout, message):
+  devs = [_FakeDevice(0, 0), _FakeDevice(1, 0), _FakeDevice(2048, 1), _FakeDevice(2049, 1)]
+  c = configlib.set_disagg(_tiny(), trainer=trainer, rollout=rollout)
+  with pytest.raises(ValueError, match=message):
+    cluster_lib.resolve(c, devices=devs)
+
+
+# ------------------------------------------------------------------------ publish / batch moves
+
+
+def test_publish_and_batch_move_stay_on_device():
+  """Trainer FSDP f32 -> rollout replicated (or FSDP) bf16 on other devices, stamped with the
+  version; a rollout batch onto the trainer's layout; all under transfer_guard('disallow')."""
+  c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=(2, 3),
+                           rollout_param_dtype='bfloat16')
+  cl = cluster_lib.resolve(c)
+  _, _, params = experiment.build_model(c)
+  trainer_params = jax.device_put(params, mesh_lib.fsdp_shardings(params, cl.trainer.mesh))
+  want = [np.asarray(x).astype(jnp.bfloat16) for x in jax.tree.leaves(params)]
+  for sharding in ('replicated', 'fsdp'):
+    cl = dataclasses.replace(cl, rollout_param_sharding=sharding)
+    targets = publish.rollout_param_shardings(cl, params)
+    with jax.transfer_guard('disallow'):
+      policy = publish.publish_local(trainer_params, 7, targets,
+                                     publish.rollout_param_dtype(cl))
+      jax.block_until_ready(policy.params)
+    assert policy.version == 7
+    for got, w, t in zip(jax.tree.leaves(policy.params), want, jax.tree.leaves(targets)):
+      assert got.dtype == jnp.bfloat16 and got.sharding == t
+      assert got.sharding.device_set == set(cl.rollout.devices)
+      np.testing.assert_array_equal(np.asarray(got), w)
+  mb = publish.publish_megabytes(params, jnp.bfloat16)
+  assert mb == pytest.approx(sum(x.size for x in jax.tree.leaves(params)) * 2 / 1e6)
+
+  rng = np.random.default_rng(0)
+  T, B, N, C = 3, 8, 4, 2
+  host = {'traj': workers.sampler_lib.Trajectory(
+      latents=rng.standard_normal((T + 1, B, N, C)).astype(np.float32),
+      log_probs=rng.standard_normal((T, B)).astype(np.float32),
+      sigmas=np.linspace(1, 0, T + 1).astype(np.float32), sde_steps=np.ones(T, bool),
+      stds=rng.random((T, B)).astype(np.float32)),
+      'adv': rng.standard_normal(B).astype(np.float32), 'valid': rng.random(B) > 0.3}
+  on_rollout = jax.device_put(host, workers.rollout_batch_shardings(cl.rollout.mesh))
+  dst = workers.trainer_batch_shardings(cl.trainer.mesh)
+  with jax.transfer_guard('disallow'):
+    moved = jax.block_until_ready(publish.move_batch_local(on_rollout, dst))
+  for got, w, s in zip(jax.tree.leaves(moved), jax.tree.leaves(host), jax.tree.leaves(dst)):
+    assert got.sharding == s
+    np.testing.assert_array_equal(np.asarray(got), w)
+
+
+def test_abstract_batch_has_the_rollout_shapes(tmp_path):
+  """What the trainer process receives: traced from the rollout program, not compiled."""
+  c = _tiny()
+  exp = experiment.build(c, str(tmp_path), 1)
+  ab = workers.abstract_batch(exp)
+  T, B = c.sampler.num_steps, exp.batch_size
+  assert ab['traj'].latents.shape == (T + 1, B, *exp.latent_shape)
+  assert ab['traj'].log_probs.shape == (T, B) and ab['traj'].sde_steps.dtype == jnp.bool_
+  assert ab['adv'].shape == (B,) and ab['valid'].dtype == jnp.bool_
+
+
+def _cli(workdir, *flags, env=None, timeout=600):
+  cmd = [sys.executable, '-m', 'digen_jax.main', f'--workdir={workdir}', *flags]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                        env=env)
+
+
+@pytest.mark.parametrize('flags, devices, message', [
+    (['--config.cluster.layout=explicit', '--config.cluster.trainer.devices=0,1',
+      '--config.cluster.rollout.devices=1,2'], 4, 'overlap on device'),
+    ([], 1, "layout='auto' splits this process's devices in half, but it has 1"),
+])
+def test_cli_bad_cluster_fails_before_compiling(tmp_path, flags, devices, message):
+  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  wd = tmp_path / 'run'
+  r = _cli(wd, '--config=configs/qwenimage.py:tiny_disagg', *flags, env=env)
+  assert r.returncode != 0
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.startswith('digen_jax: ') and message in last, r.stderr[-2000:]
+  assert not os.path.exists(wd / 'metrics.jsonl') and not os.path.exists(wd / 'config.json')
+
+
+# ------------------------------------------------------------------------ exactness
+
+
+@pytest.fixture(scope='module')
+def disagg_one_process(tmp_path_factory):
+  """Naive disagg in one process: trainer on devices 0-1, rollout on devices 2-3."""
+  wd = str(tmp_path_factory.mktemp('disagg1p'))
+  c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=(2, 3))
+  cl = cluster_lib.resolve(c)
+  out = disagg.train(experiment.build(c, wd, 2), wd, cl)
+  return out, wd
+
+
+@pytest.mark.slow
+def test_disagg_one_process_equals_colocated(disagg_one_process, tmp_path):
+  """Same seed and config: identical parameters after 3 steps. The colocated mesh has the same
+  2 devices as each role, so the programs and their reduction orders are the same: the
+  expected difference is 0 (asserted to 1e-6 relative)."""
+  dis, dis_wd = disagg_one_process
+  wd = str(tmp_path / 'colocated')
+  col = colocated.train(experiment.build(_tiny(), wd, 2), wd, devices=jax.devices()[:2])
+  diff = _max_abs_diff(dis['params'], col['params'])
+  print(f'disagg(1 process, 2+2 devices) vs colocated(2 devices): max |dparams| = {diff:.3g}')
+  for x, y in zip(_leaves(dis['params']), _leaves(col['params'])):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9)
+  init = experiment.build_model(_tiny())[2]
+  assert _max_abs_diff(dis['params'], init) > 1e-6, 'the updates did nothing'
+  rd, rc = _rows(dis_wd), _rows(wd)
+  assert [r['step'] for r in rd] == [1, 2, 3] and [r['policy_version'] for r in rd] == [0, 1, 2]
+  for a, b in zip(rd, rc):
+    assert a['reward_mean'] == pytest.approx(b['reward_mean'], rel=1e-6)
+    assert a['loss'] == pytest.approx(b['loss'], rel=1e-5, abs=1e-12)
+    assert a['publish_s'] > 0 and a['publish_mb'] > 0
+    assert abs(a['ratio_mean'] - 1.0) < 1e-5       # on-policy: ratio 1 before the update
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_and_resume(disagg_one_process, tmp_path):
+  """launch/local.py: process 0 trains, process 1 rolls out (2 CPU devices each). 2 steps, then a
+  restart on the same workdir resumes to 3 (with an eval at the end); the trainer's final
+  checkpoint equals the one-process disagg parameters (expected difference 0)."""
+  dis, _ = disagg_one_process
+  wd = str(tmp_path / 'run')
+  launch = ['--num_processes=2', '--devices_per_process=2', '--timeout_s=280']
+  main = [sys.executable, '-m', 'digen_jax.main', '--config=configs/qwenimage.py:tiny_disagg',
+          f'--workdir={wd}']
+  code, out = util.run(launch, main + ['--config.total_steps=2'], timeout_s=300)
+  assert code == 0, out[-4000:]
+  assert '(trainer)' in out and '(rollout)' in out
+  evals = ['--config.eval.every=2', '--config.eval.num_prompts=2',
+           '--config.eval.samples_per_prompt=2', '--config.eval.batch_size=4']
+  code, out = util.run(launch, main + [f'--config.total_steps={STEPS}', *evals], timeout_s=300)
+  assert code == 0, out[-4000:]
+  assert '[0] ' in out and 'resumed from' in out, out[-4000:]
+
+  ckpt = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))
+  assert ckpt.latest_step() == STEPS
+  template = {'params': dis['params'], 'opt_state': dis['opt_state'],
+              'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+  state, meta = ckpt.restore(STEPS, template)
+  ckpt.close()
+  diff = _max_abs_diff(state['params'], dis['params'])
+  print(f'disagg 2 processes (with a resume) vs 1 process: max |dparams| = {diff:.3g}')
+  for x, y in zip(_leaves(state['params']), _leaves(dis['params'])):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9)
+  assert _max_abs_diff(state['opt_state'], dis['opt_state']) <= 1e-6
+  assert meta['data_position'] == STEPS * 2 and meta['policy_version'] == STEPS
+
+  rows = _rows(wd)
+  train = [r for r in rows if 'reward_mean' in r]
+  assert [r['step'] for r in train] == [1, 2, 3]
+  assert [r['policy_version'] for r in train] == [0, 1, 2]
+  assert all(r['publish_s'] > 0 and r['publish_mb'] > 0 for r in train)
+  assert [r['step'] for r in rows if 'eval/reward_mean' in r] == [3]
+  assert os.path.exists(os.path.join(wd, 'eval', 'eval_000003.json'))   # written by the rollout
+  assert os.path.exists(os.path.join(wd, 'summary.json'))
