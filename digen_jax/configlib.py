@@ -126,6 +126,41 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+SHAPES_BASE_CHECKPOINT = 'assets/shapes_base'
+
+
+def shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_CHECKPOINT):
+  """Sets model/latent/text/sampler/data/reward of `c` to the ShapesBench base generator's (in
+  place; returns c). checkpoint '' = random init (what pretraining starts from).
+
+  16x16 RGB pixel space, patch 2 -> 64 tokens of 12 channels, identity decoder; MMDiT with 3
+  double-stream blocks, 4 heads x 32, ~1.9M params; frozen word encoder (dim 64, seeded by
+  config.seed: keep seed=0 with the shipped checkpoint); no CFG."""
+  c.model.checkpoint = checkpoint
+  c.model.init = 'checkpoint' if checkpoint else 'random'
+  c.model.patch_size = 2
+  c.model.in_channels = 12          # 3 channels * 2 * 2
+  c.model.out_channels = 3
+  c.model.num_layers = 3
+  c.model.attention_head_dim = 32
+  c.model.num_attention_heads = 4
+  c.model.joint_attention_dim = 64
+  c.model.axes_dims_rope = (8, 12, 12)
+  c.latent.space = 'pixel'
+  c.latent.channels = 3
+  c.latent.height = c.latent.width = 16
+  c.latent.frames = 1
+  c.text.encoder = 'word'
+  c.text.max_length = 16            # longest ShapesBench prompt is 12 words + <bos>
+  c.sampler.scheduler = 'flux'      # no shift_terminal: the ODE ends exactly at sigma 0
+  c.sampler.shift = 3.0             # static shift (64 tokens make dynamic shift meaningless)
+  c.sampler.num_steps = 10
+  c.sampler.guidance_scale = 0.0
+  c.data.prompts = 'shapes'
+  c.reward.weights = ml_collections.ConfigDict({'shapes': 1.0})
+  return c
+
+
 _CHOICES = {
     'model.init': ('checkpoint', 'random'),
     'latent.space': ('pixel', 'vae'),

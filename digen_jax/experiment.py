@@ -20,6 +20,7 @@ from digen_jax.diffusion import sde as sde_lib
 from digen_jax.models import convert
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import mmdit
+from digen_jax.models import params_io
 from digen_jax.models import text as text_lib
 from digen_jax.rewards import registry as reward_registry
 from digen_jax.rl import timesteps as timesteps_lib
@@ -74,10 +75,18 @@ def build_model(config) -> tuple[mmdit.MMDiTConfig, Any, Any]:
     model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
   else:
     path = config.model.checkpoint
+    repo_relative = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+    if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(repo_relative):
+      path = repo_relative          # shipped assets (assets/shapes_base) work from any cwd
     if not os.path.isdir(path):
-      raise ValueError(f'config.model.checkpoint={path!r} is not a readable folder; give a diffusers '
-                       'QwenImage folder (config.json + *.safetensors) or run configs/qwenimage.py:tiny')
-    model = convert.load_diffusers_folder(path)
+      raise ValueError(f'config.model.checkpoint={path!r} is not a readable folder; give a params '
+                       'folder (params.safetensors + config.json, from digen_jax.pretrain), a diffusers '
+                       'QwenImage folder (config.json + *.safetensors), or run configs/qwenimage.py:tiny')
+    # Our own params folder (pretrain output: params.safetensors + config.json) or a diffusers one.
+    if os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
+      model = params_io.load_model(path)
+    else:
+      model = convert.load_diffusers_folder(path)
     if model.config != mcfg:
       raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
                        f'{model.config}, config asks for {mcfg}')

@@ -1,0 +1,86 @@
+"""Pretraining of the ShapesBench base generator (flow matching, CPU-sized), and `:test`.
+
+  python -m digen_jax.pretrain --config=configs/shapes_pretrain.py --workdir=/tmp/shapes_pre
+  python -m digen_jax.pretrain --config=configs/shapes_pretrain.py:test --workdir=/tmp/x
+
+The `model`, `latent`, `text` and `sampler` fields are the ones the ShapesBench RL config reuses:
+call `apply_shapes_base(c)` on an RL config to get exactly them, with model.init='checkpoint'
+pointing at the shipped assets/shapes_base (trained by this file's default variant).
+
+Design (measured on the 2-core CPU, see assets/shapes_base/README.md):
+  * 16x16 RGB pixel space, patch 2 -> 64 image tokens of 12 channels; identity decoder
+    (configlib.shapes_base holds the architecture; the RL config uses the same function).
+  * MMDiT with 3 double-stream blocks, 4 heads x 32 = 128 wide, ~1.9M params.
+  * Frozen word encoder, dim 64 = joint_attention_dim, 16 tokens. Its table is seeded by
+    config.seed (experiment.build_text_encoder), so an RL run must keep seed=0 or use a different
+    text seed at its peril; the checkpoint records a digest of the table to catch that.
+  * No CFG: trained without text dropout; RL samples with guidance_scale=0.
+"""
+import ml_collections
+
+from digen_jax import configlib
+
+SHAPES_BASE_CHECKPOINT = 'assets/shapes_base'
+
+
+def apply_shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_CHECKPOINT):
+  """Sets model/latent/text/sampler of `c` to the ShapesBench base generator's (in place)."""
+  return configlib.shapes_base(c, checkpoint=checkpoint)
+
+
+def get_config(arg: str | None = None):
+  c = configlib.base_config()
+  c.seed = 0
+  apply_shapes_base(c, checkpoint='')  # pretraining starts from random init
+
+  p = c.pretrain = ml_collections.ConfigDict()
+  p.steps = 3000
+  p.batch = 32
+  p.lr = 2e-3
+  p.warmup = 200
+  p.final_lr_frac = 0.1             # cosine decay to lr * final_lr_frac
+  p.weight_decay = 0.0
+  p.grad_clip = 1.0
+  p.ema = 0.999                     # 0 = no EMA; eval and saves use the EMA weights when > 0
+  p.sigma_sampling = 'uniform'      # 'logit_normal' (SD3) | 'uniform'
+  p.logit_mean = 0.0
+  p.logit_std = 1.0
+  p.sigma_shift = 3.0               # static shift of training sigmas; = sampler.shift
+  p.zero_init = True                # adaLN-Zero init of modulations and output (DiT)
+  p.text_dropout = 0.0              # > 0 trains the empty prompt too (enables CFG); off: RL uses no CFG
+  p.single_fraction = 0.5           # share of single-object prompts per batch (train split is ~7%
+                                    # singles); < 0 = uniform over the split's prompts
+  p.image_size = 16                 # must equal latent.height == latent.width
+  p.log_every = 50
+  p.eval_every = 500                # 0 = only at the end
+  p.eval_prompts = 100              # prompts per split in periodic evals (eval split has 100)
+  p.eval_samples = 2                # samples per prompt in periodic evals
+  p.final_eval_prompts = 100
+  p.final_eval_samples = 8
+  p.eval_batch = 200                # images per jitted sampling call
+  p.save_every = 500                # 0 = only at the end
+
+  if arg == 'test':
+    # A few seconds on a CPU: tiny model on 16x16 images, loss must still fall.
+    c.model.num_layers = 1
+    c.model.num_attention_heads = 2
+    c.model.attention_head_dim = 16
+    c.model.axes_dims_rope = (4, 6, 6)
+    c.model.joint_attention_dim = 32
+    c.latent.height = c.latent.width = 16
+    c.sampler.num_steps = 4
+    p.image_size = 16
+    p.steps = 60
+    p.batch = 16
+    p.lr = 3e-3
+    p.warmup = 5
+    p.ema = 0.9
+    p.log_every = 10
+    p.eval_every = 0
+    p.eval_prompts = p.final_eval_prompts = 4
+    p.eval_samples = p.final_eval_samples = 2
+    p.eval_batch = 8
+    p.save_every = 0
+  elif arg:
+    raise ValueError(f'configs/shapes_pretrain.py: unknown variant {arg!r}; known: test')
+  return c

@@ -1,0 +1,186 @@
+"""Save / load MMDiT parameters as a small self-describing folder (safetensors + JSON, no pickle).
+
+A params folder holds:
+  params.safetensors   one tensor per parameter, keyed by its dotted path in the NNX state
+                       (e.g. "blocks.attn.to_q.kernel" [num_layers, D, D]); float32, or bfloat16
+                       when saved with dtype='bfloat16' (loading always returns float32).
+  config.json          {"format": FORMAT, "model_config": MMDiTConfig fields, "dtype": ...,
+                        "num_params": int, "sha256": digest of params.safetensors, "extra": {...}}
+
+The digest makes a truncated or altered weights file a clear error instead of silently wrong
+weights. `extra` is free-form JSON (training command, text-encoder settings, measured accuracy).
+
+    save_params("assets/shapes_base", params, model_config, extra={"steps": 3000})
+    cfg, params, extra = load_params("assets/shapes_base")      # params: nnx.State of MMDiT
+    model = load_model("assets/shapes_base")                     # MMDiT with those params
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for safetensors)
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from digen_jax.models.mmdit import MMDiT, MMDiTConfig
+
+FORMAT = "digen_jax.mmdit_params/1"
+WEIGHTS_FILE = "params.safetensors"
+CONFIG_FILE = "config.json"
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _path_key(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _flat_leaves(params: Any) -> dict[str, Any]:
+    """nnx.State (or nested dict) -> {"a.b.c": leaf} (leaves untouched: arrays or ShapeDtypeStructs)."""
+    pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+    return {_path_key(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]}
+
+
+def _flatten(params: Any) -> dict[str, np.ndarray]:
+    """nnx.State (or nested dict of arrays) -> {"a.b.c": host numpy array}."""
+    return {k: np.asarray(jax.device_get(v)) for k, v in _flat_leaves(params).items()}
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _abstract_state(config: MMDiTConfig) -> tuple[Any, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs) of MMDiT(config), without allocating weights."""
+    abstract = nnx.eval_shape(lambda: MMDiT(config, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)
+
+
+def save_params(folder: str | os.PathLike, params: nnx.State, model_config: MMDiTConfig,
+                extra: Mapping[str, Any] | None = None, *, dtype: str = "float32") -> str:
+    """Writes params.safetensors + config.json into `folder` (created if needed); returns the folder.
+
+    params: the MMDiT's nnx.State (as from nnx.split(model)); its keys and shapes must be those of
+    MMDiT(model_config). extra: JSON-serialisable dict stored under "extra".
+    """
+    if not isinstance(model_config, MMDiTConfig):
+        raise ValueError(f"model_config must be an MMDiTConfig, got {type(model_config).__name__}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {sorted(_DTYPES)}")
+    extra = dict(extra or {})
+    try:
+        json.dumps(extra)
+    except TypeError as e:
+        raise ValueError(f"extra must be JSON-serialisable (plain numbers, strings, lists, dicts): {e}") from e
+    flat = _flatten(params)
+    _check_against_config(flat, model_config, source="params")
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    weights = os.path.join(folder, WEIGHTS_FILE)
+    # Write to temporaries and rename, so a crash mid-save never leaves a half-written checkpoint
+    # that the digest would then (correctly but unhelpfully) reject.
+    tmp_w, tmp_c = weights + ".tmp", os.path.join(folder, CONFIG_FILE + ".tmp")
+    save_file({k: np.ascontiguousarray(v.astype(_DTYPES[dtype])) for k, v in flat.items()}, tmp_w,
+              metadata={"format": FORMAT})
+    meta = {
+        "format": FORMAT,
+        "model_config": dataclasses.asdict(model_config),
+        "dtype": dtype,
+        "num_params": int(sum(v.size for v in flat.values())),
+        "sha256": _sha256(tmp_w),
+        "extra": extra,
+    }
+    with open(tmp_c, "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.chmod(tmp_w, 0o644)  # safetensors writes 0600; a shipped asset should be world-readable
+    os.replace(tmp_w, weights)
+    os.replace(tmp_c, os.path.join(folder, CONFIG_FILE))
+    return folder
+
+
+def _check_against_config(flat: Mapping[str, np.ndarray], config: MMDiTConfig, source: str) -> None:
+    """ValueError listing missing / unexpected / mis-shaped keys vs MMDiT(config)."""
+    _, abstract = _abstract_state(config)
+    want = {k: tuple(v.shape) for k, v in _flat_leaves(abstract).items()}
+    missing = sorted(set(want) - set(flat))
+    unexpected = sorted(set(flat) - set(want))
+    bad = sorted(f"{k}: {tuple(flat[k].shape)} != {want[k]}" for k in set(want) & set(flat)
+                 if tuple(flat[k].shape) != want[k])
+    if missing or unexpected or bad:
+        raise ValueError(f"{source} do not match MMDiT({config}): missing {missing[:10]}, "
+                         f"unexpected {unexpected[:10]}, wrong shapes {bad[:10]}")
+
+
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """The parsed config.json of a params folder; ValueError naming the path if absent or invalid."""
+    folder = os.fspath(folder)
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isdir(folder):
+        raise ValueError(f"params folder {folder!r} does not exist (expected {CONFIG_FILE} and "
+                         f"{WEIGHTS_FILE} written by digen_jax.models.params_io.save_params)")
+    if not os.path.isfile(path):
+        raise ValueError(f"params folder {folder!r} has no {CONFIG_FILE}; it was not written by "
+                         "params_io.save_params (or the save was interrupted)")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, "
+                         f"expected {FORMAT!r}")
+    return meta
+
+
+def load_params(folder: str | os.PathLike) -> tuple[MMDiTConfig, nnx.State, dict[str, Any]]:
+    """(model config, float32 nnx.State of MMDiT(config), extra) from a folder written by save_params.
+
+    Raises ValueError naming the path if the folder, either file, the digest, or any key/shape is wrong.
+    """
+    folder = os.fspath(folder)
+    meta = read_config(folder)
+    cfg_path = os.path.join(folder, CONFIG_FILE)
+    try:
+        config = MMDiTConfig(**meta["model_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{cfg_path}: bad model_config ({e})") from e
+    weights = os.path.join(folder, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        raise ValueError(f"params folder {folder!r} has no {WEIGHTS_FILE}")
+    digest = _sha256(weights)
+    if digest != meta.get("sha256"):
+        raise ValueError(f"{weights} is corrupt or was replaced: sha256 {digest} != {meta.get('sha256')} "
+                         f"recorded in {cfg_path}")
+    try:
+        flat = load_file(weights)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{weights} could not be read as safetensors ({e})") from e
+    _check_against_config(flat, config, source=f"tensors in {weights}")
+    graphdef, state = _abstract_state(config)
+    # Rebuild the nested pure dict in the state's own key structure, then fill the abstract state.
+    pure = nnx.to_pure_dict(state)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(pure)
+    leaves = []
+    for path, _ in paths:
+        leaves.append(jnp.asarray(np.asarray(flat[_path_key(path)], np.float32)))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, leaves))
+    return config, state, dict(meta.get("extra", {}))
+
+
+def load_model(folder: str | os.PathLike) -> MMDiT:
+    """MMDiT with the float32 params of a folder written by save_params."""
+    config, state, _ = load_params(folder)
+    graphdef, _ = _abstract_state(config)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,454 @@
+"""Flow-matching pretraining of the ShapesBench base generator (the policy GRPO later post-trains).
+
+  python -m digen_jax.pretrain --config=configs/shapes_pretrain.py --workdir=DIR
+
+Each step draws train-split prompts, renders matching images on the fly (numpy, ~0.2 ms each),
+encodes the prompts with the frozen cached word encoder, and takes one AdamW step on the
+flow-matching loss
+
+    x_σ = (1 − σ)·x0 + σ·ε,   loss = mean ‖v_θ(x_σ, σ, text) − (ε − x0)‖²,
+
+σ ~ logit-normal (SD3) or uniform. The jitted step takes the nnx.split state (graphdef closed
+over), so the hot loop has no nnx.jit overhead. An EMA of the weights is kept (optional); evals
+and saved params use it.
+
+Evaluation (periodic and final) samples with the deterministic Euler ODE on the config's sampler
+schedule (`experiment.build_schedule`, the one RL uses), B samples per prompt with fixed noise,
+and scores them with the pure-code ShapesBench checker: strict accuracy (all atoms) and mean
+partial credit, on the 'eval' split (held-out colour/shape pairs) and on a fixed subset of the
+'train' split. The final eval also scores SDE rollouts (the sampler GRPO uses), to show the
+reward spread RL starts from.
+
+Writes under --workdir: metrics.jsonl (one row per logged step and per eval), params/ (params_io
+folder: params.safetensors + config.json, refreshed every save_every steps and at the end),
+samples_final.png (a grid of eval-split samples), summary.json.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_flags
+import numpy as np
+import optax
+
+from digen_jax import configlib
+from digen_jax import experiment
+from digen_jax import metrics as metrics_lib
+from digen_jax import visualize
+from digen_jax.data.shapes import grammar
+from digen_jax.data.shapes import render as render_lib
+from digen_jax.diffusion import sde as sde_lib
+from digen_jax.models import latents as latents_lib
+from digen_jax.models import mmdit
+from digen_jax.models import params_io
+from digen_jax.rewards import shapes_checker
+
+_SIGMA_SAMPLING = ('logit_normal', 'uniform')
+
+
+# ------------------------------------------------------------------------------------------------
+# Config checks and data.
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """ValueError naming the field and the fix; run before anything compiles."""
+  configlib.validate(config, 1)
+  if 'pretrain' not in config:
+    raise ValueError('config has no `pretrain` section; use configs/shapes_pretrain.py')
+  p, lat = config.pretrain, config.latent
+  if lat.space != 'pixel':
+    raise ValueError(f"config.latent.space={lat.space!r}: pretraining renders pixels; use 'pixel'")
+  if lat.channels != 3 or lat.frames != 1:
+    raise ValueError(f'config.latent.channels={lat.channels}, frames={lat.frames}: ShapesBench images '
+                     'are RGB stills; use channels=3, frames=1')
+  if not (p.image_size == lat.height == lat.width):
+    raise ValueError(f'config.pretrain.image_size={p.image_size} must equal latent.height={lat.height} '
+                     f'and latent.width={lat.width}')
+  if config.text.encoder != 'word':
+    raise ValueError(f"config.text.encoder={config.text.encoder!r}: pretraining uses the 'word' encoder")
+  if p.sigma_sampling not in _SIGMA_SAMPLING:
+    raise ValueError(f'config.pretrain.sigma_sampling={p.sigma_sampling!r} must be one of {_SIGMA_SAMPLING}')
+  for name in ('steps', 'batch', 'eval_prompts', 'eval_samples', 'final_eval_prompts',
+               'final_eval_samples', 'eval_batch', 'log_every'):
+    if int(p[name]) < 1:
+      raise ValueError(f'config.pretrain.{name}={p[name]} must be >= 1')
+  if not 0.0 <= p.ema < 1.0:
+    raise ValueError(f'config.pretrain.ema={p.ema} must be in [0, 1) (0 = off)')
+  if not 0.0 <= p.text_dropout < 1.0:
+    raise ValueError(f'config.pretrain.text_dropout={p.text_dropout} must be in [0, 1)')
+  if p.single_fraction > 1.0:
+    raise ValueError(f'config.pretrain.single_fraction={p.single_fraction} must be <= 1 (< 0 = uniform)')
+  if not p.sigma_shift > 0:
+    raise ValueError(f'config.pretrain.sigma_shift={p.sigma_shift} must be > 0 (1 = no shift)')
+  if p.warmup < 0 or p.warmup >= p.steps:
+    raise ValueError(f'config.pretrain.warmup={p.warmup} must be in [0, steps={p.steps})')
+
+
+class PromptSampler:
+  """Draws prompt texts from a split; `single_fraction` of them single-object (if >= 0).
+
+  The train split is ~93% relation prompts, so uniform sampling would starve counting; mixing
+  singles in at a fixed rate keeps both kinds learnt.
+  """
+
+  def __init__(self, split: str, single_fraction: float, seed: int):
+    pool = grammar.split_prompts()[split]
+    self.singles = [p.to_text() for p in pool if not p.is_relation]
+    self.relations = [p.to_text() for p in pool if p.is_relation]
+    self.all = [p.to_text() for p in pool]
+    self.single_fraction = single_fraction
+    self.rng = np.random.default_rng(seed)
+
+  def sample(self, n: int) -> list[str]:
+    if self.single_fraction < 0:
+      return [self.all[i] for i in self.rng.integers(0, len(self.all), n)]
+    is_single = self.rng.random(n) < self.single_fraction
+    return [self.singles[self.rng.integers(len(self.singles))] if s
+            else self.relations[self.rng.integers(len(self.relations))] for s in is_single]
+
+
+def eval_prompt_set(split: str, n: int, seed: int = 0) -> list[str]:
+  """A fixed set of min(n, |split|) distinct prompts (the whole eval split when n >= 100)."""
+  pool = [p.to_text() for p in grammar.split_prompts()[split]]
+  if n >= len(pool):
+    return pool
+  idx = np.sort(np.random.default_rng(seed).choice(len(pool), n, replace=False))
+  return [pool[i] for i in idx]
+
+
+def text_table_digest(encoder) -> str:
+  """sha256 of the frozen word encoder's table + vocab: an RL run can check it encodes the same."""
+  inner = getattr(encoder, 'encoder', encoder)
+  h = hashlib.sha256(np.ascontiguousarray(inner.table).tobytes())
+  h.update('\n'.join(inner.vocab).encode())
+  return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure math (jit-able).
+
+
+def sample_train_sigmas(key: jax.Array, batch: int, kind: str, mean: float = 0.0,
+                        std: float = 1.0, shift: float = 1.0) -> jax.Array:
+  """[batch] float32 σ in (0, 1): u ~ logit-normal (sigmoid(mean + std·z)) or uniform, then the
+  static shift σ = s·u / (1 + (s − 1)·u) — the sampler's, so training covers the high-noise steps
+  where a shifted schedule spends most of its steps (and where the layout is decided)."""
+  if kind == 'logit_normal':
+    u = jax.nn.sigmoid(mean + std * jax.random.normal(key, (batch,), jnp.float32))
+  elif kind == 'uniform':
+    u = jax.random.uniform(key, (batch,), jnp.float32, 1e-4, 1.0)
+  else:
+    raise ValueError(f'sigma sampling kind={kind!r} must be one of {_SIGMA_SAMPLING}')
+  return shift * u / (1.0 + (shift - 1.0) * u)
+
+
+def zero_init_modulation(params: nnx.State) -> nnx.State:
+  """adaLN-Zero (DiT): zero the block modulations, the output modulation and the output projection.
+
+  Every block then starts as the identity (gates 0) and the model outputs v = 0; in our runs this
+  learns spatially coherent images much sooner than the default (random-gate) init. Returns a new
+  State; the others' params are untouched.
+  """
+  zero = {('blocks', 'img_mod'), ('blocks', 'txt_mod'), ('norm_out',), ('proj_out',)}
+  flat = []
+  for path, var in nnx.to_flat_state(params):
+    if path[:-1] in zero:
+      var = var.replace(jnp.zeros_like(var[...]))
+    flat.append((path, var))
+  return nnx.from_flat_state(flat)
+
+
+def flow_matching_loss(model: mmdit.MMDiT, x0: jax.Array, noise: jax.Array, sigma: jax.Array,
+                       text: jax.Array, mask: jax.Array, img_shape: tuple[int, int, int]) -> jax.Array:
+  """Scalar mean squared error of v_θ(x_σ) against ε − x0.
+
+  x0, noise: [B, N, C] packed tokens; sigma [B]; text [B, L, D]; mask [B, L].
+  """
+  s = sigma[:, None, None]
+  x_t = (1.0 - s) * x0 + s * noise
+  v = model(x_t, sigma, text, mask, img_shape=img_shape)
+  return jnp.mean(jnp.square(v - (noise - x0)))
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, pcfg,
+                    img_shape: tuple[int, int, int]) -> Callable:
+  """jitted (params, opt_state, ema, step, x0 [B,N,C], text, mask, uncond (text [1,L,D], mask [1,L]),
+  key) -> (params, opt_state, ema, loss). `ema` is None when pcfg.ema == 0."""
+  kind, mean, std = pcfg.sigma_sampling, float(pcfg.logit_mean), float(pcfg.logit_std)
+  shift = float(pcfg.sigma_shift)
+  drop, ema_decay = float(pcfg.text_dropout), float(pcfg.ema)
+
+  def step_fn(params, opt_state, ema, step, x0, text, mask, uncond, key):
+    k_sigma, k_noise, k_drop = jax.random.split(key, 3)
+    b = x0.shape[0]
+    sigma = sample_train_sigmas(k_sigma, b, kind, mean, std, shift)
+    noise = jax.random.normal(k_noise, x0.shape, jnp.float32)
+    if drop > 0:
+      # Replace a random subset of prompts with the empty prompt, so v(x, σ, "") is learnt for CFG.
+      keep = jax.random.uniform(k_drop, (b,)) >= drop
+      text = jnp.where(keep[:, None, None], text, uncond[0])
+      mask = jnp.where(keep[:, None], mask, uncond[1])
+
+    def loss_fn(p):
+      return flow_matching_loss(nnx.merge(graphdef, p), x0, noise, sigma, text, mask, img_shape)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if ema is not None:
+      # Warm-started EMA: early on the average should follow the weights, not the random init.
+      d = jnp.minimum(ema_decay, (1.0 + step) / (10.0 + step))
+      ema = jax.tree.map(lambda e, p: d * e + (1.0 - d) * p, ema, params)
+    return params, opt_state, ema, loss
+
+  return jax.jit(step_fn, donate_argnums=(0, 1, 2))
+
+
+def make_sampler(graphdef, sigmas: np.ndarray, img_shape: tuple[int, int, int], patch: int,
+                 size: int, sde_cfg: sde_lib.SDEConfig | None = None) -> Callable:
+  """jitted (params, x1 [B,N,C] initial noise, text, mask, key) -> images [B, size, size, 3].
+
+  sde_cfg None: deterministic Euler ODE over `sigmas` (key unused). Otherwise every step is an SDE
+  step of that kind (what GRPO rollouts do), with step noise from fold_in(key, t).
+  """
+  sig = jnp.asarray(sigmas, jnp.float32)
+  t_steps = int(sig.shape[0]) - 1
+
+  def run(params, x1, text, mask, key):
+    model = nnx.merge(graphdef, params)
+    b = x1.shape[0]
+
+    def body(x, t):
+      s = jnp.broadcast_to(sig[t], (b,))
+      sn = jnp.broadcast_to(sig[t + 1], (b,))
+      v = model(x, s, text, mask, img_shape=img_shape)
+      if sde_cfg is None:
+        return sde_lib.euler_step(x, v, s, sn), None
+      eps = jax.random.normal(jax.random.fold_in(key, t), x.shape, jnp.float32)
+      return sde_lib.sde_step(x, v, s, sn, eps, sde_cfg)[0], None
+
+    x0, _ = jax.lax.scan(body, x1.astype(jnp.float32), jnp.arange(t_steps))
+    return latents_lib.decode_pixels(x0, size, size, patch)
+
+  return jax.jit(run)
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation.
+
+
+def evaluate(sample_fn: Callable, params, encoder, prompts: Sequence[str], samples_per_prompt: int,
+             batch: int, latent_shape: tuple[int, int], seed: int) -> tuple[dict[str, float], np.ndarray]:
+  """Samples `samples_per_prompt` images per prompt and checks them.
+
+  Noise is a fixed function of (seed, image index), so repeated evals of the same params agree.
+  Returns (metrics, images [P*S, H, W, 3]) with metrics strict_accuracy, reward_mean, and the
+  strict accuracy of single-object and relation prompts separately.
+  """
+  texts = [p for p in prompts for _ in range(samples_per_prompt)]
+  n = len(texts)
+  init_key, step_key = jax.random.split(jax.random.key(seed))
+  images = []
+  for start in range(0, n, batch):
+    chunk = texts[start:start + batch]
+    pad = batch - len(chunk)  # pad the last chunk so every call has the same (compiled) shape
+    emb, mask = encoder.encode(chunk + [chunk[-1]] * pad)
+    keys = jax.random.split(jax.random.fold_in(init_key, start // batch), batch)
+    x1 = jax.vmap(lambda k: jax.random.normal(k, latent_shape, jnp.float32))(keys)
+    out = sample_fn(params, x1, jnp.asarray(emb), jnp.asarray(mask), jax.random.fold_in(step_key, start // batch))
+    images.append(np.asarray(out)[:len(chunk)])
+  images = np.concatenate(images, axis=0)
+  strict = shapes_checker.shapes_strict(images, texts)
+  partial = shapes_checker.shapes_reward(images, texts)
+  is_rel = np.array([grammar.parse(t).is_relation for t in texts])
+  res = {'strict_accuracy': float(strict.mean()), 'reward_mean': float(partial.mean()),
+         'reward_std': float(partial.std()),
+         'num_prompts': len(prompts), 'samples_per_prompt': samples_per_prompt}
+  if (~is_rel).any():
+    res['strict_accuracy_single'] = float(strict[~is_rel].mean())
+  if is_rel.any():
+    res['strict_accuracy_relation'] = float(strict[is_rel].mean())
+  return res, images
+
+
+# ------------------------------------------------------------------------------------------------
+# The run.
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  """Runs pretraining; returns the summary (also written to workdir/summary.json)."""
+  validate(config)
+  p = config.pretrain
+  t_start = time.time()
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort(indent=2))
+
+  mcfg = experiment.model_config_from(config)
+  size, patch = int(p.image_size), int(config.model.patch_size)
+  img_shape = (1, size // patch, size // patch)
+  latent_shape = (img_shape[1] * img_shape[2], int(config.model.in_channels))
+  encoder = experiment.build_text_encoder(config)  # the exact encoder RL will build
+  sigmas = experiment.build_schedule(config, latent_shape[0])
+  sde_cfg = sde_lib.SDEConfig(kind=config.sampler.sde, noise_level=config.sampler.noise_level,
+                              logprob_reduce=config.sampler.logprob_reduce)
+
+  model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
+  graphdef, params = nnx.split(model)
+  del model
+  if p.zero_init:
+    params = zero_init_modulation(params)
+  num_params = mmdit.count_params(mcfg)
+  lr = optax.warmup_cosine_decay_schedule(0.0, p.lr, max(int(p.warmup), 1), int(p.steps),
+                                          end_value=p.lr * p.final_lr_frac)
+  optimizer = optax.chain(optax.clip_by_global_norm(p.grad_clip),
+                          optax.adamw(lr, b1=config.optim.b1, b2=config.optim.b2,
+                                      eps=config.optim.eps, weight_decay=p.weight_decay))
+  opt_state = optimizer.init(params)
+  ema = jax.tree.map(jnp.copy, params) if p.ema > 0 else None
+  train_step = make_train_step(graphdef, optimizer, p, img_shape)
+  ode = make_sampler(graphdef, sigmas, img_shape, patch, size)
+  sde = make_sampler(graphdef, sigmas, img_shape, patch, size, sde_cfg)
+  uncond = tuple(jnp.asarray(a) for a in encoder.encode(['']))
+
+  prompts = PromptSampler('train', float(p.single_fraction), config.seed)
+  render_rng = np.random.default_rng(config.seed + 1)
+  key = jax.random.key(config.seed + 2)
+  eval_sets = {'eval': eval_prompt_set('eval', int(p.eval_prompts)),
+               'train': eval_prompt_set('train', int(p.eval_prompts))}
+  writer = metrics_lib.MetricsWriter(workdir, tensorboard=False)
+  logging.info('pretrain: %s  params %d  tokens %s  sigmas %s', mcfg, num_params, latent_shape,
+               np.round(sigmas, 3).tolist())
+
+  def eval_params():
+    return ema if ema is not None else params
+
+  def run_evals(step, sets, samples, final=False):
+    row = {'step': step}
+    grids = {}
+    for split, plist in sets.items():
+      res, imgs = evaluate(ode, eval_params(), encoder, plist, samples, int(p.eval_batch),
+                           latent_shape, seed=1000)
+      row.update({f'{split}/{k}': v for k, v in res.items()})
+      grids[split] = (imgs, plist, samples)
+      if final:
+        res, _ = evaluate(sde, eval_params(), encoder, plist, samples, int(p.eval_batch),
+                          latent_shape, seed=2000)
+        row.update({f'{split}_sde/{k}': v for k, v in res.items()})
+    row['wall_s'] = time.time() - t_start
+    writer.write(row)
+    logging.info('eval step %d: %s', step, {k: (round(v, 4) if isinstance(v, float) else v)
+                                              for k, v in row.items()})
+    return row, grids
+
+  def save(step, extra):
+    params_io.save_params(os.path.join(workdir, 'params'), eval_params(), mcfg, extra)
+
+  common_extra = {
+      'text_encoder': {'kind': 'word', 'dim': int(config.model.joint_attention_dim),
+                       'max_length': int(config.text.max_length), 'seed': int(config.seed),
+                       'table_sha256': text_table_digest(encoder)},
+      'latent': {'space': 'pixel', 'height': size, 'width': size, 'channels': 3},
+      'sampler': {'scheduler': config.sampler.scheduler, 'shift': float(config.sampler.shift),
+                  'num_steps': int(config.sampler.num_steps)},
+      'cfg_trained': bool(p.text_dropout > 0),
+      'weights': 'ema' if p.ema > 0 else 'raw',
+  }
+
+  losses, window, t_log, seen = [], [], time.time(), 0
+  loss_ema = float('nan')
+  for step in range(1, int(p.steps) + 1):
+    texts = prompts.sample(int(p.batch))
+    imgs = np.stack([render_lib.render(t, size, render_rng) for t in texts])
+    x0 = latents_lib.pack(jnp.asarray(imgs), patch)
+    emb, mask = encoder.encode(texts)
+    key, sub = jax.random.split(key)
+    params, opt_state, ema, loss = train_step(params, opt_state, ema, jnp.float32(step), x0,
+                                              jnp.asarray(emb), jnp.asarray(mask), uncond, sub)
+    seen += len(texts)
+    window.append(loss)
+    if step % int(p.log_every) == 0 or step == int(p.steps):
+      vals = [float(l) for l in jax.device_get(window)]  # one host sync per log interval
+      window = []
+      losses.extend(vals)
+      if not all(math.isfinite(v) for v in vals):
+        raise FloatingPointError(f'pretrain: non-finite loss at step {step}: {vals[-5:]}; lower '
+                                 'config.pretrain.lr')
+      loss_ema = float(np.mean(vals))
+      now = time.time()
+      row = {'step': step, 'loss': loss_ema, 'lr': float(lr(step)),
+             'samples_per_s': seen / max(now - t_log, 1e-9), 'wall_s': now - t_start}
+      writer.write(row)
+      logging.info('step %d  loss %.4f  lr %.2e  %.1f samples/s', step, loss_ema, row['lr'],
+                   row['samples_per_s'])
+      t_log, seen = now, 0
+    if p.eval_every and step % int(p.eval_every) == 0 and step != int(p.steps):
+      run_evals(step, eval_sets, int(p.eval_samples))
+    if p.save_every and step % int(p.save_every) == 0 and step != int(p.steps):
+      save(step, {**common_extra, 'step': step, 'loss': loss_ema})
+
+  train_wall = time.time() - t_start
+  final_sets = {'eval': eval_prompt_set('eval', int(p.final_eval_prompts)),
+                'train': eval_prompt_set('train', int(p.final_eval_prompts))}
+  row, grids = run_evals(int(p.steps), final_sets, int(p.final_eval_samples), final=True)
+  imgs, plist, s = grids['eval']
+  pick = list(range(0, min(len(plist), 24) * s, s))  # the first sample of the first 24 prompts
+  visualize.save_grid(os.path.join(workdir, 'samples_final.png'), imgs[pick],
+                      [plist[i // s] for i in pick], cols=6)
+  k = max(1, min(len(losses) // 10, 20))
+  summary = {
+      'steps': int(p.steps), 'batch': int(p.batch), 'num_params': num_params,
+      'train_wall_s': train_wall, 'total_wall_s': time.time() - t_start,
+      'final_loss': float(np.mean(losses[-k:])), 'first_loss': float(np.mean(losses[:k])),
+      'losses': losses, 'final_eval': {k2: v for k2, v in row.items() if k2 not in ('step', 'wall_s')},
+      'model_config': {f: getattr(mcfg, f) for f in ('patch_size', 'in_channels', 'out_channels',
+                                                     'num_layers', 'attention_head_dim',
+                                                     'num_attention_heads', 'joint_attention_dim',
+                                                     'axes_dims_rope')},
+      'command': ' '.join([os.path.basename(sys.executable), '-m', 'digen_jax.pretrain'] + sys.argv[1:]),
+  }
+  save(int(p.steps), {**common_extra, 'step': int(p.steps), 'loss': summary['final_loss'],
+                      'train_wall_s': train_wall, 'final_eval': summary['final_eval']})
+  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+    json.dump({k2: v for k2, v in summary.items() if k2 != 'losses'}, f, indent=2, default=str)
+  writer.close()
+  logging.info('pretrain done: %s', json.dumps({k2: v for k2, v in summary.items() if k2 != 'losses'},
+                                               default=str))
+  summary['params'] = eval_params()
+  return summary
+
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/shapes_pretrain.py[:test]')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (metrics.jsonl, params/, summary.json).')
+
+
+def main(argv):
+  del argv
+  try:
+    validate(_CONFIG.value)
+  except ValueError as e:  # bad input: one clear line, before anything compiles
+    sys.exit(f'digen_jax.pretrain: {e}')
+  summary = train(_CONFIG.value, _WORKDIR.value)
+  ev = summary['final_eval']
+  print(f"pretrain: {summary['steps']} steps in {summary['train_wall_s']:.0f}s, final loss "
+        f"{summary['final_loss']:.4f}; strict accuracy eval {ev['eval/strict_accuracy']:.3f} "
+        f"train {ev['train/strict_accuracy']:.3f} (ODE); params -> "
+        f"{os.path.join(_WORKDIR.value, 'params')}")
+
+
+if __name__ == '__main__':
+  flags.mark_flags_as_required(['config', 'workdir'])
+  app.run(main)

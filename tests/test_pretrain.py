@@ -1,0 +1,204 @@
+"""Pretraining of the ShapesBench base generator, params_io round trips, and the shipped checkpoint."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import shapes_pretrain
+from digen_jax import experiment
+from digen_jax import pretrain
+from digen_jax.models import latents as latents_lib
+from digen_jax.models import mmdit
+from digen_jax.models import params_io
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(REPO, shapes_pretrain.SHAPES_BASE_CHECKPOINT)
+
+
+def _tiny_model(seed=0):
+  cfg = mmdit.MMDiTConfig(patch_size=4, in_channels=48, out_channels=3, num_layers=2,
+                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                          axes_dims_rope=(4, 6, 6))
+  return cfg, mmdit.MMDiT(cfg, rngs=nnx.Rngs(seed))
+
+
+# ------------------------------------------------------------------------------------------------
+# params_io
+
+
+def test_params_io_round_trip_is_exact(tmp_path):
+  cfg, model = _tiny_model()
+  _, state = nnx.split(model)
+  params_io.save_params(tmp_path / 'ck', state, cfg, {'note': 'x', 'acc': 0.25})
+  cfg2, state2, extra = params_io.load_params(tmp_path / 'ck')
+  assert cfg2 == cfg
+  assert extra == {'note': 'x', 'acc': 0.25}
+  a, b = nnx.to_flat_state(state), nnx.to_flat_state(state2)
+  assert [k for k, _ in a] == [k for k, _ in b]
+  for (k, va), (_, vb) in zip(a, b):
+    assert np.asarray(vb[...]).dtype == np.float32, k
+    np.testing.assert_array_equal(np.asarray(va[...]), np.asarray(vb[...]), err_msg=str(k))
+  # The loaded model computes exactly what the saved one did.
+  loaded = params_io.load_model(tmp_path / 'ck')
+  x = jax.random.normal(jax.random.key(1), (2, 16, 48))
+  args = (x, jnp.array([0.3, 0.9]), jnp.ones((2, 5, 32)), jnp.ones((2, 5), jnp.int32))
+  np.testing.assert_array_equal(np.asarray(model(*args, img_shape=(1, 4, 4))),
+                                np.asarray(loaded(*args, img_shape=(1, 4, 4))))
+
+
+def test_params_io_bfloat16_rounds_and_loads_float32(tmp_path):
+  cfg, model = _tiny_model()
+  _, state = nnx.split(model)
+  params_io.save_params(tmp_path / 'bf', state, cfg, dtype='bfloat16')
+  _, state2, _ = params_io.load_params(tmp_path / 'bf')
+  for (k, va), (_, vb) in zip(nnx.to_flat_state(state), nnx.to_flat_state(state2)):
+    a, b = np.asarray(va[...]), np.asarray(vb[...])
+    assert b.dtype == np.float32
+    np.testing.assert_allclose(b, a, rtol=2 ** -8, atol=1e-30, err_msg=str(k))
+
+
+def test_params_io_errors_name_the_path(tmp_path):
+  with pytest.raises(ValueError, match='does not exist'):
+    params_io.load_params(tmp_path / 'nope')
+  (tmp_path / 'empty').mkdir()
+  with pytest.raises(ValueError, match=r'empty.*config\.json'):
+    params_io.load_params(tmp_path / 'empty')
+  cfg, model = _tiny_model()
+  _, state = nnx.split(model)
+  folder = tmp_path / 'ck'
+  params_io.save_params(folder, state, cfg)
+  # Flip one byte of the weights: the digest catches it.
+  w = folder / params_io.WEIGHTS_FILE
+  data = bytearray(w.read_bytes())
+  data[-5] ^= 0xFF
+  w.write_bytes(bytes(data))
+  with pytest.raises(ValueError, match=r'params\.safetensors is corrupt'):
+    params_io.load_params(folder)
+  (folder / params_io.CONFIG_FILE).write_text('{not json')
+  with pytest.raises(ValueError, match='not valid JSON'):
+    params_io.load_params(folder)
+
+
+def test_save_params_rejects_mismatched_params_and_bad_extra(tmp_path):
+  cfg, model = _tiny_model()
+  _, state = nnx.split(model)
+  other = mmdit.MMDiTConfig(**{**cfg.__dict__, 'num_layers': 3})
+  with pytest.raises(ValueError, match='wrong shapes'):
+    params_io.save_params(tmp_path / 'a', state, other)
+  with pytest.raises(ValueError, match='JSON-serialisable'):
+    params_io.save_params(tmp_path / 'b', state, cfg, {'x': object()})
+
+
+# ------------------------------------------------------------------------------------------------
+# pretraining
+
+
+def test_flow_matching_loss_is_zero_for_the_exact_velocity():
+  # A "model" returning ε − x0 exactly has zero loss; a zero model has loss mean((ε − x0)²).
+  x0 = jax.random.normal(jax.random.key(0), (3, 4, 2))
+  eps = jax.random.normal(jax.random.key(1), (3, 4, 2))
+  sigma = jnp.array([0.1, 0.5, 0.9])
+
+  def oracle(x_t, s, text, mask, img_shape):
+    return eps - x0  # the target the loss must use (a sign or mixing error makes the loss > 0)
+
+  assert float(pretrain.flow_matching_loss(oracle, x0, eps, sigma, None, None, (1, 2, 2))) == 0.0
+  zero = lambda *a, **k: jnp.zeros_like(x0)
+  np.testing.assert_allclose(float(pretrain.flow_matching_loss(zero, x0, eps, sigma, None, None, (1, 2, 2))),
+                             float(jnp.mean((eps - x0) ** 2)), rtol=1e-6)
+
+
+def test_sigma_sampling_ranges():
+  for kind in ('logit_normal', 'uniform'):
+    s = np.asarray(pretrain.sample_train_sigmas(jax.random.key(0), 4096, kind))
+    assert s.shape == (4096,) and np.all((s > 0) & (s < 1)), kind
+  s = np.asarray(pretrain.sample_train_sigmas(jax.random.key(0), 4096, 'logit_normal', 0.0, 1.0))
+  assert abs(np.median(s) - 0.5) < 0.03
+  with pytest.raises(ValueError, match='sigma sampling'):
+    pretrain.sample_train_sigmas(jax.random.key(0), 4, 'cosine')
+
+
+def test_prompt_sampler_mixes_singles_and_stays_in_train_split():
+  from digen_jax.data.shapes import grammar
+  s = pretrain.PromptSampler('train', 0.5, seed=0)
+  texts = s.sample(2000)
+  kinds = np.array([grammar.parse(t).is_relation for t in texts])
+  assert 0.45 < kinds.mean() < 0.55
+  assert not any(grammar.is_held_out(grammar.parse(t)) for t in texts)
+
+
+def test_validate_rejects_bad_fields():
+  c = shapes_pretrain.get_config('test')
+  c.pretrain.image_size = 32
+  with pytest.raises(ValueError, match='image_size'):
+    pretrain.validate(c)
+  c = shapes_pretrain.get_config('test')
+  c.pretrain.sigma_sampling = 'cosine'
+  with pytest.raises(ValueError, match='sigma_sampling'):
+    pretrain.validate(c)
+  with pytest.raises(ValueError, match='unknown variant'):
+    shapes_pretrain.get_config('huge')
+
+
+def test_config_fields_are_consistent_for_rl_reuse():
+  c = shapes_pretrain.get_config()
+  pretrain.validate(c)
+  rl = shapes_pretrain.apply_shapes_base(shapes_pretrain.configlib.base_config())
+  for section in ('model', 'latent', 'text', 'sampler'):
+    a, b = rl[section].to_dict(), c[section].to_dict()
+    if section == 'model':  # only init/checkpoint differ: RL starts from the shipped params
+      for k in ('init', 'checkpoint'):
+        a.pop(k), b.pop(k)
+    assert a == b, section
+  assert rl.model.init == 'checkpoint' and rl.model.checkpoint == shapes_pretrain.SHAPES_BASE_CHECKPOINT
+
+
+@pytest.mark.slow
+def test_short_pretraining_loss_falls_and_saves(tmp_path):
+  c = shapes_pretrain.get_config('test')
+  summary = pretrain.train(c, str(tmp_path))
+  losses = np.asarray(summary['losses'])
+  assert losses.shape == (c.pretrain.steps,) and np.all(np.isfinite(losses))
+  k = 10
+  assert losses[-k:].mean() < 0.7 * losses[:k].mean(), (losses[:k].mean(), losses[-k:].mean())
+  # metrics.jsonl has loss rows and a final eval row; the saved params load and match.
+  rows = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
+  assert any('loss' in r for r in rows)
+  ev = [r for r in rows if 'eval/strict_accuracy' in r][-1]
+  assert 0.0 <= ev['eval/strict_accuracy'] <= 1.0 and ev['eval/num_prompts'] == 4
+  cfg, state, extra = params_io.load_params(tmp_path / 'params')
+  assert cfg == experiment.model_config_from(c)
+  assert extra['step'] == c.pretrain.steps
+  for a, b in zip(jax.tree.leaves(summary['params']), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------------------------------------------
+# the shipped checkpoint
+
+
+def test_shipped_checkpoint_loads_and_runs():
+  if not os.path.isdir(SHIPPED):
+    pytest.fail(f'{SHIPPED} is missing: run digen_jax.pretrain (see configs/shapes_pretrain.py)')
+  cfg, state, extra = params_io.load_params(SHIPPED)
+  c = shapes_pretrain.get_config()
+  assert cfg == experiment.model_config_from(c)   # the config RL reuses describes this checkpoint
+  assert os.path.getsize(os.path.join(SHIPPED, params_io.WEIGHTS_FILE)) < 25 * 2 ** 20
+  # The text encoder RL builds from the config is the one the checkpoint was trained with.
+  enc = experiment.build_text_encoder(c)
+  assert extra['text_encoder']['table_sha256'] == pretrain.text_table_digest(enc)
+  model = params_io.load_model(SHIPPED)
+  emb, mask = enc.encode(['two red circles on a white background',
+                          'a blue square left of a yellow triangle on a gray background'])
+  size, p = c.latent.height, c.model.patch_size
+  x = jax.random.normal(jax.random.key(0), (2, (size // p) ** 2, c.model.in_channels))
+  v = model(x, jnp.array([1.0, 0.5]), jnp.asarray(emb), jnp.asarray(mask),
+            img_shape=(1, size // p, size // p))
+  assert v.shape == x.shape[:2] + (cfg.out_dim,) and v.dtype == jnp.float32
+  assert np.all(np.isfinite(np.asarray(v)))
+  img = latents_lib.decode_pixels(x - v, size, size, p)   # one Euler step from σ=1 to 0
+  assert img.shape == (2, size, size, 3)
