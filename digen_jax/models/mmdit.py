@@ -11,6 +11,7 @@ Layout of our parameters (names mirror diffusers so the converter table reads on
   img_in, txt_in                      input projections to D = heads * head_dim
   blocks.*                            ONE MMDiTBlock whose params carry a leading [num_layers] axis; the forward
                                       pass runs it under lax.scan (one compiled block instead of num_layers copies)
+                                      or, with MMDiTConfig.scan_layers=False, as num_layers unrolled calls
   norm_out                            AdaLayerNormContinuous projection (D -> 2D, chunk order: scale, shift)
   proj_out                            D -> patch_size**2 * out_channels
 
@@ -61,8 +62,14 @@ class MMDiTConfig:
     zero_cond_t: bool = False
     use_additional_t_cond: bool = False
     use_layer3d_rope: bool = False
-    # Rematerialise each block in the backward pass (jax.checkpoint); does not change the forward math.
+    # Execution options; none changes the math or the params.
+    # remat: rematerialise each block in the backward pass (jax.checkpoint).
     remat: bool = False
+    # scan_layers: run the blocks under lax.scan (one compiled block: compile time independent of num_layers).
+    # False unrolls them into a Python loop: compile time grows with num_layers, but under autodiff nothing is
+    # stacked across layers (a scan zero-fills [num_layers, ...] residual buffers, writes each layer's residuals
+    # into them and slices them back out in the backward pass), which is much of a CPU update's time without remat.
+    scan_layers: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
@@ -83,6 +90,9 @@ class MMDiTConfig:
             raise ValueError(f"MMDiTConfig.rope_theta must be > 0, got {self.rope_theta}")
         if not self.eps > 0:
             raise ValueError(f"MMDiTConfig.eps must be > 0, got {self.eps}")
+        for name in ("remat", "scan_layers"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"MMDiTConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.guidance_embeds:
             raise ValueError("MMDiTConfig.guidance_embeds=True (FLUX-style guidance embedding) is not supported; "
                              "QwenImage checkpoints use guidance_embeds=False")
@@ -162,12 +172,42 @@ def rope_cos_sin(img_shape: tuple[int, int, int], n_txt: int, axes_dims: tuple[i
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate interleaved pairs of x [B, S, H, Dh] by tables [S, Dh/2]; computed in float32, returns x.dtype."""
+    """Rotate interleaved pairs of x [B, S, H, Dh] by tables [S, Dh/2]; computed in float32, returns x.dtype.
+
+    Reference form of diffusers' rotation (pairs (x[2i], x[2i+1])). The model itself runs the equivalent
+    half-split form (``to_half_split`` + ``apply_rope_half``), which needs no stride-2 gathers."""
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
     xr, xi = xf[..., 0], xf[..., 1]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
     out = jnp.stack([xr * c - xi * s, xr * s + xi * c], axis=-1)
     return out.reshape(x.shape).astype(x.dtype)
+
+
+def to_half_split(a: jax.Array, head_dim: int) -> jax.Array:
+    """Reorder the last axis of `a` (heads * head_dim, or head_dim) within each head from the interleaved RoPE pair
+    order (r0, i0, r1, i1, ...) to the half-split order (r0, r1, ..., i0, i1, ...).
+
+    Applied to the Q/K projection kernels and biases and to the Q/K RMSNorm scales it permutes the head dims of q
+    and k alike. Attention scores are dot products over the head dims, so they do not change, and the rotation
+    becomes two contiguous halves (``apply_rope_half``) instead of stride-2 pairs. A reshape + transpose, so its
+    gradient is the inverse transpose."""
+    lead, n = a.shape[:-1], a.shape[-1]
+    a = a.reshape(*lead, n // head_dim, head_dim // 2, 2)
+    return jnp.swapaxes(a, -1, -2).reshape(*lead, n)
+
+
+def half_split_tables(cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[S, Dh/2] rotation tables -> ([cos, cos], [-sin, sin]) [S, Dh] for ``apply_rope_half``."""
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+
+
+def apply_rope_half(x: jax.Array, cos2: jax.Array, sin2: jax.Array) -> jax.Array:
+    """RoPE on x [B, S, H, Dh] whose head dims are in half-split order (``to_half_split``), float32:
+    (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin), with tables [S, Dh] from ``half_split_tables``.
+    Equals ``apply_rope`` on the interleaved layout element for element (same products and sums)."""
+    half = x.shape[-1] // 2
+    swapped = jnp.concatenate([x[..., half:], x[..., :half]], axis=-1)
+    return x * cos2[None, :, None, :] + swapped * sin2[None, :, None, :]
 
 
 def layer_norm(x: jax.Array, eps: float) -> jax.Array:
@@ -176,6 +216,43 @@ def layer_norm(x: jax.Array, eps: float) -> jax.Array:
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
     return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis with scale [dim]; statistics and result in float32."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    return xf * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32)
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+    """x [..., in] @ kernel [in, out] + bias [out], as nnx.Linear computes it (inputs already in the params' dtype)."""
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    return y + bias
+
+
+# Added to the logits of padded text keys. Finite (not -inf) so that no inf - inf can appear in the backward pass;
+# exp(-1e30 - max) is exactly 0 in float32: a padded key gets probability exactly 0, as with a select-based mask.
+MASK_BIAS = -1e30
+
+
+def joint_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None) -> jax.Array:
+    """Softmax attention over one joint sequence, float32 statistics.
+
+    q, k, v [B, H, S, Dh] (q already multiplied by 1/sqrt(Dh)); key_bias [B, S] float32 (0 or MASK_BIAS) or None.
+    Returns [B, H, S, Dh] in v.dtype. Same math as jax.nn.dot_product_attention's XLA path; two passes over the
+    [B, H, S, S] logits fewer: the mask is an additive key bias folded into the max/exp passes instead of a select,
+    and the softmax denominator divides the [S, Dh] output instead of the [S, S] probabilities.
+    """
+    logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+    if key_bias is not None:
+        logits = logits + key_bias[:, None, None, :]
+    # Softmax is invariant to the shift; stop_gradient keeps the max out of the backward graph.
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return (out / denom).astype(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,10 +272,7 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-        y = xf * jax.lax.rsqrt(var + self.eps) * self.scale[...].astype(jnp.float32)
-        return y.astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps).astype(x.dtype)
 
 
 class TimestepEmbedder(nnx.Module):
@@ -244,25 +318,41 @@ class JointAttention(nnx.Module):
         self.norm_added_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
         self.norm_added_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
 
-    def __call__(self, img, txt, rope, mask):
-        """img [B, N, D], txt [B, L, D]; rope = (img_cos, img_sin, txt_cos, txt_sin); mask [B, 1, 1, L+N] bool
-        or None (True = key may be attended). Returns (img_out [B, N, D], txt_out [B, L, D])."""
+    def __call__(self, img, txt, rope, key_bias):
+        """img [B, N, D], txt [B, L, D]; rope = (img_cos, img_sin, txt_cos, txt_sin) [S, Dh/2] tables; key_bias
+        [B, L+N] float32 (0 = visible, MASK_BIAS = padded text key) or None. Returns (img_out [B, N, D],
+        txt_out [B, L, D])."""
         img_cos, img_sin, txt_cos, txt_sin = rope
+        h, hd = self.heads, self.head_dim
+        scale = 1.0 / math.sqrt(hd)
 
         def heads(x):
-            return x.reshape(*x.shape[:-1], self.heads, self.head_dim)
+            return x.reshape(*x.shape[:-1], h, hd)
 
-        iq = apply_rope(self.norm_q(heads(self.to_q(img))), img_cos, img_sin)
-        ik = apply_rope(self.norm_k(heads(self.to_k(img))), img_cos, img_sin)
-        iv = heads(self.to_v(img))
-        tq = apply_rope(self.norm_added_q(heads(self.add_q_proj(txt))), txt_cos, txt_sin)
-        tk = apply_rope(self.norm_added_k(heads(self.add_k_proj(txt))), txt_cos, txt_sin)
-        tv = heads(self.add_v_proj(txt))
-        # Order [text, image], as diffusers; the xla implementation does the softmax in float32.
-        q = jnp.concatenate([tq, iq], axis=1)
-        k = jnp.concatenate([tk, ik], axis=1)
-        v = jnp.concatenate([tv, iv], axis=1)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask)
+        def qk_post(y, norm, cos, sin, mult, dtype):
+            y = rms_norm(heads(y), to_half_split(norm.scale[...], hd), norm.eps)
+            y = apply_rope_half(y, *half_split_tables(cos, sin))
+            return (y * mult if mult != 1.0 else y).astype(dtype)
+
+        def stream(x, pq, pk, pv, nq, nk, cos, sin):
+            # Q/K in the half-split head-dim order (to_half_split): RMSNorm over head dims is order-free once its
+            # scale is permuted the same way, and RoPE becomes two contiguous halves. The softmax scale is folded
+            # into q (exact for power-of-two head dims; one rounding otherwise).
+            yq = dense(x, to_half_split(pq.kernel[...], hd), to_half_split(pq.bias[...], hd))
+            yk = dense(x, to_half_split(pk.kernel[...], hd), to_half_split(pk.bias[...], hd))
+            yv = pv(x)
+            return (qk_post(yq, nq, cos, sin, scale, x.dtype), qk_post(yk, nk, cos, sin, 1.0, x.dtype), heads(yv))
+
+        iq, ik, iv = stream(img, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, img_cos, img_sin)
+        tq, tk, tv = stream(txt, self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q,
+                            self.norm_added_k, txt_cos, txt_sin)
+
+        # Order [text, image], as diffusers; the concatenation and the move to head-major [B, H, S, Dh] are one copy.
+        def joint(t, i):
+            return jnp.swapaxes(jnp.concatenate([t, i], axis=1), 1, 2)
+
+        out = joint_attention(joint(tq, iq), joint(tk, ik), joint(tv, iv), key_bias)
+        out = jnp.swapaxes(out, 1, 2)
         out = out.reshape(*out.shape[:2], -1)
         n_txt = txt.shape[1]
         return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
@@ -284,14 +374,14 @@ class MMDiTBlock(nnx.Module):
         self.img_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
         self.txt_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
 
-    def __call__(self, img, txt, temb, rope, mask):
-        """img [B, N, D], txt [B, L, D], temb [B, D] -> (img, txt) same shapes."""
+    def __call__(self, img, txt, temb, rope, key_bias):
+        """img [B, N, D], txt [B, L, D], temb [B, D]; rope and key_bias as JointAttention -> (img, txt)."""
         # Chunk order along the 6D axis: (shift1, scale1, gate1, shift2, scale2, gate2).
         i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = jnp.split(self.img_mod(jax.nn.silu(temb)), 6, axis=-1)
         t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = jnp.split(self.txt_mod(jax.nn.silu(temb)), 6, axis=-1)
 
         img_attn, txt_attn = self.attn(_modulate(layer_norm(img, self.eps), i_sh1, i_sc1),
-                                       _modulate(layer_norm(txt, self.eps), t_sh1, t_sc1), rope, mask)
+                                       _modulate(layer_norm(txt, self.eps), t_sh1, t_sc1), rope, key_bias)
         img = img + i_g1[:, None, :] * img_attn
         txt = txt + t_g1[:, None, :] * txt_attn
         img = img + i_g2[:, None, :] * self.img_mlp(_modulate(layer_norm(img, self.eps), i_sh2, i_sc2))
@@ -337,21 +427,32 @@ class MMDiT(nnx.Module):
 
         rope = tuple(jnp.asarray(t) for t in rope_cos_sin(img_shape, n_txt, cfg.axes_dims_rope, cfg.rope_theta))
         if text_mask is None:
-            mask = None
+            key_bias = None
         else:
             # Padded text keys are hidden from every query; image keys are always visible, so no row is empty.
             keys = jnp.concatenate([text_mask.astype(bool), jnp.ones((b, n_img), bool)], axis=1)
-            mask = keys[:, None, None, :]
+            key_bias = jnp.where(keys, 0.0, MASK_BIAS).astype(jnp.float32)
 
         graphdef, block_state = nnx.split(self.blocks)
 
         def body(carry, layer_state):
             block = nnx.merge(graphdef, layer_state)
-            return block(*carry, temb, rope, mask), None
+            return block(*carry, temb, rope, key_bias), None
 
         if cfg.remat:
             body = jax.checkpoint(body)
-        (img, _), _ = jax.lax.scan(body, (img, txt), block_state)
+        if cfg.scan_layers:
+            (img, _), _ = jax.lax.scan(body, (img, txt), block_state)
+        else:
+            # One split per stacked param (its transpose is one concatenate of the layers' gradients; indexing a[i]
+            # instead would transpose to a zero-padded full-stack gradient per layer).
+            parts = jax.tree.map(lambda a: jnp.split(a, cfg.num_layers, axis=0), block_state)
+            layers = [jax.tree.map(lambda p: p[i][0], parts, is_leaf=lambda x: isinstance(x, list))
+                      for i in range(cfg.num_layers)]
+            carry = (img, txt)
+            for layer_state in layers:
+                carry, _ = body(carry, layer_state)
+            img = carry[0]
 
         scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
         img = _modulate(layer_norm(img, cfg.eps), shift, scale)
