@@ -221,8 +221,10 @@ def make_sampler(graphdef, sigmas: np.ndarray, img_shape: tuple[int, int, int], 
                  size: int, sde_cfg: sde_lib.SDEConfig | None = None) -> Callable:
   """jitted (params, x1 [B,N,C] initial noise, text, mask, key) -> images [B, size, size, 3].
 
-  sde_cfg None: deterministic Euler ODE over `sigmas` (key unused). Otherwise every step is an SDE
-  step of that kind (what GRPO rollouts do), with step noise from fold_in(key, t).
+  sde_cfg None: deterministic Euler ODE over `sigmas` (key unused). Otherwise steps 0 … T−2 are SDE
+  steps of that kind and the last one (σ → 0) is Euler, as in GRPO rollouts (rl.timesteps never
+  makes the last step stochastic: noise added there would stay in the image); step noise from
+  fold_in(key, t).
   """
   sig = jnp.asarray(sigmas, jnp.float32)
   t_steps = int(sig.shape[0]) - 1
@@ -238,7 +240,8 @@ def make_sampler(graphdef, sigmas: np.ndarray, img_shape: tuple[int, int, int], 
       if sde_cfg is None:
         return sde_lib.euler_step(x, v, s, sn), None
       eps = jax.random.normal(jax.random.fold_in(key, t), x.shape, jnp.float32)
-      return sde_lib.sde_step(x, v, s, sn, eps, sde_cfg)[0], None
+      x_sde = sde_lib.sde_step(x, v, s, sn, eps, sde_cfg)[0]
+      return jnp.where(t < t_steps - 1, x_sde, sde_lib.euler_step(x, v, s, sn)), None
 
     x0, _ = jax.lax.scan(body, x1.astype(jnp.float32), jnp.arange(t_steps))
     return latents_lib.decode_pixels(x0, size, size, patch)

@@ -131,6 +131,24 @@ def test_prompt_sampler_mixes_singles_and_stays_in_train_split():
   assert not any(grammar.is_held_out(grammar.parse(t)) for t in texts)
 
 
+def test_sde_eval_sampler_keeps_the_last_step_deterministic():
+  # GRPO rollouts never make the last step (sigma -> 0) stochastic; the eval's SDE sampler must
+  # match, so with one step SDE and ODE agree exactly, and with two they differ (step 0 is SDE).
+  from digen_jax.diffusion import sde as sde_lib
+  cfg, model = _tiny_model()
+  graphdef, state = nnx.split(model)
+  x1 = jax.random.normal(jax.random.key(0), (2, 16, 48))
+  text, mask = jnp.ones((2, 5, 32)), jnp.ones((2, 5), jnp.int32)
+  sde_cfg = sde_lib.SDEConfig(kind='flow_grpo', noise_level=0.7)
+  for sig, same in ((np.array([0.8, 0.0], np.float32), True),
+                    (np.array([0.8, 0.4, 0.0], np.float32), False)):
+    ode = pretrain.make_sampler(graphdef, sig, (1, 4, 4), 4, 16)(state, x1, text, mask, jax.random.key(1))
+    sde = pretrain.make_sampler(graphdef, sig, (1, 4, 4), 4, 16, sde_cfg)(state, x1, text, mask,
+                                                                          jax.random.key(1))
+    assert ode.shape == (2, 16, 16, 3)
+    assert np.array_equal(np.asarray(ode), np.asarray(sde)) == same, sig
+
+
 def test_validate_rejects_bad_fields():
   c = shapes_pretrain.get_config('test')
   c.pretrain.image_size = 32
