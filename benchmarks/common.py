@@ -168,7 +168,7 @@ def block(x):
 
 
 def alternate(fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 1,
-              settle_s: float = SETTLE_S) -> dict[str, list[float]]:
+              settle_s: float = SETTLE_S, progress: bool = False) -> dict[str, list[float]]:
     """Time each zero-arg callable `repeats` times, interleaved A, B, C, ... with the order reversed every other
     round (so no callable always follows the same neighbour). Warm-up calls are run first and not timed.
     Each callable must finish its work before returning (block on JAX outputs). Returns {name: [seconds]}."""
@@ -183,6 +183,9 @@ def alternate(fns: dict[str, Callable[[], Any]], *, repeats: int, warmup: int = 
             t0 = time.perf_counter()
             fns[n]()
             times[n].append(time.perf_counter() - t0)
+        if progress:  # one line per round, so a run cut short still leaves its rounds on stdout
+            print(f"  round {r + 1}/{repeats}: " + ", ".join(f"{n} {1e3 * times[n][-1]:.0f} ms" for n in names),
+                  flush=True)
     return times
 
 

@@ -121,6 +121,7 @@ def run(size: C.BenchSize, repeats: int, warmup: int = 1, compile_report: bool =
         result["compile"]["compile_warm_cache_s"] = C.warm_cache_compile_seconds(b["ours_fn"], *b["ours_args"])
 
     result["parity"] = check_parity(size, b)
+    print(f"  parity ok: {result['parity']}\n  compile: {result['compile']}", flush=True)
 
     flops_step = flops_per_forward(b["model"].config, size.batch, size.n_img, size.n_txt)
     reps = C.probe_reps(size.steps * flops_step)
@@ -133,7 +134,7 @@ def run(size: C.BenchSize, repeats: int, warmup: int = 1, compile_report: bool =
         "jax_matmul": jax_mm,
         "torch_matmul": torch_mm,
     }
-    times = C.alternate(fns, repeats=repeats, warmup=warmup)
+    times = C.alternate(fns, repeats=repeats, warmup=warmup, progress=True)
     # Same shapes every call: the sampler must have compiled exactly once (the parity call included).
     n_compiled = ours_fn._cache_size()
     assert n_compiled == 1, f"sampler recompiled: {n_compiled} executables for one input signature"

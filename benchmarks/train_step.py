@@ -48,7 +48,7 @@ VARIANTS = {  # name -> (step_loop, remat, scan_layers)
     f"{loop}{'+unroll' if unroll else ''}{'+remat' if remat else ''}": (loop, remat, not unroll)
     for loop in ("vmap", "scan", "accum") for unroll in (False, True) for remat in (False, True)
 }
-DEFAULT_VARIANT = "accum"  # fastest measured here, and the least memory without remat (RESULTS.md)
+DEFAULT_VARIANT = "accum"  # within 3% of the fastest variant measured, least memory without remat (RESULTS.md)
 
 
 def make_problem(size: C.BenchSize, seed: int = 0) -> dict:
@@ -264,8 +264,7 @@ def _velocity_fn(prob, size):
 def run(size: C.BenchSize, repeats: int, variants: list[str], warmup: int = 1, memory: bool = True,
         compile_report: bool = True) -> dict:
     import jax
-    import numpy as np
-    torch = C.setup_torch()
+    C.setup_torch()  # thread count before any torch work
     prob = make_problem(size)
     k = len(prob["indices"])
     result = {"size": size.name, "machine": C.machine_info(), "repeats": repeats, "K": k, "batch": size.batch,
@@ -291,6 +290,7 @@ def run(size: C.BenchSize, repeats: int, variants: list[str], warmup: int = 1, m
     head = variants[0]
     result["parity"] = check_parity(prob, size, ours[head]["grad_fn"], ours[head]["args"], prob["params"],
                                     ref_loss_and_grads)
+    print(f"  parity ok: {result['parity']}\n  compile: {result['variants']}", flush=True)
 
     def ours_call(o):
         def call():
@@ -302,7 +302,7 @@ def run(size: C.BenchSize, repeats: int, variants: list[str], warmup: int = 1, m
 
     fns = {f"ours[{n}]": ours_call(o) for n, o in ours.items()}
     fns["ref"] = ref_update
-    times = C.alternate(fns, repeats=repeats, warmup=warmup)
+    times = C.alternate(fns, repeats=repeats, warmup=warmup, progress=True)
     for n, o in ours.items():
         n_compiled = o["update"]._cache_size()
         assert n_compiled == 1, f"update {n} recompiled: {n_compiled} executables for one input signature"
@@ -327,7 +327,6 @@ def run(size: C.BenchSize, repeats: int, variants: list[str], warmup: int = 1, m
         result["memory"] = {"ref": C.run_child(script, ["--size", size.name, "--_memory", "ref"])}
         for n in variants:
             result["memory"][f"ours[{n}]"] = C.run_child(script, ["--size", size.name, "--_memory", n])
-    del torch, np
     return result
 
 
