@@ -199,3 +199,23 @@ def test_jpeg_invalid_images_get_finite_penalty(size):
         assert np.all(np.isfinite(r))
         np.testing.assert_allclose(r[1:], jpeg.invalid_penalty(size, size))
         assert r[1] < r[0]  # worse than the least compressible valid image
+
+
+def test_dense_reward_tracks_margins(ground_truth, monkeypatch):
+    """shapes_dense: high on ground truth, equal to partial credit at ~zero temperature, and a
+    square scores higher the squarer it is, on both sides of the binary threshold."""
+    _, texts, imgs = ground_truth
+    dense, partial = sc.shapes_dense_reward(imgs, texts), sc.shapes_reward(imgs, texts)
+    assert dense.mean() > 0.9 and np.all(dense <= 1.0) and np.all(dense >= 0.0)
+    other, keep = _mismatched(texts)
+    assert sc.shapes_dense_reward(imgs[keep], [t for t, k in zip(other, keep) if k]).mean() < 0.8
+    monkeypatch.setattr(sc, "MARGIN_TEMPERATURE", 1e-9)
+    np.testing.assert_allclose(sc.shapes_dense_reward(imgs[:64], texts[:64]), partial[:64], atol=1e-6)
+    monkeypatch.undo()
+    fills = [0.80, 0.86, 0.89, 0.91, 0.95]
+    margins = [sc.shape_margin(f, 0.0, "square") for f in fills]
+    assert np.all(np.diff(margins) > 0) and (np.array(margins) > 0).tolist() == [False] * 3 + [True] * 2
+    for shape in ("circle", "square", "triangle"):
+        for fill, skew in [(0.5, 0.0), (0.8, 0.1), (0.95, 0.0), (0.8, 0.5)]:
+            assert (sc.shape_margin(fill, skew, shape) > 0) == (sc.classify_shape(fill, skew) == shape)
+    assert sc.check(np.full((16, 16, 3), np.nan, np.float32), texts[0]).dense == 0.0

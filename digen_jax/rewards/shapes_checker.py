@@ -26,7 +26,11 @@ Atoms (each 0/1): per object -> present, count (number of components of its colo
 prompt count), shape (every component of its colour has the prompted shape); relation prompts
 add relation (on the largest component of each colour); every prompt adds background.
 `shapes_reward` = fraction of satisfied atoms (partial credit for training); `shapes_strict`
-= all atoms satisfied (evaluation accuracy). Extra objects of other colours are not penalised
+= all atoms satisfied (evaluation accuracy). `shapes_dense` (training only) replaces the 0/1
+shape and relation atoms by a sigmoid of the signed margin to the checker's decision boundary
+(MARGIN_TEMPERATURE), so a sample whose square is *almost* square-cornered already scores higher
+than a round one: the binary atom gives a group no gradient until some sample crosses the
+threshold. At zero temperature it equals `shapes_reward`. Extra objects of other colours are not penalised
 (as in GenEval's attribute checks).
 """
 from __future__ import annotations
@@ -51,6 +55,7 @@ FILL_TRIANGLE_MAX = 0.70
 FILL_CIRCLE_MAX = 0.9
 SKEW_TRIANGLE_MIN = 0.3
 POSITION_THRESHOLD = 0.1
+MARGIN_TEMPERATURE = 0.03  # fill / skew / relation-component units; ~1/10 of the class gaps
 
 _EIGHT = np.ones((3, 3), bool)
 
@@ -81,6 +86,7 @@ class CheckResult:
     atoms: dict[str, bool]
     partial: float
     strict: bool
+    dense: float = 0.0  # mean of soft atoms (see module docstring); 0 for invalid images
 
 
 def _to_unit(image: np.ndarray) -> Optional[np.ndarray]:
@@ -109,6 +115,21 @@ def classify_shape(fill: float, skew: float = 0.0) -> str:
     if fill < FILL_CIRCLE_MAX:
         return "circle"
     return "square"
+
+
+def shape_margin(fill: float, skew: float, shape: str) -> float:
+    """Signed distance of (fill, skew) into `shape`'s decision region of classify_shape:
+    > 0 iff classify_shape(fill, skew) == shape (up to ties on the boundary)."""
+    tri = max(FILL_TRIANGLE_MAX - fill, skew - SKEW_TRIANGLE_MIN)
+    if shape == "triangle":
+        return tri
+    if shape == "circle":
+        return min(-tri, FILL_CIRCLE_MAX - fill)
+    return min(-tri, fill - FILL_CIRCLE_MAX)
+
+
+def _soft(margin: float) -> float:
+    return float(0.5 * (1.0 + np.tanh(0.5 * margin / MARGIN_TEMPERATURE)))  # = sigmoid(m / T)
 
 
 def _blobs_for_color(u: np.ndarray, bg: np.ndarray, name: str) -> list[Blob]:
@@ -171,17 +192,22 @@ def analyze(image: np.ndarray, colors: Sequence[str] = tuple(COLORS)) -> Optiona
     return Scene(bg_name, {c: _blobs_for_color(u, bg, c) for c in colors})
 
 
-def relation_holds(a: Blob, b: Blob, relation: str) -> bool:
-    """GenEval-style relative position of a w.r.t. b (y downward)."""
+def relation_margin(a: Blob, b: Blob, relation: str) -> float:
+    """Signed margin of GenEval's relative-position rule for a w.r.t. b (y downward):
+    > 0 iff the relation holds; -0.5 for coincident centroids."""
     off = np.array([a.cx - b.cx, a.cy - b.cy], np.float64)
     norm = float(np.linalg.norm(off))
     if norm < 1e-6:
-        return False
+        return -0.5
     dims = np.array([a.w + b.w, a.h + b.h], np.float64)
     rev = np.maximum(np.abs(off) - POSITION_THRESHOLD * dims, 0.0) * np.sign(off)
     dx, dy = rev / norm
-    return {"left of": dx < -0.5, "right of": dx > 0.5, "above": dy < -0.5,
-            "below": dy > 0.5}[relation]
+    return float({"left of": -dx, "right of": dx, "above": -dy, "below": dy}[relation] - 0.5)
+
+
+def relation_holds(a: Blob, b: Blob, relation: str) -> bool:
+    """GenEval-style relative position of a w.r.t. b (y downward)."""
+    return relation_margin(a, b, relation) > 0.0
 
 
 def check(image: np.ndarray, prompt: ShapesPrompt | str) -> CheckResult:
@@ -192,18 +218,23 @@ def check(image: np.ndarray, prompt: ShapesPrompt | str) -> CheckResult:
     scene = analyze(image, [o.color for o in p.objects])
     if scene is None:
         return CheckResult({k: False for k in names}, 0.0, False)
-    atoms = {}
+    atoms, soft = {}, {}
     for i, o in enumerate(p.objects):
         blobs = scene.blobs[o.color]
         atoms[f"{i}_present"] = len(blobs) > 0
         atoms[f"{i}_count"] = len(blobs) == o.count
         atoms[f"{i}_shape"] = len(blobs) > 0 and all(b.shape == o.shape for b in blobs)
+        # The worst component decides the strict atom, so it decides the soft one too.
+        soft[f"{i}_shape"] = min((_soft(shape_margin(b.fill, b.skew, o.shape)) for b in blobs),
+                                 default=0.0)
     if p.is_relation:
         ba, bb = scene.blobs[p.objects[0].color], scene.blobs[p.objects[1].color]
         atoms["relation"] = bool(ba and bb and relation_holds(ba[0], bb[0], p.relation))
+        soft["relation"] = _soft(relation_margin(ba[0], bb[0], p.relation)) if ba and bb else 0.0
     atoms["background"] = scene.background == p.background
     partial = sum(atoms.values()) / len(atoms)
-    return CheckResult(atoms, float(partial), all(atoms.values()))
+    dense = sum(soft.get(k, float(v)) for k, v in atoms.items()) / len(atoms)
+    return CheckResult(atoms, float(partial), all(atoms.values()), float(dense))
 
 
 def _parse_all(prompts: Sequence[str]) -> list[ShapesPrompt]:
@@ -217,6 +248,13 @@ def shapes_reward(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     """[B] float32 partial credit in [0, 1] (fraction of satisfied atoms)."""
     images = check_batch(images, prompts)
     return np.array([check(im, p).partial for im, p in zip(images, _parse_all(prompts))], np.float32)
+
+
+@register("shapes_dense")
+def shapes_dense_reward(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """[B] float32 in [0, 1]: partial credit with margin-smoothed shape and relation atoms."""
+    images = check_batch(images, prompts)
+    return np.array([check(im, p).dense for im, p in zip(images, _parse_all(prompts))], np.float32)
 
 
 def shapes_strict(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
