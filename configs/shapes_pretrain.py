@@ -47,6 +47,7 @@ def get_config(arg: str | None = None):
   p.logit_std = 1.0
   p.sigma_shift = 3.0               # static shift of training sigmas; = sampler.shift
   p.zero_init = True                # adaLN-Zero init of modulations and output (DiT)
+  p.init_from = ''                  # a params folder to warm-start from (e.g. assets/shapes_base)
   p.text_dropout = 0.0              # > 0 trains the empty prompt too (enables CFG); off: RL uses no CFG
   p.single_fraction = 0.5           # share of single-object prompts per batch (train split is ~7%
                                     # singles); < 0 = uniform over the split's prompts

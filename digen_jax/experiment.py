@@ -68,20 +68,47 @@ def model_config_from(config) -> mmdit.MMDiTConfig:
       axes_dims_rope=tuple(m.axes_dims_rope))
 
 
+def checkpoint_folder(path: str, field: str = 'config.model.checkpoint') -> str:
+  """A checkpoint path as an existing folder (repo-relative paths such as the shipped
+  assets/shapes_base work from any cwd); ValueError naming `field` otherwise."""
+  repo_relative = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+  if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(repo_relative):
+    path = repo_relative
+  if not os.path.isdir(path):
+    raise ValueError(f'{field}={path!r} is not a readable folder; give a params '
+                     'folder (params.safetensors + config.json, from digen_jax.pretrain), a diffusers '
+                     'QwenImage folder (config.json + *.safetensors), or run configs/qwenimage.py:tiny')
+  return path
+
+
+def check_text_encoder(config, text_encoder) -> None:
+  """A checkpoint trained with a frozen word encoder records its table digest; a run whose
+  encoder differs (e.g. another config.seed, which seeds the table) would feed the generator
+  embeddings it never saw, silently. Raises ValueError instead."""
+  if config.model.init != 'checkpoint':
+    return
+  path = checkpoint_folder(config.model.checkpoint)
+  if not os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
+    return                          # diffusers folder: its text encoder is not ours to check
+  recorded = params_io.read_config(path).get('extra', {}).get('text_encoder', {})
+  want = recorded.get('table_sha256')
+  if want and want != text_lib.table_digest(text_encoder):
+    raise ValueError(
+        f'the word text encoder of this run differs from the one {path} was trained with '
+        f'(table digest mismatch): it was built with seed={recorded.get("seed")}, '
+        f'dim={recorded.get("dim")}, max_length={recorded.get("max_length")}; this run has '
+        f'config.seed={config.seed}, config.model.joint_attention_dim='
+        f'{config.model.joint_attention_dim}, config.text.max_length={config.text.max_length}. '
+        f'Set config.seed={recorded.get("seed")} (the table is seeded by it)')
+
+
 def build_model(config) -> tuple[mmdit.MMDiTConfig, Any, Any]:
   """Returns (model config, graphdef, float32 params)."""
   mcfg = model_config_from(config)
   if config.model.init == 'random':
     model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
   else:
-    path = config.model.checkpoint
-    repo_relative = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
-    if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(repo_relative):
-      path = repo_relative          # shipped assets (assets/shapes_base) work from any cwd
-    if not os.path.isdir(path):
-      raise ValueError(f'config.model.checkpoint={path!r} is not a readable folder; give a params '
-                       'folder (params.safetensors + config.json, from digen_jax.pretrain), a diffusers '
-                       'QwenImage folder (config.json + *.safetensors), or run configs/qwenimage.py:tiny')
+    path = checkpoint_folder(config.model.checkpoint)
     # Our own params folder (pretrain output: params.safetensors + config.json) or a diffusers one.
     if os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
       model = params_io.load_model(path)
@@ -127,10 +154,11 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   num_tokens = int(np.prod(img_shape))
   # Cheap parts first so their errors come before the (possibly large) model build.
   reward_fn = reward_registry.build_reward(dict(config.reward.weights))
+  text_encoder = build_text_encoder(config)
+  check_text_encoder(config, text_encoder)
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
   source = prompt_data.load_prompts(config.data.prompts, config.data.split, data_dir)
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
-  text_encoder = build_text_encoder(config)
   sigmas = build_schedule(config, num_tokens)
   sde_cfg = sde_lib.SDEConfig(kind=config.sampler.sde, noise_level=config.sampler.noise_level,
                               logprob_reduce=config.sampler.logprob_reduce)

@@ -25,7 +25,6 @@ samples_final.png (a grid of eval-split samples), summary.json.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -54,6 +53,7 @@ from digen_jax.diffusion import sde as sde_lib
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import mmdit
 from digen_jax.models import params_io
+from digen_jax.models import text as text_lib
 from digen_jax.rewards import shapes_checker
 
 _SIGMA_SAMPLING = ('logit_normal', 'uniform')
@@ -93,6 +93,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'config.pretrain.single_fraction={p.single_fraction} must be <= 1 (< 0 = uniform)')
   if not p.sigma_shift > 0:
     raise ValueError(f'config.pretrain.sigma_shift={p.sigma_shift} must be > 0 (1 = no shift)')
+  if p.get('init_from'):
+    experiment.checkpoint_folder(p.init_from, 'config.pretrain.init_from')
   if p.warmup < 0 or p.warmup >= p.steps:
     raise ValueError(f'config.pretrain.warmup={p.warmup} must be in [0, steps={p.steps})')
 
@@ -127,14 +129,6 @@ def eval_prompt_set(split: str, n: int, seed: int = 0) -> list[str]:
     return pool
   idx = np.sort(np.random.default_rng(seed).choice(len(pool), n, replace=False))
   return [pool[i] for i in idx]
-
-
-def text_table_digest(encoder) -> str:
-  """sha256 of the frozen word encoder's table + vocab: an RL run can check it encodes the same."""
-  inner = getattr(encoder, 'encoder', encoder)
-  h = hashlib.sha256(np.ascontiguousarray(inner.table).tobytes())
-  h.update('\n'.join(inner.vocab).encode())
-  return h.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,6 +285,16 @@ def evaluate(sample_fn: Callable, params, encoder, prompts: Sequence[str], sampl
 # The run.
 
 
+def warm_start_params(config: ml_collections.ConfigDict, mcfg: mmdit.MMDiTConfig) -> nnx.State:
+  """config.pretrain.init_from's params; ValueError if its architecture is not config.model's."""
+  path = experiment.checkpoint_folder(config.pretrain.init_from, 'config.pretrain.init_from')
+  ckpt_cfg, params, _ = params_io.load_params(path)
+  if ckpt_cfg != mcfg:
+    raise ValueError(f'config.pretrain.init_from={config.pretrain.init_from!r} holds {ckpt_cfg}, but '
+                     f'config.model asks for {mcfg}; warm-start from a checkpoint of the same architecture')
+  return params
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Runs pretraining; returns the summary (also written to workdir/summary.json)."""
   validate(config)
@@ -312,7 +316,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
   del model
-  if p.zero_init:
+  if p.init_from:
+    # Warm start: continue from a params folder (e.g. the shipped base) with a fresh optimizer.
+    params = warm_start_params(config, mcfg)
+  elif p.zero_init:
     params = zero_init_modulation(params)
   num_params = mmdit.count_params(mcfg)
   lr = optax.warmup_cosine_decay_schedule(0.0, p.lr, max(int(p.warmup), 1), int(p.steps),
@@ -363,7 +370,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   common_extra = {
       'text_encoder': {'kind': 'word', 'dim': int(config.model.joint_attention_dim),
                        'max_length': int(config.text.max_length), 'seed': int(config.seed),
-                       'table_sha256': text_table_digest(encoder)},
+                       'table_sha256': text_lib.table_digest(encoder)},
       'latent': {'space': 'pixel', 'height': size, 'width': size, 'channels': 3},
       'sampler': {'scheduler': config.sampler.scheduler, 'shift': float(config.sampler.shift),
                   'num_steps': int(config.sampler.num_steps)},

@@ -14,6 +14,7 @@ from digen_jax import pretrain
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import mmdit
 from digen_jax.models import params_io
+from digen_jax.models import text as text_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = os.path.join(REPO, shapes_pretrain.SHAPES_BASE_CHECKPOINT)
@@ -160,6 +161,10 @@ def test_validate_rejects_bad_fields():
     pretrain.validate(c)
   with pytest.raises(ValueError, match='unknown variant'):
     shapes_pretrain.get_config('huge')
+  c = shapes_pretrain.get_config('test')
+  c.pretrain.init_from = '/nonexistent/params'
+  with pytest.raises(ValueError, match='config.pretrain.init_from'):
+    pretrain.validate(c)
 
 
 def test_config_fields_are_consistent_for_rl_reuse():
@@ -194,6 +199,15 @@ def test_short_pretraining_loss_falls_and_saves(tmp_path):
   for a, b in zip(jax.tree.leaves(summary['params']), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+  # Warm start from the saved params: training continues from them, not from scratch.
+  w = shapes_pretrain.get_config('test')
+  w.pretrain.init_from, w.pretrain.steps, w.pretrain.warmup = str(tmp_path / 'params'), 10, 1
+  warm = pretrain.train(w, str(tmp_path / 'warm'))
+  assert np.mean(warm['losses'][:5]) < 0.8 * losses[:5].mean()
+  w.model.num_layers = 2
+  with pytest.raises(ValueError, match='init_from.*same architecture'):
+    pretrain.train(w, str(tmp_path / 'warm2'))
+
 
 # ------------------------------------------------------------------------------------------------
 # the shipped checkpoint
@@ -208,7 +222,7 @@ def test_shipped_checkpoint_loads_and_runs():
   assert os.path.getsize(os.path.join(SHIPPED, params_io.WEIGHTS_FILE)) < 25 * 2 ** 20
   # The text encoder RL builds from the config is the one the checkpoint was trained with.
   enc = experiment.build_text_encoder(c)
-  assert extra['text_encoder']['table_sha256'] == pretrain.text_table_digest(enc)
+  assert extra['text_encoder']['table_sha256'] == text_lib.table_digest(enc)
   model = params_io.load_model(SHIPPED)
   emb, mask = enc.encode(['two red circles on a white background',
                           'a blue square left of a yellow triangle on a gray background'])

@@ -17,6 +17,7 @@ is encoded once.
 from __future__ import annotations
 
 import collections
+import hashlib
 import re
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
@@ -160,3 +161,12 @@ def shapes_vocab() -> list[str]:
     from digen_jax.data.shapes.grammar import grammar_words  # data -> model dependency kept local
 
     return grammar_words()
+
+
+def table_digest(encoder) -> str:
+    """sha256 of a word encoder's table + vocab (a CachedEncoder is looked through): a checkpoint
+    records it so a later run can check it encodes prompts the same way."""
+    inner = getattr(encoder, "encoder", encoder)
+    h = hashlib.sha256(np.ascontiguousarray(inner.table).tobytes())
+    h.update("\n".join(inner.vocab).encode())
+    return h.hexdigest()
