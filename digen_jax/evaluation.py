@@ -122,4 +122,38 @@ def write_report(result: dict[str, Any], out_dir: str, step: int, *, grid_prompt
                               passed=None if passed is None else [bool(passed[i]) for i in idx])
   path = os.path.join(out_dir, f'eval_{step:06d}.png')
   Image.fromarray(grid).save(path)
+  # Every sample as uint8, for the end-of-run before/after grid (same prompts and noise at every
+  # eval, so sample i of two evals is the same prompt and seed under two policies).
+  np.savez_compressed(os.path.join(out_dir, f'eval_{step:06d}.npz'),
+                      images=visualize.to_uint8(result['images']), prompts=np.asarray(prompts),
+                      passed=(np.zeros(len(prompts), bool) if passed is None else passed),
+                      rewards=rewards)
   return path
+
+
+def before_after_grid(first_npz: str, last_npz: str, out_path: str, *, num_prompts: int = 12,
+                      samples: int = 2, labels=('base', 'final')) -> str:
+  """A PNG with one row per prompt: `samples` eval samples of the first report, then the same
+  prompts and noise from the last report, with PASS/FAIL frames. Prompts are picked evenly over
+  the eval split (so single-object and relation prompts both show). Returns out_path."""
+  a, b = np.load(first_npz), np.load(last_npz)
+  if list(a['prompts']) != list(b['prompts']):
+    raise ValueError(f'{first_npz} and {last_npz} were evaluated on different prompts')
+  prompts = list(a['prompts'])
+  uniq = list(dict.fromkeys(prompts))
+  n_per = len(prompts) // len(uniq)
+  samples = min(samples, n_per)
+  picks = [uniq[i] for i in np.linspace(0, len(uniq) - 1, min(num_prompts, len(uniq))).astype(int)]
+  images, caps, passed = [], [], []
+  for p in picks:
+    first = prompts.index(p)
+    for src, label in ((a, labels[0]), (b, labels[1])):
+      for k in range(samples):
+        i = first + k
+        images.append(src['images'][i].astype(np.float32) / 127.5 - 1.0)
+        passed.append(bool(src['passed'][i]))
+        caps.append(f'{label}: {p}' if k == 0 else f'{label}')
+  grid = visualize.image_grid(np.stack(images), caps, cols=2 * samples, passed=passed)
+  os.makedirs(os.path.dirname(out_path) or '.', exist_ok=True)
+  Image.fromarray(grid).save(out_path)
+  return out_path

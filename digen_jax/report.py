@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from digen_jax import evaluation
 from digen_jax import metrics as metrics_lib
 
 ACC = 'eval/strict_accuracy'
@@ -52,10 +53,26 @@ def plot(rows: list[dict], path: str):
   plt.close(fig)
 
 
+def write_before_after(workdir: str, summary: dict) -> str | None:
+  """eval/before_after.png from the first and last eval reports of the run, if both exist."""
+  if 'base_eval_step' not in summary or summary['base_eval_step'] == summary['final_eval_step']:
+    return None
+  paths = [os.path.join(workdir, 'eval', f'eval_{summary[k]:06d}.npz')
+           for k in ('base_eval_step', 'final_eval_step')]
+  if not all(os.path.exists(p) for p in paths):
+    return None
+  return evaluation.before_after_grid(
+      *paths, os.path.join(workdir, 'eval', 'before_after.png'),
+      labels=(f'step {summary["base_eval_step"]}', f'step {summary["final_eval_step"]}'))
+
+
 def finish(workdir: str) -> dict:
   rows = metrics_lib.read_metrics(workdir)
   plot(rows, os.path.join(workdir, 'reward.png'))
   summary = summarize(rows)
+  grid = write_before_after(workdir, summary)
+  if grid:
+    summary['before_after'] = grid
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=1)
   line = ', '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in summary.items())
