@@ -109,6 +109,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.cluster.rollout.param_dtype = 'float32'         # 'bfloat16': lower-precision rollout copy
   c.cluster.rollout.param_sharding = 'replicated'   # 'replicated' (data-parallel) | 'fsdp'
 
+  # --- scheduling (DESIGN.md §3; runtime/pipeline.py). Defaults = the synchronous schedule -----
+  c.schedule = ml_collections.ConfigDict()
+  c.schedule.fragments = 1          # M: GAP fragments per logical batch (1 = no GAP)
+  c.schedule.fragment_unit = 'group' # 'group' | 'sample'
+  c.schedule.tsp = False            # timestep axis of the update sharded over the trainer mesh
+  c.schedule.tag = False            # trainer-assisted generation, insertions decided by BTS
+  c.schedule.tcss_fraction = 0.0    # phi: share of next batch's fragments allowed one-version-stale
+  c.schedule.trace = True           # write trace.json + timeline.png under the workdir
+
   # --- evaluation (deterministic ODE sampling; strict accuracy for ShapesBench prompts) ---------
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 0                  # evaluate every N optimizer steps (0 = off); also at start/end
@@ -176,6 +185,7 @@ _CHOICES = {
     'cluster.layout': ('auto', 'explicit'),
     'cluster.rollout.param_dtype': ('float32', 'bfloat16'),
     'cluster.rollout.param_sharding': ('replicated', 'fsdp'),
+    'schedule.fragment_unit': ('group', 'sample'),
 }
 
 
@@ -227,6 +237,39 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if not config.reward.weights:
     raise ValueError('config.reward.weights is empty: name at least one reward, e.g. '
                      "--config.reward.weights.jpeg_compressibility=1.0")
+  _validate_schedule(config, num_devices)
+
+
+def _validate_schedule(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """config.schedule against the batch, the devices and the mode (see runtime/pipeline.py)."""
+  s, rl = config.schedule, config.rl
+  m, batch = s.fragments, rl.prompts_per_step * rl.group_size
+  if m < 1:
+    raise ValueError(f'config.schedule.fragments={m} must be >= 1 (1 = no GAP)')
+  if s.fragment_unit == 'group' and rl.prompts_per_step % m:
+    raise ValueError(f"config.schedule.fragments={m} must divide rl.prompts_per_step="
+                     f"{rl.prompts_per_step} with fragment_unit='group'; change fragments or use "
+                     "--config.schedule.fragment_unit=sample")
+  if s.fragment_unit == 'sample' and batch % m:
+    raise ValueError(f'config.schedule.fragments={m} must divide the batch rl.prompts_per_step * '
+                     f'rl.group_size = {batch}')
+  if (batch // m) % num_devices:
+    raise ValueError(f'a fragment of config.schedule.fragments={m} holds {batch // m} samples, '
+                     f'not divisible by the {num_devices} devices of a role; lower '
+                     'schedule.fragments')
+  if m > 1 and rl.adv_std != 'group':
+    raise ValueError(f"config.schedule.fragments={m} needs rl.adv_std='group' (a fragment's "
+                     "advantages must not depend on groups not yet sampled); set "
+                     "--config.rl.adv_std=group or schedule.fragments=1")
+  if not 0.0 <= s.tcss_fraction <= 1.0:
+    raise ValueError(f'config.schedule.tcss_fraction={s.tcss_fraction} must be in [0, 1]')
+  if s.tcss_fraction > 0 and int(m * s.tcss_fraction + 1e-9) < 1:
+    raise ValueError(f'config.schedule.tcss_fraction={s.tcss_fraction} allows no stale fragment '
+                     f'of schedule.fragments={m}; raise it to at least 1/{m}')
+  if (s.tag or s.tcss_fraction > 0) and config.runtime.mode != 'disagg':
+    raise ValueError('config.schedule.tag / tcss_fraction need separate rollout and trainer '
+                     'meshes: set --config.runtime.mode=disagg (e.g. configs/qwenimage.py:'
+                     'tiny_disagg)')
 
 
 def set_disagg(c: ml_collections.ConfigDict, *, trainer=None, rollout=None, by: str = 'devices',

@@ -37,8 +37,12 @@ def guidance_of(exp):
   return (s.guidance_scale, s.norm_rescale) if s.guidance_scale > 1.0 else (None, False)
 
 
-def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None):
-  """rollout(params, cond, uncond, key, step) -> Trajectory, data-parallel over `mesh`.
+def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_offset=False):
+  """rollout(params, cond, uncond, key, step[, offset]) -> Trajectory, data-parallel over `mesh`.
+
+  with_offset: the program takes a 6th argument, offset (int32 scalar): the batch position of
+  its first sample, so a fragment of the logical batch draws exactly the noise the whole-batch
+  program gives those samples (GAP, TAG).
 
   Params arrive as the rollout copy: replicated unless `param_shardings` says otherwise (e.g. an
   FSDP layout on the rollout mesh); cond/uncond are batch-sharded. `traj_shardings` (a
@@ -48,11 +52,11 @@ def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None):
   T = len(exp.sigmas) - 1
   guidance, norm_rescale = guidance_of(exp)
 
-  def rollout(params, cond, uncond, key, step):
+  def rollout(params, cond, uncond, key, step, offset=0):
     sde_steps = timesteps_lib.sde_step_mask(exp.selection, T, step)
     b = cond['text'].shape[0]
     # One noise key per sample: a sample's trajectory does not depend on how the batch is cut.
-    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b))
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b) + offset)
     return sampler_lib.sample(
         velocity_fn, params, cond, sigmas, keys, latent_shape=(b, *exp.latent_shape),
         sde_cfg=exp.sde_cfg, sde_steps=sde_steps, guidance_scale=guidance,
@@ -60,8 +64,11 @@ def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None):
 
   rep = mesh_lib.replicated(mesh)
   cond_sharding = {'text': mesh_lib.batch_sharding(mesh, 3), 'text_mask': mesh_lib.batch_sharding(mesh, 2)}
-  return jax.jit(rollout, in_shardings=(rep if param_shardings is None else param_shardings,
-                                       cond_sharding, cond_sharding, rep, rep),
+  in_sh = (rep if param_shardings is None else param_shardings, cond_sharding, cond_sharding,
+           rep, rep)
+  if with_offset:
+    return jax.jit(rollout, in_shardings=in_sh + (rep,), out_shardings=traj_shardings)
+  return jax.jit(lambda p, c, u, k, s: rollout(p, c, u, k, s), in_shardings=in_sh,
                  out_shardings=traj_shardings)
 
 
@@ -118,3 +125,131 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None):
                     data(1), data(1), rep, rep, param_shardings if r.kl_beta > 0 else None),
       out_shardings=(param_shardings, opt_shardings, rep),
       donate_argnums=(0, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fragment-wise gradient accumulation (GAP): one gradient program per fragment, one apply per
+# logical batch. The loss of the logical batch is sum(w * l) / D with D = sum(w) over the whole
+# batch; D is known only when every group is scored, so fragments accumulate the unnormalised
+# gradient of sum(w * l) (denominator 1) and `apply` divides by D: the same update as
+# make_update's, to float32 rounding.
+
+_SUM_KEYS = ('loss', 'policy_loss', 'approx_kl', 'clip_frac', 'ratio_mean', 'kl')
+
+
+def tsp_steps(exp, mesh) -> tuple[int, int]:
+  """(K, K_pad): trained timesteps per trajectory, and K rounded up to a multiple of the mesh
+  size (TSP lays the timestep axis over the mesh; the pad steps carry weight 0)."""
+  K = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
+  n = mesh.devices.size
+  return K, -(-K // n) * n
+
+
+def make_select(exp, mesh):
+  """select(key, step) -> int32 [K] trained step indices (replicated)."""
+  T = len(exp.sigmas) - 1
+  rep = mesh_lib.replicated(mesh)
+  return jax.jit(lambda key, step: timesteps_lib.select_timesteps(exp.selection, T, key, step),
+                 in_shardings=(rep, rep), out_shardings=rep)
+
+
+def make_zero_acc(param_shardings, mesh):
+  """zero_acc(params) -> {'grads': zeros like params (same shardings), 'sums': zero scalars}."""
+  rep = mesh_lib.replicated(mesh)
+
+  def zero(params):
+    sums = {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS + ('weight_sum', 'ratio_max_dev')}
+    return {'grads': jax.tree.map(jnp.zeros_like, params), 'sums': sums}
+  sums_sh = {k: rep for k in _SUM_KEYS + ('weight_sum', 'ratio_max_dev')}
+  return jax.jit(zero, in_shardings=(param_shardings,),
+                 out_shardings={'grads': param_shardings, 'sums': sums_sh})
+
+
+def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: bool = False):
+  """grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params) -> acc + this
+  fragment's gradient of sum(w * l) and its metric sums (acc donated).
+
+  tsp: the K selected steps run as one vmap whose timestep axis is sharded over `mesh`
+  (padded to a multiple of the mesh size with weight-0 steps); else the colocated update's
+  loop (vmap over K, batch axis sharded)."""
+  velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+  r = exp.config.rl
+  guidance, norm_rescale = guidance_of(exp)
+  K, K_pad = tsp_steps(exp, mesh)
+  axes = mesh_lib.data_axes(mesh)
+
+  def on_steps(tree):
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+        a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+            axes, *([None] * (a.ndim - 1))))), tree)
+
+  def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params):
+    step_weights, constraint = None, None
+    if tsp:
+      if K_pad > K:    # repeat the first selected step; weight 0 keeps it out of everything
+        indices = jnp.concatenate([indices, jnp.broadcast_to(indices[:1], (K_pad - K,))])
+        step_weights = (jnp.arange(K_pad) < K).astype(jnp.float32)
+      constraint = on_steps
+
+    def loss_fn(p):
+      return objective_lib.grpo_objective(
+          velocity_fn, p, traj, cond, adv, valid, indices, sde_cfg=exp.sde_cfg,
+          clip_range=r.clip_range, kl_beta=r.kl_beta,
+          ref_params=ref_params if r.kl_beta > 0 else None,
+          guidance_scale=guidance, uncond=uncond if guidance is not None else None,
+          norm_rescale=norm_rescale, denominator=1.0, step_weights=step_weights,
+          step_constraint=constraint)
+
+    (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    w = m['weight_sum']
+    sums = dict(acc['sums'])
+    # policy_loss / loss are already sums (denominator 1); the others are weighted means.
+    sums['loss'] = sums['loss'] + loss
+    sums['policy_loss'] = sums['policy_loss'] + m['policy_loss']
+    for k in ('approx_kl', 'clip_frac', 'ratio_mean', 'kl'):
+      sums[k] = sums[k] + m[k] * w
+    sums['weight_sum'] = sums['weight_sum'] + w
+    sums['ratio_max_dev'] = jnp.maximum(sums['ratio_max_dev'], m['ratio_max_dev'])
+    return {'grads': jax.tree.map(jnp.add, acc['grads'], g), 'sums': sums}
+
+  rep = mesh_lib.replicated(mesh)
+  data = lambda nd: mesh_lib.batch_sharding(mesh, nd)
+  cond_sharding = {'text': data(3), 'text_mask': data(2)}
+  acc_sh = {'grads': param_shardings,
+            'sums': {k: rep for k in _SUM_KEYS + ('weight_sum', 'ratio_max_dev')}}
+  return jax.jit(
+      grad,
+      in_shardings=(param_shardings, acc_sh, traj_shardings, cond_sharding, cond_sharding,
+                    data(1), data(1), rep, param_shardings if r.kl_beta > 0 else None),
+      out_shardings=acc_sh, donate_argnums=(1,))
+
+
+def make_apply(exp, mesh, param_shardings, opt_shardings):
+  """apply(params, opt_state, acc) -> (params, opt_state, metrics): one optimizer step with the
+  accumulated gradient divided by the batch's total pair weight; skipped (state unchanged,
+  metrics['nonfinite'] = 1) when the gradient or loss is not finite. Donates params, state."""
+  optimizer = exp.optimizer
+  rep = mesh_lib.replicated(mesh)
+
+  def apply(params, opt_state, acc):
+    s = acc['sums']
+    den = s['weight_sum']
+    inv = 1.0 / jnp.where(den > 0, den, 1.0)
+    grads = jax.tree.map(lambda g: g * inv, acc['grads'])
+    loss = s['loss'] * inv
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+    updates, new_o = optimizer.update(grads, opt_state, params)
+    new_p = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    metrics = {'loss': loss, 'policy_loss': s['policy_loss'] * inv,
+               'approx_kl': s['approx_kl'] * inv, 'clip_frac': s['clip_frac'] * inv,
+               'ratio_mean': s['ratio_mean'] * inv, 'kl': s['kl'] * inv,
+               'ratio_max_dev': s['ratio_max_dev'], 'weight_sum': den,
+               'grad_norm': grad_norm, 'nonfinite': (~finite).astype(jnp.float32)}
+    return keep(new_p, params), keep(new_o, opt_state), metrics
+
+  acc_sh = {'grads': param_shardings,
+            'sums': {k: rep for k in _SUM_KEYS + ('weight_sum', 'ratio_max_dev')}}
+  return jax.jit(apply, in_shardings=(param_shardings, opt_shardings, acc_sh),
+                 out_shardings=(param_shardings, opt_shardings, rep), donate_argnums=(0, 1))

@@ -10,6 +10,10 @@ K·B, and the timestep axis is an ordinary array axis that can be sharded over a
 grad the residuals of all K steps are still kept unless velocity_fn is rematerialised). Both give
 the same loss and gradients to float32 rounding (the model's matmuls round differently in the last
 bit on a K·B batch than on a B batch, so 'scan' reproduces the rollout's log-probs more tightly).
+
+Time-step parallelism (TSP, DESIGN.md §3) is the 'vmap' loop with ``step_constraint`` laying the
+timestep axis of the gathered steps over the trainer mesh (so one parameter all-gather serves all
+K steps); ``step_weights`` [K] zero out padding steps that make K divisible by the mesh size.
 """
 from __future__ import annotations
 
@@ -54,12 +58,15 @@ def step_log_probs(
     uncond: Any = None,
     norm_rescale: bool = False,
     step_loop: str = "vmap",
+    step_constraint: Callable[[Any], Any] | None = None,
 ) -> tuple[jax.Array, jax.Array, dict]:
     """Recompute the log-probs of the stored transitions at ``step_indices`` under ``params``.
 
     Returns (logp_new float32 [K, B], kl [K, B], gathered steps). kl is the exact Gaussian KL of
     the transition under params vs ``ref_params`` (reference velocity under stop_gradient), zeros
     if ref_params is None. Deterministic steps (sde_steps False) get log-prob 0 and KL 0.
+    step_constraint: with 'vmap', applied to the per-step inputs and outputs (pytrees with a
+    leading K axis), e.g. a sharding constraint putting K on the mesh (TSP).
     """
     if step_loop not in STEP_LOOPS:
         raise ValueError(f"step_log_probs: step_loop={step_loop!r}: use one of {STEP_LOOPS}.")
@@ -85,7 +92,11 @@ def step_log_probs(
 
     xs = (g["x"], g["x_next"], g["sigma"], g["sigma_next"], g["sde"])
     if step_loop == "vmap":
+        if step_constraint is not None:
+            xs = step_constraint(xs)
         logp_new, kl = jax.vmap(one_step)(*xs)
+        if step_constraint is not None:
+            logp_new, kl = step_constraint((logp_new, kl))
     else:
         _, (logp_new, kl) = jax.lax.scan(lambda c, a: (c, one_step(*a)), None, xs)
     return logp_new, kl, g
@@ -109,6 +120,8 @@ def grpo_objective(
     norm_rescale: bool = False,
     step_loop: str = "vmap",
     denominator=None,
+    step_weights=None,
+    step_constraint: Callable[[Any], Any] | None = None,
 ) -> tuple[jax.Array, dict]:
     """Loss (scalar) and metrics; differentiate w.r.t. ``params``.
 
@@ -124,6 +137,8 @@ def grpo_objective(
       kl_beta: β of the KL penalty (0 disables; > 0 needs ``ref_params``).
       step_loop: 'vmap' or 'scan' over the K steps.
       denominator: loss normaliser (default: number of weighted pairs; see rl/loss.py).
+      step_weights: optional float [K] per-step multiplier of the pair weights (0 = padding step).
+      step_constraint: see ``step_log_probs`` (TSP).
     Returns:
       (loss, metrics): the scalar metrics of ``ppo_clip_loss`` plus 'loss' and 'kl' (weighted mean
       exact KL per pair; only computed when kl_beta > 0, else 0).
@@ -146,8 +161,11 @@ def grpo_objective(
         uncond=uncond,
         norm_rescale=norm_rescale,
         step_loop=step_loop,
+        step_constraint=step_constraint,
     )
     weights = jnp.asarray(valid, _F32)[None, :] * g["sde"].astype(_F32)[:, None]
+    if step_weights is not None:
+        weights = weights * jnp.asarray(step_weights, _F32)[:, None]
     loss, metrics = ppo_clip_loss(logp_new, g["logp_old"], adv, clip_range, weights, denominator=denominator)
     w_sum = metrics["weight_sum"]
     kl_sum = jnp.sum(weights * kl)

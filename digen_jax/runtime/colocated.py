@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from digen_jax.runtime import cluster as cluster_lib
+from digen_jax.runtime import pipeline
 from digen_jax.runtime import synchronous
 
 
@@ -19,4 +20,7 @@ def train(exp, workdir: str, devices=None) -> dict:
   resuming from <workdir>/checkpoints. Returns the final {'params', 'opt_state', 'step'} so
   tests can compare runs."""
   devices = devices if devices is not None else jax.local_devices()
-  return synchronous.train(exp, workdir, cluster_lib.colocated(devices))
+  cluster = cluster_lib.colocated(devices)
+  if pipeline.enabled(exp.config):        # GAP on one mesh (TAG/TCSS need disagg: validate)
+    return pipeline.train(exp, workdir, cluster)
+  return synchronous.train(exp, workdir, cluster)

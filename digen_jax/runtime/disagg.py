@@ -35,8 +35,10 @@ import orbax.checkpoint as ocp
 from digen_jax import checkpoint as ckpt_lib
 from digen_jax import metrics as metrics_lib
 from digen_jax.runtime import distributed
+from digen_jax.runtime import pipeline
 from digen_jax.runtime import publish
 from digen_jax.runtime import synchronous
+from digen_jax.runtime import trace as trace_lib
 from digen_jax.runtime import transfer
 from digen_jax.runtime import workers
 
@@ -49,7 +51,9 @@ PEER_TIMEOUT_S = 3600.0
 def train(exp, workdir: str, cluster) -> dict:
   """Runs the naive disaggregated schedule on `cluster` (runtime.cluster.resolve) for this
   process's role. Returns {'params', 'opt_state', 'step'} where this process trains, else
-  {'step'}."""
+  {'step'}. config.schedule's GAP/TSP/TAG/TCSS modes run runtime/pipeline.py instead."""
+  if pipeline.enabled(exp.config):
+    return pipeline.train(exp, workdir, cluster)
   if not cluster.multi_process:
     return synchronous.train(exp, workdir, cluster)
   me = distributed.process_info().process_id
@@ -119,6 +123,7 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
   writer = metrics_lib.MetricsWriter(workdir)
   progress = metrics_lib.Progress(start, config.total_steps)
   eval_on = config.eval.every > 0
+  tracer = trace_lib.Tracer(config.schedule.trace)
 
   def publish_now(version: int) -> float:
     t = time.perf_counter()
@@ -128,6 +133,7 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
 
   for step in range(start, config.total_steps):
     t0 = time.perf_counter()
+    t_start = time.time()
     send_s = publish_now(step)
     with workers.guard(level):
       batch, info, t_move = publish.receive_batch(chan, batch_abstract)
@@ -137,10 +143,13 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
                          'strictly on-policy')
     for row in info['evals']:
       writer.write(row)
+    tracer.extend(trace_lib.Span.from_json(s) for s in info['spans'])
     t0 += info['eval_s']                         # the step's wall time excludes eval
+    t_start += info['eval_s']
     chan.wait_delivered(publish.WEIGHTS_TAG)     # the rollout holds its copy: params may be donated
-    m, update_s = trainer.train_step(batch, info['batch_prompts'], step)
+    m, update_s = trainer.train_step(batch, info['batch_prompts'], step, tracer)
     wall = time.perf_counter() - t0
+    t_end = time.time()
     if m['nonfinite'] > 0:
       logging.error('step %d: non-finite loss/gradient; the update was skipped (weights '
                     'unchanged)', step + 1)
@@ -149,7 +158,8 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
         rewards=np.asarray(info['rewards'], np.float32), valid_frac=info['valid_frac'],
         metrics=m, wall_s=wall, rollout_s=info['rollout_s'], reward_s=info['reward_s'],
         update_s=update_s, publish_s=send_s + info['publish_pull_s'], publish_mb=publish_mb,
-        batch_move_s=t_move, cluster=cluster)
+        batch_move_s=t_move, cluster=cluster,
+        utilization=tracer.utilization(t_start, t_end, cluster.num_devices))
     writer.write(row)
     if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
       progress.log(step + 1, row)
@@ -159,6 +169,7 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
     for row in json.loads(distributed.kv_get(f'{_KV}/final_evals', PEER_TIMEOUT_S)):
       writer.write(row)
     chan.wait_delivered(publish.WEIGHTS_TAG)
+  tracer.write(workdir, title='disagg (synchronous, 2 processes)')
   trainer.close()
   writer.close()
   return {'params': trainer.params, 'opt_state': trainer.opt_state, 'step': config.total_steps}
@@ -176,6 +187,7 @@ def _rollout_process(exp, workdir: str, cluster) -> dict:
   weights_abstract = transfer.abstract(exp.params, rollout.param_shardings,
                                        publish.rollout_param_dtype(cluster))
   evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
+  tracer = trace_lib.Tracer(config.schedule.trace)
 
   def receive(version: int):
     with workers.guard(level):
@@ -191,8 +203,8 @@ def _rollout_process(exp, workdir: str, cluster) -> dict:
     if evals.due(step, start):
       eval_rows.append(evals(policy))
     t_eval = time.perf_counter() - t_eval
-    out = rollout.generate(policy, exp.prompts.next_batch(), step)
-    info = {'step': step, 'policy_version': out.policy_version,
+    out = rollout.generate(policy, exp.prompts.next_batch(), step, tracer)
+    info = {'spans': tracer.take_new(), 'step': step, 'policy_version': out.policy_version,
             'batch_prompts': out.batch_prompts, 'data_position': exp.prompts.position,
             'rewards': [float(r) for r in out.rewards], 'valid_frac': out.valid_frac,
             'rollout_s': out.rollout_s, 'reward_s': out.reward_s, 'publish_pull_s': pull_s,

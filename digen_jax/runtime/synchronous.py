@@ -19,6 +19,7 @@ from digen_jax import checkpoint as ckpt_lib
 from digen_jax import metrics as metrics_lib
 from digen_jax import visualize
 from digen_jax.runtime import publish
+from digen_jax.runtime import trace as trace_lib
 from digen_jax.runtime import workers
 
 
@@ -53,10 +54,14 @@ def train(exp, workdir: str, cluster) -> dict:
   writer = metrics_lib.MetricsWriter(workdir)
   progress = metrics_lib.Progress(start, config.total_steps)
   evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
+  tracer = trace_lib.Tracer(config.schedule.trace)
+  all_devices = list(cluster.trainer.devices) + [
+      d for d in cluster.rollout.devices if d not in cluster.trainer.devices]
 
   def publish_now(version: int):
     t = time.perf_counter()
-    with workers.guard(level):
+    with workers.guard(level), tracer.span(all_devices, 'trainer', 'publish', step=version,
+                                           version=version):
       policy = publish.publish_local(trainer.params, version, rollout.param_shardings, dtype)
       jax.block_until_ready(policy.params)
     return policy, time.perf_counter() - t
@@ -64,19 +69,22 @@ def train(exp, workdir: str, cluster) -> dict:
   G = config.rl.group_size
   for step in range(start, config.total_steps):
     t0 = time.perf_counter()
+    t_start = time.time()
     policy, publish_s = publish_now(step)
     if evals.due(step, start):
       t_eval = time.perf_counter()
       writer.write(evals(policy))
       t0 += time.perf_counter() - t_eval                 # the step's wall time excludes eval
-    out = rollout.generate(policy, exp.prompts.next_batch(), step)
+      t_start += time.perf_counter() - t_eval
+    out = rollout.generate(policy, exp.prompts.next_batch(), step, tracer)
     del policy  # the update below may donate buffers the rollout copy shares (colocated)
     t_move = time.perf_counter()
     with workers.guard(level):
       batch = jax.block_until_ready(publish.move_batch_local(out.batch, trainer.batch_shardings))
     t_move = time.perf_counter() - t_move
-    m, update_s = trainer.train_step(batch, out.batch_prompts, step)
+    m, update_s = trainer.train_step(batch, out.batch_prompts, step, tracer)
     wall = time.perf_counter() - t0
+    t_end = time.time()
     if m['nonfinite'] > 0:
       logging.error('step %d: non-finite loss/gradient; the update was skipped (weights '
                     'unchanged)', step + 1)
@@ -84,7 +92,8 @@ def train(exp, workdir: str, cluster) -> dict:
         step=step + 1, policy_version=out.policy_version, rewards=out.rewards,
         valid_frac=out.valid_frac, metrics=m, wall_s=wall, rollout_s=out.rollout_s,
         reward_s=out.reward_s, update_s=update_s, publish_s=publish_s, publish_mb=publish_mb,
-        batch_move_s=t_move, cluster=cluster)
+        batch_move_s=t_move, cluster=cluster,
+        utilization=tracer.utilization(t_start, t_end, cluster.num_devices))
     writer.write(row)
     if config.sample_grid_every and (step + 1) % config.sample_grid_every == 0:
       write_samples(writer, workdir, out, step + 1, G)
@@ -93,6 +102,7 @@ def train(exp, workdir: str, cluster) -> dict:
     trainer.save(step + 1, exp.prompts.position, force=step + 1 == config.total_steps)
   if evals.enabled and start < config.total_steps:
     writer.write(evals(publish_now(config.total_steps)[0]))     # the final policy
+  tracer.write(workdir, title=f'{config.runtime.mode} (synchronous)')
   trainer.close()
   writer.close()
   return {'params': trainer.params, 'opt_state': trainer.opt_state, 'step': config.total_steps}

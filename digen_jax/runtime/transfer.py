@@ -353,6 +353,12 @@ class Channel:
     distributed.kv_get(key, self.timeout_s if timeout_s is None else timeout_s)
     distributed.kv_delete(key)
 
+  def poll(self, tag: str) -> bool:
+    """Whether the peer's next send under `tag` is posted (receive would not wait)."""
+    seq = self._received.get(tag, 0)
+    return distributed.kv_try_get(self._key(self.peer, self.process_id, tag, seq) + '/meta') \
+        is not None
+
   def receive(self, abstract_tree, tag: str):
     """The tree of the peer's next send under `tag` (see receive_full)."""
     return self.receive_full(abstract_tree, tag).tree

@@ -13,6 +13,7 @@ silent slowdown. Host work (text encoding, reward scoring, metrics) stays outsid
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -70,6 +71,13 @@ def rollout_batch_shardings(mesh) -> dict:
   return {'traj': trajectory_shardings(mesh), 'adv': rep, 'valid': rep}
 
 
+def _span(tracer, mesh, role: str, program: str, step: int, version: int):
+  """tracer.span over `mesh`'s devices, or nothing without a tracer."""
+  if tracer is None:
+    return contextlib.nullcontext()
+  return tracer.span(list(mesh.devices.flat), role, program, step=step, version=version)
+
+
 def guard(level: str):
   """jax.transfer_guard(level) for the device work of a step (config.runtime.transfer_guard)."""
   return jax.transfer_guard(level)
@@ -111,14 +119,16 @@ class RolloutWorker:
                     if c.sampler.guidance_scale > 1.0 else None)
     self._base_key = jax.device_put(jax.random.key(c.seed), self._rep)
 
-  def generate(self, policy, prompts: list[str], step: int) -> RolloutOutput:
+  def generate(self, policy, prompts: list[str], step: int, tracer=None) -> RolloutOutput:
     """Samples one group per prompt with `policy` (a publish.Policy on this mesh), decodes,
-    scores on the host and computes the GRPO advantages."""
+    scores on the host and computes the GRPO advantages. `tracer` (runtime.trace.Tracer)
+    records the sampling + decode as a busy span of the rollout devices."""
     G = self.exp.config.rl.group_size
     batch_prompts = [p for p in prompts for _ in range(G)]     # group-contiguous
     t0 = time.perf_counter()
     cond = encode(self.exp, batch_prompts, self.mesh)
-    with guard(self.guard_level):
+    with guard(self.guard_level), _span(tracer, self.mesh, 'rollout', 'rollout', step,
+                                        policy.version):
       step_arr = jax.device_put(np.int32(step), self._rep)
       k_rollout, _ = _step_keys(self._base_key, step_arr)
       uncond = self._uncond if self._uncond is not None else cond
@@ -194,11 +204,12 @@ class TrainerWorker:
     self._uncond = (encode(exp, [''] * exp.batch_size, mesh)
                     if c.sampler.guidance_scale > 1.0 else None)
 
-  def train_step(self, batch, batch_prompts: list[str], step: int) -> tuple[dict, float]:
+  def train_step(self, batch, batch_prompts: list[str], step: int,
+                 tracer=None) -> tuple[dict, float]:
     """One GRPO update on `batch` (on self.batch_shardings). Returns (metrics, seconds)."""
     cond = encode(self.exp, batch_prompts, self.mesh)
     t0 = time.perf_counter()
-    with guard(self.guard_level):
+    with guard(self.guard_level), _span(tracer, self.mesh, 'trainer', 'update', step, step):
       step_arr = jax.device_put(np.int32(step), self._rep)
       _, k_update = _step_keys(self._base_key, step_arr)
       uncond = self._uncond if self._uncond is not None else cond
@@ -221,12 +232,16 @@ class TrainerWorker:
 
 def step_row(*, step: int, policy_version: int, rewards: np.ndarray, valid_frac: float,
              metrics: dict, wall_s: float, rollout_s: float, reward_s: float, update_s: float,
-             publish_s: float, publish_mb: float, batch_move_s: float, cluster) -> dict:
+             publish_s: float, publish_mb: float, batch_move_s: float, cluster,
+             utilization: float | None = None) -> dict:
   """The metrics.jsonl row of one optimizer step.
 
-  utilization = busy device-seconds / (devices x wall seconds): rollout devices are busy while
-  sampling, trainer devices while updating (host reward scoring and transfers count as idle)."""
+  utilization = busy device-seconds / (devices x wall seconds): given from the trace spans
+  (runtime/trace.py), else estimated as rollout devices busy while sampling, trainer devices
+  while updating (host reward scoring and transfers count as idle)."""
   busy = cluster.rollout.size * rollout_s + cluster.trainer.size * update_s
+  if utilization is None:
+    utilization = busy / (cluster.num_devices * wall_s)
   batch = int(np.size(rewards))
   return {
       'step': step, 'policy_version': policy_version,
@@ -234,7 +249,7 @@ def step_row(*, step: int, policy_version: int, rewards: np.ndarray, valid_frac:
       'samples': batch, 'samples_per_s': batch / wall_s, 'wall_s': wall_s,
       'rollout_s': rollout_s, 'reward_s': reward_s, 'update_s': update_s,
       'publish_s': publish_s, 'publish_mb': publish_mb, 'batch_move_s': batch_move_s,
-      'utilization': min(1.0, busy / (cluster.num_devices * wall_s)),
+      'utilization': min(1.0, utilization),
       'valid_frac': valid_frac, **metrics,
   }
 
