@@ -2,6 +2,8 @@
 
   python -m digen_jax.main --config=configs/shapes.py --workdir=/tmp/shapes
   python -m digen_jax.main --config=configs/shapes.py:jpeg --workdir=/tmp/jpeg   # DDPO's JPEG reward
+  python launch/local.py --num_processes=2 -- \
+      python -m digen_jax.main --config=configs/shapes.py:disagg --workdir=/tmp/shapes_disagg
 
 The base model (assets/shapes_base, made by configs/shapes_pretrain.py) follows prompts only
 partly; the reward is the pure-code checker's partial credit; eval is strict accuracy on the
@@ -31,10 +33,17 @@ def get_config(arg: str | None = None):
   c.sample_grid_every = 25
   c.checkpoint_every = 25
 
-  if arg == 'jpeg':
-    c.reward.weights = ml_collections.ConfigDict({'jpeg_compressibility': 1.0})
-    c.total_steps = 40
-    c.eval.every = 20
-  elif arg:
-    raise ValueError(f'configs/shapes.py: unknown variant {arg!r}; known: jpeg')
+  variants = [v for v in (arg or '').split(',') if v]
+  for v in variants:
+    if v == 'jpeg':
+      c.reward.weights = ml_collections.ConfigDict({'jpeg_compressibility': 1.0})
+      c.total_steps = 40
+      c.eval.every = 20
+    elif v == 'disagg':
+      # Rollout and trainer on their own meshes ('auto' layout: 2 processes -> one role each;
+      # 1 process -> half of its devices each); same math as the colocated default.
+      configlib.set_disagg(c)
+    else:
+      raise ValueError(f'configs/shapes.py: unknown variant {v!r}; known: jpeg, disagg '
+                       '(comma-separated, e.g. :jpeg,disagg)')
   return c

@@ -18,13 +18,18 @@ def test_shapes_config_uses_the_shipped_base_model():
   assert dict(c.reward.weights) == {'shapes': 1.0}
   assert dict(shapes.get_config('jpeg').reward.weights) == {'jpeg_compressibility': 1.0}
   configlib.validate(c, 4)
+  d = shapes.get_config('jpeg,disagg')
+  assert d.runtime.mode == 'disagg' and dict(d.reward.weights) == {'jpeg_compressibility': 1.0}
+  with pytest.raises(ValueError, match='unknown variant'):
+    shapes.get_config('jpeg,fast')
 
 
 @pytest.mark.slow
-def test_shapes_main_job_runs_from_another_cwd(tmp_path):
+@pytest.mark.parametrize('variant', ['', ':disagg'])
+def test_shapes_main_job_runs_from_another_cwd(tmp_path, variant):
   wd = tmp_path / 'run'
   cmd = [sys.executable, '-m', 'digen_jax.main', f'--workdir={wd}',
-         f'--config={os.path.join(REPO, "configs", "shapes.py")}', '--config.total_steps=2',
+         f'--config={os.path.join(REPO, "configs", "shapes.py")}{variant}', '--config.total_steps=2',
          '--config.rl.prompts_per_step=2', '--config.rl.group_size=4', '--config.eval.every=2',
          '--config.eval.num_prompts=4', '--config.eval.samples_per_prompt=2',
          '--config.eval.batch_size=8', '--config.sample_grid_every=2']
@@ -37,3 +42,17 @@ def test_shapes_main_job_runs_from_another_cwd(tmp_path):
   # The pretrained base draws shapes: its partial-credit reward is far above a random model's 0.
   assert train[0]['reward_mean'] > 0.3
   assert os.path.exists(wd / 'reward.png') and os.path.exists(wd / 'samples' / 'step_000002.png')
+
+
+def test_text_encoder_mismatch_is_a_clear_error(tmp_path):
+  """config.seed seeds the word-encoder table; with the shipped base another seed would feed the
+  generator embeddings it never saw. The digest recorded in the checkpoint catches it."""
+  from digen_jax import experiment
+  c = shapes.get_config()
+  experiment.check_text_encoder(c, experiment.build_text_encoder(c))   # seed 0: fine
+  c.seed = 1
+  with pytest.raises(ValueError, match=r'config.seed=1.*Set config.seed=0'):
+    experiment.check_text_encoder(c, experiment.build_text_encoder(c))
+  with pytest.raises(ValueError, match='config.seed'):
+    experiment.build(c, str(tmp_path), 4)
+  assert not os.listdir(tmp_path)   # raised before anything was written
