@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from digen_jax.rewards import registry as reward_registry
+
 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -26,6 +28,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.num_attention_heads = 24
   c.model.joint_attention_dim = 3584
   c.model.axes_dims_rope = (16, 56, 56)
+  # Execution options (same math, same params): jax.checkpoint each block in the update's backward
+  # pass, and run the blocks under lax.scan (False: unrolled; compile time grows with layers).
+  c.model.remat = False
+  c.model.scan_layers = True
 
   # --- what the generator works in: latent grid and decoder ----------------------------------
   c.latent = ml_collections.ConfigDict()
@@ -72,10 +78,17 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl.window_start = 0
   c.rl.window_size = 2
   c.rl.slide_every = 1
+  # How the update runs its K trained timesteps (same loss and gradient): 'scan' one after another
+  # (B-sized forwards, like the rollout's; with model.remat the least memory and, on CPUs, the
+  # fastest), 'vmap' as one K*B batch; 'auto': scan on a 1-device trainer mesh, vmap on more
+  # (programs.step_loop_for: why). TSP always shards a vmap over the trainer mesh.
+  c.rl.step_loop = 'auto'
 
   # --- reward --------------------------------------------------------------------------------
   c.reward = ml_collections.ConfigDict()
-  c.reward.weights = ml_collections.ConfigDict({'jpeg_compressibility': 1.0})
+  # 'name[:weight],...' over the registered rewards (digen_jax/rewards/registry.py), e.g.
+  # --config.reward.weights=shapes_dense or 'shapes:1,shapes_strict:0.5'; their weighted sum.
+  c.reward.weights = 'jpeg_compressibility'
 
   # --- optimizer -----------------------------------------------------------------------------
   c.optim = ml_collections.ConfigDict()
@@ -85,6 +98,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim.eps = 1e-8
   c.optim.weight_decay = 1e-4
   c.optim.grad_clip = 1.0
+  # Learning-rate schedule over the run's optimizer updates (total_steps * rl.inner_epochs):
+  # linear warm-up for warmup_steps, then 'constant', or 'cosine' / 'linear' decay to
+  # lr * final_lr_frac at the last update.
+  c.optim.schedule = 'constant'
+  c.optim.warmup_steps = 0
+  c.optim.final_lr_frac = 0.0
   c.optim.compute_dtype = 'float32' # 'bfloat16': bf16 forward/backward, float32 master weights
 
   # --- execution -----------------------------------------------------------------------------
@@ -135,6 +154,18 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+  """Sets dotted fields in place, as --config.a.b=v would ({'rl.group_size': 8}); returns c.
+  An unknown field raises (the tree is locked)."""
+  for dotted, value in overrides.items():
+    *path, last = dotted.split('.')
+    node = c
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return c
+
+
 SHAPES_BASE_CHECKPOINT = 'assets/shapes_base'
 
 
@@ -166,7 +197,7 @@ def shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_C
   c.sampler.num_steps = 10
   c.sampler.guidance_scale = 0.0
   c.data.prompts = 'shapes'
-  c.reward.weights = ml_collections.ConfigDict({'shapes': 1.0})
+  c.reward.weights = 'shapes'
   return c
 
 
@@ -179,7 +210,9 @@ _CHOICES = {
     'sampler.logprob_reduce': ('mean', 'sum'),
     'rl.adv_std': ('group', 'global'),
     'rl.timesteps': ('all_but_last', 'random_fraction', 'fixed_window', 'sliding_window'),
+    'rl.step_loop': ('auto', 'scan', 'vmap'),
     'optim.compute_dtype': ('float32', 'bfloat16'),
+    'optim.schedule': ('constant', 'cosine', 'linear'),
     'runtime.mode': ('colocated', 'disagg'),
     'runtime.transfer_guard': ('allow', 'log', 'disallow'),
     'cluster.layout': ('auto', 'explicit'),
@@ -232,11 +265,18 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ValueError('config.model.checkpoint is empty: give a diffusers QwenImage folder with '
                      '--config.model.checkpoint=PATH, or run the random-initialised tiny variant '
                      'configs/qwenimage.py:tiny')
+  o = config.optim
+  if not (o.lr > 0 and 0 <= o.warmup_steps < config.total_steps * config.rl.inner_epochs
+          and 0.0 <= o.final_lr_frac <= 1.0):
+    raise ValueError(f'config.optim: lr={o.lr} must be > 0, warmup_steps={o.warmup_steps} in '
+                     f'[0, total_steps * rl.inner_epochs = {config.total_steps * config.rl.inner_epochs}) '
+                     f'and final_lr_frac={o.final_lr_frac} in [0, 1]')
   if config.eval.samples_per_prompt < 1:
     raise ValueError(f'config.eval.samples_per_prompt={config.eval.samples_per_prompt} must be >= 1')
-  if not config.reward.weights:
-    raise ValueError('config.reward.weights is empty: name at least one reward, e.g. '
-                     "--config.reward.weights.jpeg_compressibility=1.0")
+  try:
+    reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights))
+  except ValueError as e:
+    raise ValueError(f'config.reward.weights: {e}') from None
   _validate_schedule(config, num_devices)
 
 

@@ -65,7 +65,12 @@ def model_config_from(config) -> mmdit.MMDiTConfig:
       patch_size=m.patch_size, in_channels=m.in_channels, out_channels=m.out_channels,
       num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
       num_attention_heads=m.num_attention_heads, joint_attention_dim=m.joint_attention_dim,
-      axes_dims_rope=tuple(m.axes_dims_rope))
+      axes_dims_rope=tuple(m.axes_dims_rope), remat=bool(m.remat), scan_layers=bool(m.scan_layers))
+
+
+def same_architecture(a: mmdit.MMDiTConfig, b: mmdit.MMDiTConfig) -> bool:
+  """Equal up to the execution options (remat, scan_layers), which change neither math nor params."""
+  return dataclasses.replace(a, remat=b.remat, scan_layers=b.scan_layers) == b
 
 
 def checkpoint_folder(path: str, field: str = 'config.model.checkpoint') -> str:
@@ -114,9 +119,10 @@ def build_model(config) -> tuple[mmdit.MMDiTConfig, Any, Any]:
       model = params_io.load_model(path)
     else:
       model = convert.load_diffusers_folder(path)
-    if model.config != mcfg:
+    if not same_architecture(model.config, mcfg):
       raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
                        f'{model.config}, config asks for {mcfg}')
+    model.config = mcfg             # the run's execution options (remat, scan_layers)
   graphdef, params = nnx.split(model)
   return mcfg, graphdef, params
 
@@ -138,11 +144,26 @@ def build_schedule(config, num_tokens: int) -> np.ndarray:
                     np.float32)
 
 
+def learning_rate(config) -> optax.Schedule:
+  """config.optim's schedule as a function of the optimizer's update count."""
+  o = config.optim
+  updates = config.total_steps * config.rl.inner_epochs
+  warmup, end = int(o.warmup_steps), o.lr * o.final_lr_frac
+  decay = {'constant': lambda n: optax.constant_schedule(o.lr),
+           'cosine': lambda n: optax.cosine_decay_schedule(o.lr, n, alpha=o.final_lr_frac),
+           'linear': lambda n: optax.linear_schedule(o.lr, end, n)}[o.schedule](
+               max(updates - warmup, 1))
+  if not warmup:
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup), decay], [warmup])
+
+
 def build_optimizer(config) -> optax.GradientTransformation:
   o = config.optim
   return optax.chain(
       optax.clip_by_global_norm(o.grad_clip),
-      optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
+      optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, eps=o.eps,
+                  weight_decay=o.weight_decay))
 
 
 def build(config, workdir: str, num_devices: int) -> Experiment:
@@ -153,7 +174,7 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   img_shape = (lat.frames, lat.height // p, lat.width // p)
   num_tokens = int(np.prod(img_shape))
   # Cheap parts first so their errors come before the (possibly large) model build.
-  reward_fn = reward_registry.build_reward(dict(config.reward.weights))
+  reward_fn = reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights))
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')

@@ -289,7 +289,7 @@ def warm_start_params(config: ml_collections.ConfigDict, mcfg: mmdit.MMDiTConfig
   """config.pretrain.init_from's params; ValueError if its architecture is not config.model's."""
   path = experiment.checkpoint_folder(config.pretrain.init_from, 'config.pretrain.init_from')
   ckpt_cfg, params, _ = params_io.load_params(path)
-  if ckpt_cfg != mcfg:
+  if not experiment.same_architecture(ckpt_cfg, mcfg):
     raise ValueError(f'config.pretrain.init_from={config.pretrain.init_from!r} holds {ckpt_cfg}, but '
                      f'config.model asks for {mcfg}; warm-start from a checkpoint of the same architecture')
   return params

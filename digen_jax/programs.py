@@ -72,6 +72,17 @@ def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_o
                  out_shardings=traj_shardings)
 
 
+def step_loop_for(step_loop: str, mesh) -> str:
+  """config.rl.step_loop resolved for the trainer `mesh`: 'auto' is 'scan' on one device (the
+  steps one after another, B-sized forwards: least memory, fastest on a CPU with model.remat)
+  and 'vmap' on several (one K·B batch: each FSDP weight gathered once for all K steps, and no
+  collectives inside a loop, which XLA's CPU runtime can deadlock on: two ready collectives
+  can take both pool threads of one device while the other device's threads wait)."""
+  if step_loop == 'auto':
+    return 'scan' if mesh.devices.size == 1 else 'vmap'
+  return step_loop
+
+
 def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None):
   """update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params)
        -> (params, opt_state, metrics); rl.inner_epochs PPO epochs over the batch.
@@ -95,7 +106,7 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None):
           clip_range=r.clip_range, kl_beta=r.kl_beta,
           ref_params=ref_params if r.kl_beta > 0 else None,
           guidance_scale=guidance, uncond=uncond if guidance is not None else None,
-          norm_rescale=norm_rescale)
+          norm_rescale=norm_rescale, step_loop=step_loop_for(r.step_loop, mesh))
 
     def epoch(carry, _):
       p, o = carry
@@ -171,7 +182,7 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
 
   tsp: the K selected steps run as one vmap whose timestep axis is sharded over `mesh`
   (padded to a multiple of the mesh size with weight-0 steps); else the colocated update's
-  loop (vmap over K, batch axis sharded)."""
+  loop (config.rl.step_loop over K via step_loop_for, batch axis sharded)."""
   velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
   r = exp.config.rl
   guidance, norm_rescale = guidance_of(exp)
@@ -198,7 +209,8 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
           ref_params=ref_params if r.kl_beta > 0 else None,
           guidance_scale=guidance, uncond=uncond if guidance is not None else None,
           norm_rescale=norm_rescale, denominator=1.0, step_weights=step_weights,
-          step_constraint=constraint)
+          step_constraint=constraint,
+          step_loop='vmap' if tsp else step_loop_for(r.step_loop, mesh))
 
     (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
     w = m['weight_sum']

@@ -37,15 +37,7 @@ PARAM_ATOL = 1e-5
 
 
 def _tiny(**overrides):
-  c = qwenimage.get_config('tiny')
-  c.total_steps = STEPS
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return configlib.apply_overrides(qwenimage.get_config('tiny'), {'total_steps': STEPS, **overrides})
 
 
 def _leaves(tree):

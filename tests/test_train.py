@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from configs import qwenimage
+from digen_jax import configlib
 from digen_jax import experiment
 from digen_jax.runtime import colocated
 
@@ -16,15 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny(total_steps, **overrides):
-  c = qwenimage.get_config('tiny')
-  c.total_steps = total_steps
-  for k, v in overrides.items():
-    node = c
-    *path, last = k.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = v
-  return c
+  return configlib.apply_overrides(qwenimage.get_config('tiny'),
+                                   {'total_steps': total_steps, **overrides})
 
 
 def _run(config, workdir, n_dev=2):
@@ -82,6 +76,11 @@ def test_cli_tiny_writes_metrics(tmp_path):
     (['--config=configs/qwenimage.py:tiny', '--config.model.in_channels=7'], 'in_channels'),
     (['--config=configs/qwenimage.py:tiny', '--config.sampler.sde=ddim'], 'sampler.sde'),
     (['--config=configs/qwenimage.py:big'], 'unknown variant'),
+    (['--config=configs/qwenimage.py:tiny', '--config.reward.weights=shapez'],
+     "config.reward.weights: unknown reward(s) ['shapez']"),
+    (['--config=configs/qwenimage.py:tiny', '--config.reward.weights=shapes:x'],
+     "config.reward.weights: reward weights 'shapes:x': 'shapes:x' is not NAME or NAME:WEIGHT"),
+    (['--config=configs/qwenimage.py:tiny', '--config.rl.step_loop=map'], 'rl.step_loop'),
 ])
 def test_bad_input_fails_fast_with_clear_error(tmp_path, flags, message):
   wd = tmp_path / 'run'

@@ -76,6 +76,28 @@ def call_reward(name: str, images: np.ndarray, prompts: Sequence[str]) -> np.nda
     return out
 
 
+def parse_weights(spec: str) -> dict[str, float]:
+    """'name[:weight],...' -> {name: weight} (weight 1 when omitted), as config.reward.weights
+    holds it: 'shapes', 'shapes:1,shapes_strict:0.5'. ValueError names the bad part; unknown
+    names and non-finite weights are build_reward's to reject."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"reward weights {spec!r} are empty: name at least one reward, e.g. "
+                         "'shapes' or 'shapes:1,shapes_strict:0.5'")
+    out: dict[str, float] = {}
+    for part in spec.split(","):
+        name, sep, w = (x.strip() for x in part.partition(":"))
+        try:
+            weight = float(w) if sep else 1.0
+        except ValueError:
+            weight = None
+        if not name or weight is None:
+            raise ValueError(f"reward weights {spec!r}: {part.strip()!r} is not NAME or NAME:WEIGHT")
+        if name in out:
+            raise ValueError(f"reward weights {spec!r} name {name!r} twice")
+        out[name] = weight
+    return out
+
+
 def build_reward(weights: Mapping[str, float]) -> RewardFn:
     """sum_k weights[k] * reward_k(images, prompts): one [B] float32 reward from several.
 
