@@ -90,8 +90,11 @@ class Evaluator:
                'eval/samples_per_prompt': self.n_per}
     passed = None
     if self.shapes:
-      passed = np.asarray(shapes_checker.shapes_strict(images, all_prompts), bool)
+      checked = shapes_checker.check_all(images, all_prompts)
+      passed = np.array([r.strict for r in checked], bool)
       metrics['eval/strict_accuracy'] = float(passed.mean())
+      metrics.update({f'eval/atom_{kind}': rate
+                      for kind, rate in shapes_checker.atom_rates(checked).items()})
     return {'metrics': metrics, 'images': images, 'prompts': all_prompts, 'rewards': rewards,
             'passed': passed}
 

@@ -39,6 +39,17 @@ def test_strict_accuracy_on_ground_truth(ground_truth):
     assert held.sum() == 100 and ok[held].mean() >= 0.99  # the eval split too
 
 
+def test_atom_rates_say_which_part_fails(ground_truth):
+    _, texts, imgs = ground_truth
+    truth = sc.atom_rates(sc.check_all(imgs, texts))
+    assert set(truth) == {"present", "count", "shape", "relation", "background"}
+    assert min(truth.values()) >= 0.99, truth
+    blank = np.ones_like(imgs[:8])  # a white canvas: nothing present, background right or wrong
+    rates = sc.atom_rates(sc.check_all(blank, texts[:8]))
+    assert rates["present"] == 0.0 and rates["count"] == 0.0 and rates["shape"] == 0.0
+    assert rates["background"] == np.mean([t.endswith("white background") for t in texts[:8]])
+
+
 def test_strict_accuracy_other_sizes():
     prompts = G.sample_prompts(60, seed=9, split="train") + G.sample_prompts(20, 9, "eval")
     texts = [p.to_text() for p in prompts]
@@ -142,6 +153,16 @@ def test_registry_and_build_reward(ground_truth):
         build_reward({"shapes": float("nan")})
     with pytest.raises(ValueError, match="non-empty"):
         build_reward({})
+
+
+def test_parse_weights_spec():
+    assert registry.parse_weights("shapes") == {"shapes": 1.0}
+    assert registry.parse_weights(" shapes:1, shapes_strict:0.5 ") == {"shapes": 1.0, "shapes_strict": 0.5}
+    assert registry.parse_weights("jpeg_compressibility:-2e-1") == {"jpeg_compressibility": -0.2}
+    for bad, match in (("", "empty"), ("shapes,", "'' is not NAME"), (":1", "':1' is not NAME"),
+                       ("shapes:one", "'shapes:one' is not NAME"), ("shapes,shapes:2", "twice")):
+        with pytest.raises(ValueError, match=match):
+            registry.parse_weights(bad)
 
 
 def test_register_custom_and_duplicates():

@@ -257,10 +257,25 @@ def shapes_dense_reward(images: np.ndarray, prompts: Sequence[str]) -> np.ndarra
     return np.array([check(im, p).dense for im, p in zip(images, _parse_all(prompts))], np.float32)
 
 
+def check_all(images: np.ndarray, prompts: Sequence[str]) -> list[CheckResult]:
+    """`check` of every (image, prompt) pair of a [B, H, W, 3] batch."""
+    images = check_batch(images, prompts)
+    return [check(im, p) for im, p in zip(images, _parse_all(prompts))]
+
+
+def atom_rates(results: Sequence[CheckResult]) -> dict[str, float]:
+    """Fraction of satisfied atoms per kind (present, count, shape, relation, background) over
+    `results`: which part of the prompts a model gets wrong."""
+    hits: dict[str, list[bool]] = {}
+    for r in results:
+        for name, ok in r.atoms.items():
+            hits.setdefault(name.split("_")[-1], []).append(bool(ok))
+    return {kind: float(np.mean(v)) for kind, v in sorted(hits.items())}
+
+
 def shapes_strict(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     """[B] bool: every atom satisfied (the evaluation accuracy)."""
-    images = check_batch(images, prompts)
-    return np.array([check(im, p).strict for im, p in zip(images, _parse_all(prompts))], bool)
+    return np.array([r.strict for r in check_all(images, prompts)], bool)
 
 
 @register("shapes_strict")
