@@ -30,7 +30,11 @@ Figures: samples/s is the median over the steps after the first (it compiles), u
 mean over the same steps (both from metrics.jsonl); eval accuracy is eval/strict_accuracy of the
 evaluation at the last step (--eval_prompts prompts x 2 samples; 0 turns eval off). Every rung starts
 from an empty workdir under OUT/runs/. Each rung's timeline.png (and trace.json) is copied to
-OUT/timelines/<run>.png; the table goes to OUT/ladder.{json,csv} unless --json/--csv.
+OUT/timelines/<run>.png; the table goes to OUT/ladder.{json,csv} unless --json/--csv (with
+`--out FILE.json`, as DESIGN.md §5 writes it, the JSON is FILE.json and OUT is FILE). The JSON
+has DESIGN.md §5's shape: 'machine', 'command', and 'modes' {colocated, disagg, gap, gap_tsp,
+gap_tsp_tag, gap_tsp_tag_tcss} of the first --variants entry ('modes_by_variant' has each), next
+to every run's full row in 'rows'.
 """
 from __future__ import annotations
 
@@ -52,6 +56,10 @@ RUNG_NAMES = ('colocated', 'disagg', 'gap', 'tsp', 'tag', 'tcss')
 LABELS = {'colocated': 'colocated', 'disagg': 'disagg', 'gap': '+GAP', 'tsp': '+TSP',
           'tag': '+TAG/BTS', 'tcss': '+TCSS'}
 VARIANTS = ('mp2', 'sp')
+# DESIGN.md §5: the ladder's JSON names each rung by the techniques it has on (the simulator's
+# --json uses the same keys, so predicted and measured figures compare line by line).
+MODE_KEYS = {'colocated': 'colocated', 'disagg': 'disagg', 'gap': 'gap', 'tsp': 'gap_tsp',
+             'tag': 'gap_tsp_tag', 'tcss': 'gap_tsp_tag_tcss'}
 SCHEDULE_FIELDS = ('fragments', 'tsp', 'tag', 'tcss_fraction')
 
 
@@ -116,6 +124,18 @@ def add_ratios(rows: list[dict]) -> None:
     r['x_disagg'] = s / disagg if s is not None and disagg else None
 
 
+def modes(rows: list[dict], variant: str) -> dict[str, dict]:
+  """DESIGN.md §5 'modes': {mode key: {samples_per_s, utilization, eval_strict_accuracy, ...}}
+  of `variant`'s rungs (and the colocated baseline), for the rungs that ran."""
+  out = {}
+  for r in rows:
+    if r['variant'] in ('-', variant) and r['status'] == 'ok':
+      out[MODE_KEYS[r['rung']]] = {k: r.get(k) for k in (
+          'samples_per_s', 'utilization', 'eval_strict_accuracy', 'x_colocated', 'x_disagg',
+          'reward_mean', 'layout')}
+  return out
+
+
 def copy_timelines(rows: list[dict], out: str) -> None:
   """OUT/timelines/<run>.png and <run>.trace.json from each workdir, where the run wrote them."""
   dest = os.path.join(out, 'timelines')
@@ -155,7 +175,9 @@ def parse_args(argv):
   p = sweep._Parser(prog='benchmarks/ladder.py', description=__doc__.split('\n')[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--config', default=DEFAULT_CONFIG, help='a disagg config file[:variant]')
-  p.add_argument('--out', default='/tmp/digen_ladder', help='workdirs, timelines, table')
+  p.add_argument('--out', default='/tmp/digen_ladder',
+                 help='directory for workdirs, timelines and the table; or FILE.json (DESIGN.md '
+                      '§5): the JSON goes there, everything else to FILE/ beside it')
   p.add_argument('--steps', type=int, default=6, help='optimizer steps per rung (>= 2)')
   p.add_argument('--rungs', default=','.join(RUNG_NAMES), help=f'subset of {",".join(RUNG_NAMES)}')
   p.add_argument('--variants', default=','.join(VARIANTS), help='subset of mp2,sp')
@@ -171,6 +193,9 @@ def parse_args(argv):
   p.add_argument('--json', default=None, help='default OUT/ladder.json')
   p.add_argument('--csv', default=None, help='default OUT/ladder.csv')
   a = p.parse_args(argv)
+  if a.out.endswith('.json'):  # DESIGN.md §5: `ladder.py --out FILE.json`
+    a.json = a.json or a.out
+    a.out = a.out[:-len('.json')]
   a.rungs = [r.strip() for r in a.rungs.split(',') if r.strip()]
   a.variants = [v.strip() for v in a.variants.split(',') if v.strip()]
   for r in a.rungs:
@@ -239,8 +264,12 @@ def main(argv=None) -> int:
   print(sweep.format_table(rows, TABLE), flush=True)
   json_path = a.json or os.path.join(a.out, 'ladder.json')
   csv_path = a.csv or os.path.join(a.out, 'ladder.csv')
-  sweep.write_json(json_path, {'config': a.config, 'steps': a.steps, 'argv': argv, 'machine': info,
-                               'wall_s': time.time() - t0, 'rows': rows})
+  primary = a.variants[0] if a.variants else '-'
+  sweep.write_json(json_path, {
+      'config': a.config, 'steps': a.steps, 'argv': argv,
+      'command': ' '.join(['python', 'benchmarks/ladder.py'] + argv), 'machine': info,
+      'wall_s': time.time() - t0, 'variant': primary, 'modes': modes(rows, primary),
+      'modes_by_variant': {v: modes(rows, v) for v in a.variants}, 'rows': rows})
   sweep.write_csv(csv_path, rows, CSV_COLUMNS)
   print(f'[ladder] {json_path} {csv_path} {os.path.join(a.out, "timelines")}')
   if code:
