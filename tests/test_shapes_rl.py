@@ -15,11 +15,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_shapes_config_uses_the_shipped_base_model():
   c = shapes.get_config()
   assert c.model.init == 'checkpoint' and c.model.checkpoint == configlib.SHAPES_BASE_CHECKPOINT
-  assert dict(c.reward.weights) == {'shapes': 1.0}
-  assert dict(shapes.get_config('jpeg').reward.weights) == {'jpeg_compressibility': 1.0}
+  assert c.reward.weights == 'shapes_dense' and c.optim.schedule == 'cosine'
+  assert shapes.get_config('jpeg').reward.weights == 'jpeg_compressibility'
   configlib.validate(c, 4)
   d = shapes.get_config('jpeg,disagg')
-  assert d.runtime.mode == 'disagg' and dict(d.reward.weights) == {'jpeg_compressibility': 1.0}
+  assert d.runtime.mode == 'disagg' and d.reward.weights == 'jpeg_compressibility'
   with pytest.raises(ValueError, match='unknown variant'):
     shapes.get_config('jpeg,fast')
 
@@ -41,6 +41,8 @@ def test_shapes_main_job_runs_from_another_cwd(tmp_path, variant):
   assert len(train) == 2 and all(0.0 <= x['reward_mean'] <= 1.0 for x in train)
   # The pretrained base draws shapes: its partial-credit reward is far above a random model's 0.
   assert train[0]['reward_mean'] > 0.3
+  ev = [x for x in rows if 'eval/strict_accuracy' in x][-1]
+  assert 0.0 <= ev['eval/atom_shape'] <= 1.0 and 0.0 <= ev['eval/atom_count'] <= 1.0
   assert os.path.exists(wd / 'reward.png') and os.path.exists(wd / 'samples' / 'step_000002.png')
 
 
