@@ -13,10 +13,10 @@ high-water mark cannot be split between two frameworks).
 ours: ``digen_jax.rl.objective.grpo_objective`` with the trainer's velocity function
       (``digen_jax.programs.make_velocity_fn``), jax.value_and_grad, optax.adamw; one jitted program, params and
       optimizer state donated, compiled once. Variants (VARIANTS below): the K steps as one K*B batch ('vmap'), one
-      after another under autodiff ('scan'), or one value_and_grad per step with gradients summed ('accum', the
-      default: grpo_objective's ``denominator`` makes each step's loss its share of the full loss); each with or
-      without per-block rematerialisation (MMDiTConfig.remat) and layers scanned or unrolled
-      (MMDiTConfig.scan_layers).
+      after another under autodiff ('scan'), or one value_and_grad per step with gradients summed ('accum':
+      grpo_objective's ``denominator`` makes each step's loss its share of the full loss); each with or without
+      per-block rematerialisation (MMDiTConfig.remat) and layers scanned or unrolled (MMDiTConfig.scan_layers).
+      The default, 'scan+remat', is what the trainer runs on a one-device mesh (rl.step_loop='auto', model.remat).
 ref:  what a Flow-GRPO user writes: for each selected timestep, transformer forward (diffusers, eager, autograd),
       Flow-GRPO's SDE log-prob, the PPO-clip loss / K, ``loss.backward()`` (gradients accumulate over timesteps),
       then ``AdamW.step()``.
@@ -48,7 +48,7 @@ VARIANTS = {  # name -> (step_loop, remat, scan_layers)
     f"{loop}{'+unroll' if unroll else ''}{'+remat' if remat else ''}": (loop, remat, not unroll)
     for loop in ("vmap", "scan", "accum") for unroll in (False, True) for remat in (False, True)
 }
-DEFAULT_VARIANT = "accum"  # within 3% of the fastest variant measured, least memory without remat (RESULTS.md)
+DEFAULT_VARIANT = "scan+remat"  # what the trainer runs on one device (rl.step_loop auto + model.remat); fastest measured (RESULTS.md)
 
 
 def make_problem(size: C.BenchSize, seed: int = 0) -> dict:
