@@ -25,6 +25,9 @@ Variants of every disagg rung (colocated runs once and is the baseline of both):
   mp2  two processes via launch/local.py --num_processes=2 --cpu_pinning (process 0 trains, process
        1 rolls out, one core each), D devices each (--devices_per_process, default 1)
   sp   one process with 2*D forced host-platform devices (first half train, second half roll out)
+  mp2u mp2 without --cpu_pinning (not run unless asked): both processes may use both cores. On
+       this 2-core VM a pinned process serves its transfer-server pulls only between its own
+       programs, so fragments reach the trainer a fragment late (benchmarks/RESULTS.md)
 
 Figures: samples/s is the median over the steps after the first (it compiles), utilization the
 mean over the same steps (both from metrics.jsonl); eval accuracy is eval/strict_accuracy of the
@@ -55,7 +58,8 @@ DEFAULT_CONFIG = 'configs/qwenimage.py:tiny_disagg'
 RUNG_NAMES = ('colocated', 'disagg', 'gap', 'tsp', 'tag', 'tcss')
 LABELS = {'colocated': 'colocated', 'disagg': 'disagg', 'gap': '+GAP', 'tsp': '+TSP',
           'tag': '+TAG/BTS', 'tcss': '+TCSS'}
-VARIANTS = ('mp2', 'sp')
+VARIANTS = ('mp2', 'sp', 'mp2u')
+DEFAULT_VARIANTS = ('mp2', 'sp')
 # DESIGN.md §5: the ladder's JSON names each rung by the techniques it has on (the simulator's
 # --json uses the same keys, so predicted and measured figures compare line by line).
 MODE_KEYS = {'colocated': 'colocated', 'disagg': 'disagg', 'gap': 'gap', 'tsp': 'gap_tsp',
@@ -103,8 +107,8 @@ def build_runs(rungs: Sequence[str], variants: Sequence[str], has_field, *, devi
       if rung == 'colocated':
         continue
       words = sweep.merge(common, rung_overrides(rung, has_field, **schedule))
-      if variant == 'mp2':
-        run = sweep.Run(f'mp2-{rung}', words, 2, devices, pin=True)
+      if variant in ('mp2', 'mp2u'):
+        run = sweep.Run(f'{variant}-{rung}', words, 2, devices, pin=variant == 'mp2')
       else:
         run = sweep.Run(f'sp-{rung}', words, 1, 2 * devices, pin=True)
       out.append((run, rung, variant))
@@ -180,7 +184,7 @@ def parse_args(argv):
                       '§5): the JSON goes there, everything else to FILE/ beside it')
   p.add_argument('--steps', type=int, default=6, help='optimizer steps per rung (>= 2)')
   p.add_argument('--rungs', default=','.join(RUNG_NAMES), help=f'subset of {",".join(RUNG_NAMES)}')
-  p.add_argument('--variants', default=','.join(VARIANTS), help='subset of mp2,sp')
+  p.add_argument('--variants', default=','.join(DEFAULT_VARIANTS), help='subset of mp2,sp,mp2u')
   p.add_argument('--devices_per_process', type=int, default=1, help='D (sp and colocated get 2*D)')
   p.add_argument('--fragments', type=int, default=4, help='schedule.fragments of +GAP and up')
   p.add_argument('--fragment_unit', default='sample', choices=('sample', 'group'),
@@ -203,7 +207,7 @@ def parse_args(argv):
       raise sweep.SweepError(f'--rungs: unknown rung {r!r}; use a subset of {",".join(RUNG_NAMES)}')
   for v in a.variants:
     if v not in VARIANTS:
-      raise sweep.SweepError(f'--variants: unknown variant {v!r}; use a subset of mp2,sp')
+      raise sweep.SweepError(f'--variants: unknown variant {v!r}; use a subset of mp2,sp,mp2u')
   if not a.rungs or (a.rungs != ['colocated'] and not a.variants):
     raise sweep.SweepError('--rungs/--variants: nothing to run')
   if a.steps < 2:

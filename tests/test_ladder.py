@@ -48,6 +48,9 @@ def test_plan_runs_colocated_once_then_each_variant():
       2, 2, True)
   assert (run['sp-tag'].num_processes, run['sp-tag'].devices_per_process) == (1, 4)
   assert run['sp-tag'].overrides[0] == '--config.total_steps=5'
+  unpinned = ladder.build_runs(['tag'], ['mp2u'], lambda f: False)[0][0]
+  assert (unpinned.name, unpinned.num_processes, unpinned.pin) == ('mp2u-tag', 2, False)
+  assert ladder.parse_args([]).variants == ['mp2', 'sp']   # mp2u only when asked
 
 
 def test_ratios():

@@ -192,15 +192,17 @@ def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit,
 
 
 @pytest.mark.slow
-def test_gap_tsp_tag_two_processes_equal_colocated(colocated_ref, tmp_path):
+@pytest.mark.parametrize('wait_for_pull', [False, True])
+def test_gap_tsp_tag_two_processes_equal_colocated(colocated_ref, tmp_path, wait_for_pull):
   """launch/local.py, process 0 trains and process 1 rolls out (2 CPU devices each), GAP by
-  sample (M=4) + TSP + TAG: same parameters as colocated; both roles' spans in one trace."""
+  sample (M=4) + TSP + TAG: same parameters as colocated; both roles' spans in one trace. The
+  rollout's hand-over mode (schedule.wait_for_pull) changes when fragments move, not what."""
   wd = str(tmp_path / 'run')
   launch = ['--num_processes=2', '--devices_per_process=2', '--timeout_s=280']
   main = [sys.executable, '-m', 'digen_jax.main', '--config=configs/qwenimage.py:tiny_disagg',
           f'--workdir={wd}', f'--config.total_steps={STEPS}', '--config.schedule.fragments=4',
           '--config.schedule.fragment_unit=sample', '--config.schedule.tsp=True',
-          '--config.schedule.tag=True']
+          '--config.schedule.tag=True', f'--config.schedule.wait_for_pull={wait_for_pull}']
   code, out = util.run(launch, main, timeout_s=300)
   assert code == 0, out[-4000:]
   assert 'BTS step' in out

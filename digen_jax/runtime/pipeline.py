@@ -267,8 +267,9 @@ class ChannelLink:
   jax.distributed key-value store for prompts, claims and eval rows."""
 
   def __init__(self, cluster, me: str, *, weights_abstract=None, frag_abstract=None,
-               dtype=None):
+               dtype=None, wait_for_pull: bool = False):
     peer = cluster.rollout.process if me == 'trainer' else cluster.trainer.process
+    self.wait_for_pull = wait_for_pull  # rollout side: see config.schedule.wait_for_pull
     self.chan = transfer.Channel(peer, name='pipeline', timeout_s=PEER_TIMEOUT_S)
     self._weights_abstract, self._frag_abstract, self._dtype = (weights_abstract, frag_abstract,
                                                                 dtype)
@@ -320,8 +321,10 @@ class ChannelLink:
     info = {'step': frag.step, 'fragment': frag.index, 'version': frag.version,
             'rewards': [float(r) for r in frag.rewards], 'sample_s': frag.sample_s,
             'reward_s': frag.reward_s, 'spans': spans}
-    self.chan.send(frag.traj, FRAG_TAG, info=info)
+    seq = self.chan.send(frag.traj, FRAG_TAG, info=info)
     self._held.append((frag.step, frag))
+    if self.wait_for_pull:  # schedule.wait_for_pull: hand over before the next program starts
+      self.chan.wait_delivered(FRAG_TAG, seq)
 
   def poll(self) -> bool:
     return self.chan.poll(FRAG_TAG)
@@ -339,7 +342,8 @@ class ChannelLink:
     self._held = [(s, f) for s, f in self._held if s >= step]
 
   def finish_rollout(self) -> None:
-    if self.chan._sent.get(FRAG_TAG):  # pylint: disable=protected-access
+    # With wait_for_pull every fragment was already delivered (and its ack consumed).
+    if self.chan._sent.get(FRAG_TAG) and not self.wait_for_pull:  # pylint: disable=protected-access
       self.chan.wait_delivered(FRAG_TAG, timeout_s=PEER_TIMEOUT_S)
     self._held = []
 
@@ -555,7 +559,8 @@ def _rollout_process(exp, workdir, cluster, plan, tracer, level) -> dict:
   exp.prompts.restore(int(start_info['data_position']))
   rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
   link = ChannelLink(cluster, 'rollout', weights_abstract=transfer.abstract(
-      exp.params, rollout_sh, publish.rollout_param_dtype(cluster)))
+      exp.params, rollout_sh, publish.rollout_param_dtype(cluster)),
+                     wait_for_pull=config.schedule.wait_for_pull)
   sampler = FragmentSampler(exp, cluster.rollout.mesh, rollout_sh, plan, 'rollout', tracer,
                             level, publish.rollout_param_dtype(cluster))
   evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
