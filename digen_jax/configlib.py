@@ -139,9 +139,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Across processes, True makes the rollout wait until the trainer has pulled each fragment
   # before it samples the next (no run-ahead). A process busy with a program may serve the
   # trainer's pull late (pinned CPU processes here: a fragment arrived 1-3 fragments late), so
-  # handing over between programs can be faster: +6% for GAP+TSP+TAG, -9% for GAP alone on the
-  # 2-core VM (benchmarks/RESULTS.md).
-  c.schedule.wait_for_pull = False
+  # handing over between programs is faster here: GAP+TSP+TAG 1.36x -> 1.48x naive disagg on a
+  # balanced config; only a rollout-bound GAP-only run lost (-9%) (benchmarks/RESULTS.md).
+  c.schedule.wait_for_pull = True
 
   # --- evaluation (deterministic ODE sampling; strict accuracy for ShapesBench prompts) ---------
   c.eval = ml_collections.ConfigDict()
