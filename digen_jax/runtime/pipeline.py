@@ -206,6 +206,9 @@ class LocalLink:
   def weights_delivered(self) -> None:
     pass
 
+  def close(self) -> None:
+    pass
+
   def policy_ready(self, version: int) -> bool:
     with self._cv:
       return version in self._policies
@@ -275,9 +278,40 @@ class ChannelLink:
                                                                 dtype)
     self._held: list[tuple[int, Fragment]] = []   # sent fragments kept alive until pulled
     self._next_version: int | None = None
+    # Trainer side: a receiver thread pulls each fragment as soon as it is offered, so the
+    # hand-over overlaps the gradient of the fragment before it instead of sitting between
+    # two gradients (and a waiting rollout, schedule.wait_for_pull, is released at once).
+    self._inbox: queue.Queue = queue.Queue()
+    self._stop = threading.Event()
+    self.error: BaseException | None = None
+    self._receiver = None
+    if frag_abstract is not None:
+      self._receiver = threading.Thread(target=self._receive_loop, name='fragment-receiver',
+                                        daemon=True)
+      self._receiver.start()
+
+  def _receive_loop(self):
+    try:
+      while not self._stop.is_set():
+        if not self.chan.wait_posted(FRAG_TAG, 0.5):
+          continue
+        d = self.chan.receive_full(self._frag_abstract, FRAG_TAG)
+        i = d.info
+        frag = Fragment(i['step'], i['fragment'], i['version'], d.tree,
+                        np.asarray(i['rewards'], np.float32), 'rollout', i['sample_s'],
+                        i['reward_s'])
+        self._inbox.put((frag, i['spans'], d.pull_s))
+    except BaseException as e:  # pylint: disable=broad-except
+      self.error = e
 
   def fail(self, e):
-    pass
+    self.close()
+
+  def close(self) -> None:
+    """Stops the receiver thread (the trainer is done or failed)."""
+    self._stop.set()
+    if self._receiver is not None:
+      self._receiver.join()
 
   def publish(self, params, version: int) -> None:
     publish.send_weights(self.chan, params, version, self._dtype)
@@ -327,15 +361,15 @@ class ChannelLink:
       self.chan.wait_delivered(FRAG_TAG, seq)
 
   def poll(self) -> bool:
-    return self.chan.poll(FRAG_TAG)
+    return not self._inbox.empty()
 
   def receive_fragment(self) -> tuple[Fragment, list[dict], float]:
-    d = self.chan.receive_full(self._frag_abstract, FRAG_TAG)
-    i = d.info
-    frag = Fragment(i['step'], i['fragment'], i['version'], d.tree,
-                    np.asarray(i['rewards'], np.float32), 'rollout', i['sample_s'],
-                    i['reward_s'])
-    return frag, i['spans'], d.pull_s
+    while True:
+      try:
+        return self._inbox.get(timeout=0.2)
+      except queue.Empty:
+        if self.error is not None:
+          raise RuntimeError('receiving a fragment from the rollout failed') from self.error
 
   def release_before(self, step: int) -> None:
     """Policy `step` arrived: the trainer has pulled every fragment of earlier steps."""
@@ -383,17 +417,19 @@ def rollout_loop(exp, workdir: str, cluster, link, tracer: trace_lib.Tracer, sta
                  f + 1, plan.num, policy.version, frag.sample_s)
 
   for step in range(start, total):
+    # The prompts do not depend on the policy: draw them while the trainer finishes the
+    # previous batch, so neither role waits for them after the publish (the step's fill).
+    batch_prompts = draw(step)
     policy, pull_s = link.wait_policy(step)
     link.release_before(step)
     eval_rows, t_eval = [], time.perf_counter()
     if evals.due(step, start):
       eval_rows.append(evals(policy))
-    link.put(f'evals/{step}', {'rows': eval_rows, 'eval_s': time.perf_counter() - t_eval,
-                               'pull_s': pull_s})
-    batch_prompts = draw(step)
+    eval_info = {'rows': eval_rows, 'eval_s': time.perf_counter() - t_eval, 'pull_s': pull_s}
     for f in range(plan.num):
       if link.claim(step, f, 'rollout'):
         produce(policy, step, f, batch_prompts)
+    link.put(f'evals/{step}', eval_info)   # the trainer reads it after its last fragment
     if grid.get(step):
       _write_grid(workdir, step + 1, sorted(grid.pop(step), key=lambda x: x.index),
                   batch_prompts, plan)
@@ -545,6 +581,7 @@ def train(exp, workdir: str, cluster) -> dict:
   except BaseException as e:
     link.fail(e)
     raise
+  link.close()
   if rollout_thread is not None:
     rollout_thread.join()
     if link.error is not None:
@@ -595,15 +632,19 @@ def _trainer_loop(exp, workdir, cluster, trainer, ft: FragmentTrainer, tag_sampl
       costs.observe('roll', frag.sample_s + frag.reward_s)
     return frag, pull_s
 
+  final_eval = config.eval.every > 0 and start < config.total_steps
+  # Step windows are contiguous: step n's wall time runs from the start of its policy's
+  # publish to the start of the next one, so nothing the trainer does is left out of them.
+  t_step = time.time()
+  publish_s = publish_now(start) if start < config.total_steps else 0.0
   for step in range(start, config.total_steps):
-    t_step = time.time()
-    publish_s = publish_now(step)
     batch_prompts = link.get(f'prompts/{step}')['batch_prompts']
+    # Text conditioning of every fragment now, while the first fragment is being sampled.
+    conds = {f: ft.encode(plan.prompts(f, batch_prompts)) for f in range(plan.num)}
     rewards = np.full((plan.batch,), np.nan, np.float32)
     scored: dict[int, Fragment] = {}
     trained: set[int] = set()
     adv_valid: dict[int, tuple] = {}
-    conds: dict[int, Any] = {}
     decisions = []
     move_s, grad_s, tag_s = 0.0, 0.0, 0.0
     with workers.guard(level):
@@ -627,7 +668,6 @@ def _trainer_loop(exp, workdir, cluster, trainer, ft: FragmentTrainer, tag_sampl
       if ready:
         f = ready[0]
         t0 = time.perf_counter()
-        conds[f] = ft.encode(plan.prompts(f, batch_prompts))
         with workers.guard(level):
           with tracer.span(ft.devices, 'trainer', 'grad', step=step, fragment=f,
                            version=step):
@@ -697,6 +737,12 @@ def _trainer_loop(exp, workdir, cluster, trainer, ft: FragmentTrainer, tag_sampl
     m = {k: float(v) for k, v in m.items()}
     t_end = time.time()
     wall = t_end - t_step - evals_info['eval_s']
+    step_publish_s, step_t0 = publish_s, t_step
+    # The next policy goes out before this step's bookkeeping: the rollout starts the next
+    # batch while the trainer writes metrics and checkpoints (that time counts to the next step).
+    if step + 1 < config.total_steps or final_eval:
+      publish_s = publish_now(step + 1)
+    t_step = t_end
     if m['nonfinite'] > 0:
       logging.error('step %d: non-finite loss/gradient; the update was skipped (weights '
                     'unchanged)', step + 1)
@@ -708,8 +754,8 @@ def _trainer_loop(exp, workdir, cluster, trainer, ft: FragmentTrainer, tag_sampl
         valid_frac=valid_frac, metrics=m, wall_s=wall,
         rollout_s=sum(s.sample_s for s in scored.values() if s.producer == 'rollout'),
         reward_s=sum(s.reward_s for s in scored.values()), update_s=grad_s + apply_s,
-        publish_s=publish_s + evals_info['pull_s'], publish_mb=publish_mb, batch_move_s=move_s,
-        cluster=cluster, utilization=tracer.utilization(t_step, t_end, cluster.num_devices))
+        publish_s=step_publish_s + evals_info['pull_s'], publish_mb=publish_mb, batch_move_s=move_s,
+        cluster=cluster, utilization=tracer.utilization(step_t0, t_end, cluster.num_devices))
     row.update(fragments=plan.num, tag_fragments=sum(s.producer == 'trainer'
                                                       for s in scored.values()),
                tag_s=tag_s, bts_decisions=len(decisions),
@@ -723,8 +769,7 @@ def _trainer_loop(exp, workdir, cluster, trainer, ft: FragmentTrainer, tag_sampl
       progress.log(step + 1, row)
     data_position = link.get(f'prompts/{step}')['data_position']
     trainer.save(step + 1, data_position, force=step + 1 == config.total_steps)
-  if config.eval.every > 0 and start < config.total_steps:
-    publish_now(config.total_steps)
+  if final_eval:   # policy total_steps was published after the last step
     for row in link.get('final_evals'):
       writer.write(row)
     link.weights_delivered()

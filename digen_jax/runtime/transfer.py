@@ -359,6 +359,17 @@ class Channel:
     return distributed.kv_try_get(self._key(self.peer, self.process_id, tag, seq) + '/meta') \
         is not None
 
+  def wait_posted(self, tag: str, timeout_s: float) -> bool:
+    """Blocks up to timeout_s for the peer's next send under `tag`; whether it is posted."""
+    seq = self._received.get(tag, 0)
+    try:
+      distributed.kv_get(self._key(self.peer, self.process_id, tag, seq) + '/meta', timeout_s)
+      return True
+    except jax.errors.JaxRuntimeError as e:
+      if 'DEADLINE_EXCEEDED' in str(e) or 'timed out' in str(e).lower():
+        return False
+      raise
+
   def receive(self, abstract_tree, tag: str):
     """The tree of the peer's next send under `tag` (see receive_full)."""
     return self.receive_full(abstract_tree, tag).tree

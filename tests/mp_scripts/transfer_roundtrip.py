@@ -110,6 +110,18 @@ else:
   chan.send(to_device(host_tree(10), mesh, 'data'), 'traj')
   chan.wait_delivered('traj', timeout_s=60)
 
+# wait_posted: False on a timeout while nothing is offered, True once the peer's send is there.
+if me == 0:
+  assert chan.wait_posted('probe', 0.2) is False
+  distributed.barrier('probe_checked', 60)
+  assert chan.wait_posted('probe', 60) is True
+  probe = {'v': jax.ShapeDtypeStruct((4,), jnp.float32, sharding=SingleDeviceSharding(local[0]))}
+  checks += check(chan.receive(probe, 'probe'), {'v': np.arange(4, dtype=np.float32)}, 'probe')
+else:
+  distributed.barrier('probe_checked', 60)
+  chan.send({'v': jax.device_put(np.arange(4, dtype=np.float32), local[1])}, 'probe')
+  chan.wait_delivered('probe', timeout_s=60)
+
 distributed.barrier('transfer_roundtrip_done', 60)
 print(f'OK process={me} checks={checks}', flush=True)
 sys.exit(0)
