@@ -114,3 +114,27 @@ def test_predict_makespan_and_bts_decisions():
   assert dec['action'] == 'wait'
   assert bts.decide(costs, now=0.0, rollout_free_at=1.0, in_flight=1, unclaimed=0,
                     backlog=0)['action'] == 'wait'
+
+
+def test_bts_counts_the_hand_over_latency_a_trainer_fragment_does_not_pay():
+  """Trainer-bound step start (figures of a measured M = 16 run): the rollout is still fetching
+  the policy and its fragments reach the trainer after scoring and a pull; the trainer can
+  sample one at once. Without those latencies BTS would wait; with them inserting wins."""
+  kw = dict(now=0.0, in_flight=0, unclaimed=16, backlog=0, c_roll=0.068, c_train=0.08,
+            c_tag=0.07, c_switch=0.003)
+  blind = dict(kw, rollout_free_at=0.0)
+  assert bts.predict_makespan(**blind, insert=True) > bts.predict_makespan(**blind)
+  seen = dict(kw, rollout_free_at=0.011, c_deliver=0.005, c_gap=0.006)
+  wait, insert = bts.predict_makespan(**seen), bts.predict_makespan(**seen, insert=True)
+  assert wait == pytest.approx(0.011 + 0.068 + 0.005 + 16 * 0.08)
+  assert insert == pytest.approx(0.003 + 0.07 + 16 * 0.08) and insert < wait
+  costs = bts.Costs()
+  for name, v in (('roll', 0.068), ('roll', 0.068), ('train', 0.08), ('train', 0.08),
+                  ('tag', 0.07), ('tag', 0.07), ('switch', 0.003), ('switch', 0.003)):
+    costs.observe(name, v)
+  assert bts.decide(costs, now=0.0, rollout_free_at=0.0, in_flight=0, unclaimed=16,
+                    backlog=0)['action'] == 'wait'
+  for name, v in (('deliver', 0.005), ('deliver', 0.005), ('gap', 0.006), ('gap', 0.006)):
+    costs.observe(name, v)
+  dec = bts.decide(costs, now=0.0, rollout_free_at=0.011, in_flight=0, unclaimed=16, backlog=0)
+  assert dec['action'] == 'insert' and dec['c_deliver'] == pytest.approx(0.005)

@@ -4,7 +4,12 @@ Called when the trainer has no trainable fragment. It predicts the makespan of t
 logical batch with and without one trainer-side insertion, from per-fragment costs profiled
 online (exponential moving averages of measured device spans):
 
-  c_roll    rollout mesh: sample + score one fragment
+  c_roll    rollout mesh: sample one fragment (its device span)
+  c_deliver from the end of a rollout fragment's span to the trainer holding it (scoring,
+            offer, pull): the hand-over latency a trainer-side fragment does not pay
+  c_gap     rollout host time between two of its fragments (scoring, hand-over, claim)
+  c_start   from a policy's publish to the rollout's first fragment of that step (weight pull,
+            claim): at a step's start the rollout is late by this much, the trainer is not
   c_tag     trainer mesh: sample + score one fragment (the TAG program)
   c_switch  trainer host overhead of switching to the helper and back (measured: wall time of
             a TAG insertion minus its device span)
@@ -24,6 +29,9 @@ class Costs:
   roll: float | None = None
   tag: float | None = None
   switch: float = 0.0
+  deliver: float = 0.0
+  gap: float = 0.0
+  start: float = 0.0
   train: float | None = None
   alpha: float = 0.5          # EMA weight of a new measurement
   counts: dict = dataclasses.field(default_factory=dict)
@@ -39,22 +47,29 @@ class Costs:
 
 def predict_makespan(*, now: float, rollout_free_at: float, in_flight: int, unclaimed: int,
                      backlog: int, c_roll: float, c_train: float, c_tag: float = 0.0,
-                     c_switch: float = 0.0, insert: bool = False) -> float:
+                     c_switch: float = 0.0, c_deliver: float = 0.0, c_gap: float = 0.0,
+                     insert: bool = False) -> float:
   """Predicted time at which the trainer has trained every fragment of the batch.
 
-  now: current time; rollout_free_at: when the rollout finishes its fragment in flight (if
-  any, in_flight=1); unclaimed: fragments nobody has started; backlog: fragments already here
-  but not yet trained (0 when BTS is asked, by definition). With insert, the trainer first
-  samples one unclaimed fragment (c_switch + c_tag) and the rollout does one fewer.
-  The trainer trains fragments in arrival order, one at a time, c_train each.
+  now: current time; rollout_free_at: when the rollout's device finishes its fragment in
+  flight (in_flight=1), or, with none in flight, when it can start the next one (at a step's
+  start: once it holds the policy); unclaimed: fragments nobody has started; backlog:
+  fragments already here but not yet trained (0 when BTS is asked, by definition). A rollout
+  fragment reaches the trainer c_deliver after its span ends; the rollout starts the next one
+  c_gap after. With insert, the trainer first samples one unclaimed fragment (c_switch +
+  c_tag; it is at hand at once) and the rollout does one fewer. The trainer trains fragments
+  in arrival order, one at a time, c_train each.
   """
   arrivals = []
-  t_r = max(now, rollout_free_at) if in_flight else now
+  t_r = max(now, rollout_free_at)
   if in_flight:
-    arrivals.append(t_r)
+    arrivals.append(max(now, rollout_free_at + c_deliver))
+    t_r = max(now, rollout_free_at + c_gap)
   n_roll = unclaimed - (1 if insert else 0)
-  for i in range(1, n_roll + 1):
-    arrivals.append(t_r + i * c_roll)
+  for _ in range(n_roll):
+    t_r += c_roll
+    arrivals.append(t_r + c_deliver)
+    t_r += c_gap
   t = now
   if insert:
     t += c_switch + c_tag
@@ -79,12 +94,13 @@ def decide(costs: Costs, *, now: float, rollout_free_at: float, in_flight: int,
   c_tag = costs.tag if costs.tag is not None else costs.roll * rollout_speed / trainer_speed
   kw = dict(now=now, rollout_free_at=rollout_free_at, in_flight=in_flight, unclaimed=unclaimed,
             backlog=backlog, c_roll=costs.roll, c_train=costs.train, c_tag=c_tag,
-            c_switch=costs.switch)
+            c_switch=costs.switch, c_deliver=costs.deliver, c_gap=costs.gap)
   base = predict_makespan(**kw, insert=False)
   ins = predict_makespan(**kw, insert=True)
   rec.update(makespan_wait=base - now, makespan_insert=ins - now, c_roll=costs.roll,
              c_tag=c_tag, c_tag_measured=costs.tag is not None, c_switch=costs.switch,
-             c_train=costs.train)
+             c_train=costs.train, c_deliver=costs.deliver, c_gap=costs.gap,
+             rollout_free_at=rollout_free_at)
   if ins < base:
     return dict(rec, action='insert', reason='predicted makespan drops')
   return dict(rec, action='wait', reason='predicted makespan does not drop')

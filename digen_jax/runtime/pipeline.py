@@ -87,6 +87,10 @@ class Fragment:
   sample_s: float = 0.0        # device span of sampling + decode
   reward_s: float = 0.0
   images: Any = None
+  t_start: float = 0.0         # wall clock (time.time()) of the span's start and end
+  t_end: float = 0.0
+  arrived: float = 0.0         # wall clock at which the trainer held it (rollout fragments)
+  eval_s: float = 0.0          # the producer's eval before this step's first fragment
 
 
 class FragmentSampler:
@@ -140,7 +144,7 @@ class FragmentSampler:
       t1 = time.time()
     rewards = np.asarray(self.exp.reward_fn(images, prompts), np.float32)
     return Fragment(step, f, version, traj, rewards, self.role, t1 - t0, time.time() - t1,
-                    images)
+                    images, t_start=t0, t_end=t1)
 
 
 def abstract_fragment(exp, plan, shardings) -> Any:
@@ -244,7 +248,7 @@ class LocalLink:
   # fragments
   def send_fragment(self, frag: Fragment, spans: list[dict]) -> None:
     traj = jax.block_until_ready(publish.move_batch_local(frag.traj, self._traj_sh))
-    self._frags.put((dataclasses.replace(frag, traj=traj), spans))
+    self._frags.put((dataclasses.replace(frag, traj=traj, arrived=time.time()), spans))
 
   def poll(self) -> bool:
     return not self._frags.empty()
@@ -270,14 +274,18 @@ class ChannelLink:
   jax.distributed key-value store for prompts, claims and eval rows."""
 
   def __init__(self, cluster, me: str, *, weights_abstract=None, frag_abstract=None,
-               dtype=None, wait_for_pull: bool = False):
+               dtype=None, wait_for_pull: bool = False, shared_claims: bool = True):
     peer = cluster.rollout.process if me == 'trainer' else cluster.trainer.process
     self.wait_for_pull = wait_for_pull  # rollout side: see config.schedule.wait_for_pull
+    # Claims go through the key-value store only when the trainer may sample too (TAG): each
+    # store operation is a round trip to the coordinator, on the trainer's busy host.
+    self.shared_claims = shared_claims
     self.chan = transfer.Channel(peer, name='pipeline', timeout_s=PEER_TIMEOUT_S)
     self._weights_abstract, self._frag_abstract, self._dtype = (weights_abstract, frag_abstract,
                                                                 dtype)
     self._held: list[tuple[int, Fragment]] = []   # sent fragments kept alive until pulled
     self._next_version: int | None = None
+    self._weights_acked = True
     # Trainer side: a receiver thread pulls each fragment as soon as it is offered, so the
     # hand-over overlaps the gradient of the fragment before it instead of sitting between
     # two gradients (and a waiting rollout, schedule.wait_for_pull, is released at once).
@@ -299,7 +307,8 @@ class ChannelLink:
         i = d.info
         frag = Fragment(i['step'], i['fragment'], i['version'], d.tree,
                         np.asarray(i['rewards'], np.float32), 'rollout', i['sample_s'],
-                        i['reward_s'])
+                        i['reward_s'], t_start=i['t_start'], t_end=i['t_end'],
+                        arrived=time.time(), eval_s=i['eval_s'])
         self._inbox.put((frag, i['spans'], d.pull_s))
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
@@ -315,9 +324,13 @@ class ChannelLink:
 
   def publish(self, params, version: int) -> None:
     publish.send_weights(self.chan, params, version, self._dtype)
+    self._weights_acked = False
 
   def weights_delivered(self) -> None:
-    self.chan.wait_delivered(publish.WEIGHTS_TAG)
+    """Blocks until the rollout holds the latest published weights (once per publish)."""
+    if not self._weights_acked:
+      self.chan.wait_delivered(publish.WEIGHTS_TAG)
+      self._weights_acked = True
 
   def policy_ready(self, version: int) -> bool:
     return self.chan.poll(publish.WEIGHTS_TAG)
@@ -335,6 +348,8 @@ class ChannelLink:
     return json.loads(distributed.kv_get(f'{_KV}/{key}', PEER_TIMEOUT_S))
 
   def claim(self, step: int, f: int, who: str) -> bool:
+    if not self.shared_claims:   # only the rollout samples (no TAG): nothing to arbitrate
+      return True
     try:
       distributed.kv_set(f'{_KV}/claim/{step}/{f}', json.dumps({'who': who, 't': time.time()}))
       return True
@@ -354,7 +369,8 @@ class ChannelLink:
   def send_fragment(self, frag: Fragment, spans: list[dict]) -> None:
     info = {'step': frag.step, 'fragment': frag.index, 'version': frag.version,
             'rewards': [float(r) for r in frag.rewards], 'sample_s': frag.sample_s,
-            'reward_s': frag.reward_s, 'spans': spans}
+            'reward_s': frag.reward_s, 'spans': spans, 't_start': frag.t_start,
+            't_end': frag.t_end, 'eval_s': frag.eval_s}
     seq = self.chan.send(frag.traj, FRAG_TAG, info=info)
     self._held.append((frag.step, frag))
     if self.wait_for_pull:  # schedule.wait_for_pull: hand over before the next program starts
@@ -408,8 +424,9 @@ def rollout_loop(exp, workdir: str, cluster, link, tracer: trace_lib.Tracer, sta
       drawn.add(step)
     return link.get(f'prompts/{step}')['batch_prompts']
 
-  def produce(policy, step, f, batch_prompts):
+  def produce(policy, step, f, batch_prompts, eval_s=0.0):
     frag = sampler.sample(policy.params, policy.version, batch_prompts, step, f)
+    frag.eval_s = eval_s
     link.send_fragment(frag, tracer.take_new())
     if every and (step + 1) % every == 0:
       grid.setdefault(step, []).append(dataclasses.replace(frag, traj=None))
@@ -426,9 +443,11 @@ def rollout_loop(exp, workdir: str, cluster, link, tracer: trace_lib.Tracer, sta
     if evals.due(step, start):
       eval_rows.append(evals(policy))
     eval_info = {'rows': eval_rows, 'eval_s': time.perf_counter() - t_eval, 'pull_s': pull_s}
+    eval_s = eval_info['eval_s']
     for f in range(plan.num):
       if link.claim(step, f, 'rollout'):
-        produce(policy, step, f, batch_prompts)
+        produce(policy, step, f, batch_prompts, eval_s)
+        eval_s = 0.0
     link.put(f'evals/{step}', eval_info)   # the trainer reads it after its last fragment
     if grid.get(step):
       _write_grid(workdir, step + 1, sorted(grid.pop(step), key=lambda x: x.index),
@@ -597,7 +616,8 @@ def _rollout_process(exp, workdir, cluster, plan, tracer, level) -> dict:
   rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
   link = ChannelLink(cluster, 'rollout', weights_abstract=transfer.abstract(
       exp.params, rollout_sh, publish.rollout_param_dtype(cluster)),
-                     wait_for_pull=config.schedule.wait_for_pull)
+                     wait_for_pull=config.schedule.wait_for_pull,
+                     shared_claims=config.schedule.tag)
   sampler = FragmentSampler(exp, cluster.rollout.mesh, rollout_sh, plan, 'rollout', tracer,
                             level, publish.rollout_param_dtype(cluster))
   evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
@@ -616,20 +636,35 @@ def _trainer_loop(exp, workdir, cluster, trainer, ft: FragmentTrainer, tag_sampl
   decisions_total = 0
   early: dict[int, list[Fragment]] = {}      # fragments of a later step that arrived early (TCSS)
 
+  published_at: dict[int, float] = {}       # policy version -> wall clock after its publish
+
   def publish_now(version: int) -> float:
     t = time.perf_counter()
     with workers.guard(level):
       with tracer.span(ft.devices, 'trainer', 'publish', step=version, version=version):
         link.publish(trainer.params, version)
+    published_at[version] = time.time()
+    published_at.pop(version - 2, None)
     return time.perf_counter() - t
 
+  last_from_rollout: dict[int, Fragment] = {}  # step -> the rollout's latest fragment of it
+
   def take(step: int) -> tuple[Fragment, float]:
-    """The next fragment from the rollout (blocking)."""
+    """The next fragment from the rollout (blocking); profiles the rollout's costs for BTS."""
     with workers.guard(level):
       frag, spans, pull_s = link.receive_fragment()
     tracer.extend(trace_lib.Span.from_json(s) for s in spans if cluster.multi_process)
     if frag.sample_s > 0:
-      costs.observe('roll', frag.sample_s + frag.reward_s)
+      costs.observe('roll', frag.sample_s)
+      costs.observe('deliver', max(0.0, frag.arrived - frag.t_end))
+      prev = last_from_rollout.get(frag.step)
+      if prev is not None and prev.version == frag.version:
+        costs.observe('gap', max(0.0, frag.t_start - prev.t_end))
+      elif prev is None and frag.version == frag.step and frag.step in published_at:
+        costs.observe('start', max(0.0, frag.t_start - frag.eval_s - published_at[frag.step]))
+      last_from_rollout[frag.step] = frag
+      for s in [s for s in last_from_rollout if s < step]:
+        del last_from_rollout[s]
     return frag, pull_s
 
   final_eval = config.eval.every > 0 and start < config.total_steps
@@ -684,7 +719,10 @@ def _trainer_loop(exp, workdir, cluster, trainer, ft: FragmentTrainer, tag_sampl
         mine_in_flight = [c for f, c in claims.items()
                           if c['who'] == 'rollout' and f not in scored]
         now = time.time()
-        rollout_free_at = max([c['t'] for c in mine_in_flight], default=now) + (costs.roll or 0)
+        if mine_in_flight:   # its device is busy until about its claim + one fragment
+          rollout_free_at = max(c['t'] for c in mine_in_flight) + (costs.roll or 0)
+        else:                # idle, or (at a step's start) still fetching the policy
+          rollout_free_at = published_at.get(step, now) + costs.start
         dec = bts_lib.decide(costs, now=now, rollout_free_at=rollout_free_at,
                              in_flight=min(1, len(mine_in_flight)),
                              unclaimed=plan.num - len(claims), backlog=0,
@@ -742,6 +780,11 @@ def _trainer_loop(exp, workdir, cluster, trainer, ft: FragmentTrainer, tag_sampl
     # batch while the trainer writes metrics and checkpoints (that time counts to the next step).
     if step + 1 < config.total_steps or final_eval:
       publish_s = publish_now(step + 1)
+      if not sched.tcss_fraction:
+        # The rollout's first fragment waits for this pull, and the trainer has nothing to do
+        # before that fragment arrives: let the pull run alone rather than beside the
+        # bookkeeping below (on a shared host the two compete; measured 6-8 ms vs 9-15 ms).
+        link.weights_delivered()
     t_step = t_end
     if m['nonfinite'] > 0:
       logging.error('step %d: non-finite loss/gradient; the update was skipped (weights '

@@ -300,6 +300,7 @@ class Channel:
     self.process_id = info.process_id
     self._sent: dict[str, int] = {}      # tag -> number of sends so far
     self._received: dict[str, int] = {}  # tag -> number of receives so far
+    self._acks_consumed: set[tuple[str, int]] = set()  # (tag, seq) whose ack wait_delivered took
     transfer_server()  # start ours and publish its address now, so the peer never waits long
 
   def _key(self, src: int, dst: int, tag: str, seq: int) -> str:
@@ -337,10 +338,13 @@ class Channel:
     distributed.kv_set(key + '/meta', json.dumps({'pull_id': pull_id, 'paths': paths,
                                                   'leaves': meta_leaves, 'info': info or {}}))
     self._sent[tag] = seq + 1
-    if seq > 0:  # keep the KV store small: drop the previous send's ack once it is there
+    # Keep the KV store small: drop the previous send's ack once it is there (unless
+    # wait_delivered already took it: one store round trip less per send).
+    if seq > 0 and (tag, seq - 1) not in self._acks_consumed:
       prev = self._key(self.process_id, self.peer, tag, seq - 1) + '/ack'
       if distributed.kv_try_get(prev) is not None:
         distributed.kv_delete(prev)
+    self._acks_consumed.discard((tag, seq - 1))
     return seq
 
   def wait_delivered(self, tag: str, seq: int | None = None, timeout_s: float | None = None):
@@ -352,6 +356,7 @@ class Channel:
     key = self._key(self.process_id, self.peer, tag, seq) + '/ack'
     distributed.kv_get(key, self.timeout_s if timeout_s is None else timeout_s)
     distributed.kv_delete(key)
+    self._acks_consumed.add((tag, seq))
 
   def poll(self, tag: str) -> bool:
     """Whether the peer's next send under `tag` is posted (receive would not wait)."""
