@@ -28,6 +28,18 @@ def test_utilization_counts_overlaps_once_and_clips_to_the_window():
   assert trace.utilization([_span([0], 0, 10)], 2, 4, 1) == 1.0
 
 
+def test_tracer_utilization_per_step_windows_skips_the_past_not_late_spans():
+  tracer = trace.Tracer()
+  for i in range(100):                       # 100 finished steps of 1 s, device 0 busy half
+    tracer.add(_span([0], i, i + 0.5))
+  assert tracer.utilization(99.0, 100.0, 1) == pytest.approx(0.5)
+  assert tracer._scan_from == 99             # pylint: disable=protected-access
+  tracer.add(_span([0], 100.0, 100.25))
+  tracer.add(_span([1], 99.5, 101.0))        # arrives late (the rollout's), still counted
+  assert tracer.utilization(100.0, 101.0, 2) == pytest.approx((0.25 + 1.0) / 2)
+  assert tracer.spans[0].t0 == 0.0           # nothing is dropped from the trace itself
+
+
 def test_tracer_records_device_synchronised_spans_and_writes_files(tmp_path):
   tracer = trace.Tracer()
   devs = jax.devices()[:2]

@@ -56,6 +56,7 @@ class Tracer:
     self._decisions: list[dict] = []
     self._lock = threading.Lock()
     self._sent = 0          # spans already handed to `take_new` (the rollout process ships them)
+    self._scan_from = 0     # spans before this index ended before the last utilization window
 
   def add(self, span: Span) -> None:
     with self._lock:
@@ -97,8 +98,15 @@ class Tracer:
 
   def utilization(self, t0: float, t1: float, num_devices: int) -> float:
     """Busy device-seconds inside [t0, t1] / (num_devices x (t1 - t0)). Overlapping spans of
-    one device count once."""
-    return utilization(self.spans, t0, t1, num_devices)
+    one device count once. Windows are asked in time order (one per step): spans that ended
+    before an asked window are skipped from then on, so a long run does not rescan its past."""
+    with self._lock:
+      spans = self._spans[self._scan_from:]
+      skip = 0
+      while skip < len(spans) and spans[skip].t1 < t0:
+        skip += 1
+      self._scan_from += skip
+    return utilization(spans[skip:], t0, t1, num_devices)
 
   def write(self, workdir: str, *, title: str = '') -> None:
     """<workdir>/trace.json and <workdir>/timeline.png."""
