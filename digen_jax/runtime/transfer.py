@@ -358,17 +358,18 @@ class Channel:
     distributed.kv_delete(key)
     self._acks_consumed.add((tag, seq))
 
+  def _next_meta_key(self, tag: str) -> str:
+    """The key the peer's next send under `tag` posts its description under."""
+    return self._key(self.peer, self.process_id, tag, self._received.get(tag, 0)) + '/meta'
+
   def poll(self, tag: str) -> bool:
     """Whether the peer's next send under `tag` is posted (receive would not wait)."""
-    seq = self._received.get(tag, 0)
-    return distributed.kv_try_get(self._key(self.peer, self.process_id, tag, seq) + '/meta') \
-        is not None
+    return distributed.kv_try_get(self._next_meta_key(tag)) is not None
 
   def wait_posted(self, tag: str, timeout_s: float) -> bool:
     """Blocks up to timeout_s for the peer's next send under `tag`; whether it is posted."""
-    seq = self._received.get(tag, 0)
     try:
-      distributed.kv_get(self._key(self.peer, self.process_id, tag, seq) + '/meta', timeout_s)
+      distributed.kv_get(self._next_meta_key(tag), timeout_s)
       return True
     except jax.errors.JaxRuntimeError as e:
       if 'DEADLINE_EXCEEDED' in str(e) or 'timed out' in str(e).lower():
