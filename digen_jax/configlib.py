@@ -28,6 +28,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.num_attention_heads = 24
   c.model.joint_attention_dim = 3584
   c.model.axes_dims_rope = (16, 56, 56)
+  c.model.rope_theta = 10000.0      # diffusers' QwenEmbedRope theta; smaller = finer position code on small grids
+  c.model.pooled_text = False       # FLUX-style pooled prompt in the timestep embedding (not QwenImage)
   # Execution options (same math, same params): jax.checkpoint each block in the update's backward
   # pass, and run the blocks under lax.scan (False: unrolled; compile time grows with layers).
   c.model.remat = False
@@ -254,6 +256,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if sum(m.axes_dims_rope) != m.attention_head_dim:
     raise ValueError(f'sum(config.model.axes_dims_rope)={sum(m.axes_dims_rope)} must equal '
                      f'config.model.attention_head_dim={m.attention_head_dim}')
+  if not m.rope_theta > 0:
+    raise ValueError(f'config.model.rope_theta={m.rope_theta!r} must be > 0 (diffusers: 10000.0)')
   if config.rl.group_size < 2:
     raise ValueError(f'config.rl.group_size={config.rl.group_size}: GRPO needs at least 2 samples '
                      'per prompt')

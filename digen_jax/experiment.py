@@ -65,7 +65,9 @@ def model_config_from(config) -> mmdit.MMDiTConfig:
       patch_size=m.patch_size, in_channels=m.in_channels, out_channels=m.out_channels,
       num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
       num_attention_heads=m.num_attention_heads, joint_attention_dim=m.joint_attention_dim,
-      axes_dims_rope=tuple(m.axes_dims_rope), remat=bool(m.remat), scan_layers=bool(m.scan_layers))
+      axes_dims_rope=tuple(m.axes_dims_rope), pooled_text=bool(m.pooled_text),
+      rope_theta=float(m.rope_theta),
+      remat=bool(m.remat), scan_layers=bool(m.scan_layers))
 
 
 def same_architecture(a: mmdit.MMDiTConfig, b: mmdit.MMDiTConfig) -> bool:

@@ -25,6 +25,7 @@ samples_final.png (a grid of eval-split samples), summary.json.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -156,7 +157,8 @@ def zero_init_modulation(params: nnx.State) -> nnx.State:
   learns spatially coherent images much sooner than the default (random-gate) init. Returns a new
   State; the others' params are untouched.
   """
-  zero = {('blocks', 'img_mod'), ('blocks', 'txt_mod'), ('norm_out',), ('proj_out',)}
+  zero = {('blocks', 'img_mod'), ('blocks', 'txt_mod'), ('norm_out',), ('proj_out',),
+          ('text_pool', 'linear_2')}  # pooled-text offset starts at 0 (MMDiTConfig.pooled_text)
   flat = []
   for path, var in nnx.to_flat_state(params):
     if path[:-1] in zero:
@@ -286,13 +288,30 @@ def evaluate(sample_fn: Callable, params, encoder, prompts: Sequence[str], sampl
 
 
 def warm_start_params(config: ml_collections.ConfigDict, mcfg: mmdit.MMDiTConfig) -> nnx.State:
-  """config.pretrain.init_from's params; ValueError if its architecture is not config.model's."""
+  """config.pretrain.init_from's params; ValueError if its architecture is not config.model's.
+
+  One difference is allowed: a checkpoint without pooled text conditioning warm-starts a model with
+  it (config.model.pooled_text=True). The new `text_pool` projection starts with a zero output
+  layer, so the warm-started model computes exactly the checkpoint's function at step 0."""
   path = experiment.checkpoint_folder(config.pretrain.init_from, 'config.pretrain.init_from')
   ckpt_cfg, params, _ = params_io.load_params(path)
-  if not experiment.same_architecture(ckpt_cfg, mcfg):
+  adds_pool = mcfg.pooled_text and not ckpt_cfg.pooled_text
+  if not experiment.same_architecture(dataclasses.replace(ckpt_cfg, pooled_text=mcfg.pooled_text)
+                                      if adds_pool else ckpt_cfg, mcfg):
     raise ValueError(f'config.pretrain.init_from={config.pretrain.init_from!r} holds {ckpt_cfg}, but '
                      f'config.model asks for {mcfg}; warm-start from a checkpoint of the same architecture')
-  return params
+  if not adds_pool:
+    return params
+  _, fresh = nnx.split(mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed)))
+  loaded = dict(nnx.to_flat_state(params))
+  flat = []
+  for path_, var in nnx.to_flat_state(fresh):
+    if path_ in loaded:
+      var = loaded[path_]
+    elif path_[:2] == ('text_pool', 'linear_2'):
+      var = var.replace(jnp.zeros_like(var[...]))
+    flat.append((path_, var))
+  return nnx.from_flat_state(flat)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:

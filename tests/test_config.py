@@ -52,6 +52,21 @@ def test_execution_options_reach_the_model_and_keep_the_checkpoint():
     experiment.build_model(c)
 
 
+def test_architecture_fields_reach_the_model_and_are_validated():
+  """model.rope_theta and model.pooled_text are architecture (unlike remat): a checkpoint made
+  without them is refused, and bad values are named before anything is built."""
+  c = shapes.get_config()
+  c.model.rope_theta, c.model.pooled_text = 100.0, True
+  mcfg = experiment.model_config_from(c)
+  assert mcfg.rope_theta == 100.0 and mcfg.pooled_text
+  with pytest.raises(ValueError, match='does not match the checkpoint'):
+    experiment.build_model(c)
+  c = shapes.get_config()
+  c.model.rope_theta = 0.0
+  with pytest.raises(ValueError, match='rope_theta=0.0 must be > 0'):
+    configlib.validate(c, 1)
+
+
 def test_reward_spec_from_the_config(tmp_path):
   c = shapes.get_config()
   c.reward.weights = 'shapes:1, shapes_strict:0.5'

@@ -209,6 +209,49 @@ def test_short_pretraining_loss_falls_and_saves(tmp_path):
     pretrain.train(w, str(tmp_path / 'warm2'))
 
 
+def test_pooled_text_warm_start_keeps_the_function_then_conditions_on_the_prompt(tmp_path):
+  """A checkpoint without pooled text warm-starts a model with it (MMDiTConfig.pooled_text): at step
+  0 the model computes exactly the checkpoint's velocities; once text_pool's output layer is non-zero,
+  a prompt change reaches every token through the modulation."""
+  c = shapes_pretrain.get_config('test')
+  base_cfg = experiment.model_config_from(c)
+  assert not base_cfg.pooled_text
+  base = mmdit.MMDiT(base_cfg, rngs=nnx.Rngs(0))
+  _, base_state = nnx.split(base)
+  base_state = pretrain.zero_init_modulation(base_state)
+  # Non-zero modulations, so the time embedding (and anything added to it) matters.
+  base_state = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(3), a.shape), base_state)
+  params_io.save_params(tmp_path / 'ck', base_state, base_cfg)
+
+  c.model.pooled_text = True
+  c.pretrain.init_from = str(tmp_path / 'ck')
+  pooled_cfg = experiment.model_config_from(c)
+  params = pretrain.warm_start_params(c, pooled_cfg)
+  graphdef, _ = nnx.split(mmdit.MMDiT(pooled_cfg, rngs=nnx.Rngs(1)))
+  enc = experiment.build_text_encoder(c)
+  emb, mask = (jnp.asarray(a) for a in enc.encode(['a red circle on a white background',
+                                                     'a red square on a white background']))
+  size, p = c.latent.height, c.model.patch_size
+  shape = (1, size // p, size // p)
+  x = jax.random.normal(jax.random.key(0), (1, (size // p) ** 2, c.model.in_channels)).repeat(2, 0)
+  sig = jnp.array([0.6, 0.6])  # same noise and σ for both prompts: they differ only in the text
+  v_base = nnx.merge(nnx.split(base)[0], base_state)(x, sig, emb, mask, img_shape=shape)
+  v_warm = nnx.merge(graphdef, params)(x, sig, emb, mask, img_shape=shape)
+  np.testing.assert_allclose(np.asarray(v_warm), np.asarray(v_base), rtol=0, atol=1e-6)
+
+  # Perturb only text_pool: the output now changes, and differently for the two prompts.
+  flat = [(k, v.replace(v[...] + 0.1) if k[0] == 'text_pool' else v) for k, v in nnx.to_flat_state(params)]
+  v_pool = nnx.merge(graphdef, nnx.from_flat_state(flat))(x, sig, emb, mask, img_shape=shape)
+  delta = np.asarray(v_pool - v_warm)
+  assert np.abs(delta).max() > 1e-3
+  assert not np.allclose(delta[0], delta[1], atol=1e-5)
+
+  # Any other architecture difference is still refused.
+  c.model.num_layers = 2
+  with pytest.raises(ValueError, match='init_from.*same architecture'):
+    pretrain.warm_start_params(c, experiment.model_config_from(c))
+
+
 # ------------------------------------------------------------------------------------------------
 # the shipped checkpoint
 
@@ -234,3 +277,24 @@ def test_shipped_checkpoint_loads_and_runs():
   assert np.all(np.isfinite(np.asarray(v)))
   img = latents_lib.decode_pixels(x - v, size, size, p)   # one Euler step from σ=1 to 0
   assert img.shape == (2, size, size, 3)
+
+
+def test_shapes_probe_reports_on_the_shipped_checkpoint(tmp_path):
+  """benchmarks/shapes_probe.py (the base-model diagnostic of benchmarks/RESULTS.md) runs end to end."""
+  import subprocess
+  import sys
+  out = tmp_path / 'probe.json'
+  env = dict(os.environ)
+  env.pop('XLA_FLAGS', None)
+  proc = subprocess.run([sys.executable, os.path.join(REPO, 'benchmarks', 'shapes_probe.py'), '--noises', '2',
+                         '--json', str(out), '--png', str(tmp_path / 'probe.png')],
+                        capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  r = json.loads(out.read_text())
+  mse = [row['x0_mse'] for row in r['denoising']]
+  assert all(np.isfinite(mse)) and mse == sorted(mse)          # noisier inputs denoise worse
+  assert all(row['color_swap_abs'] > 0 for row in r['denoising'])
+  for g in r['generation'].values():
+    assert sum(g['seen'].values()) == 2 * 2                     # 2 colours x 2 noises per shape
+    assert 0.0 <= g['strict'] <= 1.0
+  assert os.path.getsize(tmp_path / 'probe.png') > 0

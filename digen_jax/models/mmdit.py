@@ -8,6 +8,7 @@ Layout of our parameters (names mirror diffusers so the converter table reads on
 
   time_embed.linear_1 / linear_2      TimestepEmbedding MLP (256 -> D -> D)
   txt_norm.scale                      RMSNorm over joint_attention_dim
+  text_pool.linear_1 / linear_2       only with MMDiTConfig.pooled_text (not QwenImage): pooled prompt -> D -> D
   img_in, txt_in                      input projections to D = heads * head_dim
   blocks.*                            ONE MMDiTBlock whose params carry a leading [num_layers] axis; the forward
                                       pass runs it under lax.scan (one compiled block instead of num_layers copies)
@@ -62,6 +63,11 @@ class MMDiTConfig:
     zero_cond_t: bool = False
     use_additional_t_cond: bool = False
     use_layer3d_rope: bool = False
+    # Not a QwenImage flag: FLUX-style pooled text conditioning. The masked mean of the (RMS-normed) text tokens goes
+    # through a linear-SiLU-linear projection (``text_pool``, FLUX's PixArtAlphaTextProjection shape) and is added
+    # to the timestep embedding, so every block's modulation sees the prompt directly instead of only through
+    # attention. False (the default) is diffusers' QwenImage exactly.
+    pooled_text: bool = False
     # Execution options; none changes the math or the params.
     # remat: rematerialise each block in the backward pass (jax.checkpoint).
     remat: bool = False
@@ -287,6 +293,26 @@ class TimestepEmbedder(nnx.Module):
         return self.linear_2(jax.nn.silu(self.linear_1(emb)))
 
 
+def masked_mean(tokens: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """[B, L, C] tokens, [B, L] mask (None = all real) -> [B, C] mean over the real tokens (float32)."""
+    t = tokens.astype(jnp.float32)
+    if mask is None:
+        return jnp.mean(t, axis=1)
+    m = mask.astype(jnp.float32)[..., None]
+    return jnp.sum(t * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+
+
+class TextPoolEmbedder(nnx.Module):
+    """Pooled prompt -> timestep-embedding offset: linear_1 -> SiLU -> linear_2 (see MMDiTConfig.pooled_text)."""
+
+    def __init__(self, in_dim: int, dim: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+        self.linear_1 = _linear(in_dim, dim, rngs, param_dtype)
+        self.linear_2 = _linear(dim, dim, rngs, param_dtype)
+
+    def __call__(self, pooled: jax.Array) -> jax.Array:
+        return self.linear_2(jax.nn.silu(self.linear_1(pooled.astype(self.linear_1.kernel.dtype))))
+
+
 class MLP(nnx.Module):
     """diffusers FeedForward(activation_fn='gelu-approximate'): Linear(D, 4D) -> tanh-GELU -> Linear(4D, D)."""
 
@@ -401,6 +427,8 @@ class MMDiT(nnx.Module):
         self.txt_norm = RMSNorm(config.joint_attention_dim, config.eps, param_dtype=param_dtype)
         self.img_in = _linear(config.in_channels, d, rngs, param_dtype)
         self.txt_in = _linear(config.joint_attention_dim, d, rngs, param_dtype)
+        if config.pooled_text:
+            self.text_pool = TextPoolEmbedder(config.joint_attention_dim, d, rngs=rngs, param_dtype=param_dtype)
 
         # Stacked blocks: every param gets a leading [num_layers] axis (lax.scan in __call__).
         @nnx.split_rngs(splits=config.num_layers)
@@ -422,8 +450,11 @@ class MMDiT(nnx.Module):
         dtype = self.img_in.kernel.dtype
 
         img = self.img_in(latents.astype(dtype))
-        txt = self.txt_in(self.txt_norm(text.astype(dtype)))
+        txt_normed = self.txt_norm(text.astype(dtype))
+        txt = self.txt_in(txt_normed)
         temb = self.time_embed(sigma)
+        if cfg.pooled_text:
+            temb = temb + self.text_pool(masked_mean(txt_normed, text_mask))
 
         rope = tuple(jnp.asarray(t) for t in rope_cos_sin(img_shape, n_txt, cfg.axes_dims_rope, cfg.rope_theta))
         if text_mask is None:
