@@ -50,15 +50,18 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
   mcfg, params, _ = params_io.load_params(experiment.checkpoint_folder(params_dir, '--params'))
   c.model.pooled_text = mcfg.pooled_text
   graphdef = nnx.split(params_io.load_model(experiment.checkpoint_folder(params_dir, '--params')))[0]
-  model = nnx.merge(graphdef, params)
   encoder = experiment.build_text_encoder(c)
   size, patch = int(c.latent.height), int(mcfg.patch_size)
   shape = (1, size // patch, size // patch)
   report: dict = {'params': params_dir, 'pooled_text': bool(mcfg.pooled_text)}
 
+  @jax.jit
+  def velocity(params, x_t, sigma, emb, mask):
+    return nnx.merge(graphdef, params)(x_t, sigma, emb, mask, img_shape=shape)
+
   def x0_hat(x_t, sigma, prompts):
     emb, mask = encoder.encode(prompts)
-    v = model(x_t, jnp.full((len(prompts),), sigma), jnp.asarray(emb), jnp.asarray(mask), img_shape=shape)
+    v = velocity(params, x_t, jnp.full((len(prompts),), sigma, jnp.float32), jnp.asarray(emb), jnp.asarray(mask))
     return x_t - sigma * v
 
   # Denoising of ground truth, and sensitivity of x̂0 to the shape word and to the colour word.
