@@ -47,9 +47,9 @@ def _prompt(color: str, shape: str) -> str:
 def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.ndarray, list[str]]:
   """Returns (report, generated images [6*noises, H, W, 3], their prompts)."""
   c = shapes_pretrain.get_config()
-  mcfg, params, _ = params_io.load_params(experiment.checkpoint_folder(params_dir, '--params'))
-  c.model.pooled_text = mcfg.pooled_text
-  graphdef = nnx.split(params_io.load_model(experiment.checkpoint_folder(params_dir, '--params')))[0]
+  model = params_io.load_model(experiment.checkpoint_folder(params_dir, '--params'))
+  mcfg = model.config
+  graphdef, params = nnx.split(model)
   encoder = experiment.build_text_encoder(c)
   size, patch = int(c.latent.height), int(mcfg.patch_size)
   shape = (1, size // patch, size // patch)

@@ -150,6 +150,11 @@ def sample_train_sigmas(key: jax.Array, batch: int, kind: str, mean: float = 0.0
   return shift * u / (1.0 + (shift - 1.0) * u)
 
 
+# The output layer of the pooled-text projection (MMDiTConfig.pooled_text): zero at init and when
+# warm-starting a checkpoint without it, so the pooled offset to the timestep embedding starts at 0.
+POOLED_TEXT_OUTPUT = ('text_pool', 'linear_2')
+
+
 def zero_init_modulation(params: nnx.State) -> nnx.State:
   """adaLN-Zero (DiT): zero the block modulations, the output modulation and the output projection.
 
@@ -157,8 +162,7 @@ def zero_init_modulation(params: nnx.State) -> nnx.State:
   learns spatially coherent images much sooner than the default (random-gate) init. Returns a new
   State; the others' params are untouched.
   """
-  zero = {('blocks', 'img_mod'), ('blocks', 'txt_mod'), ('norm_out',), ('proj_out',),
-          ('text_pool', 'linear_2')}  # pooled-text offset starts at 0 (MMDiTConfig.pooled_text)
+  zero = {('blocks', 'img_mod'), ('blocks', 'txt_mod'), ('norm_out',), ('proj_out',), POOLED_TEXT_OUTPUT}
   flat = []
   for path, var in nnx.to_flat_state(params):
     if path[:-1] in zero:
@@ -308,7 +312,7 @@ def warm_start_params(config: ml_collections.ConfigDict, mcfg: mmdit.MMDiTConfig
   for path_, var in nnx.to_flat_state(fresh):
     if path_ in loaded:
       var = loaded[path_]
-    elif path_[:2] == ('text_pool', 'linear_2'):
+    elif path_[:-1] == POOLED_TEXT_OUTPUT:
       var = var.replace(jnp.zeros_like(var[...]))
     flat.append((path_, var))
   return nnx.from_flat_state(flat)
