@@ -23,7 +23,9 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 
+from digen_jax.models import tensor_source
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
+from digen_jax.models.tensor_source import TensorSource
 
 DIFFUSERS_CLASS_NAME = "QwenImageTransformer2DModel"
 
@@ -85,20 +87,26 @@ def config_from_diffusers(cfg: Mapping[str, Any], **overrides: Any) -> MMDiTConf
     return MMDiTConfig(**kwargs)
 
 
-def _key_table(config: MMDiTConfig) -> dict[tuple[str, ...], tuple[list[str], bool]]:
-    """Our param path -> (diffusers keys, one per layer for block params; transpose?)."""
-    table: dict[tuple[str, ...], tuple[list[str], bool]] = {}
+def diffusers_key_table(config: MMDiTConfig) -> dict[str, TensorSource]:
+    """Our dotted param path -> its diffusers source: Linear weights [out, in] transposed to kernels [in, out];
+    per-block tensors stacked along our leading layer axis (one diffusers key per layer)."""
+    table: dict[str, TensorSource] = {}
     for prefix, path in _GLOBAL_LINEARS:
-        table[path + ("kernel",)] = ([f"{prefix}.weight"], True)
-        table[path + ("bias",)] = ([f"{prefix}.bias"], False)
+        name = ".".join(path)
+        table[f"{name}.kernel"] = TensorSource((f"{prefix}.weight",), perm=(1, 0))
+        table[f"{name}.bias"] = TensorSource((f"{prefix}.bias",))
     for key, path in _GLOBAL_NORMS:
-        table[path] = ([key], False)
+        table[".".join(path)] = TensorSource((key,))
     layers = range(config.num_layers)
     for prefix, path in _BLOCK_LINEARS:
-        table[("blocks",) + path + ("kernel",)] = ([f"transformer_blocks.{i}.{prefix}.weight" for i in layers], True)
-        table[("blocks",) + path + ("bias",)] = ([f"transformer_blocks.{i}.{prefix}.bias" for i in layers], False)
+        name = ".".join(("blocks",) + path)
+        table[f"{name}.kernel"] = TensorSource(
+            tuple(f"transformer_blocks.{i}.{prefix}.weight" for i in layers), perm=(1, 0), stacked=True)
+        table[f"{name}.bias"] = TensorSource(
+            tuple(f"transformer_blocks.{i}.{prefix}.bias" for i in layers), stacked=True)
     for key, path in _BLOCK_NORMS:
-        table[("blocks",) + path] = ([f"transformer_blocks.{i}.{key}" for i in layers], False)
+        table[".".join(("blocks",) + path)] = TensorSource(
+            tuple(f"transformer_blocks.{i}.{key}" for i in layers), stacked=True)
     return table
 
 
@@ -114,12 +122,12 @@ def load_diffusers_state(model: MMDiT, state_dict: Mapping[str, Any]) -> MMDiT:
     `model` may be abstract (built under nnx.eval_shape) so that no random init is materialised. Arrays are cast to
     each param's existing dtype. Raises ValueError naming missing / unexpected keys, or the key with a wrong shape.
     """
-    table = _key_table(model.config)
-    params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    unset = sorted(".".join(map(str, p)) for p in params if p not in table)
+    table = diffusers_key_table(model.config)
+    params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    unset = sorted(p for p in params if p not in table)
     if unset:  # a module was added to MMDiT without a converter entry
         raise ValueError(f"converter has no diffusers source for our params: {_fmt_keys(unset)}")
-    expected = {k for keys, _ in table.values() for k in keys}
+    expected = tensor_source.file_keys(table)
     given = set(state_dict.keys())
     missing, unexpected = expected - given, given - expected
     if missing or unexpected:
@@ -130,22 +138,16 @@ def load_diffusers_state(model: MMDiT, state_dict: Mapping[str, Any]) -> MMDiT:
             msg.append(f"unexpected diffusers keys ({len(unexpected)}): {_fmt_keys(unexpected)}")
         raise ValueError("state dict does not match MMDiT(config): " + "; ".join(msg))
 
-    for path, var in params.items():
-        keys, transpose = table[path]
+    for name, var in params.items():
+        source = table[name]
         target = var.get_value()
-        stacked = path[0] == "blocks"
-        want = tuple(target.shape[1:] if stacked else target.shape)
-        want_torch = want[::-1] if transpose else want
-        arrays = []
-        for key in keys:
-            arr = np.asarray(state_dict[key])
-            if tuple(arr.shape) != want_torch:
-                raise ValueError(f"diffusers key {key!r} has shape {tuple(arr.shape)}, expected {want_torch} "
-                                 f"for our param {'.'.join(map(str, path))}")
-            arrays.append(arr.T if transpose else arr)
-        value = np.stack(arrays) if stacked else arrays[0]
-        var.set_value(jnp.asarray(value, dtype=target.dtype))
-        del arrays, value
+        for key in source.keys:
+            got = source.our_shape(tuple(np.shape(state_dict[key])))[1 if source.stacked else 0:]
+            want = tuple(target.shape[1:] if source.stacked else target.shape)
+            if got != want:
+                raise ValueError(f"diffusers key {key!r} has shape {tuple(np.shape(state_dict[key]))}, expected "
+                                 f"one that gives {want} for our param {name} (it gives {got})")
+        var.set_value(jnp.asarray(tensor_source.gather(source, state_dict.__getitem__), dtype=target.dtype))
     return model
 
 
