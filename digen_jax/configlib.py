@@ -34,6 +34,16 @@ def base_config() -> ml_collections.ConfigDict:
   # pass, and run the blocks under lax.scan (False: unrolled; compile time grows with layers).
   c.model.remat = False
   c.model.scan_layers = True
+  # Frozen weights (the LoRA base and the VAE) are held in this dtype on every mesh; trainable
+  # weights are always float32 masters (optim.compute_dtype casts them inside the programs).
+  c.model.frozen_dtype = 'float32'  # 'float32' | 'bfloat16'
+  # LoRA: rank 0 trains every weight; rank >= 1 trains only adapters W + alpha/rank * A @ B on the
+  # Linear layers whose diffusers module name (e.g. 'transformer_blocks.3.attn.to_q') matches
+  # the regex `targets` (re.search, PEFT-style). Dropout is not supported (always 0).
+  c.model.lora = ml_collections.ConfigDict()
+  c.model.lora.rank = 0
+  c.model.lora.alpha = 0.0          # 0 = rank (scale 1)
+  c.model.lora.targets = r'attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$'
 
   # --- what the generator works in: latent grid and decoder ----------------------------------
   c.latent = ml_collections.ConfigDict()
@@ -42,11 +52,20 @@ def base_config() -> ml_collections.ConfigDict:
   c.latent.height = 166             # latent grid (pixels for 'pixel' space)
   c.latent.width = 166
   c.latent.frames = 1
+  # 'vae' space: the pipeline folder's VAE decodes inside the rollout program. Memory bounds for
+  # large images: decode `vae_batch_chunk` images at a time (0 = all at once), and/or in
+  # overlapping spatial tiles of `vae_tile` pixels (0 = whole images; diffusers' tiled decode).
+  c.latent.vae_batch_chunk = 0
+  c.latent.vae_tile = 0
 
   # --- text conditioning ---------------------------------------------------------------------
   c.text = ml_collections.ConfigDict()
   c.text.encoder = 'qwen2.5-vl'     # 'word' (small frozen word-level encoder) or 'qwen2.5-vl'
   c.text.max_length = 1024
+  # Real encoders ('qwen2.5-vl') are read from an embedding cache written by
+  # `python -m digen_jax.encode_prompts --config=... --prompts=... --out=DIR`; torch never runs
+  # in the training process.
+  c.text.cache = ''
 
   # --- prompts -------------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
@@ -64,6 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler.logprob_reduce = 'mean' # 'mean' | 'sum' over latent dims
   c.sampler.guidance_scale = 0.0    # > 1 turns on CFG (rollout and training alike)
   c.sampler.norm_rescale = True     # QwenImage "true CFG" norm rescale
+  c.sampler.negative_prompt = ' '   # CFG's unconditional branch (the QwenImage pipelines' ' ')
 
   # --- GRPO ----------------------------------------------------------------------------------
   c.rl = ml_collections.ConfigDict()
@@ -85,12 +105,23 @@ def base_config() -> ml_collections.ConfigDict:
   # fastest), 'vmap' as one K*B batch; 'auto': scan on a 1-device trainer mesh, vmap on more
   # (programs.step_loop_for: why). TSP always shards a vmap over the trainer mesh.
   c.rl.step_loop = 'auto'
+  # Whose behaviour log-probs the importance ratio uses: the rollout's (stored with the
+  # trajectory), or the trainer's own forward under stop_gradient (one on-policy epoch: the
+  # ratio is exactly 1, at no extra cost). With bf16 compute the rollout's and the trainer's
+  # programs round differently and |ratio - 1| reaches ~3e-3 (tests/test_ratio_mmdit.py), far
+  # beyond a 1e-4 clip range; metrics.jsonl's rollout_ratio_max_dev keeps reporting that gap.
+  # Needs rl.inner_epochs = 1 and no TCSS (stale fragments need their own version's log-probs).
+  c.rl.behaviour_logprobs = 'rollout'
 
   # --- reward --------------------------------------------------------------------------------
   c.reward = ml_collections.ConfigDict()
   # 'name[:weight],...' over the registered rewards (digen_jax/rewards/registry.py), e.g.
   # --config.reward.weights=shapes_dense or 'shapes:1,shapes_strict:0.5'; their weighted sum.
   c.reward.weights = 'jpeg_compressibility'
+  # A user's own rewards, without editing the package: 'name=module.path:function,...' or
+  # 'name=/path/to/file.py:function'. Each function takes (uint8 images [B, H, W, 3], prompts)
+  # and returns [B] scores; `name` can then be used in reward.weights.
+  c.reward.callables = ''
 
   # --- optimizer -----------------------------------------------------------------------------
   c.optim = ml_collections.ConfigDict()
@@ -219,7 +250,9 @@ _CHOICES = {
     'rl.adv_std': ('group', 'global'),
     'rl.timesteps': ('all_but_last', 'random_fraction', 'fixed_window', 'sliding_window'),
     'rl.step_loop': ('auto', 'scan', 'vmap'),
+    'rl.behaviour_logprobs': ('rollout', 'trainer'),
     'optim.compute_dtype': ('float32', 'bfloat16'),
+    'model.frozen_dtype': ('float32', 'bfloat16'),
     'optim.schedule': ('constant', 'cosine', 'linear'),
     'runtime.mode': ('colocated', 'disagg'),
     'runtime.transfer_guard': ('allow', 'log', 'disallow'),
@@ -284,10 +317,35 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if config.eval.samples_per_prompt < 1:
     raise ValueError(f'config.eval.samples_per_prompt={config.eval.samples_per_prompt} must be >= 1')
   try:
+    reward_registry.register_callables(config.reward.callables)
     reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights))
   except ValueError as e:
-    raise ValueError(f'config.reward.weights: {e}') from None
+    raise ValueError(f'config.reward: {e}') from None
+  _validate_real_model(config)
   _validate_schedule(config, num_devices)
+
+
+def _validate_real_model(config: ml_collections.ConfigDict) -> None:
+  """LoRA, text cache and VAE fields (the pipeline folder itself is read by experiment.build)."""
+  lo = config.model.lora
+  if lo.rank < 0 or lo.alpha < 0:
+    raise ValueError(f'config.model.lora: rank={lo.rank} and alpha={lo.alpha} must be >= 0 '
+                     '(rank 0 = full fine-tuning; alpha 0 = rank)')
+  if config.text.encoder != 'word' and not config.text.cache:
+    raise ValueError(f'config.text.encoder={config.text.encoder!r} reads an embedding cache: set '
+                     '--config.text.cache=DIR, made by `python -m digen_jax.encode_prompts '
+                     '--config=<this config> --prompts=<prompts> --out=DIR`')
+  if lo.rank > 0 and config.runtime.mode == 'disagg' and config.cluster.rollout.param_dtype != 'float32':
+    raise ValueError('config.cluster.rollout.param_dtype must be float32 with LoRA '
+                     '(config.model.lora.rank > 0): the publish carries only the small adapters, '
+                     'and the rollout merges them into its own frozen base exactly as the trainer '
+                     'does; the base dtype is config.model.frozen_dtype')
+  if not config.data.prompts:
+    raise ValueError('config.data.prompts is empty: give a prompt file (one prompt per line), a '
+                     "prepared tfds prompt set, or 'shapes'")
+  if config.latent.vae_batch_chunk < 0 or config.latent.vae_tile < 0:
+    raise ValueError(f'config.latent.vae_batch_chunk={config.latent.vae_batch_chunk} and '
+                     f'vae_tile={config.latent.vae_tile} must be >= 0 (0 = off)')
 
 
 def _validate_schedule(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -311,6 +369,14 @@ def _validate_schedule(config: ml_collections.ConfigDict, num_devices: int) -> N
     raise ValueError(f"config.schedule.fragments={m} needs rl.adv_std='group' (a fragment's "
                      "advantages must not depend on groups not yet sampled); set "
                      "--config.rl.adv_std=group or schedule.fragments=1")
+  if rl.inner_epochs > 1 and rl.behaviour_logprobs == 'trainer':
+    raise ValueError(f"config.rl.behaviour_logprobs='trainer' is the on-policy, one-epoch "
+                     f"ratio; rl.inner_epochs={rl.inner_epochs} needs the rollout's "
+                     "log-probs: set --config.rl.behaviour_logprobs=rollout or inner_epochs=1")
+  if s.tcss_fraction > 0 and rl.behaviour_logprobs == 'trainer':
+    raise ValueError("config.rl.behaviour_logprobs='trainer' recomputes log-probs under the "
+                     'current policy, which would hide the staleness of TCSS fragments '
+                     "(schedule.tcss_fraction > 0): use behaviour_logprobs='rollout' with TCSS")
   if not 0.0 <= s.tcss_fraction <= 1.0:
     raise ValueError(f'config.schedule.tcss_fraction={s.tcss_fraction} must be in [0, 1]')
   if s.tcss_fraction > 0 and int(m * s.tcss_fraction + 1e-9) < 1:

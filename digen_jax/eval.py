@@ -25,7 +25,8 @@ def main(argv):
   config, workdir, n = cli.setup()
   exp = cli.build_experiment(config, workdir, n)
   mesh = mesh_lib.make_mesh(jax.local_devices()[:n])
-  params, step = exp.params, 0
+  from digen_jax import weights as weights_lib  # pylint: disable=g-import-not-at-top
+  params, step = weights_lib.host_params(exp.weights), 0
   ckpt_dir = os.path.join(workdir, 'checkpoints')
   if os.path.isdir(ckpt_dir):
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir)

@@ -55,18 +55,22 @@ class Evaluator:
     guidance, norm_rescale = programs.guidance_of(exp)
     latent_shape = (self.batch, *exp.latent_shape)
 
-    def ode_sample(params, cond, uncond, keys):
+    def ode_sample(params, cond, uncond, keys, frozen):
       traj = sampler_lib.sample(
-          velocity_fn, params, cond, sigmas, keys, latent_shape=latent_shape,
-          sde_cfg=exp.sde_cfg, sde_steps=jnp.zeros((T,), bool), guidance_scale=guidance,
-          uncond=uncond if guidance is not None else None, norm_rescale=norm_rescale)
-      return exp.decode(traj.latents[-1])
+          velocity_fn, exp.weights.effective(params, frozen), cond, sigmas, keys,
+          latent_shape=latent_shape, sde_cfg=exp.sde_cfg, sde_steps=jnp.zeros((T,), bool),
+          guidance_scale=guidance, uncond=uncond if guidance is not None else None,
+          norm_rescale=norm_rescale)
+      return exp.weights.decode(frozen, traj.latents[-1])
 
     rep = mesh_lib.replicated(mesh)
     cond_sh = {'text': mesh_lib.batch_sharding(mesh, 3), 'text_mask': mesh_lib.batch_sharding(mesh, 2)}
-    self._sample = jax.jit(ode_sample, in_shardings=(rep, cond_sh, cond_sh, mesh_lib.batch_sharding(mesh, 1)))
+    frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
+    self._sample = programs.Bound(jax.jit(ode_sample, in_shardings=(
+        rep, cond_sh, cond_sh, mesh_lib.batch_sharding(mesh, 1),
+        programs.frozen_shardings(frozen))), frozen)
     self.shapes = _is_shapes(prompts)
-    self._uncond = self._encode([''] * self.batch)
+    self._uncond = self._encode([c.sampler.negative_prompt] * self.batch)
 
   def _encode(self, prompts):
     emb, mask = self.exp.text_encoder.encode(prompts)

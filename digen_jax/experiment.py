@@ -17,11 +17,11 @@ from digen_jax import configlib
 from digen_jax.data import prompts as prompt_data
 from digen_jax.diffusion import schedule as schedule_lib
 from digen_jax.diffusion import sde as sde_lib
-from digen_jax.models import convert
-from digen_jax.models import latents as latents_lib
+from digen_jax import weights as weights_lib
 from digen_jax.models import mmdit
 from digen_jax.models import params_io
 from digen_jax.models import text as text_lib
+from digen_jax.models import text_cache
 from digen_jax.rewards import registry as reward_registry
 from digen_jax.rl import timesteps as timesteps_lib
 
@@ -30,8 +30,7 @@ from digen_jax.rl import timesteps as timesteps_lib
 class Experiment:
   config: ml_collections.ConfigDict
   model_config: mmdit.MMDiTConfig
-  graphdef: Any
-  params: Any                       # nnx.State, float32 master weights (host/default device)
+  weights: weights_lib.Weights      # trainable params (full or LoRA), frozen weights, decode
   text_encoder: Any                 # prompts -> (emb [B, L, D], mask [B, L])
   prompts: Any                      # PromptIterator: next_batch(), position, restore()
   reward_fn: Callable[[np.ndarray, list[str]], np.ndarray]
@@ -50,13 +49,16 @@ class Experiment:
   def batch_size(self) -> int:
     return self.config.rl.prompts_per_step * self.config.rl.group_size
 
-  def decode(self, tokens):
-    """Packed final latents [B, N, C] -> images [B, H, W, 3] in [-1, 1]."""
-    lat = self.config.latent
-    if lat.space != 'pixel':
-      raise ValueError("config.latent.space='vae': no VAE decoder is implemented yet; use a pixel-space "
-                       'config such as configs/qwenimage.py:tiny')
-    return latents_lib.decode_pixels(tokens, lat.height, lat.width, self.config.model.patch_size)
+  @property
+  def graphdef(self):
+    """The MMDiT graphdef (the forward's structure)."""
+    return self.weights.graphdef
+
+  @property
+  def params(self):
+    """The initial trainable params (MMDiT state, or LoRA adapters): concrete, or their
+    ShapeDtypeStructs when they stream from a large checkpoint (weights.init_params)."""
+    return self.weights.params
 
 
 def model_config_from(config) -> mmdit.MMDiTConfig:
@@ -109,32 +111,44 @@ def check_text_encoder(config, text_encoder) -> None:
         f'Set config.seed={recorded.get("seed")} (the table is seeded by it)')
 
 
-def build_model(config) -> tuple[mmdit.MMDiTConfig, Any, Any]:
-  """Returns (model config, graphdef, float32 params)."""
+def build_weights(config) -> tuple[mmdit.MMDiTConfig, weights_lib.Weights]:
+  """(model config, the run's Weights): checkpoints are opened and checked, not read whole."""
   mcfg = model_config_from(config)
-  if config.model.init == 'random':
-    model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
-  else:
-    path = checkpoint_folder(config.model.checkpoint)
-    # Our own params folder (pretrain output: params.safetensors + config.json) or a diffusers one.
-    if os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
-      model = params_io.load_model(path)
-    else:
-      model = convert.load_diffusers_folder(path)
-    if not same_architecture(model.config, mcfg):
-      raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
-                       f'{model.config}, config asks for {mcfg}')
-    model.config = mcfg             # the run's execution options (remat, scan_layers)
-  graphdef, params = nnx.split(model)
-  return mcfg, graphdef, params
+  if config.model.init != 'random':
+    config.model.checkpoint = checkpoint_folder(config.model.checkpoint)
+  return mcfg, weights_lib.build(config, mcfg, same_architecture)
+
+
+def build_model(config) -> tuple[mmdit.MMDiTConfig, Any, Any]:
+  """(model config, MMDiT graphdef, initial trainable params): build_weights, unpacked."""
+  mcfg, weights = build_weights(config)
+  return mcfg, weights.graphdef, weights.params
 
 
 def build_text_encoder(config):
-  if config.text.encoder != 'word':
-    raise ValueError(f"config.text.encoder={config.text.encoder!r} is not available offline; use 'word'")
-  enc = text_lib.WordEncoder(text_lib.shapes_vocab(), dim=config.model.joint_attention_dim,
-                             max_length=config.text.max_length, seed=config.seed)
-  return text_lib.CachedEncoder(enc)
+  """The frozen word encoder, or the embedding cache of a real encoder (no torch here)."""
+  if config.text.encoder == 'word':
+    enc = text_lib.WordEncoder(text_lib.shapes_vocab(), dim=config.model.joint_attention_dim,
+                               max_length=config.text.max_length, seed=config.seed)
+    return text_lib.CachedEncoder(enc)
+  cache = text_cache.EmbeddingCache(config.text.cache, config.text.max_length)
+  if cache.dim != config.model.joint_attention_dim:
+    raise ValueError(f'config.text.cache={config.text.cache!r} holds {cache.dim}-dim embeddings but '
+                     f'config.model.joint_attention_dim={config.model.joint_attention_dim}')
+  return cache
+
+
+def check_prompt_cache(config, text_encoder, prompt_lists) -> None:
+  """A real encoder's cache must hold every prompt the run can draw (train and eval splits, the
+  negative prompt) and come from the pipeline folder's own encoder: else one clear error now,
+  before anything compiles."""
+  if config.text.encoder == 'word':
+    return
+  prompts = [config.sampler.negative_prompt] + [p for ps in prompt_lists for p in ps]
+  expected = None
+  if config.model.checkpoint and weights_lib.is_pipeline_folder(config.model.checkpoint):
+    expected = text_cache.encoder_fingerprint(config.model.checkpoint)
+  text_encoder.check(list(dict.fromkeys(prompts)), expected)
 
 
 def build_schedule(config, num_tokens: int) -> np.ndarray:
@@ -181,6 +195,9 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   check_text_encoder(config, text_encoder)
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
   source = prompt_data.load_prompts(config.data.prompts, config.data.split, data_dir)
+  eval_source = (prompt_data.load_prompts(config.data.prompts, config.eval.split, data_dir)
+                 if config.eval.every > 0 and config.text.encoder != 'word' else [])
+  check_prompt_cache(config, text_encoder, [list(source), list(eval_source)])
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
   sigmas = build_schedule(config, num_tokens)
   sde_cfg = sde_lib.SDEConfig(kind=config.sampler.sde, noise_level=config.sampler.noise_level,
@@ -189,9 +206,9 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   selection = timesteps_lib.TimestepSelection(
       kind=r.timesteps, fraction=r.timestep_fraction, window_start=r.window_start,
       window_size=r.window_size, slide_every=r.slide_every)
-  mcfg, graphdef, params = build_model(config)
+  mcfg, weights = build_weights(config)
   return Experiment(
-      config=config, model_config=mcfg, graphdef=graphdef, params=params,
+      config=config, model_config=mcfg, weights=weights,
       text_encoder=text_encoder, prompts=prompts, reward_fn=reward_fn, sigmas=sigmas,
       sde_cfg=sde_cfg, selection=selection, optimizer=build_optimizer(config),
       img_shape=img_shape, latent_shape=(num_tokens, config.model.in_channels))

@@ -36,6 +36,34 @@ def main(argv):
     raise
 
 
+def prepare_tiny_pipeline(config, workdir: str):
+  """configs/qwenimage.py:tiny_pipeline: builds the toy diffusers folder at
+  config.model.checkpoint if absent and encodes the prompts the run can draw into
+  config.text.cache, each in a child process (torch never runs in the training process)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from digen_jax.data import prompts as prompt_data  # pylint: disable=g-import-not-at-top
+  from digen_jax.models import text_cache  # pylint: disable=g-import-not-at-top
+
+  def child(args):
+    logging.info('tiny_pipeline: %s', ' '.join(args))
+    done = subprocess.run([sys.executable, '-m', *args], check=False)
+    if done.returncode:
+      cli.fail(f'{args[0]} exited with {done.returncode} while preparing the tiny pipeline')
+
+  folder = config.model.checkpoint
+  if not os.path.isfile(os.path.join(folder, 'model_index.json')):
+    child(['digen_jax.tiny_pipeline', f'--out={folder}'])
+  config_flags = [a for a in sys.argv[1:] if a.startswith('--config')]
+  data_dir = config.data.data_dir or os.path.join(workdir, 'data')
+  for split in dict.fromkeys((config.data.split, config.eval.split)):
+    prompts = list(prompt_data.load_prompts(config.data.prompts, split, data_dir))
+    if (os.path.isdir(config.text.cache) and not text_cache.EmbeddingCache(
+        config.text.cache, config.text.max_length).missing(prompts)):
+      continue
+    child(['digen_jax.encode_prompts', *config_flags, f'--prompts={config.data.prompts}',
+           f'--split={split}', f'--data_dir={data_dir}', f'--out={config.text.cache}'])
+
+
 def _run(info):
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top  (after absl parsed flags such as --jax_*)
@@ -45,11 +73,14 @@ def _run(info):
   from digen_jax.runtime import disagg  # pylint: disable=g-import-not-at-top
 
   config, workdir, n = cli.setup()
+  tiny_pipeline = config.model.get('build_tiny_pipeline', False)
   if config.runtime.mode != 'disagg':
     if info.num_processes > 1:
       cli.fail(f'config.runtime.mode={config.runtime.mode!r} runs in one process, but this job has '
                f'{info.num_processes}; use --config.runtime.mode=disagg (e.g. '
                'configs/qwenimage.py:tiny_disagg) or launch one process')
+    if tiny_pipeline:
+      prepare_tiny_pipeline(config, workdir)
     exp = cli.build_experiment(config, workdir, n)       # also rejects unknown modes
     cli.write_config(config, workdir)
     logging.info('workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n,
@@ -68,6 +99,8 @@ def _run(info):
   n_check = math.lcm(cluster.rollout.size, cluster.trainer.size)
   if info.num_processes > 1 and not writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)  # the writer prepares data first
+  elif tiny_pipeline:
+    prepare_tiny_pipeline(config, workdir)
   exp = cli.build_experiment(config, workdir, n_check)
   if info.num_processes > 1 and writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)

@@ -37,8 +37,40 @@ def guidance_of(exp):
   return (s.guidance_scale, s.norm_rescale) if s.guidance_scale > 1.0 else (None, False)
 
 
-def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_offset=False):
-  """rollout(params, cond, uncond, key, step[, offset]) -> Trajectory, data-parallel over `mesh`.
+class Bound:
+  """A jitted program with its last argument, the frozen weights on its mesh
+  (weights.Weights.frozen), bound: call and lower it with the other arguments only."""
+
+  def __init__(self, program, frozen):
+    self.program, self.frozen = program, frozen
+
+  def __call__(self, *args):
+    return self.program(*args, self.frozen)
+
+  def lower(self, *args):
+    lowered = self.program.lower(*args, self.frozen)
+    return _BoundLowered(lowered, self.frozen)
+
+
+class _BoundLowered:
+
+  def __init__(self, lowered, frozen):
+    self.lowered, self.frozen = lowered, frozen
+
+  def compile(self):
+    return Bound(self.lowered.compile(), self.frozen)
+
+
+def frozen_shardings(frozen):
+  """in_shardings of a frozen tree: where its arrays already are (None entries stay None)."""
+  return jax.tree.map(lambda x: x.sharding, frozen)
+
+
+def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_offset=False,
+                 frozen=None):
+  """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3]),
+  data-parallel over `mesh`: the sampling scan, then the decode (VAE or identity) in the same
+  program, so latents never leave the devices before the reward sees pixels.
 
   with_offset: the program takes a 6th argument, offset (int32 scalar): the batch position of
   its first sample, so a fragment of the logical batch draws exactly the noise the whole-batch
@@ -46,30 +78,44 @@ def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_o
 
   Params arrive as the rollout copy: replicated unless `param_shardings` says otherwise (e.g. an
   FSDP layout on the rollout mesh); cond/uncond are batch-sharded. `traj_shardings` (a
-  Trajectory of shardings) pins the output layout; None lets XLA choose."""
+  Trajectory of shardings) pins the output layout; None lets XLA choose. `frozen`: the frozen
+  weights on `mesh` (default: loaded replicated, with the decoder)."""
+  if frozen is None:
+    frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
   velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
   sigmas = jnp.asarray(exp.sigmas)
   T = len(exp.sigmas) - 1
   guidance, norm_rescale = guidance_of(exp)
 
-  def rollout(params, cond, uncond, key, step, offset=0):
+  def rollout(params, cond, uncond, key, step, offset, frozen):
     sde_steps = timesteps_lib.sde_step_mask(exp.selection, T, step)
     b = cond['text'].shape[0]
     # One noise key per sample: a sample's trajectory does not depend on how the batch is cut.
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b) + offset)
-    return sampler_lib.sample(
-        velocity_fn, params, cond, sigmas, keys, latent_shape=(b, *exp.latent_shape),
-        sde_cfg=exp.sde_cfg, sde_steps=sde_steps, guidance_scale=guidance,
-        uncond=uncond if guidance is not None else None, norm_rescale=norm_rescale)
+    traj = sampler_lib.sample(
+        velocity_fn, exp.weights.effective(params, frozen), cond, sigmas, keys,
+        latent_shape=(b, *exp.latent_shape), sde_cfg=exp.sde_cfg, sde_steps=sde_steps,
+        guidance_scale=guidance, uncond=uncond if guidance is not None else None,
+        norm_rescale=norm_rescale)
+    return traj, exp.weights.decode(frozen, traj.latents[-1])
 
   rep = mesh_lib.replicated(mesh)
   cond_sharding = {'text': mesh_lib.batch_sharding(mesh, 3), 'text_mask': mesh_lib.batch_sharding(mesh, 2)}
   in_sh = (rep if param_shardings is None else param_shardings, cond_sharding, cond_sharding,
            rep, rep)
+  out_sh = (traj_shardings, mesh_lib.batch_sharding(mesh, 4))
+  frozen_sh = frozen_shardings(frozen)
   if with_offset:
-    return jax.jit(rollout, in_shardings=in_sh + (rep,), out_shardings=traj_shardings)
-  return jax.jit(lambda p, c, u, k, s: rollout(p, c, u, k, s), in_shardings=in_sh,
-                 out_shardings=traj_shardings)
+    program = jax.jit(rollout, in_shardings=in_sh + (rep, frozen_sh), out_shardings=out_sh)
+  else:
+    program = jax.jit(lambda p, c, u, k, s, fr: rollout(p, c, u, k, s, 0, fr),
+                      in_shardings=in_sh + (frozen_sh,), out_shardings=out_sh)
+  return Bound(program, frozen)
+
+
+def behaviour_of(exp) -> str:
+  """grpo_objective's `behaviour` for config.rl.behaviour_logprobs ('trainer' -> 'self')."""
+  return 'self' if exp.config.rl.behaviour_logprobs == 'trainer' else 'stored'
 
 
 def step_loop_for(step_loop: str, mesh) -> str:
@@ -83,30 +129,35 @@ def step_loop_for(step_loop: str, mesh) -> str:
   return step_loop
 
 
-def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None):
+def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, *, frozen=None):
   """update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params)
        -> (params, opt_state, metrics); rl.inner_epochs PPO epochs over the batch.
   ref_params: the frozen reference (FSDP-sharded like params) when rl.kl_beta > 0, else None.
   traj_shardings: the layout the trajectory arrives in (None: whatever it has).
 
   A step whose gradient is not finite is skipped (params and optimizer state unchanged) and
-  reported as metrics['nonfinite'] = 1: NaN/inf never enters the weights."""
+  reported as metrics['nonfinite'] = 1: NaN/inf never enters the weights. `frozen`: the frozen
+  weights on `mesh` (default: loaded FSDP-sharded, without the decoder); params are the
+  trainable tree (the MMDiT, or LoRA adapters merged into the frozen base inside)."""
+  if frozen is None:
+    frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
   r = exp.config.rl
   T = len(exp.sigmas) - 1
   guidance, norm_rescale = guidance_of(exp)
   optimizer = exp.optimizer
 
-  def update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params):
+  def update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params, frozen):
     indices = timesteps_lib.select_timesteps(exp.selection, T, key, step)
 
     def loss_fn(p):
       return objective_lib.grpo_objective(
-          velocity_fn, p, traj, cond, adv, valid, indices, sde_cfg=exp.sde_cfg,
-          clip_range=r.clip_range, kl_beta=r.kl_beta,
-          ref_params=ref_params if r.kl_beta > 0 else None,
+          velocity_fn, exp.weights.effective(p, frozen), traj, cond, adv, valid, indices,
+          sde_cfg=exp.sde_cfg, clip_range=r.clip_range, kl_beta=r.kl_beta,
+          ref_params=exp.weights.reference(ref_params, frozen) if r.kl_beta > 0 else None,
           guidance_scale=guidance, uncond=uncond if guidance is not None else None,
-          norm_rescale=norm_rescale, step_loop=step_loop_for(r.step_loop, mesh))
+          norm_rescale=norm_rescale, step_loop=step_loop_for(r.step_loop, mesh),
+          behaviour=behaviour_of(exp))
 
     def epoch(carry, _):
       p, o = carry
@@ -130,12 +181,19 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None):
   rep = mesh_lib.replicated(mesh)
   data = lambda nd, axis=0: mesh_lib.batch_sharding(mesh, nd, axis)
   cond_sharding = {'text': data(3), 'text_mask': data(2)}
-  return jax.jit(
+  return Bound(jax.jit(
       update,
       in_shardings=(param_shardings, opt_shardings, traj_shardings, cond_sharding, cond_sharding,
-                    data(1), data(1), rep, rep, param_shardings if r.kl_beta > 0 else None),
+                    data(1), data(1), rep, rep, ref_shardings(exp, param_shardings),
+                    frozen_shardings(frozen)),
       out_shardings=(param_shardings, opt_shardings, rep),
-      donate_argnums=(0, 1))
+      donate_argnums=(0, 1)), frozen)
+
+
+def ref_shardings(exp, param_shardings):
+  """Where the KL reference params live: none without KL, or with LoRA (the reference is the
+  frozen base with adapters off), else like the trainable params."""
+  return param_shardings if exp.config.rl.kl_beta > 0 and exp.weights.lora is None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,6 +204,7 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None):
 # make_update's, to float32 rounding.
 
 _SUM_KEYS = ('loss', 'policy_loss', 'approx_kl', 'clip_frac', 'ratio_mean', 'kl')
+_MAX_KEYS = ('ratio_max_dev', 'rollout_ratio_max_dev')
 
 
 def tsp_steps(exp, mesh) -> tuple[int, int]:
@@ -169,20 +228,24 @@ def make_zero_acc(param_shardings, mesh):
   rep = mesh_lib.replicated(mesh)
 
   def zero(params):
-    sums = {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS + ('weight_sum', 'ratio_max_dev')}
+    sums = {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}
     return {'grads': jax.tree.map(jnp.zeros_like, params), 'sums': sums}
-  sums_sh = {k: rep for k in _SUM_KEYS + ('weight_sum', 'ratio_max_dev')}
+  sums_sh = {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}
   return jax.jit(zero, in_shardings=(param_shardings,),
                  out_shardings={'grads': param_shardings, 'sums': sums_sh})
 
 
-def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: bool = False):
+def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: bool = False,
+                       frozen=None):
   """grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params) -> acc + this
   fragment's gradient of sum(w * l) and its metric sums (acc donated).
 
   tsp: the K selected steps run as one vmap whose timestep axis is sharded over `mesh`
   (padded to a multiple of the mesh size with weight-0 steps); else the colocated update's
-  loop (config.rl.step_loop over K via step_loop_for, batch axis sharded)."""
+  loop (config.rl.step_loop over K via step_loop_for, batch axis sharded). `frozen` as in
+  make_update."""
+  if frozen is None:
+    frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
   r = exp.config.rl
   guidance, norm_rescale = guidance_of(exp)
@@ -194,7 +257,7 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
         a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
             axes, *([None] * (a.ndim - 1))))), tree)
 
-  def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params):
+  def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params, frozen):
     step_weights, constraint = None, None
     if tsp:
       if K_pad > K:    # repeat the first selected step; weight 0 keeps it out of everything
@@ -204,13 +267,14 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
 
     def loss_fn(p):
       return objective_lib.grpo_objective(
-          velocity_fn, p, traj, cond, adv, valid, indices, sde_cfg=exp.sde_cfg,
-          clip_range=r.clip_range, kl_beta=r.kl_beta,
-          ref_params=ref_params if r.kl_beta > 0 else None,
+          velocity_fn, exp.weights.effective(p, frozen), traj, cond, adv, valid, indices,
+          sde_cfg=exp.sde_cfg, clip_range=r.clip_range, kl_beta=r.kl_beta,
+          ref_params=exp.weights.reference(ref_params, frozen) if r.kl_beta > 0 else None,
           guidance_scale=guidance, uncond=uncond if guidance is not None else None,
           norm_rescale=norm_rescale, denominator=1.0, step_weights=step_weights,
           step_constraint=constraint,
-          step_loop='vmap' if tsp else step_loop_for(r.step_loop, mesh))
+          step_loop='vmap' if tsp else step_loop_for(r.step_loop, mesh),
+          behaviour=behaviour_of(exp))
 
     (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
     w = m['weight_sum']
@@ -221,19 +285,21 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
     for k in ('approx_kl', 'clip_frac', 'ratio_mean', 'kl'):
       sums[k] = sums[k] + m[k] * w
     sums['weight_sum'] = sums['weight_sum'] + w
-    sums['ratio_max_dev'] = jnp.maximum(sums['ratio_max_dev'], m['ratio_max_dev'])
+    for k in _MAX_KEYS:
+      sums[k] = jnp.maximum(sums[k], m[k])
     return {'grads': jax.tree.map(jnp.add, acc['grads'], g), 'sums': sums}
 
   rep = mesh_lib.replicated(mesh)
   data = lambda nd: mesh_lib.batch_sharding(mesh, nd)
   cond_sharding = {'text': data(3), 'text_mask': data(2)}
   acc_sh = {'grads': param_shardings,
-            'sums': {k: rep for k in _SUM_KEYS + ('weight_sum', 'ratio_max_dev')}}
-  return jax.jit(
+            'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}}
+  return Bound(jax.jit(
       grad,
       in_shardings=(param_shardings, acc_sh, traj_shardings, cond_sharding, cond_sharding,
-                    data(1), data(1), rep, param_shardings if r.kl_beta > 0 else None),
-      out_shardings=acc_sh, donate_argnums=(1,))
+                    data(1), data(1), rep, ref_shardings(exp, param_shardings),
+                    frozen_shardings(frozen)),
+      out_shardings=acc_sh, donate_argnums=(1,)), frozen)
 
 
 def make_apply(exp, mesh, param_shardings, opt_shardings):
@@ -257,11 +323,12 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
     metrics = {'loss': loss, 'policy_loss': s['policy_loss'] * inv,
                'approx_kl': s['approx_kl'] * inv, 'clip_frac': s['clip_frac'] * inv,
                'ratio_mean': s['ratio_mean'] * inv, 'kl': s['kl'] * inv,
-               'ratio_max_dev': s['ratio_max_dev'], 'weight_sum': den,
+               'ratio_max_dev': s['ratio_max_dev'],
+               'rollout_ratio_max_dev': s['rollout_ratio_max_dev'], 'weight_sum': den,
                'grad_norm': grad_norm, 'nonfinite': (~finite).astype(jnp.float32)}
     return keep(new_p, params), keep(new_o, opt_state), metrics
 
   acc_sh = {'grads': param_shardings,
-            'sums': {k: rep for k in _SUM_KEYS + ('weight_sum', 'ratio_max_dev')}}
+            'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}}
   return jax.jit(apply, in_shardings=(param_shardings, opt_shardings, acc_sh),
                  out_shardings=(param_shardings, opt_shardings, rep), donate_argnums=(0, 1))

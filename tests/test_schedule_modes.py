@@ -109,8 +109,8 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   params = jax.device_put(exp.params, psh)
   prompts = [p for p in exp.prompts.next_batch() for _ in range(c.rl.group_size)]
   cond = workers.encode(exp, prompts, mesh)
-  traj = programs.make_rollout(exp, mesh)(exp.params, cond, cond, jax.random.key(3),
-                                          jnp.int32(0))
+  traj, _ = programs.make_rollout(exp, mesh)(exp.params, cond, cond, jax.random.key(3),
+                                             jnp.int32(0))
   rng = np.random.default_rng(0)
   data = mesh_lib.batch_sharding(mesh, 1)
   adv = jax.device_put(rng.standard_normal(exp.batch_size).astype(np.float32), data)

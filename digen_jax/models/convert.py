@@ -4,6 +4,7 @@ Only safetensors files are read (never pickle / torch.load). Every diffusers ten
 params and every one of our params must be set, else a ValueError lists what is missing or unexpected.
 
     model = load_diffusers_folder("/ckpt/Qwen-Image")            # pipeline folder (uses transformer/) or model folder
+    cfg, graphdef, state = load_diffusers_sharded("/ckpt/Qwen-Image", lambda s: mesh_lib.fsdp_shardings(s, mesh))
     cfg = config_from_diffusers(json.load(open("config.json")))
     load_diffusers_state(model, {key: np.ndarray})                # in place
 """
@@ -14,16 +15,15 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can hand out BF16 tensors)
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
-from digen_jax.models import tensor_source
+from digen_jax.models import streaming, tensor_source
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
 from digen_jax.models.tensor_source import TensorSource
 
@@ -151,57 +151,6 @@ def load_diffusers_state(model: MMDiT, state_dict: Mapping[str, Any]) -> MMDiT:
     return model
 
 
-class _SafetensorsDict(Mapping):
-    """Read-only {key: np.ndarray} over one or more safetensors files; tensors are read lazily on access so a large
-    checkpoint is never held twice in host memory."""
-
-    def __init__(self, files: list[Path]):
-        self._handles = {}
-        self._where: dict[str, Path] = {}
-        for f in files:
-            try:
-                handle = safe_open(str(f), framework="np")
-                keys = list(handle.keys())
-            except Exception as e:  # noqa: BLE001 - safetensors raises several types; report them uniformly
-                raise ValueError(f"cannot read safetensors file {f}: {e}") from e
-            self._handles[f] = handle
-            for k in keys:
-                if k in self._where:
-                    raise ValueError(f"tensor {k!r} appears in both {self._where[k]} and {f}; "
-                                     f"keep one checkpoint (or variant) per folder")
-                self._where[k] = f
-
-    def __getitem__(self, key: str) -> np.ndarray:
-        return self._handles[self._where[key]].get_tensor(key)
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    indexes = sorted(folder.glob("*.safetensors.index.json"))
-    if len(indexes) > 1:
-        raise ValueError(f"several safetensors index files in {folder}: {[i.name for i in indexes]}; keep one")
-    if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cannot read shard index {indexes[0]}: {e}") from e
-        files = sorted({folder / name for name in weight_map.values()})
-        absent = [str(f) for f in files if not f.is_file()]
-        if absent:
-            raise ValueError(f"shard index {indexes[0]} names missing files: {absent}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {folder} (pickle .bin/.pt files are never read; "
-                         f"re-save with safe_serialization=True)")
-    return files
-
-
 def resolve_transformer_folder(path: str | os.PathLike) -> Path:
     """The folder holding the transformer's config.json: `path` itself or `path`/transformer (pipeline folder)."""
     folder = Path(path)
@@ -214,11 +163,7 @@ def resolve_transformer_folder(path: str | os.PathLike) -> Path:
                             f"QwenImageTransformer2DModel folder or a pipeline folder with transformer/")
 
 
-def load_diffusers_folder(path: str | os.PathLike, *, param_dtype: Any = jnp.float32, **config_overrides: Any
-                          ) -> MMDiT:
-    """MMDiT with weights from a diffusers folder (config.json + *.safetensors, optionally sharded with an index;
-    or a pipeline folder with transformer/). Params are stored in `param_dtype`; no random init is materialised."""
-    folder = resolve_transformer_folder(path)
+def _read_config(folder: Path, overrides: Mapping[str, Any]) -> MMDiTConfig:
     config_file = folder / "config.json"
     try:
         raw = json.loads(config_file.read_text())
@@ -226,13 +171,33 @@ def load_diffusers_folder(path: str | os.PathLike, *, param_dtype: Any = jnp.flo
         raise ValueError(f"cannot read {config_file}: {e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
-    config = config_from_diffusers(raw, **config_overrides)
-    state = _SafetensorsDict(_weight_files(folder))
-    model = nnx.eval_shape(lambda: MMDiT(config, rngs=nnx.Rngs(0), param_dtype=param_dtype))
-    load_diffusers_state(model, state)
-    # Every variable must now be concrete (an abstract leftover would mean a non-Param variable we never set).
-    leftovers = [".".join(map(str, p)) for p, v in nnx.to_flat_state(nnx.state(model))
-                 if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
-    if leftovers:
-        raise ValueError(f"model variables not set by the checkpoint: {_fmt_keys(leftovers)}")
-    return model
+    return config_from_diffusers(raw, **overrides)
+
+
+def load_diffusers_sharded(path: str | os.PathLike, shardings_fn: Callable[[nnx.State], Any], dtype: Any = None,
+                           **config_overrides: Any) -> tuple[MMDiTConfig, nnx.GraphDef, nnx.State]:
+    """(config, graphdef, state) of an MMDiT whose params stream from a diffusers folder (as in
+    `load_diffusers_folder`) straight onto `shardings_fn(abstract_state)` (a tree of Shardings matching the
+    state, e.g. ``lambda s: mesh_lib.fsdp_shardings(s, mesh)``), each device reading only its slice.
+
+    dtype: the params' dtype (None: float32). No random init is materialised; the checkpoint is validated
+    (keys and shapes) before any tensor data is read."""
+    folder = resolve_transformer_folder(path)
+    config = _read_config(folder, config_overrides)
+    checkpoint = streaming.open_checkpoint(folder)
+    param_dtype = jnp.float32 if dtype is None else dtype
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MMDiT(config, rngs=nnx.Rngs(0), param_dtype=param_dtype)))
+    state = streaming.load(checkpoint, diffusers_key_table(config), abstract, shardings_fn(abstract), param_dtype,
+                           label="diffusers")
+    return config, graphdef, state
+
+
+def load_diffusers_folder(path: str | os.PathLike, *, param_dtype: Any = jnp.float32, **config_overrides: Any
+                          ) -> MMDiT:
+    """MMDiT with weights from a diffusers folder (config.json + *.safetensors, optionally sharded with an index;
+    or a pipeline folder with transformer/). Params are stored in `param_dtype` on the first local device; they
+    stream tensor by tensor (`load_diffusers_sharded`), so no random init or whole checkpoint is materialised."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    _, graphdef, state = load_diffusers_sharded(
+        path, lambda abstract: jax.tree.map(lambda _: device, abstract), param_dtype, **config_overrides)
+    return nnx.merge(graphdef, state)

@@ -12,6 +12,7 @@ weights. `extra` is free-form JSON (training command, text-encoder settings, mea
 
     save_params("assets/shapes_base", params, model_config, extra={"steps": 3000})
     cfg, params, extra = load_params("assets/shapes_base")      # params: nnx.State of MMDiT
+    cfg, params, extra = load_params_sharded("assets/shapes_base", lambda s: fsdp_shardings(s, mesh))
     model = load_model("assets/shapes_base")                     # MMDiT with those params
 """
 from __future__ import annotations
@@ -20,16 +21,16 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for safetensors)
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
+from digen_jax.models import streaming
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
 
 FORMAT = "digen_jax.mmdit_params/1"
@@ -144,10 +145,14 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def load_params(folder: str | os.PathLike) -> tuple[MMDiTConfig, nnx.State, dict[str, Any]]:
-    """(model config, float32 nnx.State of MMDiT(config), extra) from a folder written by save_params.
+def load_params_sharded(folder: str | os.PathLike, shardings_fn: Callable[[nnx.State], Any],
+                        dtype: Any = None) -> tuple[MMDiTConfig, nnx.State, dict[str, Any]]:
+    """(model config, nnx.State of MMDiT(config), extra), each param streamed from params.safetensors
+    straight onto `shardings_fn(abstract_state)` (a matching tree of Shardings), each device reading
+    only its slice. dtype: the params' dtype (None: float32, whatever dtype the file holds).
 
-    Raises ValueError naming the path if the folder, either file, the digest, or any key/shape is wrong.
+    Raises ValueError naming the path if the folder, either file, the digest, or any key/shape is wrong
+    (all checked before any tensor data is read, except the digest, which reads the file once).
     """
     folder = os.fspath(folder)
     meta = read_config(folder)
@@ -164,19 +169,24 @@ def load_params(folder: str | os.PathLike) -> tuple[MMDiTConfig, nnx.State, dict
         raise ValueError(f"{weights} is corrupt or was replaced: sha256 {digest} != {meta.get('sha256')} "
                          f"recorded in {cfg_path}")
     try:
-        flat = load_file(weights)
-    except (SafetensorError, OSError, ValueError) as e:
+        checkpoint = streaming.open_checkpoint(weights)
+    except ValueError as e:
         raise ValueError(f"{weights} could not be read as safetensors ({e})") from e
-    _check_against_config(flat, config, source=f"tensors in {weights}")
-    graphdef, state = _abstract_state(config)
-    # Rebuild the nested pure dict in the state's own key structure, then fill the abstract state.
-    pure = nnx.to_pure_dict(state)
-    paths, treedef = jax.tree_util.tree_flatten_with_path(pure)
-    leaves = []
-    for path, _ in paths:
-        leaves.append(jnp.asarray(np.asarray(flat[_path_key(path)], np.float32)))
-    nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, leaves))
+    _check_against_config(checkpoint.tensors, config, source=f"tensors in {weights}")
+    _, abstract = _abstract_state(config)
+    state = streaming.load(checkpoint, streaming.identity_table(abstract), abstract, shardings_fn(abstract),
+                           jnp.float32 if dtype is None else dtype, label="params")
     return config, state, dict(meta.get("extra", {}))
+
+
+def load_params(folder: str | os.PathLike) -> tuple[MMDiTConfig, nnx.State, dict[str, Any]]:
+    """(model config, float32 nnx.State of MMDiT(config) on the first local device, extra) from a folder
+    written by save_params (streamed: see load_params_sharded).
+
+    Raises ValueError naming the path if the folder, either file, the digest, or any key/shape is wrong.
+    """
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return load_params_sharded(folder, lambda abstract: jax.tree.map(lambda _: device, abstract))
 
 
 def load_model(folder: str | os.PathLike) -> MMDiT:

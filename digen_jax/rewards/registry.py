@@ -129,3 +129,71 @@ def build_reward(weights: Mapping[str, float]) -> RewardFn:
     combined.weights = dict(w)
     combined.components = components
     return combined
+
+
+def _uint8(images: np.ndarray) -> np.ndarray:
+    """[B, H, W, 3] float in [-1, 1] (NaN-safe) -> uint8, as visualize.to_uint8 writes PNGs."""
+    x = np.nan_to_num(np.asarray(images, np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
+    return np.clip((x + 1.0) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+
+
+def _import_callable(target: str, field: str):
+    """'module.path:function' or '/path/to/file.py:function' -> the function."""
+    import importlib
+    import importlib.util
+    import os
+
+    module_name, sep, fn_name = target.rpartition(":")
+    if not sep or not module_name or not fn_name.isidentifier():
+        raise ValueError(f"{field}: {target!r} is not 'module.path:function' or 'file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise ValueError(f"{field}: file {module_name!r} does not exist")
+            spec = importlib.util.spec_from_file_location(
+                "digen_user_reward_" + os.path.splitext(os.path.basename(module_name))[0], module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{field}: cannot import {module_name!r} ({e}); put it on PYTHONPATH or give "
+                         "a file path") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"{field}: {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+_USER_TARGETS: dict[str, str] = {}
+
+
+def register_callables(spec: str, field: str = "config.reward.callables") -> list[str]:
+    """Registers a user's rewards from 'name=module:function,...' (see configlib: reward.callables).
+
+    Each function takes (uint8 images [B, H, W, 3], prompts: list[str]) and returns [B] scores;
+    it is wrapped into the float [-1, 1] contract above. Returns the registered names. The same
+    spec may be registered again (idempotent); a name taken by another reward raises."""
+    names = []
+    for part in (p.strip() for p in (spec or "").split(",")):
+        if not part:
+            continue
+        name, sep, target = (x.strip() for x in part.partition("="))
+        if not sep or not name or not target:
+            raise ValueError(f"{field}: {part!r} is not NAME=module.path:function")
+        if _USER_TARGETS.get(name) == target:
+            names.append(name)
+            continue
+        if name in _REGISTRY:
+            raise ValueError(f"{field}: reward name {name!r} is already registered "
+                             f"({_ident(_REGISTRY[name])}); pick another name")
+        fn = _import_callable(target, field)
+
+        def wrapped(images, prompts, _fn=fn):
+            return np.asarray(_fn(_uint8(images), list(prompts)), np.float32)
+
+        wrapped.__qualname__ = f"user:{target}"
+        _REGISTRY[name] = wrapped
+        _USER_TARGETS[name] = target
+        names.append(name)
+    return names

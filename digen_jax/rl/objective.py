@@ -122,6 +122,7 @@ def grpo_objective(
     denominator=None,
     step_weights=None,
     step_constraint: Callable[[Any], Any] | None = None,
+    behaviour: str = "stored",
 ) -> tuple[jax.Array, dict]:
     """Loss (scalar) and metrics; differentiate w.r.t. ``params``.
 
@@ -139,6 +140,11 @@ def grpo_objective(
       denominator: loss normaliser (default: number of weighted pairs; see rl/loss.py).
       step_weights: optional float [K] per-step multiplier of the pair weights (0 = padding step).
       step_constraint: see ``step_log_probs`` (TSP).
+      behaviour: 'stored' takes the behaviour log-probs the rollout stored in the trajectory;
+        'self' takes this very forward's log-probs under stop_gradient (on-policy, one epoch:
+        the ratio is exactly 1 and the gradient the policy gradient, whatever precision or
+        layout the rollout computed in). metrics['rollout_ratio_max_dev'] then still reports how
+        far the rollout's stored log-probs are from the trainer's.
     Returns:
       (loss, metrics): the scalar metrics of ``ppo_clip_loss`` plus 'loss' and 'kl' (weighted mean
       exact KL per pair; only computed when kl_beta > 0, else 0).
@@ -166,7 +172,12 @@ def grpo_objective(
     weights = jnp.asarray(valid, _F32)[None, :] * g["sde"].astype(_F32)[:, None]
     if step_weights is not None:
         weights = weights * jnp.asarray(step_weights, _F32)[:, None]
-    loss, metrics = ppo_clip_loss(logp_new, g["logp_old"], adv, clip_range, weights, denominator=denominator)
+    if behaviour not in ("stored", "self"):
+        raise ValueError(f"grpo_objective: behaviour={behaviour!r}: use 'stored' or 'self'.")
+    logp_old = g["logp_old"] if behaviour == "stored" else jax.lax.stop_gradient(logp_new)
+    loss, metrics = ppo_clip_loss(logp_new, logp_old, adv, clip_range, weights, denominator=denominator)
+    dev = jnp.abs(jnp.exp(jax.lax.stop_gradient(logp_new) - g["logp_old"]) - 1.0)
+    metrics["rollout_ratio_max_dev"] = jnp.max(jnp.where(weights > 0, dev, 0.0))
     w_sum = metrics["weight_sum"]
     kl_sum = jnp.sum(weights * kl)
     if use_kl:

@@ -128,7 +128,8 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
   def publish_now(version: int) -> float:
     t = time.perf_counter()
     with workers.guard(level):
-      publish.send_weights(chan, trainer.params, version, dtype)
+      manifest = publish.adapter_manifest(exp.weights, trainer.params, digest=version == start)
+      publish.send_weights(chan, trainer.params, version, dtype, manifest)
     return time.perf_counter() - t
 
   for step in range(start, config.total_steps):
@@ -194,6 +195,7 @@ def _rollout_process(exp, workdir: str, cluster) -> dict:
       policy, pull_s = publish.receive_weights(chan, weights_abstract)
     if policy.version != version:
       raise RuntimeError(f'rollout expected policy version {version}, got {policy.version}')
+    publish.verify_policy(exp.weights, policy)
     return policy, pull_s
 
   G = config.rl.group_size

@@ -113,16 +113,14 @@ class FragmentSampler:
                         sharding=data(3)),
             'text_mask': sds((n, c.text.max_length), jnp.int32, sharding=data(2))}
     scalar = lambda dt: sds((), dt, sharding=rep)
+    # Frozen weights on this mesh (the trainer's own copy for TAG: shared through the cache).
+    frozen = exp.weights.frozen(mesh, fsdp=role != 'rollout', decode=True)
     self._program = programs.make_rollout(
-        exp, mesh, param_shardings, self.traj_shardings, with_offset=True).lower(
+        exp, mesh, param_shardings, self.traj_shardings, with_offset=True, frozen=frozen).lower(
             transfer.abstract(exp.params, param_shardings, param_dtype), cond, cond,
             scalar(jax.random.key(0).dtype), scalar(jnp.int32), scalar(jnp.int32)).compile()
-    self._decode = jax.jit(lambda traj: exp.decode(traj.latents[-1]),
-                           in_shardings=(self.traj_shardings,)).lower(
-                               abstract_fragment(exp, plan, self.traj_shardings)).compile()
     self._base_key = jax.device_put(jax.random.key(exp.config.seed), rep)
-    self._uncond = (workers.encode(exp, [''] * plan.size, mesh)
-                    if exp.config.sampler.guidance_scale > 1.0 else None)
+    self._uncond = workers.uncond(exp, plan.size, mesh)
     self._devices = list(mesh.devices.flat)
 
   def sample(self, params, version: int, batch_prompts: list[str], step: int,
@@ -139,8 +137,8 @@ class FragmentSampler:
                             version=version):
         k_rollout, _ = workers._step_keys(self._base_key, step_arr)  # pylint: disable=protected-access
         uncond = self._uncond if self._uncond is not None else cond
-        traj = self._program(params, cond, uncond, k_rollout, step_arr, offset)
-        images = jax.device_get(self._decode(traj))
+        traj, images = self._program(params, cond, uncond, k_rollout, step_arr, offset)
+        images = jax.device_get(images)
       t1 = time.time()
     rewards = np.asarray(self.exp.reward_fn(images, prompts), np.float32)
     return Fragment(step, f, version, traj, rewards, self.role, t1 - t0, time.time() - t1,
@@ -273,7 +271,7 @@ class ChannelLink:
   """Trainer and rollout in two processes: transfer.Channel for weights and fragments, the
   jax.distributed key-value store for prompts, claims and eval rows."""
 
-  def __init__(self, cluster, me: str, *, weights_abstract=None, frag_abstract=None,
+  def __init__(self, cluster, me: str, *, weights, weights_abstract=None, frag_abstract=None,
                dtype=None, wait_for_pull: bool = False, shared_claims: bool = True):
     peer = cluster.rollout.process if me == 'trainer' else cluster.trainer.process
     self.wait_for_pull = wait_for_pull  # rollout side: see config.schedule.wait_for_pull
@@ -281,6 +279,8 @@ class ChannelLink:
     # store operation is a round trip to the coordinator, on the trainer's busy host.
     self.shared_claims = shared_claims
     self.chan = transfer.Channel(peer, name='pipeline', timeout_s=PEER_TIMEOUT_S)
+    self._weights = weights             # the run's Weights: LoRA manifests out and checks in
+    self._digest_sent = False
     self._weights_abstract, self._frag_abstract, self._dtype = (weights_abstract, frag_abstract,
                                                                 dtype)
     self._held: list[tuple[int, Fragment]] = []   # sent fragments kept alive until pulled
@@ -323,7 +323,11 @@ class ChannelLink:
       self._receiver.join()
 
   def publish(self, params, version: int) -> None:
-    publish.send_weights(self.chan, params, version, self._dtype)
+    # The first publish of a process carries an adapter digest (a host copy of the adapters);
+    # later ones names and shapes only.
+    manifest = publish.adapter_manifest(self._weights, params, digest=not self._digest_sent)
+    self._digest_sent = True
+    publish.send_weights(self.chan, params, version, self._dtype, manifest)
     self._weights_acked = False
 
   def weights_delivered(self) -> None:
@@ -339,6 +343,7 @@ class ChannelLink:
     policy, pull_s = publish.receive_weights(self.chan, self._weights_abstract)
     if policy.version != version:
       raise RuntimeError(f'rollout expected policy version {version}, got {policy.version}')
+    publish.verify_policy(self._weights, policy)
     return policy, pull_s
 
   def put(self, key: str, value) -> None:
@@ -489,12 +494,11 @@ class FragmentTrainer:
     self.traj_shardings = workers.trajectory_shardings(mesh)
     self._zero = programs.make_zero_acc(trainer.param_shardings, mesh)
     self._grad = programs.make_fragment_grad(exp, mesh, trainer.param_shardings,
-                                             self.traj_shardings, tsp=tsp)
+                                             self.traj_shardings, tsp=tsp, frozen=trainer.frozen)
     self._apply = programs.make_apply(exp, mesh, trainer.param_shardings, trainer.opt_shardings)
     self._select = programs.make_select(exp, mesh)
     self._rep = mesh_lib.replicated(mesh)
-    self._uncond = (workers.encode(exp, [''] * plan.size, mesh)
-                    if exp.config.sampler.guidance_scale > 1.0 else None)
+    self._uncond = workers.uncond(exp, plan.size, mesh)
     c = exp.config.rl
     self._adv_fn = functools.partial(adv_lib.grpo_advantages, group_size=c.group_size,
                                      std_mode=c.adv_std, eps=c.adv_eps, clip=c.adv_clip)
@@ -573,7 +577,7 @@ def train(exp, workdir: str, cluster) -> dict:
   if cluster.multi_process:
     distributed.kv_set(f'{_KV}/start', json.dumps({'step': start,
                                                    'data_position': trainer.data_position}))
-    link = ChannelLink(cluster, 'trainer', dtype=dtype,
+    link = ChannelLink(cluster, 'trainer', weights=exp.weights, dtype=dtype,
                        frag_abstract=abstract_fragment(exp, plan, ft.traj_shardings))
   else:
     if start:
@@ -614,7 +618,7 @@ def _rollout_process(exp, workdir, cluster, plan, tracer, level) -> dict:
   start = int(start_info['step'])
   exp.prompts.restore(int(start_info['data_position']))
   rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
-  link = ChannelLink(cluster, 'rollout', weights_abstract=transfer.abstract(
+  link = ChannelLink(cluster, 'rollout', weights=exp.weights, weights_abstract=transfer.abstract(
       exp.params, rollout_sh, publish.rollout_param_dtype(cluster)),
                      wait_for_pull=config.schedule.wait_for_pull,
                      shared_claims=config.schedule.tag)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from digen_jax.models import lora as lora_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import transfer
 
@@ -30,9 +31,34 @@ BATCH_TAG = 'batch'
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """Rollout weights (on the rollout mesh) and the policy version they hold."""
+  """Rollout weights (on the rollout mesh) and the policy version they hold. manifest: with
+  LoRA, the trainer's description of the adapters it sent (lora.manifest), checked on arrival."""
   params: Any
   version: int
+  manifest: Any = None
+
+
+def adapter_manifest(weights, params, *, digest: bool):
+  """LoRA runs: the manifest a publish carries (adapter names, shapes and, when `digest`, a
+  sha256 of their values: one host copy of the adapters); None for full fine-tuning."""
+  if weights.lora is None:
+    return None
+  return lora_lib.manifest(jax.device_get(params) if digest else params, digest=digest)
+
+
+def verify_policy(weights, policy: Policy) -> None:
+  """Rollout side of a LoRA publish: every adapter this run expects arrived with the expected
+  shape, and (when the trainer sent a digest) with the values it sent. Raises ValueError
+  naming what is missing, extra, mis-shaped or altered; a silently dropped adapter would
+  otherwise sample the base model while the trainer trains the adapters."""
+  if weights.lora is None:
+    return
+  if policy.manifest is None:
+    raise ValueError(f'policy v{policy.version} arrived without its LoRA adapter manifest')
+  lora_lib.check_manifest(lora_lib.manifest(weights.params, digest=False), policy.manifest)
+  digest = any(e.get('sha256') for e in policy.manifest.values())
+  lora_lib.check_manifest(policy.manifest, lora_lib.manifest(
+      jax.device_get(policy.params) if digest else policy.params, digest=digest))
 
 
 def rollout_param_shardings(cluster, params):
@@ -65,10 +91,13 @@ def publish_local(params, version: int, shardings, dtype=None) -> Policy:
   return Policy(transfer.publish_local(params, shardings, dtype), int(version))
 
 
-def send_weights(channel: transfer.Channel, params, version: int, dtype=None) -> int:
-  """Across processes, trainer side: offers `params` (cast to `dtype`) stamped with `version`.
-  Returns at once; call channel.wait_delivered(WEIGHTS_TAG) before donating `params`."""
-  return channel.send(params, WEIGHTS_TAG, dtype=dtype, info={'version': int(version)})
+def send_weights(channel: transfer.Channel, params, version: int, dtype=None,
+                 manifest=None) -> int:
+  """Across processes, trainer side: offers `params` (cast to `dtype`) stamped with `version`
+  (and a LoRA manifest). Returns at once; call channel.wait_delivered(WEIGHTS_TAG) before
+  donating `params`."""
+  return channel.send(params, WEIGHTS_TAG, dtype=dtype,
+                      info={'version': int(version), 'manifest': manifest})
 
 
 def receive_weights(channel: transfer.Channel, abstract_params) -> tuple[Policy, float]:
@@ -76,7 +105,7 @@ def receive_weights(channel: transfer.Channel, abstract_params) -> tuple[Policy,
   `abstract_params` (see transfer.abstract) and the seconds the pull took (not counting the
   wait for the trainer to publish)."""
   d = channel.receive_full(abstract_params, WEIGHTS_TAG)
-  return Policy(d.tree, int(d.info['version'])), d.pull_s
+  return Policy(d.tree, int(d.info['version']), d.info.get('manifest')), d.pull_s
 
 
 def move_batch_local(batch, shardings):

@@ -29,6 +29,8 @@ from digen_jax import checkpoint as ckpt_lib
 from digen_jax import evaluation
 from digen_jax import programs
 from digen_jax.diffusion import sampler as sampler_lib
+from digen_jax.models import convert
+from digen_jax.models import lora as lora_lib
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.runtime import mesh as mesh_lib
 
@@ -46,6 +48,15 @@ def encode(exp, prompts: list[str], mesh):
   return {'text': jax.device_put(np.asarray(emb, np.float32), mesh_lib.batch_sharding(mesh, 3)),
           'text_mask': jax.device_put(np.asarray(mask, np.int32),
                                       mesh_lib.batch_sharding(mesh, 2))}
+
+
+def uncond(exp, batch: int, mesh):
+  """CFG's unconditional branch (config.sampler.negative_prompt) for `batch` samples on `mesh`,
+  or None without CFG."""
+  c = exp.config
+  if c.sampler.guidance_scale <= 1.0:
+    return None
+  return encode(exp, [c.sampler.negative_prompt] * batch, mesh)
 
 
 def trajectory_shardings(mesh) -> sampler_lib.Trajectory:
@@ -108,15 +119,15 @@ class RolloutWorker:
     c = exp.config
     self.batch_shardings = rollout_batch_shardings(mesh)
     traj_sh = self.batch_shardings['traj']
-    self._rollout = programs.make_rollout(exp, mesh, param_shardings, traj_sh)
-    self._decode = jax.jit(lambda traj: exp.decode(traj.latents[-1]), in_shardings=(traj_sh,))
+    # Frozen weights (LoRA base, VAE) on this mesh: the trainer's copy when the roles share it.
+    self.frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
+    self._rollout = programs.make_rollout(exp, mesh, param_shardings, traj_sh, frozen=self.frozen)
     self._rep = mesh_lib.replicated(mesh)
     self._advantages = jax.jit(
         functools.partial(adv_lib.grpo_advantages, group_size=c.rl.group_size,
                           std_mode=c.rl.adv_std, eps=c.rl.adv_eps, clip=c.rl.adv_clip),
         in_shardings=self._rep, out_shardings=(self._rep, self._rep))
-    self._uncond = (encode(exp, [''] * exp.batch_size, mesh)
-                    if c.sampler.guidance_scale > 1.0 else None)
+    self._uncond = uncond(exp, exp.batch_size, mesh)
     self._base_key = jax.device_put(jax.random.key(c.seed), self._rep)
 
   def generate(self, policy, prompts: list[str], step: int, tracer=None) -> RolloutOutput:
@@ -132,8 +143,8 @@ class RolloutWorker:
       step_arr = jax.device_put(np.int32(step), self._rep)
       k_rollout, _ = _step_keys(self._base_key, step_arr)
       uncond = self._uncond if self._uncond is not None else cond
-      traj = self._rollout(policy.params, cond, uncond, k_rollout, step_arr)
-      images = jax.device_get(self._decode(traj))
+      traj, images = self._rollout(policy.params, cond, uncond, k_rollout, step_arr)
+      images = jax.device_get(images)
     t1 = time.perf_counter()
     rewards = np.asarray(self.exp.reward_fn(images, batch_prompts), np.float32)
     t2 = time.perf_counter()
@@ -156,8 +167,9 @@ def abstract_batch(exp) -> dict:
   params = jax.tree.map(lambda x: sds(x.shape, x.dtype), exp.params)
   cond = {'text': sds((b, c.text.max_length, c.model.joint_attention_dim), jnp.float32),
           'text_mask': sds((b, c.text.max_length), jnp.int32)}
-  traj = jax.eval_shape(programs.make_rollout(exp, mesh), params, cond, cond,
-                        sds((), jax.random.key(0).dtype), sds((), jnp.int32))
+  frozen = exp.weights.frozen_abstract(decode=True)
+  traj, _ = jax.eval_shape(programs.make_rollout(exp, mesh, frozen=frozen), params, cond, cond,
+                           sds((), jax.random.key(0).dtype), sds((), jnp.int32))
   return {'traj': traj, 'adv': sds((b,), jnp.float32), 'valid': sds((b,), jnp.bool_)}
 
 
@@ -177,12 +189,16 @@ class TrainerWorker:
     self.guard_level = guard_level
     c = exp.config
     self.param_shardings = mesh_lib.fsdp_shardings(exp.params, mesh)
-    self.params = jax.device_put(exp.params, self.param_shardings)
+    self.params = exp.weights.init_params(self.param_shardings)
+    # The frozen weights this mesh's programs read (the LoRA base; the VAE only for TAG).
+    self.frozen = exp.weights.frozen(mesh, fsdp=True, decode=c.schedule.tag)
     opt_shapes = jax.eval_shape(exp.optimizer.init, self.params)
     self.opt_shardings = mesh_lib.fsdp_shardings(opt_shapes, mesh)
     self.opt_state = jax.jit(exp.optimizer.init, out_shardings=self.opt_shardings)(self.params)
-    # The KL reference is the initial model, also after a resume.
-    self.ref_params = jax.tree.map(jnp.copy, self.params) if c.rl.kl_beta > 0 else None
+    # The KL reference is the initial model, also after a resume (with LoRA: the frozen base,
+    # adapters off, with no second copy).
+    self.ref_params = (jax.tree.map(jnp.copy, self.params)
+                       if c.rl.kl_beta > 0 and exp.weights.lora is None else None)
     base_key = jax.random.key(c.seed)
     self.start = checkpointer.latest_step() or 0
     self.data_position = 0
@@ -200,9 +216,9 @@ class TrainerWorker:
     self._base_key = jax.device_put(base_key, self._rep)
     self.batch_shardings = trainer_batch_shardings(mesh)
     self._update = programs.make_update(exp, mesh, self.param_shardings, self.opt_shardings,
-                                        traj_shardings=self.batch_shardings['traj'])
-    self._uncond = (encode(exp, [''] * exp.batch_size, mesh)
-                    if c.sampler.guidance_scale > 1.0 else None)
+                                        traj_shardings=self.batch_shardings['traj'],
+                                        frozen=self.frozen)
+    self._uncond = uncond(exp, exp.batch_size, mesh)
 
   def train_step(self, batch, batch_prompts: list[str], step: int,
                  tracer=None) -> tuple[dict, float]:
@@ -225,6 +241,11 @@ class TrainerWorker:
                            {'step': step, 'data_position': int(data_position),
                             'policy_version': step},
                            force=force)
+    if force and self.exp.weights.lora is not None:
+      # The run's adapters as diffusers' own LoRA loader reads them (README "Real models").
+      folder = os.path.join(os.path.dirname(self.checkpointer.directory), 'lora')
+      lora_lib.save_diffusers_lora(folder, jax.device_get(self.params), self.exp.weights.lora,
+                                   convert.diffusers_key_table(self.exp.model_config))
 
   def close(self):
     self.checkpointer.close()

@@ -1,0 +1,233 @@
+"""Runs a pipeline folder's text encoder once per prompt; writes the embedding cache training reads.
+
+  python -m digen_jax.encode_prompts --config=configs/qwenimage.py[:variant] \
+      [--prompts=FILE|tfds-name] [--split=train,eval] [--data_dir=DIR] [--out=DIR] \
+      [--batch_size=16] [--device=cuda] [--dtype=bfloat16] \
+      [--config.model.checkpoint=/path/Qwen-Image] [--config.x=y ...]
+
+The pipeline folder is config.model.checkpoint; its text_encoder/ and tokenizer/ are loaded with
+transformers and every prompt is encoded exactly as diffusers' QwenImagePipeline.encode_prompt
+does (chat template, the first 34 template tokens dropped, last hidden state at the attended
+positions, at most 1024 tokens). Besides the prompts, config.sampler.negative_prompt and '' are
+encoded, so classifier-free guidance finds them. --prompts defaults to config.data.prompts: a
+text file (one prompt per line) or a tfds prompt dataset ('shapes', 'prompt_file/<name>'), whose
+--split defaults to config.data.split and config.eval.split. --out defaults to config.text.cache.
+
+The cache format is models/text_cache.py's. An existing cache made by the same encoder (same
+files, same compute dtype) gets only the prompts it lacks; a different encoder is an error. One
+shard is written at a time and the index replaced atomically after each, so an interrupted run
+keeps every completed shard and the next run carries on. Torch runs in this process only.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+from absl import app
+from absl import flags
+from absl import logging
+import numpy as np
+
+from digen_jax.models import text_cache
+
+DTYPES = ('float32', 'bfloat16', 'float16')
+
+
+def folder_dtype(config_json: dict[str, Any]) -> str:
+  """The dtype a text_encoder/config.json says its weights are in (float32 if unrecorded)."""
+  text_config = config_json.get('text_config') or {}
+  for c in (config_json, text_config):
+    dtype = c.get('dtype') or c.get('torch_dtype')
+    if dtype:
+      return dtype
+  return 'float32'
+
+
+class QwenPromptEncoder:
+  """A pipeline folder's Qwen2.5-VL text encoder and tokenizer, as QwenImagePipeline runs them.
+
+  folder: the diffusers pipeline folder. device: torch device ('' = cuda if available, else cpu).
+  dtype: compute dtype name ('' = the dtype the folder's weights are stored in).
+  """
+
+  def __init__(self, folder: str, device: str = '', dtype: str = ''):
+    import torch  # pylint: disable=g-import-not-at-top
+    import transformers  # pylint: disable=g-import-not-at-top
+
+    self.torch = torch
+    self.identity = text_cache.encoder_fingerprint(folder)
+    dtype = dtype or folder_dtype(self.identity['config'])
+    if dtype not in DTYPES:
+      raise ValueError(f'--dtype={dtype!r} must be one of {DTYPES}')
+    self.dtype = dtype
+    self.identity['compute_dtype'] = dtype
+    self.device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    classes = {}
+    for part in ('text_encoder', 'tokenizer'):
+      library, name = self.identity['class' if part == 'text_encoder' else 'tokenizer_class'].split(
+          '.', 1)
+      if library != 'transformers' or not hasattr(transformers, name):
+        raise ValueError(f"{os.path.join(folder, 'model_index.json')}: {part} class "
+                         f'{library}.{name} is not a transformers class')
+      classes[part] = getattr(transformers, name)
+    self.tokenizer = classes['tokenizer'].from_pretrained(os.path.join(folder, 'tokenizer'))
+    self.model = classes['text_encoder'].from_pretrained(
+        os.path.join(folder, 'text_encoder'), dtype=getattr(torch, dtype)).to(self.device).eval()
+    self.dim = self.identity['dim']
+    self.template = self.identity['template']
+    self.drop_idx = self.identity['drop_idx']
+    self.max_sequence_length = self.identity['max_sequence_length']
+
+  def token_counts(self, prompts: Sequence[str]) -> list[int]:
+    """Templated token counts before truncation (sorting by them keeps batches' padding small)."""
+    enc = self.tokenizer([self.template.format(p) for p in prompts])
+    return [len(ids) for ids in enc['input_ids']]
+
+  def embed(self, prompts: Sequence[str]) -> list[np.ndarray]:
+    """[len_i, dim] float32 embeddings per prompt: diffusers' _get_qwen_prompt_embeds, unpadded."""
+    torch = self.torch
+    tokens = self.tokenizer([self.template.format(p) for p in prompts],
+                            max_length=self.max_sequence_length + self.drop_idx, padding=True,
+                            truncation=True, return_tensors='pt').to(self.device)
+    with torch.inference_mode():
+      # The language model alone: hidden_states[-1] of the full model is this model's last
+      # hidden state, and skipping the lm_head saves a [B, T, vocab] logits tensor (5 GB for
+      # 16 long prompts with Qwen's 152k vocabulary) that diffusers computes and discards.
+      out = self.model.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                             output_hidden_states=True, use_cache=False)
+      hidden = out.hidden_states[-1]
+      mask = tokens.attention_mask.bool()
+      split = torch.split(hidden[mask], mask.sum(dim=1).tolist(), dim=0)
+      return [e[self.drop_idx:][:self.max_sequence_length].float().cpu().numpy() for e in split]
+
+
+def gather_prompts(config, prompts: str = '', split: str = '', data_dir: str = '') -> list[str]:
+  """The prompts to encode: config.sampler.negative_prompt, '', then the source's (distinct).
+
+  prompts: a text file or tfds dataset name ('' = config.data.prompts). split: comma-separated
+  splits of a dataset ('' = config.data.split and config.eval.split, those that exist; a file has
+  the one split 'train'). data_dir: tfds data_dir for datasets.
+  """
+  from digen_jax.data import prompts as prompt_data  # pylint: disable=g-import-not-at-top
+
+  source = prompts or config.data.prompts
+  negative = config.sampler.get('negative_prompt', ' ')
+  out = [negative, '']
+  if os.path.isfile(source):
+    if split not in ('', 'train'):
+      raise ValueError(f'--split={split!r}: a prompt file ({source}) has only the split train')
+    out += [p for _, p in prompt_data.read_prompt_file(source)]
+  else:
+    if not data_dir:
+      raise ValueError('data_dir is required for a tfds prompt dataset')
+    wanted = split.split(',') if split else list(dict.fromkeys([config.data.split,
+                                                                 config.eval.split]))
+    for i, s in enumerate(wanted):
+      try:
+        seq = prompt_data.load_prompts(source, s, data_dir)
+      except ValueError as e:
+        if split or i == 0 or 'has no split' not in str(e):
+          raise
+        logging.info('%s has no split %r (config.eval.split); skipped', source, s)
+        continue
+      out += seq[:]
+  return list(dict.fromkeys(out))
+
+
+def encode_to_cache(encoder: QwenPromptEncoder, prompts: Sequence[str], out: str,
+                    batch_size: int = 16, shard_bytes: int = 512 << 20,
+                    max_length: Optional[int] = None) -> dict[str, Any]:
+  """Adds the prompts `out` lacks; returns {new, cached, total, truncated, too_long, shards}.
+
+  max_length: config.text.max_length, only to warn about prompts a run could not read.
+  """
+  if batch_size < 1:
+    raise ValueError(f'--batch_size={batch_size} must be >= 1')
+  with text_cache.CacheWriter(out, encoder.identity, encoder.dim) as writer:
+    todo = writer.missing(prompts)
+    cached = len(dict.fromkeys(prompts)) - len(todo)
+    counts = encoder.token_counts(todo) if todo else []
+    limit = encoder.max_sequence_length + encoder.drop_idx
+    truncated = [p for p, n in zip(todo, counts) if n > limit]
+    if truncated:
+      logging.warning('%d prompts exceed %d tokens and are truncated as diffusers does, e.g. %r',
+                      len(truncated), encoder.max_sequence_length, truncated[0][:80])
+    order = sorted(range(len(todo)), key=lambda i: counts[i])
+    pending, pending_bytes, shards, too_long = [], 0, [], []
+    t0 = time.time()
+    for start in range(0, len(order), batch_size):
+      batch = [todo[i] for i in order[start:start + batch_size]]
+      for p, e in zip(batch, encoder.embed(batch)):
+        pending.append((p, e))
+        pending_bytes += e.nbytes
+        if max_length is not None and len(e) > max_length:
+          too_long.append(p)
+      if pending_bytes >= shard_bytes:
+        shards.append(writer.add(pending))
+        pending, pending_bytes = [], 0
+        logging.info('encoded %d/%d prompts (%.1f/s)', start + len(batch), len(todo),
+                     (start + len(batch)) / (time.time() - t0))
+    if pending:
+      shards.append(writer.add(pending))
+    if too_long:
+      logging.warning('%d prompts have more than config.text.max_length=%d tokens, e.g. %r; a '
+                      'run with this config will refuse them', len(too_long), max_length,
+                      too_long[0][:80])
+    return {'new': len(todo), 'cached': cached, 'total': len(writer), 'truncated': len(truncated),
+            'too_long': len(too_long), 'shards': shards}
+
+
+def _define_flags():
+  from digen_jax import cli  # pylint: disable=g-import-not-at-top  (defines --config, --workdir)
+  # encode_prompts writes no run directory: --workdir only roots tfds prompt data (as in training).
+  flags.FLAGS.set_default('workdir', '')
+  flags.DEFINE_string('prompts', '', 'Prompt file or tfds dataset name; default '
+                      'config.data.prompts.')
+  flags.DEFINE_string('split', '', 'Dataset splits, comma-separated; default config.data.split and '
+                      'config.eval.split.')
+  flags.DEFINE_string('data_dir', '', 'tfds data_dir of prompt datasets; default '
+                      'config.data.data_dir, else <--workdir>/data, else a temporary folder.')
+  flags.DEFINE_string('out', '', 'Cache folder; default config.text.cache.')
+  flags.DEFINE_integer('batch_size', 16, 'Prompts per text-encoder forward.')
+  flags.DEFINE_integer('shard_mb', 512, 'Write a shard (and update the index) every this many MB.')
+  flags.DEFINE_string('device', '', "Torch device; '' = cuda if available, else cpu.")
+  flags.DEFINE_string('dtype', '', f"Compute dtype {DTYPES}; '' = the folder's weights' dtype.")
+  return cli
+
+
+def main(argv, cli):
+  if len(argv) > 1:
+    cli.fail(f'encode_prompts: unexpected arguments {argv[1:]}')
+  logging.set_verbosity(logging.INFO)
+  config, workdir = cli.config_and_workdir()
+  f = flags.FLAGS
+  out = f.out or config.text.get('cache', '')
+  if not out:
+    cli.fail('encode_prompts: give --out=DIR (or set config.text.cache)')
+  if not config.model.checkpoint:
+    cli.fail('encode_prompts: config.model.checkpoint is empty; set '
+             '--config.model.checkpoint=/path/to/diffusers/pipeline (the folder with '
+             'model_index.json)')
+  if config.text.encoder == 'word':
+    cli.fail("encode_prompts: config.text.encoder='word' is computed in training; no cache needed")
+  try:
+    with tempfile.TemporaryDirectory() as tmp:
+      data_dir = (f.data_dir or config.data.data_dir
+                  or (os.path.join(workdir, 'data') if workdir else tmp))
+      prompts = gather_prompts(config, f.prompts, f.split, data_dir)
+    encoder = QwenPromptEncoder(config.model.checkpoint, device=f.device, dtype=f.dtype)
+    logging.info('text encoder %s (%s on %s), %d prompts (with the negative and empty prompt)',
+                 encoder.identity['class'], encoder.dtype, encoder.device, len(prompts))
+    stats = encode_to_cache(encoder, prompts, out, batch_size=f.batch_size,
+                            shard_bytes=f.shard_mb << 20, max_length=config.text.max_length)
+  except (ValueError, FileNotFoundError) as e:
+    cli.fail(f'encode_prompts: {e}')
+  print(f"encode_prompts: {stats['new']} prompts encoded, {stats['cached']} already cached -> "
+        f"{out} ({stats['total']} prompts, dim {encoder.dim}, {encoder.dtype})", flush=True)
+
+
+if __name__ == '__main__':
+  _cli = _define_flags()
+  app.run(lambda argv: main(argv, _cli), flags_parser=_cli.parse_flags)

@@ -1,0 +1,186 @@
+"""A toy Qwen-Image pipeline folder: the real diffusers layout and classes at test size.
+
+  python -m digen_jax.tiny_pipeline --out=DIR [--seed=0]
+
+`build(folder, seed)` saves diffusers' `QwenImagePipeline(...)` with `save_pretrained`, so
+model_index.json, transformer/, vae/, text_encoder/, tokenizer/ and scheduler/ are exactly what a
+real checkpoint has: a random QwenImageTransformer2DModel (2 blocks, 2 heads x 16), a random
+AutoencoderKLQwenImage (z_dim 4, 8x spatial compression), a random Qwen2.5-VL text encoder (hidden
+size = the transformer's joint_attention_dim) and a byte-level BPE Qwen2Tokenizer trained here on
+the prompt template and the ShapesBench words. Every weight is redrawn from a generator seeded by
+`seed` with O(1) activations in mind (no zero-initialised output or modulation layers), so the
+models' outputs depend on every weight. Nothing is downloaded. Uses torch: tests and tools only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from absl import app
+from absl import flags
+
+from digen_jax.models import text_cache
+
+# Toy sizes. The transformer's attention_head_dim is sum(axes_dims_rope); in_channels is
+# z_dim * patch_size**2 (packed 2x2 latent patches).
+Z_DIM = 4
+TRANSFORMER = dict(patch_size=2, in_channels=Z_DIM * 4, out_channels=Z_DIM, num_layers=2,
+                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                   axes_dims_rope=(4, 6, 6))
+VAE = dict(base_dim=16, z_dim=Z_DIM, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
+           temperal_downsample=[False, True, True],
+           latents_mean=[0.31, -0.52, 0.17, -0.08], latents_std=[1.7, 0.6, 2.3, 1.1])
+VAE_SCALE_FACTOR = 2 ** len(VAE['temperal_downsample'])
+# Text model: 2 layers, 2 heads of 16 (mrope sections sum to head_dim / 2), 1 KV head.
+TEXT = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+            mrope_section=[2, 3, 3])
+SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
+# Qwen2.5-VL's vision placeholders: ids exist in the vocabulary but are never in a prompt.
+VISION_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>')
+
+
+
+def _tokenizer():
+  """A byte-level BPE Qwen2Tokenizer: Qwen2's pre-tokenizer, trained on the template and words.
+
+  Every template word and ShapesBench word is one token (so the template's system prefix is
+  exactly QWENIMAGE_DROP_IDX = 34 tokens, as with the real tokenizer); other text falls back to
+  smaller pieces down to single bytes.
+  """
+  from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+  from tokenizers import trainers
+  from tokenizers.models import BPE
+  from transformers import Qwen2Tokenizer
+  from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+  from digen_jax.data.shapes.grammar import grammar_words
+
+  # The same pipeline Qwen2Tokenizer builds around its BPE, so training splits text as it will.
+  bpe = Tokenizer(BPE(unk_token=None, continuing_subword_prefix='', end_of_word_suffix='',
+                      fuse_unk=False, byte_fallback=False))
+  bpe.normalizer = normalizers.NFC()
+  bpe.pre_tokenizer = pre_tokenizers.Sequence([
+      pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior='isolated', invert=False),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  words = grammar_words()
+  corpus = [text_cache.QWENIMAGE_TEMPLATE.format(' '.join(words))]
+  corpus += [f' {w}' for w in words] + words   # each word both inside and at the start of a prompt
+  trainer = trainers.BpeTrainer(
+      vocab_size=4096, min_frequency=1, special_tokens=list(SPECIAL_TOKENS + VISION_TOKENS),
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  bpe.train_from_iterator(corpus, trainer)
+  model = json.loads(bpe.to_str())['model']
+  tok = Qwen2Tokenizer(vocab=model['vocab'], merges=[tuple(m) for m in model['merges']])
+  tok.add_tokens([AddedToken(t, special=True, normalized=False)
+                  for t in SPECIAL_TOKENS[1:] + VISION_TOKENS])
+  return tok
+
+
+def _randomize(module, seed: int) -> None:
+  """Redraws every parameter from a seeded generator: weights N(0, 1/fan_in), norm scales
+  1 + N(0, 0.1^2), biases N(0, 0.1^2). Independent of the libraries' own init schemes."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in module.named_parameters():
+      noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+      leaf = name.rsplit('.', 1)[-1]
+      if leaf == 'gamma' or (leaf == 'weight' and p.ndim == 1):
+        value = 1.0 + 0.1 * noise
+      elif leaf == 'bias':
+        value = 0.1 * noise
+      else:
+        value = noise / (p[0].numel() ** 0.5)
+      p.copy_(value.to(p.dtype))
+
+
+def _text_encoder(vocab: dict[str, int], hidden_size: int, seed: int):
+  from transformers import Qwen2_5_VLConfig  # pylint: disable=g-import-not-at-top
+  from transformers import Qwen2_5_VLForConditionalGeneration  # pylint: disable=g-import-not-at-top
+
+  eot = vocab['<|endoftext|>']
+  config = Qwen2_5_VLConfig(
+      text_config=dict(
+          vocab_size=len(vocab), hidden_size=hidden_size,
+          intermediate_size=TEXT['intermediate_size'],
+          num_hidden_layers=TEXT['num_hidden_layers'],
+          num_attention_heads=TEXT['num_attention_heads'],
+          num_key_value_heads=TEXT['num_key_value_heads'], max_position_embeddings=2048,
+          rope_parameters={'rope_type': 'default', 'mrope_section': TEXT['mrope_section'],
+                           'rope_theta': 1000000.0},
+          bos_token_id=eot, eos_token_id=vocab['<|im_end|>'], pad_token_id=eot),
+      # The smallest vision tower the config allows; text-only prompts never run it.
+      vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                         out_hidden_size=hidden_size, patch_size=2, spatial_merge_size=1,
+                         temporal_patch_size=1, window_size=4, fullatt_block_indexes=[0]),
+      image_token_id=vocab['<|image_pad|>'], video_token_id=vocab['<|video_pad|>'],
+      vision_start_token_id=vocab['<|vision_start|>'],
+      vision_end_token_id=vocab['<|vision_end|>'])
+  model = Qwen2_5_VLForConditionalGeneration(config)
+  _randomize(model, seed)
+  return model.eval()
+
+
+def build(folder: str, seed: int = 0) -> dict[str, Any]:
+  """Writes the toy pipeline into `folder` (new or empty); returns its sizes as a JSON-able dict:
+  {transformer: the transformer config's init args, vae: {z_dim, base_dim, dim_mult, latents_mean,
+  latents_std}, vae_scale_factor: 8, latent_channels, text_dim, text_vocab_size, seed}."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from diffusers import AutoencoderKLQwenImage  # pylint: disable=g-import-not-at-top
+  from diffusers import FlowMatchEulerDiscreteScheduler  # pylint: disable=g-import-not-at-top
+  from diffusers import QwenImagePipeline  # pylint: disable=g-import-not-at-top
+  from diffusers import QwenImageTransformer2DModel  # pylint: disable=g-import-not-at-top
+
+  from digen_jax.diffusion import schedule  # pylint: disable=g-import-not-at-top
+
+  folder = os.fspath(folder)
+  if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+    raise ValueError(f'{folder} exists and is not an empty folder; choose a new --out')
+  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    raise ValueError(f'seed={seed!r} must be a non-negative int')
+  # Distinct, seed-determined streams per component (no shared global RNG state).
+  sub = lambda name: int.from_bytes(hashlib.sha256(f'{seed}/{name}'.encode()).digest()[:6], 'big')
+  torch.manual_seed(sub('construct'))   # the libraries' own init, overwritten by _randomize
+  tokenizer = _tokenizer()
+  transformer = QwenImageTransformer2DModel(**TRANSFORMER)
+  _randomize(transformer, sub('transformer'))
+  vae = AutoencoderKLQwenImage(**VAE)
+  _randomize(vae, sub('vae'))
+  text_encoder = _text_encoder(tokenizer.get_vocab(), TRANSFORMER['joint_attention_dim'],
+                               sub('text_encoder'))
+  scheduler = FlowMatchEulerDiscreteScheduler(
+      **dataclasses.asdict(schedule.qwenimage_scheduler_config()))
+  pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                           tokenizer=tokenizer, transformer=transformer.eval())
+  pipe.save_pretrained(folder, safe_serialization=True)
+  return {
+      'transformer': {k: list(v) if isinstance(v, tuple) else v for k, v in TRANSFORMER.items()},
+      'vae': {k: VAE[k] for k in ('z_dim', 'base_dim', 'dim_mult', 'latents_mean', 'latents_std')},
+      'vae_scale_factor': VAE_SCALE_FACTOR,
+      'latent_channels': Z_DIM,
+      'text_dim': TRANSFORMER['joint_attention_dim'],
+      'text_vocab_size': len(tokenizer),
+      'seed': seed,
+  }
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments {argv[1:]}')
+  try:
+    sizes = build(flags.FLAGS.out, seed=flags.FLAGS.seed)
+  except ValueError as e:
+    raise SystemExit(f'digen_jax.tiny_pipeline: {e}') from None
+  print(json.dumps(sizes, indent=1))
+
+
+if __name__ == '__main__':
+  # Defined here, not at import: tests import build() next to other modules' flags.
+  flags.DEFINE_string('out', None, 'Folder to write the toy pipeline into (new or empty).')
+  flags.DEFINE_integer('seed', 0, 'Seed of every weight.')
+  flags.mark_flags_as_required(['out'])
+  app.run(main)

@@ -1,0 +1,220 @@
+"""A run's weights as the programs see them: trainable params, frozen weights, decode.
+
+Trainable params are what the optimizer holds and the trainer publishes: the whole MMDiT (full
+fine-tuning) or only LoRA adapters (config.model.lora.rank > 0). Frozen weights never change and
+never travel between roles: each mesh loads its own copy straight from the checkpoint files
+(models/streaming.py: tensor by tensor, each device's slice), once, and every program of that
+mesh takes them as an argument:
+
+  frozen = {'base': MMDiT state (LoRA's base) or None, 'vae': VAE state or None}
+
+Inside a program, `effective(params, frozen)` gives the MMDiT weights the forward uses (the LoRA
+merge W + alpha/rank * A @ B, else the params themselves) and `decode(frozen, tokens)` turns the
+final packed latents into images in [-1, 1] (identity for pixel-space configs, the VAE for
+'vae' space), so latents never leave the device before the reward sees pixels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from digen_jax.models import convert
+from digen_jax.models import latents as latents_lib
+from digen_jax.models import lora as lora_lib
+from digen_jax.models import mmdit
+from digen_jax.models import params_io
+from digen_jax.models import streaming
+from digen_jax.models import vae as vae_lib
+from digen_jax.runtime import mesh as mesh_lib
+
+PIPELINE_INDEX = 'model_index.json'
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def abstract_of(tree):
+  """ShapeDtypeStructs of a tree of arrays (or of ShapeDtypeStructs)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def is_pipeline_folder(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, PIPELINE_INDEX))
+
+
+@dataclasses.dataclass
+class VAESource:
+  config: Any                       # vae_lib.VAEConfig
+  graphdef: Any
+  abstract: Any                     # nnx.State of ShapeDtypeStructs
+  folder: str                       # the vae/ folder (safetensors)
+
+
+@dataclasses.dataclass
+class Weights:
+  """See the module docstring. `params` holds the initial trainable values (concrete) or their
+  ShapeDtypeStructs when they stream from `checkpoint` (a large full fine-tuning model)."""
+  graphdef: Any                     # MMDiT graphdef (the forward's structure)
+  params: Any                       # trainable: MMDiT state or LoRA adapters
+  frozen_dtype: Any
+  lora: lora_lib.LoraConfig | None = None
+  checkpoint: str = ''              # where MMDiT weights stream from ('' = random init)
+  load_mmdit: Callable | None = None  # (shardings, dtype) -> MMDiT state on those shardings
+  base_abstract: Any = None         # LoRA: the frozen base's ShapeDtypeStructs
+  vae: VAESource | None = None
+  latent_hw: tuple[int, int] = (0, 0)
+  patch: int = 2
+  vae_batch_chunk: int = 0
+  vae_tile: int = 0
+  _frozen_cache: dict = dataclasses.field(default_factory=dict)
+
+  # ----------------------------------------------------------------- placement (host side)
+
+  def init_params(self, shardings):
+    """The initial trainable params on `shardings` (float32 masters)."""
+    if self.lora is None and self.load_mmdit is not None:
+      return self.load_mmdit(shardings, jnp.float32)
+    return jax.device_put(self.params, shardings)
+
+  def frozen_abstract(self, decode: bool = True) -> dict:
+    return {'base': self.base_abstract if self.lora is not None else None,
+            'vae': self.vae.abstract if (decode and self.vae is not None) else None}
+
+  def frozen(self, mesh, *, fsdp: bool, decode: bool) -> dict:
+    """The frozen weights on `mesh` (loaded once per mesh: roles sharing a mesh share them).
+    fsdp: shard the LoRA base over the mesh (else replicate it); decode: include the VAE."""
+    key = tuple(d.id for d in mesh.devices.flat)
+    cache = self._frozen_cache.setdefault(key, {})
+    if self.lora is not None and 'base' not in cache:
+      sh = (mesh_lib.fsdp_shardings(self.base_abstract, mesh) if fsdp else
+            jax.tree.map(lambda _: mesh_lib.replicated(mesh), self.base_abstract))
+      cache['base'] = self.load_mmdit(sh, self.frozen_dtype)
+    if decode and self.vae is not None and 'vae' not in cache:
+      rep = mesh_lib.replicated(mesh)
+      cache['vae'] = streaming.load(
+          streaming.open_checkpoint(self.vae.folder), vae_lib.vae_key_table(self.vae.config),
+          self.vae.abstract, jax.tree.map(lambda _: rep, self.vae.abstract), self.frozen_dtype)
+    return {'base': cache.get('base'), 'vae': cache.get('vae') if decode else None}
+
+  def frozen_shardings(self, frozen):
+    """The shardings of a frozen tree as `frozen` holds them (for jit's in_shardings)."""
+    return jax.tree.map(lambda x: x.sharding, frozen)
+
+  # ----------------------------------------------------------------- inside the programs
+
+  def effective(self, params, frozen):
+    """The MMDiT weights the forward uses: base + LoRA delta, or the params themselves."""
+    if self.lora is None:
+      return params
+    return lora_lib.merge(frozen['base'], params, self.lora)
+
+  def reference(self, ref_params, frozen):
+    """The KL reference's MMDiT weights: the base with adapters off (no second copy), or the
+    full fine-tuning run's frozen initial params."""
+    return frozen['base'] if self.lora is not None else ref_params
+
+  def decode(self, frozen, tokens):
+    """Packed final latents [B, N, C*p*p] -> images [B, H, W, 3] in [-1, 1]."""
+    h, w = self.latent_hw
+    if self.vae is None:
+      return latents_lib.decode_pixels(tokens, h, w, self.patch)
+    model = nnx.merge(self.vae.graphdef, frozen['vae'])
+    tile = None
+    if self.vae_tile:                 # diffusers' proportions: tiles overlap by a quarter
+      step = self.vae.config.spatial_compression
+      stride = max(step, (self.vae_tile * 3 // 4) // step * step)
+      tile = vae_lib.TileConfig(self.vae_tile, self.vae_tile, stride, stride)
+    return vae_lib.decode_packed(model, tokens, latent_hw=(h, w), patch=self.patch,
+                                 batch_chunk=self.vae_batch_chunk, tile=tile)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _mmdit_source(config, mcfg: mmdit.MMDiTConfig, same_architecture):
+  """(graphdef, initial params or their abstract, loader or None, checkpoint folder)."""
+  m = config.model
+  if m.init == 'random':
+    model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
+    graphdef, params = nnx.split(model)
+    return graphdef, params, None, ''
+  path = m.checkpoint
+  if os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
+    # Our own params folder (pretrain output): small, read whole as before.
+    model = params_io.load_model(path)
+    if not same_architecture(model.config, mcfg):
+      raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
+                       f'{model.config}, config asks for {mcfg}')
+    model.config = mcfg             # the run's execution options (remat, scan_layers)
+    graphdef, params = nnx.split(model)
+    return graphdef, params, None, path
+  folder = convert.resolve_transformer_folder(path)
+  ckpt_cfg = convert.config_from_diffusers(json.loads((folder / 'config.json').read_text()))
+  loader = lambda sh, dtype: convert.load_diffusers_sharded(folder, lambda _: sh, dtype)[2]
+  if not same_architecture(ckpt_cfg, mcfg):
+    raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
+                     f'{ckpt_cfg}, config asks for {mcfg}')
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: mmdit.MMDiT(mcfg, rngs=nnx.Rngs(0))))
+  return graphdef, abstract_of(abstract), loader, path
+
+
+def _cast(tree, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x, tree)
+
+
+def _vae_source(config) -> VAESource | None:
+  if config.latent.space != 'vae':
+    return None
+  path = config.model.checkpoint
+  folder = os.path.join(path, 'vae') if path else ''
+  if not (path and is_pipeline_folder(path) and os.path.isfile(os.path.join(folder, 'config.json'))):
+    raise ValueError(f"config.latent.space='vae' decodes with the VAE of a diffusers pipeline "
+                     f"folder: config.model.checkpoint={path!r} has no {PIPELINE_INDEX} and vae/; "
+                     "point it at a pipeline folder (e.g. Qwen/Qwen-Image) or use a pixel-space "
+                     'config such as configs/qwenimage.py:tiny')
+  vcfg = vae_lib.config_from_diffusers(json.loads(open(os.path.join(folder, 'config.json')).read()))
+  if vcfg.z_dim != config.latent.channels:
+    raise ValueError(f'config.latent.channels={config.latent.channels} but the VAE in {folder} has '
+                     f'z_dim={vcfg.z_dim}; set --config.latent.channels={vcfg.z_dim}')
+  graphdef, abstract = vae_lib.abstract_vae(vcfg, jnp.float32)
+  return VAESource(vcfg, graphdef, abstract_of(abstract), folder)
+
+
+def build(config, mcfg: mmdit.MMDiTConfig, same_architecture) -> Weights:
+  """The run's Weights from config.model / config.latent (files are opened, not read whole)."""
+  graphdef, params, loader, path = _mmdit_source(config, mcfg, same_architecture)
+  lo = config.model.lora
+  lora_cfg, base_abstract = None, None
+  if lo.rank > 0:
+    lora_cfg = lora_lib.LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha or lo.rank),
+                                   targets=lo.targets)
+    base_abstract = abstract_of(params)
+    if loader is None:              # a random base (tiny configs): frozen, held like a checkpoint
+      base = params
+      loader = lambda sh, dtype: jax.device_put(_cast(base, dtype), sh)
+    paths = lora_lib.target_paths(base_abstract, convert.diffusers_key_table(mcfg), lora_cfg)
+    params = lora_lib.init_adapters(base_abstract, paths, lora_cfg,
+                                    jax.random.key(config.seed + 1))
+  lat = config.latent
+  return Weights(
+      graphdef=graphdef, params=params, frozen_dtype=_DTYPES[config.model.frozen_dtype],
+      lora=lora_cfg, checkpoint=path, load_mmdit=loader, base_abstract=base_abstract,
+      vae=_vae_source(config), latent_hw=(lat.height, lat.width), patch=config.model.patch_size,
+      vae_batch_chunk=int(lat.vae_batch_chunk), vae_tile=int(lat.vae_tile))
+
+
+def host_params(weights: Weights):
+  """Concrete trainable params on the default device (eval of the initial model)."""
+  if isinstance(jax.tree.leaves(weights.params)[0], jax.ShapeDtypeStruct):
+    dev = mesh_lib.replicated(mesh_lib.make_mesh(jax.local_devices()[:1]))
+    return weights.init_params(jax.tree.map(lambda _: dev, weights.params))
+  return weights.params
+
+
+def num_bytes(tree) -> int:
+  return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
