@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Any, Callable
 
 from flax import nnx
@@ -148,7 +149,8 @@ def check_prompt_cache(config, text_encoder, prompt_lists) -> None:
   expected = None
   if config.model.checkpoint and weights_lib.is_pipeline_folder(config.model.checkpoint):
     expected = text_cache.encoder_fingerprint(config.model.checkpoint)
-  text_encoder.check(list(dict.fromkeys(prompts)), expected)
+  text_encoder.check(list(dict.fromkeys(prompts)), expected,
+                     command=text_cache.encode_command(sys.argv[1:], config.text.cache))
 
 
 def build_schedule(config, num_tokens: int) -> np.ndarray:

@@ -19,8 +19,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import common as C  # noqa: E402
 
-pytest.importorskip("torch")
-pytest.importorskip("diffusers")
+import torch  # noqa: E402,F401  (a missing test dependency must fail, not skip)
+import diffusers  # noqa: E402,F401
 
 
 def _run(script: str, args: list[str], tmp_path) -> dict:

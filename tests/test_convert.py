@@ -11,8 +11,8 @@ import pytest
 from digen_jax.models.convert import load_diffusers_folder, load_diffusers_state
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
 
-torch = pytest.importorskip("torch")
-diffusers = pytest.importorskip("diffusers")
+import torch  # noqa: E402  (a missing test dependency must fail, not skip)
+import diffusers  # noqa: E402
 
 TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32,
             num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(8, 12, 12))

@@ -11,8 +11,8 @@ from flax import nnx
 from digen_jax.models.convert import config_from_diffusers, load_diffusers_state
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig, count_params, flops_per_forward, rope_positions
 
-torch = pytest.importorskip("torch")
-diffusers = pytest.importorskip("diffusers")
+import torch  # noqa: E402  (a missing test dependency must fail, not skip)
+import diffusers  # noqa: E402
 
 TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32,
             num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(8, 12, 12))

@@ -54,7 +54,35 @@ def _rows(workdir):
 
 @pytest.fixture(scope='module')
 def folder(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('tiny_qwenimage'))
+  """The toy diffusers Qwen-Image folder (built with torch in a child process, as main does)."""
+  out = str(tmp_path_factory.mktemp('tiny_qwenimage'))
+  subprocess.run([sys.executable, '-m', 'digen_jax.tiny_pipeline', f'--out={out}'], cwd=REPO,
+                 check=True, capture_output=True, timeout=300)
+  return out
+
+
+def test_lora_publishes_only_adapters(folder, tmp_path):
+  """The publish of a LoRA run is its adapters: measured against full fine-tuning of the same
+  pipeline folder (README quotes the factor for the real model from benchmarks/memory.py)."""
+  from configs import qwenimage
+  from digen_jax import experiment
+  from digen_jax.runtime import publish
+  sizes = {}
+  for variant in ('tiny_pipeline', 'tiny_pipeline,full'):
+    c = qwenimage.get_config(variant)
+    c.model.checkpoint, c.text.cache = folder, os.path.join(folder, 'missing_cache')
+    c.text.encoder = 'word'          # the cache is not what this test is about
+    c.model.joint_attention_dim = 32
+    mcfg, weights = experiment.build_weights(c)
+    sizes[variant] = publish.publish_megabytes(weights.params)
+    if 'full' in variant:
+      assert weights.lora is None and sizes[variant] > 0
+    else:
+      assert set(weights.params) and all(set(v) == {'a', 'b'} for v in weights.params.values())
+  factor = sizes['tiny_pipeline,full'] / sizes['tiny_pipeline']
+  print(f'publish MB: full {sizes["tiny_pipeline,full"]:.4f}, LoRA {sizes["tiny_pipeline"]:.4f}, '
+        f'factor {factor:.1f}')
+  assert factor > 4
 
 
 @pytest.mark.slow

@@ -240,3 +240,31 @@ def test_dense_reward_tracks_margins(ground_truth, monkeypatch):
         for fill, skew in [(0.5, 0.0), (0.8, 0.1), (0.95, 0.0), (0.8, 0.5)]:
             assert (sc.shape_margin(fill, skew, shape) > 0) == (sc.classify_shape(fill, skew) == shape)
     assert sc.check(np.full((16, 16, 3), np.nan, np.float32), texts[0]).dense == 0.0
+
+
+def test_user_reward_callable_from_the_config(tmp_path):
+  """config.reward.callables registers a user's function over uint8 images without editing the
+  package; bad specs are one clear error naming the field."""
+  from configs import qwenimage
+  from digen_jax import configlib
+  from digen_jax.rewards import registry
+  (tmp_path / 'my_reward.py').write_text(
+      'import numpy as np\n'
+      'def brightness(images, prompts):\n'
+      '  assert images.dtype == np.uint8 and images.ndim == 4, images.dtype\n'
+      '  return images.reshape(len(images), -1).mean(1) / 255.0 + len(prompts[0]) * 0\n')
+  c = qwenimage.get_config('tiny')
+  c.reward.callables = f'bright={tmp_path / "my_reward.py"}:brightness'
+  c.reward.weights = 'bright:2,jpeg_compressibility:0'
+  configlib.validate(c, 2)
+  fn = registry.build_reward(registry.parse_weights(c.reward.weights))
+  imgs = np.stack([np.full((8, 8, 3), -1.0, np.float32), np.full((8, 8, 3), 1.0, np.float32)])
+  np.testing.assert_allclose(fn(imgs, ['a', 'b']), [0.0, 2.0], atol=1e-6)
+  configlib.validate(c, 2)                       # registering the same spec again is fine
+  for spec, msg in [('bright', 'NAME=module'), (f'x={tmp_path}/nope.py:f', 'does not exist'),
+                    (f'y={tmp_path / "my_reward.py"}:missing', 'no function'),
+                    ('z=no_such_module_xyz:f', 'cannot import'),
+                    ('shapes=json:dumps', 'already registered')]:
+    c.reward.callables = spec
+    with pytest.raises(ValueError, match=f'config.reward.*{msg}'):
+      configlib.validate(c, 2)

@@ -6,8 +6,8 @@ import pathlib
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-diffusers = pytest.importorskip("diffusers")
+import torch  # noqa: E402  (a missing test dependency must fail, not skip)
+import diffusers  # noqa: E402
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402
 
 from digen_jax.diffusion import schedule  # noqa: E402
