@@ -316,11 +316,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
                      f'and final_lr_frac={o.final_lr_frac} in [0, 1]')
   if config.eval.samples_per_prompt < 1:
     raise ValueError(f'config.eval.samples_per_prompt={config.eval.samples_per_prompt} must be >= 1')
+  reward_registry.register_callables(config.reward.callables)    # errors name the field
   try:
-    reward_registry.register_callables(config.reward.callables)
     reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights))
   except ValueError as e:
-    raise ValueError(f'config.reward: {e}') from None
+    raise ValueError(f'config.reward.weights: {e}') from None
   _validate_real_model(config)
   _validate_schedule(config, num_devices)
 

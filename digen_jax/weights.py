@@ -177,10 +177,14 @@ def _vae_source(config) -> VAESource | None:
                      f"folder: config.model.checkpoint={path!r} has no {PIPELINE_INDEX} and vae/; "
                      "point it at a pipeline folder (e.g. Qwen/Qwen-Image) or use a pixel-space "
                      'config such as configs/qwenimage.py:tiny')
-  vcfg = vae_lib.config_from_diffusers(json.loads(open(os.path.join(folder, 'config.json')).read()))
+  vcfg = vae_lib.read_vae_config(folder)
   if vcfg.z_dim != config.latent.channels:
     raise ValueError(f'config.latent.channels={config.latent.channels} but the VAE in {folder} has '
                      f'z_dim={vcfg.z_dim}; set --config.latent.channels={vcfg.z_dim}')
+  tile, step = config.latent.vae_tile, vcfg.spatial_compression
+  if tile and (tile % step or tile < 2 * step):
+    raise ValueError(f'config.latent.vae_tile={tile} must be a multiple of the VAE compression '
+                     f'{step} and at least {2 * step} pixels (0 = no tiling)')
   graphdef, abstract = vae_lib.abstract_vae(vcfg, jnp.float32)
   return VAESource(vcfg, graphdef, abstract_of(abstract), folder)
 

@@ -64,7 +64,9 @@ def test_set_disagg_fills_the_cluster_block():
   assert c.cluster.trainer.processes == (0,) and c.cluster.trainer.devices == ()
   auto = qwenimage.get_config('tiny_disagg')
   assert auto.runtime.mode == 'disagg' and auto.cluster.layout == 'auto'
-  assert qwenimage.get_config('disagg').cluster.rollout.param_dtype == 'bfloat16'
+  # Full fine-tuning of the real model publishes a bf16 copy; LoRA its float32 adapters.
+  assert qwenimage.get_config('full,disagg').cluster.rollout.param_dtype == 'bfloat16'
+  assert qwenimage.get_config('disagg').cluster.rollout.param_dtype == 'float32'
   with pytest.raises(ValueError, match='both'):
     configlib.set_disagg(_tiny(), trainer=(0,))
 

@@ -36,6 +36,9 @@ class TensorSource:
 
   def our_shape(self, file_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Our full shape given one key's shape in the file (checks a `shape` reshape is legal)."""
+    if self.perm and len(file_shape) != len(self.perm):
+      raise ValueError(f'{self.keys[0]}: file shape {tuple(file_shape)} has rank '
+                       f'{len(file_shape)}, expected {len(self.perm)}')
     permuted = tuple(file_shape[i] for i in self.perm) if self.perm else tuple(file_shape)
     if self.shape is not None:
       if [d for d in self.shape if d != 1] != [d for d in permuted if d != 1]:
