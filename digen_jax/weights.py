@@ -23,7 +23,6 @@ from typing import Any, Callable
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from digen_jax.models import convert
 from digen_jax.models import latents as latents_lib
@@ -63,7 +62,6 @@ class Weights:
   params: Any                       # trainable: MMDiT state or LoRA adapters
   frozen_dtype: Any
   lora: lora_lib.LoraConfig | None = None
-  checkpoint: str = ''              # where MMDiT weights stream from ('' = random init)
   load_mmdit: Callable | None = None  # (shardings, dtype) -> MMDiT state on those shardings
   base_abstract: Any = None         # LoRA: the frozen base's ShapeDtypeStructs
   vae: VAESource | None = None
@@ -101,10 +99,6 @@ class Weights:
           self.vae.abstract, jax.tree.map(lambda _: rep, self.vae.abstract), self.frozen_dtype)
     return {'base': cache.get('base'), 'vae': cache.get('vae') if decode else None}
 
-  def frozen_shardings(self, frozen):
-    """The shardings of a frozen tree as `frozen` holds them (for jit's in_shardings)."""
-    return jax.tree.map(lambda x: x.sharding, frozen)
-
   # ----------------------------------------------------------------- inside the programs
 
   def effective(self, params, frozen):
@@ -137,12 +131,12 @@ class Weights:
 
 
 def _mmdit_source(config, mcfg: mmdit.MMDiTConfig, same_architecture):
-  """(graphdef, initial params or their abstract, loader or None, checkpoint folder)."""
+  """(graphdef, initial params or their abstract, loader or None)."""
   m = config.model
   if m.init == 'random':
     model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
     graphdef, params = nnx.split(model)
-    return graphdef, params, None, ''
+    return graphdef, params, None
   path = m.checkpoint
   if os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
     # Our own params folder (pretrain output): small, read whole as before.
@@ -152,7 +146,7 @@ def _mmdit_source(config, mcfg: mmdit.MMDiTConfig, same_architecture):
                        f'{model.config}, config asks for {mcfg}')
     model.config = mcfg             # the run's execution options (remat, scan_layers)
     graphdef, params = nnx.split(model)
-    return graphdef, params, None, path
+    return graphdef, params, None
   folder = convert.resolve_transformer_folder(path)
   ckpt_cfg = convert.config_from_diffusers(json.loads((folder / 'config.json').read_text()))
   loader = lambda sh, dtype: convert.load_diffusers_sharded(folder, lambda _: sh, dtype)[2]
@@ -160,7 +154,7 @@ def _mmdit_source(config, mcfg: mmdit.MMDiTConfig, same_architecture):
     raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
                      f'{ckpt_cfg}, config asks for {mcfg}')
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: mmdit.MMDiT(mcfg, rngs=nnx.Rngs(0))))
-  return graphdef, abstract_of(abstract), loader, path
+  return graphdef, abstract_of(abstract), loader
 
 
 def _cast(tree, dtype):
@@ -191,7 +185,7 @@ def _vae_source(config) -> VAESource | None:
 
 def build(config, mcfg: mmdit.MMDiTConfig, same_architecture) -> Weights:
   """The run's Weights from config.model / config.latent (files are opened, not read whole)."""
-  graphdef, params, loader, path = _mmdit_source(config, mcfg, same_architecture)
+  graphdef, params, loader = _mmdit_source(config, mcfg, same_architecture)
   lo = config.model.lora
   lora_cfg, base_abstract = None, None
   if lo.rank > 0:
@@ -207,7 +201,7 @@ def build(config, mcfg: mmdit.MMDiTConfig, same_architecture) -> Weights:
   lat = config.latent
   return Weights(
       graphdef=graphdef, params=params, frozen_dtype=_DTYPES[config.model.frozen_dtype],
-      lora=lora_cfg, checkpoint=path, load_mmdit=loader, base_abstract=base_abstract,
+      lora=lora_cfg, load_mmdit=loader, base_abstract=base_abstract,
       vae=_vae_source(config), latent_hw=(lat.height, lat.width), patch=config.model.patch_size,
       vae_batch_chunk=int(lat.vae_batch_chunk), vae_tile=int(lat.vae_tile))
 
@@ -219,6 +213,3 @@ def host_params(weights: Weights):
     return weights.init_params(jax.tree.map(lambda _: dev, weights.params))
   return weights.params
 
-
-def num_bytes(tree) -> int:
-  return int(sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
