@@ -247,7 +247,7 @@ def abstract_experiment(config):
   frozen_dtype = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}[config.model.frozen_dtype]
   weights = weights_lib.Weights(
       graphdef=graphdef, params=params, frozen_dtype=frozen_dtype, lora=lora_cfg,
-      checkpoint='', load_mmdit=None, base_abstract=base_abstract, vae=vae,
+      base_abstract=base_abstract, vae=vae,
       latent_hw=(lat.height, lat.width), patch=p, vae_batch_chunk=int(lat.vae_batch_chunk),
       vae_tile=int(lat.vae_tile))
   r = config.rl
@@ -279,6 +279,11 @@ def laid_out(tree, shardings, dtype=None):
     d = dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
     return jax.ShapeDtypeStruct(x.shape, d, sharding=s)
   return jax.tree.map(sds, tree, shardings)
+
+
+def whole_bytes(tree) -> int:
+  """The bytes of a tree of arrays or ShapeDtypeStructs, unsharded."""
+  return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 def per_device_bytes(tree) -> int:
@@ -353,11 +358,12 @@ def analyse(compiled, held_argument_bytes: int) -> dict:
           'xla_flops': float((cost or {}).get('flops', 0.0))}
 
 
-def measure(bound, args: dict) -> dict:
+def measure(bound, args: dict, shared: tuple[str, ...] = ()) -> dict:
   """Lowers `bound` (a programs.Bound) on the abstract `args` (an ordered dict of argument
   groups), compiles it once per --pipelines entry and reads XLA's analyses. The first pipeline's
-  figures are the program's 'per_device'; every pipeline's are under 'pipelines'."""
-  groups = {k: per_device_bytes(v) for k, v in args.items()}
+  figures are the program's 'per_device'; every pipeline's are under 'pipelines'. `shared`:
+  groups the runtime passes as the very buffers of another group (held once)."""
+  groups = {k: 0 if k in shared else per_device_bytes(v) for k, v in args.items()}
   groups['frozen'] = per_device_bytes(bound.frozen)
   t0 = time.perf_counter()
   lowered = bound.lower(*args.values()).lowered
@@ -407,9 +413,10 @@ def update_program(exp, mesh, batch: int) -> dict:
       'key': jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep),
       'step': jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
       'ref_params': ref}
-  out = measure(bound, args)
-  k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
   cfg = programs.guidance_of(exp)[0] is not None
+  # Without CFG the workers pass the conditioning itself as `uncond`.
+  out = measure(bound, args, shared=() if cfg else ('uncond',))
+  k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
   # forward + remat recompute + backward (~2 forwards; LoRA skips most weight gradients).
   passes = (4 if exp.model_config.remat else 3) * c.rl.inner_epochs
   out.update(
@@ -459,8 +466,8 @@ def rollout_program(exp, mesh, batch: int, layout: str) -> dict:
   args = {'params': laid_out(exp.params, param_sh, dtype), 'cond': cond, 'uncond': cond,
           'key': jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=rep),
           'step': jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)}
-  out = measure(bound, args)
   cfg = programs.guidance_of(exp)[0] is not None
+  out = measure(bound, args, shared=() if cfg else ('uncond',))
   t = len(exp.sigmas) - 1
   out.update(
       batch=batch, param_sharding=layout, param_dtype=jnp.dtype(dtype).name,
@@ -484,20 +491,20 @@ def analytic(exp, mesh) -> dict:
       'mmdit_params': mmdit.count_params(exp.model_config),
       'trainable': 'lora' if w.lora is not None else 'full',
       'trainable_params': count(exp.params),
-      'trainable_bytes_f32': weights_lib.num_bytes(params32),
-      'optimizer_state_bytes': weights_lib.num_bytes(opt),
+      'trainable_bytes_f32': whole_bytes(params32),
+      'optimizer_state_bytes': whole_bytes(opt),
       'trainer_params_per_device_bytes': per_device_bytes(params32),
       'trainer_opt_state_per_device_bytes': per_device_bytes(opt),
-      'adapter_bytes_f32': weights_lib.num_bytes(params32) if w.lora is not None else 0,
+      'adapter_bytes_f32': whole_bytes(params32) if w.lora is not None else 0,
       'frozen_dtype': jnp.dtype(w.frozen_dtype).name,
-      'frozen_base_bytes': (weights_lib.num_bytes(laid_out(base, mesh_lib.replicated(mesh),
-                                                           w.frozen_dtype)) if base else 0),
+      'frozen_base_bytes': (whole_bytes(laid_out(base, mesh_lib.replicated(mesh),
+                                                 w.frozen_dtype)) if base else 0),
       'frozen_base_fsdp_per_device_bytes': (
           per_device_bytes(frozen_tree(exp, mesh, base='fsdp', decode=False)) if base else 0),
   }
   if w.vae is not None:
     vae = laid_out(w.vae.abstract, mesh_lib.replicated(mesh), w.frozen_dtype)
-    out.update(vae_params=count(vae), vae_bytes=weights_lib.num_bytes(vae))
+    out.update(vae_params=count(vae), vae_bytes=whole_bytes(vae))
   return out
 
 
