@@ -43,7 +43,8 @@ def _is_shapes(prompts) -> bool:
 class Evaluator:
   """Compiles the ODE sampler once for `mesh` and evaluates any params on the eval prompts."""
 
-  def __init__(self, exp, mesh, prompts: list[str]):
+  def __init__(self, exp, mesh, prompts: list[str], *, frozen_fsdp: bool = False):
+    """frozen_fsdp: the layout of the frozen weights on `mesh` (the rollout's, which it shares)."""
     self.exp, self.mesh, self.prompts = exp, mesh, prompts
     c = exp.config
     self.n_per = c.eval.samples_per_prompt
@@ -65,7 +66,7 @@ class Evaluator:
 
     rep = mesh_lib.replicated(mesh)
     cond_sh = {'text': mesh_lib.batch_sharding(mesh, 3), 'text_mask': mesh_lib.batch_sharding(mesh, 2)}
-    frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
+    frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)
     self._sample = programs.Bound(jax.jit(ode_sample, in_shardings=(
         rep, cond_sh, cond_sh, mesh_lib.batch_sharding(mesh, 1),
         programs.frozen_shardings(frozen))), frozen)

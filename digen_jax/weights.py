@@ -84,20 +84,27 @@ class Weights:
             'vae': self.vae.abstract if (decode and self.vae is not None) else None}
 
   def frozen(self, mesh, *, fsdp: bool, decode: bool) -> dict:
-    """The frozen weights on `mesh` (loaded once per mesh: roles sharing a mesh share them).
-    fsdp: shard the LoRA base over the mesh (else replicate it); decode: include the VAE."""
-    key = tuple(d.id for d in mesh.devices.flat)
-    cache = self._frozen_cache.setdefault(key, {})
-    if self.lora is not None and 'base' not in cache:
-      sh = (mesh_lib.fsdp_shardings(self.base_abstract, mesh) if fsdp else
-            jax.tree.map(lambda _: mesh_lib.replicated(mesh), self.base_abstract))
-      cache['base'] = self.load_mmdit(sh, self.frozen_dtype)
-    if decode and self.vae is not None and 'vae' not in cache:
-      rep = mesh_lib.replicated(mesh)
-      cache['vae'] = streaming.load(
-          streaming.open_checkpoint(self.vae.folder), vae_lib.vae_key_table(self.vae.config),
-          self.vae.abstract, jax.tree.map(lambda _: rep, self.vae.abstract), self.frozen_dtype)
-    return {'base': cache.get('base'), 'vae': cache.get('vae') if decode else None}
+    """The frozen weights on `mesh`, each loaded once per mesh and layout (roles sharing a mesh
+    and layout share them). fsdp: shard the LoRA base over the mesh (else replicate it);
+    decode: include the VAE (replicated)."""
+    devices = tuple(d.id for d in mesh.devices.flat)
+    cache = self._frozen_cache
+    base = None
+    if self.lora is not None:
+      if (devices, fsdp) not in cache:
+        sh = (mesh_lib.fsdp_shardings(self.base_abstract, mesh) if fsdp else
+              jax.tree.map(lambda _: mesh_lib.replicated(mesh), self.base_abstract))
+        cache[(devices, fsdp)] = self.load_mmdit(sh, self.frozen_dtype)
+      base = cache[(devices, fsdp)]
+    vae = None
+    if decode and self.vae is not None:
+      if (devices, 'vae') not in cache:
+        rep = mesh_lib.replicated(mesh)
+        cache[(devices, 'vae')] = streaming.load(
+            streaming.open_checkpoint(self.vae.folder), vae_lib.vae_key_table(self.vae.config),
+            self.vae.abstract, jax.tree.map(lambda _: rep, self.vae.abstract), self.frozen_dtype)
+      vae = cache[(devices, 'vae')]
+    return {'base': base, 'vae': vae}
 
   # ----------------------------------------------------------------- inside the programs
 

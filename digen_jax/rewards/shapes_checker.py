@@ -1,83 +1,159 @@
 """ShapesBench checker: scores an image against its prompt with plain code (no learned model).
 
+It judges what a person would: an object counts as the prompted shape only if it looks like
+the renderer's drawing of that shape (digen_jax/data/shapes/render.py: axis-aligned circle,
+square, and an upward isosceles triangle with base = height), up to position, size and a slight
+blur; stretched, rotated, hollow, concave, dithered or merged blobs are not a shape at all.
+
 Per image ([H, W, 3] float32 in [-1, 1]):
   1. Validity: non-finite values, or values outside [-1 - RANGE_TOL, 1 + RANGE_TOL] (e.g. a
      [0, 255] image) -> score 0. Otherwise clip to [-1, 1] and map to [0, 1].
-  2. Background: median of the 1-pixel border ring. If fewer than half of the border pixels lie
-     within BG_UNIFORM_TOL of it there is no uniform background (noise, garbage): score 0,
-     since nothing can be segmented. The background *name* is the nearest palette background
-     within BG_MATCH_TOL (else unknown).
-  3. Objects, per prompted colour c: every pixel is projected onto the segment bg -> c:
-     alpha = <u - bg, c - bg> / |c - bg|^2 (its coverage, exact for anti-aliased edges) and
-     residual = distance to the segment. Core pixels (alpha > 0.5, residual < RESIDUAL_TOL)
-     are grouped into 8-connected components (scipy.ndimage.label); components with soft mass
-     sum(alpha) < MIN_AREA_FRAC * H * W are dropped as specks.
-  4. Shape: fill = soft mass / (soft width * soft height), where soft width = sum over columns of
-     the column's max alpha (a sub-pixel bounding-box width); skew = the larger |skewness| of
-     the column and row mass profiles. Axis-aligned circle: fill ~0.785, square ~1, up-triangle
-     ~0.5 (measured 0.52-0.65 at 32 px: its thin apex rows shrink the soft height), and only the
-     triangle is lopsided (skew ~0.57 vs < 0.2). Triangle iff fill < FILL_TRIANGLE_MAX or
-     skew > SKEW_TRIANGLE_MIN; otherwise circle iff fill < FILL_CIRCLE_MAX; else square.
-  5. Relation (GenEval's rule): offset = centroid(A) - centroid(B); its magnitude is reduced per
+  2. Reference background: median of the 1-pixel border ring. If fewer than half of the border
+     pixels lie within BG_UNIFORM_TOL of it there is no uniform background (noise, garbage):
+     score 0, since nothing can be segmented. It is only the reference for segmentation; the
+     background atom is judged on the whole background region (step 6).
+  3. Objects: every pixel is projected onto the segment bg -> c of each of the six palette
+     colours: alpha = <u - bg, c - bg> / |c - bg|^2 (its coverage, exact for anti-aliased
+     edges) and residual = distance to the segment. A pixel is explained by c if its residual
+     is < RESIDUAL_TOL, and belongs to the colour with the smallest residual (so the anti-aliased
+     rim of a neighbour of another colour is not counted). Core pixels (alpha > 0.5) form
+     8-connected components; every pixel goes to its nearest component (chessboard distance),
+     and a component's soft coverage a is its core plus the RIM_PX pixel rings around it that
+     belong to it (the second ring only where alpha >= RIM_ALPHA_MIN: a blurred edge, not
+     noise). Components with mass sum(a) < MIN_AREA_FRAC * H * W are dropped as specks.
+  4. Geometry of each component, from a: mass, centroid, covariance (+ 1/12 per axis, a pixel's
+     own variance) -> aspect = sqrt(largest / smallest eigenvalue), and aspect_tri, the same
+     after dividing the y variance by 4/3 (an up-triangle's var_y / var_x); skew_x / skew_y,
+     the skewness of the column / row mass profiles (up-triangle: skew_y = -0.57, y downward);
+     solidity = mass / area of the convex hull of its 0.5 iso-contour (sub-pixel crossings);
+     holes = background enclosed by the core (binary_fill_holes), as sum(1 - a) / mass;
+     fill = mass / (soft width * soft height), soft width = sum over columns of the column's max
+     a (circle pi/4, square 1, triangle ~1/2); and, per shape s, the template error
+     err_s = sum |a - T_s| / (2 mass): the fraction of mass misplaced relative to the renderer's
+     own coverage (render._inside, 4x4 supersampling) of s with the same mass and centroid
+     (triangle: centroid e/6 below its box centre), minimised over Gaussian blurs
+     TEMPLATE_BLURS of T_s.
+  5. Shape: a component is shape s iff every gate of s passes:
+       size      mass / (H W) > MIN_SHAPE_FRAC (half the smallest rendered object: a dot has
+                 no shape);
+       solidity  > SOLIDITY_MIN (L-shapes, plus signs, rings, dithering fail);
+       holes     < HOLES_MAX (hollow rings / frames, dithered or speckled fills fail);
+       fill      > FILL_MIN[s] (a diamond or a plus is not a circle or a square);
+       template  err_s < TEMPLATE_ERR_MAX and err_s < err_o - TEMPLATE_GAP_MIN for both other
+                 shapes o (corners and edges: the renderer's shape, not a near one; the gap also
+                 makes the shapes exclusive);
+       aspect    aspect (triangle: aspect_tri) < ASPECT_MAX (stretched shapes fail);
+       skew      |skew_x| (circle, square: and |skew_y|) < SKEW_MAX;
+       upright   triangle only: skew_y < TRIANGLE_SKEW_Y_MAX (upside-down and sideways fail).
+     `Blob.shape` is the one shape whose gates all pass, else "none".
+  6. Background: the background region is every pixel that is not an object of any palette
+     colour (a core pixel, or a pixel within RIM_PX of a core that is a bg/colour mix). The
+     image's background is the palette background that at least BG_REGION_FRAC of that region
+     lies within BG_MATCH_TOL of (else unknown): a wrong background inside a frame of the right
+     colour, or a region full of off-palette stuff, fails.
+  7. Relation (GenEval's rule): offset = centroid(A) - centroid(B); its magnitude is reduced per
      axis by POSITION_THRESHOLD * (w_A + w_B) (resp. h) and divided by |offset|; "left of" iff
      that x-component < -0.5 (similarly right/above/below; y grows downward).
 
 Atoms (each 0/1): per object -> present, count (number of components of its colour equals the
-prompt count), shape (every component of its colour has the prompted shape); relation prompts
+prompt count), shape (every component of its colour is the prompted shape); relation prompts
 add relation (on the largest component of each colour); every prompt adds background.
 `shapes_reward` = fraction of satisfied atoms (partial credit for training); `shapes_strict`
 = all atoms satisfied (evaluation accuracy). `shapes_dense` (training only) replaces the 0/1
-shape and relation atoms by a sigmoid of the signed margin to the checker's decision boundary
-(MARGIN_TEMPERATURE), so a sample whose square is *almost* square-cornered already scores higher
-than a round one: the binary atom gives a group no gradient until some sample crosses the
-threshold. At zero temperature it equals `shapes_reward`. Extra objects of other colours are not penalised
-(as in GenEval's attribute checks).
+shape and relation atoms by sigmoid(margin / MARGIN_TEMPERATURE), the margin being the smallest
+gate margin measured in gate widths (MARGIN_WIDTHS: (value - threshold) / width, signed so > 0
+passes), so a sample that is *almost* the shape already scores higher than one that is not, but
+a near miss one width or more past a threshold earns < 0.02 (sigmoid(-4)); at zero temperature
+it equals `shapes_reward`. Extra objects of other colours are not penalised (as in GenEval's
+attribute checks), except that off-palette stuff counts against the background.
+
+Second scoring path: `strict_atoms` / the registered `shapes_strict_atoms` compute every atom
+from plain threshold comparisons (`shape_ok`, `_relation_ok`), sharing segmentation and
+geometry with `check` but none of the margin code the training reward smooths; eval can
+report accuracy under both (they agree unless one of them has a bug).
+
+Calibration (benchmarks: rendered ground truth from all grammar prompts, per shape; min..max
+over >= 600 objects per shape at 16 px, >= 200 at 24/32/64 px; "+noise" adds N(0, 0.05) to
+the [-1, 1] image, "+blur" a Gaussian blur with sigma 0.5 px; gate thresholds in brackets):
+CALIBRATION_TABLE
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Optional, Sequence
 
 import numpy as np
 from scipy import ndimage  # scipy is a hard dependency of jax, so always installed with it
+from scipy.spatial import ConvexHull, QhullError
 
-from digen_jax.data.shapes.grammar import BACKGROUNDS, COLORS, ShapesPrompt, parse
+from digen_jax.data.shapes import render
+from digen_jax.data.shapes.grammar import BACKGROUNDS, COLORS, SHAPES, ShapesPrompt, parse
 from digen_jax.rewards.registry import check_batch, register
 
 RANGE_TOL = 0.1
 BG_UNIFORM_TOL = 0.15
 BG_UNIFORM_FRAC = 0.5
 BG_MATCH_TOL = 0.2
+BG_REGION_FRAC = 0.9
 RESIDUAL_TOL = 0.2
 MIN_COLOR_CONTRAST = 0.3
+RIM_PX = 2
+RIM_ALPHA_MIN = 0.15
 MIN_AREA_FRAC = 0.006
-FILL_TRIANGLE_MAX = 0.70
-FILL_CIRCLE_MAX = 0.9
-SKEW_TRIANGLE_MIN = 0.3
+MIN_SHAPE_FRAC = 0.015
+SOLIDITY_MIN = 0.9
+HOLES_MAX = 0.05
+FILL_MIN = {"circle": 0.68, "square": 0.85, "triangle": 0.45}
+TEMPLATE_ERR_MAX = 0.10
+TEMPLATE_GAP_MIN = 0.02
+TEMPLATE_BLURS = (0.5, 0.8)  # besides the sharp template
+ASPECT_MAX = 1.25
+SKEW_MAX = 0.3
+TRIANGLE_SKEW_Y_MAX = -0.1
 POSITION_THRESHOLD = 0.1
-MARGIN_TEMPERATURE = 0.03  # fill / skew / relation-component units; ~1/10 of the class gaps
+MARGIN_TEMPERATURE = 0.25  # in gate widths: one width past a threshold -> sigmoid(-4) = 0.018
+MARGIN_WIDTHS = {"size": 0.5, "solidity": 0.05, "holes": 0.05, "fill": 0.05, "template_err": 0.03,
+                 "template_gap": 0.02, "aspect": 0.1, "skew": 0.1, "upright": 0.1,
+                 "relation": 0.12}
 
 _EIGHT = np.ones((3, 3), bool)
+_AREA = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}  # renderer: area / extent^2
+_SUPERSAMPLE = 4  # render.rasterize's default
+_OFFSETS = (np.arange(_SUPERSAMPLE) + 0.5) / _SUPERSAMPLE
+_COLOR_NAMES = tuple(COLORS)
+_COLOR_RGB = np.asarray([COLORS[c] for c in _COLOR_NAMES], np.float32)
+_BG_NAMES = tuple(BACKGROUNDS)
+_BG_RGB = np.asarray([BACKGROUNDS[b] for b in _BG_NAMES], np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Blob:
-    """One detected object. Coordinates in pixels, y downward; w/h are soft extents."""
+    """One detected object and its geometry (module docstring, step 4). Pixels, y downward;
+    w/h are soft extents."""
 
     color: str
-    shape: str
+    shape: str  # the shape whose every gate passes (shape_margin > 0), else "none"
     mass: float
     cx: float
     cy: float
     w: float
     h: float
+    size_frac: float
+    aspect: float
+    aspect_tri: float
+    skew_x: float
+    skew_y: float
+    solidity: float
+    holes: float
     fill: float
-    skew: float
+    err: dict  # shape -> template error
 
 
 @dataclasses.dataclass(frozen=True)
 class Scene:
-    background: Optional[str]  # palette name, or None if the uniform background is off-palette
+    background: Optional[str]  # palette name of the whole background region, or None
     blobs: dict[str, list[Blob]]  # colour -> components, largest first
 
 
@@ -87,6 +163,7 @@ class CheckResult:
     partial: float
     strict: bool
     dense: float = 0.0  # mean of soft atoms (see module docstring); 0 for invalid images
+    soft: dict = dataclasses.field(default_factory=dict)  # atom -> its credit in `dense`
 
 
 def _to_unit(image: np.ndarray) -> Optional[np.ndarray]:
@@ -102,94 +179,216 @@ def _to_unit(image: np.ndarray) -> Optional[np.ndarray]:
     return (np.clip(x, -1.0, 1.0) + 1.0) * 0.5
 
 
-def _skewness(p: np.ndarray, x: np.ndarray, mean: float) -> float:
-    d = x - mean
-    var = float(p @ (d * d))
-    return float(p @ (d * d * d)) / max(var, 1e-12) ** 1.5
+def _aspect(vx: float, vy: float, cxy: float) -> float:
+    """sqrt(largest / smallest eigenvalue) of [[vx, cxy], [cxy, vy]]."""
+    half_tr = 0.5 * (vx + vy)
+    disc = math.sqrt(max(half_tr * half_tr - (vx * vy - cxy * cxy), 0.0))
+    return math.sqrt((half_tr + disc) / max(half_tr - disc, 1e-9))
 
 
-def classify_shape(fill: float, skew: float = 0.0) -> str:
-    """Shape from bounding-box fill ratio and mass-profile skewness (see module docstring)."""
-    if fill < FILL_TRIANGLE_MAX or skew > SKEW_TRIANGLE_MIN:
-        return "triangle"
-    if fill < FILL_CIRCLE_MAX:
-        return "circle"
-    return "square"
+def _solidity(a: np.ndarray, mass: float) -> float:
+    """mass / area of the convex hull of the 0.5 iso-contour of `a` (linearly interpolated
+    crossings between 4-neighbours; outside the crop counts as 0)."""
+    s = np.full((a.shape[0] + 2, a.shape[1] + 2), -0.5, np.float32)
+    s[1:-1, 1:-1] = a - 0.5
+    pos = s > 0
+    y0, x0 = np.nonzero(pos[:, :-1] != pos[:, 1:])  # crossing between (y0, x0) and (y0, x0 + 1)
+    lo, hi = s[y0, x0], s[y0, x0 + 1]
+    y1, x1 = np.nonzero(pos[:-1] != pos[1:])  # between (y1, x1) and (y1 + 1, x1)
+    lo1, hi1 = s[y1, x1], s[y1 + 1, x1]
+    pts = np.stack([np.concatenate([x0 + lo / (lo - hi), x1]),
+                    np.concatenate([y0, y1 + lo1 / (lo1 - hi1)])], axis=1)
+    try:
+        hull = float(ConvexHull(pts).volume) if len(pts) >= 3 else 0.0  # 2-D volume = area
+    except QhullError:  # collinear: a line has no area to compare with
+        hull = 0.0
+    return mass / hull if hull > 0.0 else 1.0
 
 
-def shape_margin(fill: float, skew: float, shape: str) -> float:
-    """Signed distance of (fill, skew) into `shape`'s decision region of classify_shape:
-    > 0 iff classify_shape(fill, skew) == shape (up to ties on the boundary)."""
-    tri = max(FILL_TRIANGLE_MAX - fill, skew - SKEW_TRIANGLE_MIN)
-    if shape == "triangle":
-        return tri
-    if shape == "circle":
-        return min(-tri, FILL_CIRCLE_MAX - fill)
-    return min(-tri, fill - FILL_CIRCLE_MAX)
+@functools.lru_cache(maxsize=None)
+def _pool_matrix(size: int) -> np.ndarray:
+    """[size, size * _SUPERSAMPLE]: P @ X @ P.T averages X's _SUPERSAMPLE^2 sample blocks."""
+    return np.kron(np.eye(size, dtype=np.float32), np.full((1, _SUPERSAMPLE), 1.0 / _SUPERSAMPLE,
+                                                           np.float32))
 
 
-def _soft(margin: float) -> float:
-    return float(0.5 * (1.0 + np.tanh(0.5 * margin / MARGIN_TEMPERATURE)))  # = sigmoid(m / T)
+@functools.lru_cache(maxsize=None)
+def _blur_matrix(size: int, sigma: float) -> np.ndarray:
+    """[size, size] Gaussian blur with zero padding as a matrix: K @ X @ K.T blurs X."""
+    i = np.arange(size, dtype=np.float64)
+    radius = int(4.0 * sigma + 0.5)
+    k = np.exp(-0.5 * ((i[:, None] - i[None, :]) / sigma) ** 2)
+    k[np.abs(i[:, None] - i[None, :]) > radius] = 0.0
+    return (k / np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2).sum()).astype(np.float32)
 
 
-def _blobs_for_color(u: np.ndarray, bg: np.ndarray, name: str) -> list[Blob]:
-    col = np.asarray(COLORS[name], np.float32)
-    d = col - bg
-    dd = float(d @ d)
-    if dd < MIN_COLOR_CONTRAST ** 2:
-        return []  # colour indistinguishable from the background
-    rel = u - bg
-    alpha = (rel @ d) / dd
-    a01 = np.clip(alpha, 0.0, 1.0)
-    resid = np.linalg.norm(rel - a01[..., None] * d, axis=-1)
-    ok = resid < RESIDUAL_TOL
-    core = ok & (alpha > 0.5)
+def _template_errors(a: np.ndarray, r0: int, c0: int, cx: float, cy: float, mass: float) -> dict:
+    """err_s for every shape (module docstring, step 4): `a` on a crop at (r0, c0) against the
+    renderer's coverage of s with the same mass and centroid, sharp or blurred."""
+    # A square canvas around the centroid that holds the crop and every template (they reach
+    # at most 2e/3 < 0.7 e_max from the centroid: the triangle's apex).
+    e_max = math.sqrt(mass / _AREA["triangle"])
+    half = int(math.ceil(max(cx - c0, c0 + a.shape[1] - cx, cy - r0, r0 + a.shape[0] - cy,
+                             0.7 * e_max))) + 1
+    ox, oy = int(math.floor(cx)) - half, int(math.floor(cy)) - half
+    size = 2 * half + 1
+    canvas = np.zeros((size, size), np.float32)
+    canvas[r0 - oy:r0 - oy + a.shape[0], c0 - ox:c0 - ox + a.shape[1]] = a
+    g = (np.arange(size)[:, None] + _OFFSETS).reshape(-1)  # render.coverage's sample points
+    hits = np.empty((len(SHAPES), len(g), len(g)), np.float32)
+    for i, s in enumerate(SHAPES):
+        e = math.sqrt(mass / _AREA[s])
+        ty = cy - e / 6 if s == "triangle" else cy
+        hits[i] = render._inside(s, g[None, :], g[:, None], render.Placed("", s, cx - ox, ty - oy, e))
+    pool = _pool_matrix(size)
+    t = pool @ hits @ pool.T  # the fraction of each pixel's samples inside
+    errs = np.abs(canvas - t).sum(axis=(1, 2))
+    for sigma in TEMPLATE_BLURS:
+        k = _blur_matrix(size, sigma)
+        errs = np.minimum(errs, np.abs(canvas - k @ t @ k.T).sum(axis=(1, 2)))
+    return {s: float(e) / (2.0 * mass) for s, e in zip(SHAPES, errs)}
+
+
+def _holes(a: np.ndarray, mine: np.ndarray) -> float:
+    """sum(1 - a) over the background pixels enclosed by the core `mine`: 4-connected non-core
+    regions that do not reach the crop's border (as ndimage.binary_fill_holes)."""
+    labels, n = ndimage.label(~mine)
+    if n <= 1:
+        return 0.0
+    border = np.concatenate([labels[0], labels[-1], labels[:, 0], labels[:, -1]])
+    enclosed = (labels > 0) & ~np.isin(labels, border)
+    return float((1.0 - a)[enclosed].sum())
+
+
+def _blob(name: str, a: np.ndarray, mine: np.ndarray, r0: int, c0: int, mass: float,
+          img_area: int) -> Blob:
+    """Geometry of one component: `a` its soft coverage on a crop at (r0, c0), `mine` its core."""
+    col, row = a.sum(axis=0), a.sum(axis=1)  # marginal mass profiles
+    dx = np.arange(c0 + 0.5, c0 + a.shape[1])
+    dy = np.arange(r0 + 0.5, r0 + a.shape[0])
+    cx, cy = float(col @ dx) / mass, float(row @ dy) / mass
+    dx -= cx
+    dy -= cy
+    dx2, dy2 = dx * dx, dy * dy
+    vx = float(col @ dx2) / mass + 1.0 / 12  # + a pixel's own variance
+    vy = float(row @ dy2) / mass + 1.0 / 12
+    cxy = float(dy @ a @ dx) / mass
+    w, h = float(a.max(axis=0).sum()), float(a.max(axis=1).sum())
+    b = Blob(
+        color=name, shape="none", mass=mass, cx=cx, cy=cy, w=w, h=h, size_frac=mass / img_area,
+        aspect=_aspect(vx, vy, cxy), aspect_tri=_aspect(vx, 0.75 * vy, math.sqrt(0.75) * cxy),
+        skew_x=float(col @ (dx2 * dx)) / mass / vx ** 1.5,
+        skew_y=float(row @ (dy2 * dy)) / mass / vy ** 1.5,
+        solidity=_solidity(a, mass),
+        holes=_holes(a, mine) / mass,
+        fill=mass / max(w * h, 1e-6), err=_template_errors(a, r0, c0, cx, cy, mass))
+    # The gates are exclusive (template gap), so at most one shape passes.
+    object.__setattr__(b, "shape", next((s for s in SHAPES if shape_margin(b, s) > 0.0), "none"))
+    return b
+
+
+def _blobs_for_color(name: str, core: np.ndarray, soft: np.ndarray) -> list[Blob]:
     labels, n = ndimage.label(core, structure=_EIGHT)
     if n == 0:
         return []
     h_img, w_img = core.shape
     min_mass = MIN_AREA_FRAC * h_img * w_img
-    soft = np.where(ok, a01, 0.0).astype(np.float32)
-    # Each component's soft region: its core dilated by one pixel (the anti-aliased rim),
-    # minus other components' cores.
-    slices = ndimage.find_objects(labels)
-    ys, xs = np.arange(h_img, dtype=np.float32), np.arange(w_img, dtype=np.float32)
+    # Each pixel belongs to its nearest component (chessboard distance); see module docstring.
+    if n == 1:
+        dist, owner = ndimage.distance_transform_cdt(~core, metric="chessboard"), None
+    else:
+        dist, (iy, ix) = ndimage.distance_transform_cdt(~core, metric="chessboard",
+                                                        return_indices=True)
+        owner = labels[iy, ix]
+    soft = np.where((dist <= 1) | ((dist <= RIM_PX) & (soft >= RIM_ALPHA_MIN)), soft, 0.0)
     blobs = []
-    for k, sl in enumerate(slices, start=1):
-        r0, r1 = max(sl[0].start - 1, 0), min(sl[0].stop + 1, h_img)
-        c0, c1 = max(sl[1].start - 1, 0), min(sl[1].stop + 1, w_img)
-        lab = labels[r0:r1, c0:c1]
-        mine = ndimage.binary_dilation(lab == k, structure=_EIGHT)
-        region = mine & ((lab == 0) | (lab == k))
-        a = np.where(region, soft[r0:r1, c0:c1], 0.0)
+    for k, sl in enumerate(ndimage.find_objects(labels), start=1):
+        r0, r1 = max(sl[0].start - RIM_PX, 0), min(sl[0].stop + RIM_PX, h_img)
+        c0, c1 = max(sl[1].start - RIM_PX, 0), min(sl[1].stop + RIM_PX, w_img)
+        a = soft[r0:r1, c0:c1]
+        if owner is not None:
+            a = np.where(owner[r0:r1, c0:c1] == k, a, 0.0)
         mass = float(a.sum())
         if mass < min_mass:
             continue
-        w = float(a.max(axis=0).sum())
-        h = float(a.max(axis=1).sum())
-        fill = mass / max(w * h, 1e-6)
-        px, py = a.sum(axis=0) / mass, a.sum(axis=1) / mass  # marginal mass profiles
-        cx = float(px @ (xs[c0:c1] + 0.5))
-        cy = float(py @ (ys[r0:r1] + 0.5))
-        skew = max(abs(_skewness(px, xs[c0:c1] + 0.5, cx)), abs(_skewness(py, ys[r0:r1] + 0.5, cy)))
-        blobs.append(Blob(name, classify_shape(fill, skew), mass, cx, cy, w, h, fill, skew))
+        blobs.append(_blob(name, a, labels[r0:r1, c0:c1] == k, r0, c0, mass, h_img * w_img))
     blobs.sort(key=lambda b: -b.mass)
     return blobs
 
 
-def analyze(image: np.ndarray, colors: Sequence[str] = tuple(COLORS)) -> Optional[Scene]:
-    """Segments one [H, W, 3] image in [-1, 1]; None if invalid or without a uniform background."""
-    u = _to_unit(image)
-    if u is None:
-        return None
+def _border_background(u: np.ndarray) -> Optional[np.ndarray]:
     border = np.concatenate([u[0], u[-1], u[1:-1, 0], u[1:-1, -1]], axis=0)
     bg = np.median(border, axis=0).astype(np.float32)
     if np.mean(np.linalg.norm(border - bg, axis=-1) < BG_UNIFORM_TOL) < BG_UNIFORM_FRAC:
         return None
-    dists = {k: float(np.linalg.norm(bg - np.asarray(v, np.float32))) for k, v in BACKGROUNDS.items()}
-    best = min(dists, key=dists.get)
-    bg_name = best if dists[best] < BG_MATCH_TOL else None
-    return Scene(bg_name, {c: _blobs_for_color(u, bg, c) for c in colors})
+    return bg
+
+
+def analyze(image: np.ndarray, colors: Sequence[str] = tuple(COLORS)) -> Optional[Scene]:
+    """Segments one [H, W, 3] image in [-1, 1]; None if invalid or without a uniform border."""
+    u = _to_unit(image)
+    if u is None:
+        return None
+    bg = _border_background(u)
+    if bg is None:
+        return None
+    rel = u - bg
+    d = _COLOR_RGB - bg  # [C, 3]
+    dd = (d * d).sum(axis=-1)
+    proj = rel @ d.T  # [H, W, C]
+    alpha = proj / dd
+    a01 = np.clip(alpha, 0.0, 1.0)
+    # Squared distance to the segment bg -> colour: |rel|^2 - 2 a <rel, d> + a^2 |d|^2.
+    resid2 = (rel * rel).sum(axis=-1, keepdims=True) + a01 * (a01 * dd - 2.0 * proj)
+    ok = (resid2 < RESIDUAL_TOL ** 2) & (dd >= MIN_COLOR_CONTRAST ** 2)
+    core = ok & (alpha > 0.5)
+    own = ok & (resid2 <= resid2.min(axis=-1, keepdims=True) + 1e-6)
+    blobs = {}
+    for c in colors:
+        i = _COLOR_NAMES.index(c)
+        blobs[c] = _blobs_for_color(c, core[..., i], np.where(own[..., i], a01[..., i], 0.0))
+    # Background (step 6): the pixels that are no palette object, core or rim.
+    obj = ndimage.binary_dilation(core.any(axis=-1), _EIGHT, iterations=RIM_PX) & ok.any(axis=-1)
+    region = u[~obj]
+    name = None
+    if len(region):
+        near = np.linalg.norm(region[:, None, :] - _BG_RGB, axis=-1) < BG_MATCH_TOL  # [N, 3]
+        frac = near.mean(axis=0)
+        j = int(np.argmax(frac))
+        if frac[j] >= BG_REGION_FRAC:
+            name = _BG_NAMES[j]
+    return Scene(name, blobs)
+
+
+def _shape_gates(b: Blob, shape: str) -> dict[str, float]:
+    """Signed margin of every gate of `shape` in its natural units: > 0 iff the gate passes."""
+    err = b.err[shape]
+    gates = {
+        "size": b.size_frac / MIN_SHAPE_FRAC - 1.0,
+        "solidity": b.solidity - SOLIDITY_MIN,
+        "holes": HOLES_MAX - b.holes,
+        "fill": b.fill - FILL_MIN[shape],
+        "template_err": TEMPLATE_ERR_MAX - err,
+        "template_gap": min(b.err[o] for o in SHAPES if o != shape) - err - TEMPLATE_GAP_MIN,
+    }
+    if shape == "triangle":
+        gates["aspect"] = ASPECT_MAX - b.aspect_tri
+        gates["skew"] = SKEW_MAX - abs(b.skew_x)
+        gates["upright"] = TRIANGLE_SKEW_Y_MAX - b.skew_y
+    else:
+        gates["aspect"] = ASPECT_MAX - b.aspect
+        gates["skew"] = SKEW_MAX - max(abs(b.skew_x), abs(b.skew_y))
+    return gates
+
+
+def shape_margin(b: Blob, shape: str) -> float:
+    """Signed distance of blob `b` into `shape`'s acceptance region in gate widths
+    (MARGIN_WIDTHS): the smallest normalised gate margin; > 0 iff every gate passes."""
+    return min(m / MARGIN_WIDTHS[g] for g, m in _shape_gates(b, shape).items())
+
+
+def _soft(margin: float) -> float:
+    return float(0.5 * (1.0 + np.tanh(0.5 * margin / MARGIN_TEMPERATURE)))  # = sigmoid(m / T)
 
 
 def relation_margin(a: Blob, b: Blob, relation: str) -> float:
@@ -210,31 +409,85 @@ def relation_holds(a: Blob, b: Blob, relation: str) -> bool:
     return relation_margin(a, b, relation) > 0.0
 
 
+def _atom_names(p: ShapesPrompt) -> list[str]:
+    names = [f"{i}_{k}" for i in range(len(p.objects)) for k in ("present", "count", "shape")]
+    return names + (["relation"] if p.is_relation else []) + ["background"]
+
+
 def check(image: np.ndarray, prompt: ShapesPrompt | str) -> CheckResult:
     """Atoms, partial credit and strict pass for one image; invalid images score 0."""
     p = parse(prompt) if isinstance(prompt, str) else prompt
-    names = [f"{i}_{k}" for i in range(len(p.objects)) for k in ("present", "count", "shape")]
-    names += (["relation"] if p.is_relation else []) + ["background"]
+    names = _atom_names(p)
     scene = analyze(image, [o.color for o in p.objects])
     if scene is None:
-        return CheckResult({k: False for k in names}, 0.0, False)
+        return CheckResult({k: False for k in names}, 0.0, False, 0.0, {k: 0.0 for k in names})
     atoms, soft = {}, {}
     for i, o in enumerate(p.objects):
         blobs = scene.blobs[o.color]
+        margins = [shape_margin(b, o.shape) for b in blobs]
         atoms[f"{i}_present"] = len(blobs) > 0
         atoms[f"{i}_count"] = len(blobs) == o.count
-        atoms[f"{i}_shape"] = len(blobs) > 0 and all(b.shape == o.shape for b in blobs)
+        atoms[f"{i}_shape"] = len(blobs) > 0 and all(m > 0.0 for m in margins)
         # The worst component decides the strict atom, so it decides the soft one too.
-        soft[f"{i}_shape"] = min((_soft(shape_margin(b.fill, b.skew, o.shape)) for b in blobs),
-                                 default=0.0)
+        soft[f"{i}_shape"] = min((_soft(m) for m in margins), default=0.0)
     if p.is_relation:
         ba, bb = scene.blobs[p.objects[0].color], scene.blobs[p.objects[1].color]
-        atoms["relation"] = bool(ba and bb and relation_holds(ba[0], bb[0], p.relation))
-        soft["relation"] = _soft(relation_margin(ba[0], bb[0], p.relation)) if ba and bb else 0.0
+        m = relation_margin(ba[0], bb[0], p.relation) if ba and bb else -1.0
+        atoms["relation"] = m > 0.0
+        soft["relation"] = _soft(m / MARGIN_WIDTHS["relation"]) if ba and bb else 0.0
     atoms["background"] = scene.background == p.background
+    soft = {k: soft.get(k, float(v)) for k, v in atoms.items()}
     partial = sum(atoms.values()) / len(atoms)
-    dense = sum(soft.get(k, float(v)) for k, v in atoms.items()) / len(atoms)
-    return CheckResult(atoms, float(partial), all(atoms.values()), float(dense))
+    dense = sum(soft.values()) / len(atoms)
+    return CheckResult(atoms, float(partial), all(atoms.values()), float(dense), soft)
+
+
+# ------------------------------------------------- second scoring path: plain thresholds only
+
+def shape_ok(b: Blob, shape: str) -> bool:
+    """Whether blob `b` is `shape`, written as plain threshold comparisons (no margins, no
+    smoothing); agrees with shape_margin(b, shape) > 0."""
+    err = b.err[shape]
+    if not (b.size_frac > MIN_SHAPE_FRAC and b.solidity > SOLIDITY_MIN and b.holes < HOLES_MAX
+            and b.fill > FILL_MIN[shape] and err < TEMPLATE_ERR_MAX
+            and all(b.err[o] - err > TEMPLATE_GAP_MIN for o in SHAPES if o != shape)):
+        return False
+    if shape == "triangle":
+        return (b.aspect_tri < ASPECT_MAX and abs(b.skew_x) < SKEW_MAX
+                and b.skew_y < TRIANGLE_SKEW_Y_MAX)
+    return b.aspect < ASPECT_MAX and abs(b.skew_x) < SKEW_MAX and abs(b.skew_y) < SKEW_MAX
+
+
+def _relation_ok(a: Blob, b: Blob, relation: str) -> bool:
+    """GenEval's relative-position rule (step 7) as plain comparisons."""
+    off = (a.cx - b.cx, a.cy - b.cy)
+    norm = math.hypot(*off)
+    if norm < 1e-6:
+        return False
+    axis, sign = {"left of": (0, -1), "right of": (0, 1), "above": (1, -1), "below": (1, 1)}[relation]
+    extent = (a.w + b.w, a.h + b.h)[axis]
+    return sign * math.copysign(max(abs(off[axis]) - POSITION_THRESHOLD * extent, 0.0),
+                                off[axis]) / norm > 0.5
+
+
+def strict_atoms(image: np.ndarray, prompt: ShapesPrompt | str) -> dict[str, bool]:
+    """Every atom of `prompt` for one image, from plain thresholds only (`shape_ok`, the plain
+    relation rule): the second scoring path (module docstring). Invalid images fail every atom."""
+    p = parse(prompt) if isinstance(prompt, str) else prompt
+    scene = analyze(image, [o.color for o in p.objects])
+    if scene is None:
+        return {k: False for k in _atom_names(p)}
+    atoms = {}
+    for i, o in enumerate(p.objects):
+        blobs = scene.blobs[o.color]
+        atoms[f"{i}_present"] = bool(blobs)
+        atoms[f"{i}_count"] = len(blobs) == o.count
+        atoms[f"{i}_shape"] = bool(blobs) and all(shape_ok(b, o.shape) for b in blobs)
+    if p.is_relation:
+        ba, bb = scene.blobs[p.objects[0].color], scene.blobs[p.objects[1].color]
+        atoms["relation"] = bool(ba and bb) and _relation_ok(ba[0], bb[0], p.relation)
+    atoms["background"] = scene.background == p.background
+    return atoms
 
 
 def _parse_all(prompts: Sequence[str]) -> list[ShapesPrompt]:
@@ -263,12 +516,19 @@ def check_all(images: np.ndarray, prompts: Sequence[str]) -> list[CheckResult]:
     return [check(im, p) for im, p in zip(images, _parse_all(prompts))]
 
 
-def atom_rates(results: Sequence[CheckResult]) -> dict[str, float]:
+def strict_atoms_all(images: np.ndarray, prompts: Sequence[str]) -> list[dict[str, bool]]:
+    """`strict_atoms` of every (image, prompt) pair of a [B, H, W, 3] batch."""
+    images = check_batch(images, prompts)
+    return [strict_atoms(im, p) for im, p in zip(images, _parse_all(prompts))]
+
+
+def atom_rates(results: Sequence[CheckResult | dict]) -> dict[str, float]:
     """Fraction of satisfied atoms per kind (present, count, shape, relation, background) over
-    `results`: which part of the prompts a model gets wrong."""
+    `results` (CheckResults, or `strict_atoms` dicts): which part of the prompts a model gets
+    wrong."""
     hits: dict[str, list[bool]] = {}
     for r in results:
-        for name, ok in r.atoms.items():
+        for name, ok in (r if isinstance(r, dict) else r.atoms).items():
             hits.setdefault(name.split("_")[-1], []).append(bool(ok))
     return {kind: float(np.mean(v)) for kind, v in sorted(hits.items())}
 
@@ -282,3 +542,10 @@ def shapes_strict(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
 def shapes_strict_reward(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     """[B] float32 in {0, 1}: `shapes_strict` as a reward."""
     return shapes_strict(images, prompts).astype(np.float32)
+
+
+@register("shapes_strict_atoms")
+def shapes_strict_atoms_reward(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    """[B] float32 in {0, 1}: every atom satisfied under `strict_atoms` (plain thresholds, the
+    second scoring path); its mean is the accuracy to report beside `shapes_strict`."""
+    return np.array([all(a.values()) for a in strict_atoms_all(images, prompts)], np.float32)

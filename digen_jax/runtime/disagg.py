@@ -184,10 +184,12 @@ def _rollout_process(exp, workdir: str, cluster) -> dict:
   exp.prompts.restore(int(start_info['data_position']))
   chan = transfer.Channel(cluster.trainer.process, name='disagg', timeout_s=PEER_TIMEOUT_S)
   rollout = workers.RolloutWorker(exp, cluster.rollout.mesh,
-                                  publish.rollout_param_shardings(cluster, exp.params), level)
+                                  publish.rollout_param_shardings(cluster, exp.params), level,
+                                  frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
   weights_abstract = transfer.abstract(exp.params, rollout.param_shardings,
                                        publish.rollout_param_dtype(cluster))
-  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
+  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir,
+                             frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
   tracer = trace_lib.Tracer(config.schedule.trace)
 
   def receive(version: int):

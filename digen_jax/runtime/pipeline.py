@@ -98,7 +98,8 @@ class FragmentSampler:
   rollout's copy on the rollout mesh, or the trainer's FSDP params on the trainer mesh (TAG)."""
 
   def __init__(self, exp, mesh, param_shardings, plan: frag_lib.FragmentPlan, role: str,
-               tracer: trace_lib.Tracer, guard_level: str, param_dtype=None):
+               tracer: trace_lib.Tracer, guard_level: str, param_dtype=None, *,
+               frozen_fsdp: bool = True):
     self.exp, self.mesh, self.plan, self.role, self.tracer = exp, mesh, plan, role, tracer
     self.guard_level = guard_level
     self.traj_shardings = workers.trajectory_shardings(mesh)
@@ -113,8 +114,8 @@ class FragmentSampler:
                         sharding=data(3)),
             'text_mask': sds((n, c.text.max_length), jnp.int32, sharding=data(2))}
     scalar = lambda dt: sds((), dt, sharding=rep)
-    # Frozen weights on this mesh (the trainer's own copy for TAG: shared through the cache).
-    frozen = exp.weights.frozen(mesh, fsdp=role != 'rollout', decode=True)
+    # Frozen weights on this mesh (TAG: the trainer's own FSDP copy, shared through the cache).
+    frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)
     self._program = programs.make_rollout(
         exp, mesh, param_shardings, self.traj_shardings, with_offset=True, frozen=frozen).lower(
             transfer.abstract(exp.params, param_shardings, param_dtype), cond, cond,
@@ -585,8 +586,9 @@ def train(exp, workdir: str, cluster) -> dict:
     rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
     link = LocalLink(cluster, ft.traj_shardings, rollout_sh, dtype)
     sampler = FragmentSampler(exp, cluster.rollout.mesh, rollout_sh, plan, 'rollout', tracer,
-                              level, dtype)
-    evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
+                              level, dtype, frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
+    evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir,
+                               frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
 
     def run_rollout():
       try:
@@ -623,8 +625,10 @@ def _rollout_process(exp, workdir, cluster, plan, tracer, level) -> dict:
                      wait_for_pull=config.schedule.wait_for_pull,
                      shared_claims=config.schedule.tag)
   sampler = FragmentSampler(exp, cluster.rollout.mesh, rollout_sh, plan, 'rollout', tracer,
-                            level, publish.rollout_param_dtype(cluster))
-  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
+                            level, publish.rollout_param_dtype(cluster),
+                            frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
+  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir,
+                             frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
   rollout_loop(exp, workdir, cluster, link, tracer, start, sampler, evals)
   return {'step': config.total_steps}
 

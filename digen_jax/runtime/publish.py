@@ -71,6 +71,13 @@ def rollout_param_shardings(cluster, params):
   return jax.tree.map(lambda _: rep, params)
 
 
+def rollout_frozen_fsdp(cluster) -> bool:
+  """Whether the rollout's frozen weights (LoRA base) are FSDP-sharded: as its param copy
+  (config.cluster.rollout.param_sharding), and always when the roles share one mesh (the
+  trainer's FSDP copy serves both, instead of a second, replicated one)."""
+  return cluster.is_colocated or cluster.rollout_param_sharding == 'fsdp'
+
+
 def rollout_param_dtype(cluster):
   """The floating dtype of the rollout copy, or None for no cast (float32 master weights)."""
   return jnp.bfloat16 if cluster.rollout_param_dtype == 'bfloat16' else None

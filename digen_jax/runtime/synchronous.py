@@ -48,12 +48,14 @@ def train(exp, workdir: str, cluster) -> dict:
   if start:
     exp.prompts.restore(trainer.data_position)
   rollout = workers.RolloutWorker(exp, cluster.rollout.mesh,
-                                  publish.rollout_param_shardings(cluster, exp.params), level)
+                                  publish.rollout_param_shardings(cluster, exp.params), level,
+                                  frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
   dtype = publish.rollout_param_dtype(cluster)
   publish_mb = publish.publish_megabytes(exp.params, dtype)
   writer = metrics_lib.MetricsWriter(workdir)
   progress = metrics_lib.Progress(start, config.total_steps)
-  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir)
+  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir,
+                             frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
   tracer = trace_lib.Tracer(config.schedule.trace)
   all_devices = list(cluster.trainer.devices) + [
       d for d in cluster.rollout.devices if d not in cluster.trainer.devices]

@@ -113,14 +113,16 @@ class RolloutWorker:
   """The rollout role on `mesh`: one compiled sampling program for params laid out as
   `param_shardings` (the published rollout copy)."""
 
-  def __init__(self, exp, mesh, param_shardings, guard_level: str = 'allow'):
+  def __init__(self, exp, mesh, param_shardings, guard_level: str = 'allow', *,
+               frozen_fsdp: bool = False):
     self.exp, self.mesh, self.param_shardings = exp, mesh, param_shardings
     self.guard_level = guard_level
     c = exp.config
     self.batch_shardings = rollout_batch_shardings(mesh)
     traj_sh = self.batch_shardings['traj']
-    # Frozen weights (LoRA base, VAE) on this mesh: the trainer's copy when the roles share it.
-    self.frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
+    # Frozen weights (LoRA base, VAE) on this mesh, laid out by publish.rollout_frozen_fsdp
+    # (colocated: the trainer's own FSDP copy, not a second one).
+    self.frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)
     self._rollout = programs.make_rollout(exp, mesh, param_shardings, traj_sh, frozen=self.frozen)
     self._rep = mesh_lib.replicated(mesh)
     self._advantages = jax.jit(
@@ -279,10 +281,11 @@ class EvalRunner:
   """Periodic evaluation (config.eval.every) on the rollout mesh with a published policy;
   writes <workdir>/eval/eval_<version>.{json,png} and returns the metrics row."""
 
-  def __init__(self, exp, mesh, workdir: str):
+  def __init__(self, exp, mesh, workdir: str, *, frozen_fsdp: bool = False):
     self.exp, self.workdir = exp, workdir
     self.every = exp.config.eval.every
-    self.evaluator = (evaluation.Evaluator(exp, mesh, evaluation.eval_prompts(exp, workdir))
+    self.evaluator = (evaluation.Evaluator(exp, mesh, evaluation.eval_prompts(exp, workdir),
+                                           frozen_fsdp=frozen_fsdp)
                       if self.every > 0 else None)
 
   @property

@@ -1,0 +1,40 @@
+"""weights.Weights: frozen weights load once per mesh and layout, and the roles pick the layout
+the config asks for (a colocated rollout shares the trainer's FSDP base, no second copy)."""
+import jax
+import numpy as np
+
+from configs import qwenimage
+from digen_jax import configlib
+from digen_jax import experiment
+from digen_jax.runtime import cluster as cluster_lib
+from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.runtime import publish
+
+
+def _lora_weights():
+  c = qwenimage.get_config('tiny')
+  c.model.lora.rank, c.model.lora.alpha = 2, 2.0
+  return c, experiment.build_weights(c)[1]
+
+
+def test_frozen_base_once_per_mesh_and_layout():
+  _, w = _lora_weights()
+  mesh = mesh_lib.make_mesh(jax.devices()[:2])
+  fsdp = w.frozen(mesh, fsdp=True, decode=True)
+  assert w.frozen(mesh, fsdp=True, decode=False)['base'] is fsdp['base']   # cached, shared
+  rep = w.frozen(mesh, fsdp=False, decode=True)['base']
+  assert rep is not fsdp['base']
+  sharded = [x for x in jax.tree.leaves(fsdp['base']) if not x.sharding.is_fully_replicated]
+  assert sharded and all(x.sharding.is_fully_replicated for x in jax.tree.leaves(rep))
+  for a, b in zip(jax.tree.leaves(fsdp['base']), jax.tree.leaves(rep)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert fsdp['vae'] is None                          # pixel space: no decoder weights
+
+
+def test_rollout_frozen_layout_follows_the_cluster():
+  c, _ = _lora_weights()
+  assert publish.rollout_frozen_fsdp(cluster_lib.colocated(jax.devices()[:2]))
+  configlib.set_disagg(c)
+  assert not publish.rollout_frozen_fsdp(cluster_lib.resolve(c))
+  c.cluster.rollout.param_sharding = 'fsdp'
+  assert publish.rollout_frozen_fsdp(cluster_lib.resolve(c))
