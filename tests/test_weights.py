@@ -38,3 +38,17 @@ def test_rollout_frozen_layout_follows_the_cluster():
   assert not publish.rollout_frozen_fsdp(cluster_lib.resolve(c))
   c.cluster.rollout.param_sharding = 'fsdp'
   assert publish.rollout_frozen_fsdp(cluster_lib.resolve(c))
+
+
+def test_lora_kl_reference_is_the_base(tmp_path):
+  """With LoRA the KL reference is the frozen base (adapters off): no second copy of the base,
+  and the KL is exactly 0 while the adapters are still at their B = 0 init, > 0 after."""
+  import json
+  from digen_jax.runtime import colocated
+  c, _ = _lora_weights()
+  c.rl.kl_beta, c.total_steps, c.optim.lr = 0.1, 2, 3e-2
+  exp = experiment.build(c, str(tmp_path), 2)
+  out = colocated.train(exp, str(tmp_path), devices=jax.devices()[:2])
+  assert set(out['params']) == set(exp.params)          # the trainer holds adapters only
+  rows = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
+  assert rows[0]['kl'] == 0.0 and rows[1]['kl'] > 0.0, rows
