@@ -57,8 +57,9 @@ def prepare_tiny_pipeline(config, workdir: str):
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
   for split in dict.fromkeys((config.data.split, config.eval.split)):
     prompts = list(prompt_data.load_prompts(config.data.prompts, split, data_dir))
+    # verify=False: only the index is read here (the run's own open hashes every shard).
     if (os.path.isdir(config.text.cache) and not text_cache.EmbeddingCache(
-        config.text.cache, config.text.max_length).missing(prompts)):
+        config.text.cache, config.text.max_length, verify=False).missing(prompts)):
       continue
     child(['digen_jax.encode_prompts', *config_flags, f'--prompts={config.data.prompts}',
            f'--split={split}', f'--data_dir={data_dir}', f'--out={config.text.cache}'])
