@@ -100,6 +100,10 @@ class Evaluator:
       metrics['eval/strict_accuracy'] = float(passed.mean())
       metrics.update({f'eval/atom_{kind}': rate
                       for kind, rate in shapes_checker.atom_rates(checked).items()})
+      # A second scoring path that shares none of the reward's margin code (plain thresholds):
+      # a policy that games the smoothed reward shows up as a gap between the two accuracies.
+      hard = shapes_checker.strict_atoms_all(images, all_prompts)
+      metrics['eval/strict_accuracy_hard'] = float(np.mean([all(h.values()) for h in hard]))
     return {'metrics': metrics, 'images': images, 'prompts': all_prompts, 'rewards': rewards,
             'passed': passed}
 

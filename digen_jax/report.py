@@ -24,7 +24,7 @@ def summarize(rows: list[dict]) -> dict:
   if train:
     out.update(first_reward_mean=train[0]['reward_mean'], last_reward_mean=train[-1]['reward_mean'])
   if evals:
-    for key in (ACC, 'eval/reward_mean'):
+    for key in (ACC, 'eval/strict_accuracy_hard', 'eval/reward_mean'):
       if key in evals[0]:
         out[f'base_{key.split("/")[1]}'] = evals[0][key]
         out[f'final_{key.split("/")[1]}'] = evals[-1][key]
