@@ -16,7 +16,6 @@ final packed latents into images in [-1, 1] (identity for pixel-space configs, t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Callable
 
@@ -154,9 +153,8 @@ def _mmdit_source(config, mcfg: mmdit.MMDiTConfig, same_architecture):
     model.config = mcfg             # the run's execution options (remat, scan_layers)
     graphdef, params = nnx.split(model)
     return graphdef, params, None
-  folder = convert.resolve_transformer_folder(path)
-  ckpt_cfg = convert.config_from_diffusers(json.loads((folder / 'config.json').read_text()))
-  loader = lambda sh, dtype: convert.load_diffusers_sharded(folder, lambda _: sh, dtype)[2]
+  ckpt_cfg = convert.read_config(path)
+  loader = lambda sh, dtype: convert.load_diffusers_sharded(path, lambda _: sh, dtype)[2]
   if not same_architecture(ckpt_cfg, mcfg):
     raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
                      f'{ckpt_cfg}, config asks for {mcfg}')

@@ -2,7 +2,6 @@
 
 import copy
 import json
-import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,9 +9,10 @@ import pytest
 
 from digen_jax.models.convert import load_diffusers_folder, load_diffusers_state
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
+from tests import diffusers_models
 
 import torch  # noqa: E402  (a missing test dependency must fail, not skip)
-import diffusers  # noqa: E402
+import diffusers  # noqa: E402,F401
 
 TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32,
             num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(8, 12, 12))
@@ -23,19 +23,7 @@ B, L = 2, 5
 @pytest.fixture(scope="module")
 def tmodel():
     """Tiny diffusers model, every tensor randomised (norm scales and biases included)."""
-    torch.manual_seed(0)
-    model = diffusers.QwenImageTransformer2DModel(**TINY).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if p.ndim == 1 and "norm" in name:
-                p.copy_(1.0 + 0.3 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[-1]))
-    return model
+    return diffusers_models.randomized_transformer(**TINY)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import torch
 
 from digen_jax.models import convert
 from digen_jax.models import lora
+from tests import diffusers_models
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
 
 TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32,
@@ -46,19 +47,7 @@ DEAD_IN_LAST_LAYER = {'blocks.attn.add_q_proj.kernel', 'blocks.attn.to_add_out.k
 @pytest.fixture(scope='module')
 def tmodel():
   """Tiny diffusers model, every tensor randomised (norm scales and biases included)."""
-  torch.manual_seed(0)
-  model = diffusers.QwenImageTransformer2DModel(**TINY).eval()
-  gen = torch.Generator().manual_seed(0)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      noise = torch.randn(p.shape, generator=gen)
-      if p.ndim == 1 and 'norm' in name:
-        p.copy_(1.0 + 0.3 * noise)
-      elif name.endswith('.bias'):
-        p.copy_(0.2 * noise)
-      else:
-        p.copy_(noise / math.sqrt(p.shape[-1]))
-  return model
+  return diffusers_models.randomized_transformer(**TINY)
 
 
 @pytest.fixture(scope='module')

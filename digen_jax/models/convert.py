@@ -11,7 +11,6 @@ params and every one of our params must be set, else a ValueError lists what is 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -153,25 +152,12 @@ def load_diffusers_state(model: MMDiT, state_dict: Mapping[str, Any]) -> MMDiT:
 
 def resolve_transformer_folder(path: str | os.PathLike) -> Path:
     """The folder holding the transformer's config.json: `path` itself or `path`/transformer (pipeline folder)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"diffusers folder not found: {folder}")
-    for candidate in (folder, folder / "transformer"):
-        if (candidate / "config.json").is_file():
-            return candidate
-    raise FileNotFoundError(f"no config.json in {folder} or {folder / 'transformer'}; expected a diffusers "
-                            f"QwenImageTransformer2DModel folder or a pipeline folder with transformer/")
+    return streaming.component_folder(path, "transformer", DIFFUSERS_CLASS_NAME)
 
 
-def _read_config(folder: Path, overrides: Mapping[str, Any]) -> MMDiTConfig:
-    config_file = folder / "config.json"
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {config_file}: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
-    return config_from_diffusers(raw, **overrides)
+def read_config(folder: str | os.PathLike, **overrides: Any) -> MMDiTConfig:
+    """MMDiTConfig of a transformer folder (or a pipeline folder with transformer/)."""
+    return config_from_diffusers(streaming.read_config_json(resolve_transformer_folder(folder)), **overrides)
 
 
 def load_diffusers_sharded(path: str | os.PathLike, shardings_fn: Callable[[nnx.State], Any], dtype: Any = None,
@@ -183,7 +169,7 @@ def load_diffusers_sharded(path: str | os.PathLike, shardings_fn: Callable[[nnx.
     dtype: the params' dtype (None: float32). No random init is materialised; the checkpoint is validated
     (keys and shapes) before any tensor data is read."""
     folder = resolve_transformer_folder(path)
-    config = _read_config(folder, config_overrides)
+    config = read_config(folder, **config_overrides)
     checkpoint = streaming.open_checkpoint(folder)
     param_dtype = jnp.float32 if dtype is None else dtype
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MMDiT(config, rngs=nnx.Rngs(0), param_dtype=param_dtype)))

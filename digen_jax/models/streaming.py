@@ -88,6 +88,32 @@ class Checkpoint:
       return f.get_slice(key)[tuple(slice(a, b) for a, b in bounds)]
 
 
+def component_folder(path: str | os.PathLike, subfolder: str, what: str) -> Path:
+  """The folder holding a diffusers component's config.json: `path` itself, or `path`/`subfolder`
+  of a pipeline folder (e.g. 'transformer', 'vae'). FileNotFoundError naming both otherwise;
+  `what` names the expected class in the message."""
+  folder = Path(path)
+  if not folder.is_dir():
+    raise FileNotFoundError(f'diffusers folder not found: {folder}')
+  for candidate in (folder, folder / subfolder):
+    if (candidate / 'config.json').is_file():
+      return candidate
+  raise FileNotFoundError(f'no config.json in {folder} or {folder / subfolder}; expected a '
+                          f'diffusers {what} folder or a pipeline folder with {subfolder}/')
+
+
+def read_config_json(folder: str | os.PathLike) -> dict[str, Any]:
+  """A component folder's config.json as a dict; ValueError naming the file otherwise."""
+  config_file = Path(folder) / 'config.json'
+  try:
+    raw = json.loads(config_file.read_text())
+  except (OSError, ValueError) as e:
+    raise ValueError(f'cannot read {config_file}: {e}') from e
+  if not isinstance(raw, dict):
+    raise ValueError(f'{config_file} must hold a JSON object, got {type(raw).__name__}')
+  return raw
+
+
 def weight_files(folder: str | os.PathLike) -> list[Path]:
   """The safetensors files of a folder: those its one *.safetensors.index.json names, else every
   *.safetensors in it. Pickle weights are never listed (ValueError when nothing else is there)."""

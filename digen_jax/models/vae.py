@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 from pathlib import Path
@@ -655,27 +654,15 @@ def load_vae_state(model: QwenImageVAE, state_dict: Mapping[str, Any]) -> QwenIm
 
 def resolve_vae_folder(path: str | os.PathLike) -> Path:
   """The folder holding the VAE's config.json: `path` itself or `path`/vae (pipeline folder)."""
-  folder = Path(path)
-  if not folder.is_dir():
-    raise FileNotFoundError(f'VAE folder not found: {folder}')
-  for candidate in (folder, folder / 'vae'):
-    if (candidate / 'config.json').is_file():
-      return candidate
-  raise FileNotFoundError(f'no config.json in {folder} or {folder / "vae"}; expected a diffusers '
-                          f'{DIFFUSERS_CLASS_NAME} folder or a pipeline folder with vae/')
+  return streaming.component_folder(path, 'vae', DIFFUSERS_CLASS_NAME)
 
 
 def read_vae_config(path: str | os.PathLike) -> VAEConfig:
   """VAEConfig from a diffusers vae/ folder or pipeline folder."""
-  config_file = resolve_vae_folder(path) / 'config.json'
+  folder = resolve_vae_folder(path)
+  config_file = folder / 'config.json'
   try:
-    raw = json.loads(config_file.read_text())
-  except (OSError, ValueError) as e:
-    raise ValueError(f'cannot read {config_file}: {e}') from e
-  if not isinstance(raw, dict):
-    raise ValueError(f'{config_file} must hold a JSON object, got {type(raw).__name__}')
-  try:
-    return config_from_diffusers(raw)
+    return config_from_diffusers(streaming.read_config_json(folder))
   except ValueError as e:
     raise ValueError(f'{config_file}: {e}') from e
 

@@ -1,0 +1,23 @@
+"""Tiny diffusers reference models with every tensor randomised, shared by the parity tests."""
+import math
+
+import diffusers
+import torch
+
+
+def randomized_transformer(**config) -> diffusers.QwenImageTransformer2DModel:
+  """A QwenImageTransformer2DModel(**config) in eval mode whose every tensor is random (norm
+  scales ~1 +- 0.3, biases ~0.2, weights ~1/sqrt(fan_in)), so a mis-mapped tensor shows."""
+  torch.manual_seed(0)
+  model = diffusers.QwenImageTransformer2DModel(**config).eval()
+  gen = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      noise = torch.randn(p.shape, generator=gen)
+      if p.ndim == 1 and 'norm' in name:
+        p.copy_(1.0 + 0.3 * noise)
+      elif name.endswith('.bias'):
+        p.copy_(0.2 * noise)
+      else:
+        p.copy_(noise / math.sqrt(p.shape[-1]))
+  return model
