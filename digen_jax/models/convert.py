@@ -19,7 +19,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can hand out BF16 tensors)
-import numpy as np
 from flax import nnx
 
 from digen_jax.models import streaming, tensor_source
@@ -109,45 +108,13 @@ def diffusers_key_table(config: MMDiTConfig) -> dict[str, TensorSource]:
     return table
 
 
-def _fmt_keys(keys, limit: int = 20) -> str:
-    keys = sorted(keys)
-    more = f" ... (+{len(keys) - limit} more)" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
-
-
 def load_diffusers_state(model: MMDiT, state_dict: Mapping[str, Any]) -> MMDiT:
     """Set every param of `model` IN PLACE from a diffusers state dict {key: array [torch layout]}; returns `model`.
 
     `model` may be abstract (built under nnx.eval_shape) so that no random init is materialised. Arrays are cast to
     each param's existing dtype. Raises ValueError naming missing / unexpected keys, or the key with a wrong shape.
     """
-    table = diffusers_key_table(model.config)
-    params = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    unset = sorted(p for p in params if p not in table)
-    if unset:  # a module was added to MMDiT without a converter entry
-        raise ValueError(f"converter has no diffusers source for our params: {_fmt_keys(unset)}")
-    expected = tensor_source.file_keys(table)
-    given = set(state_dict.keys())
-    missing, unexpected = expected - given, given - expected
-    if missing or unexpected:
-        msg = []
-        if missing:
-            msg.append(f"missing diffusers keys ({len(missing)}): {_fmt_keys(missing)}")
-        if unexpected:
-            msg.append(f"unexpected diffusers keys ({len(unexpected)}): {_fmt_keys(unexpected)}")
-        raise ValueError("state dict does not match MMDiT(config): " + "; ".join(msg))
-
-    for name, var in params.items():
-        source = table[name]
-        target = var.get_value()
-        for key in source.keys:
-            got = source.our_shape(tuple(np.shape(state_dict[key])))[1 if source.stacked else 0:]
-            want = tuple(target.shape[1:] if source.stacked else target.shape)
-            if got != want:
-                raise ValueError(f"diffusers key {key!r} has shape {tuple(np.shape(state_dict[key]))}, expected "
-                                 f"one that gives {want} for our param {name} (it gives {got})")
-        var.set_value(jnp.asarray(tensor_source.gather(source, state_dict.__getitem__), dtype=target.dtype))
-    return model
+    return tensor_source.fill_params(model, diffusers_key_table(model.config), state_dict, "MMDiT")
 
 
 def resolve_transformer_folder(path: str | os.PathLike) -> Path:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
+from flax import nnx
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -65,3 +67,43 @@ def gather(source: TensorSource, read: Callable[[str], np.ndarray]) -> np.ndarra
 def file_keys(table: KeyTable) -> set[str]:
   """Every file key a table reads."""
   return {k for s in table.values() for k in s.keys}
+
+
+def fmt_keys(keys, limit: int = 20) -> str:
+  """Sorted keys, the first `limit` of them, for error messages."""
+  keys = sorted(keys)
+  more = f' ... (+{len(keys) - limit} more)' if len(keys) > limit else ''
+  return ', '.join(keys[:limit]) + more
+
+
+def fill_params(model, table: KeyTable, state_dict: Mapping[str, np.ndarray], what: str):
+  """Sets every nnx.Param of `model` IN PLACE from `state_dict` ({file key: array, in the file's
+  layout}) through `table`, cast to each param's dtype; returns `model` (which may be abstract,
+  built under nnx.eval_shape: no random init is needed). ValueError names params without a
+  source, missing / unexpected file keys, or a key whose shape does not give our param's.
+  `what` names the model in messages (e.g. 'MMDiT')."""
+  params = {'.'.join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  unset = sorted(set(params) - set(table))
+  if unset:  # a module was added without a key-table entry
+    raise ValueError(f'{what}: the key table has no checkpoint source for our params: '
+                     f'{fmt_keys(unset)}')
+  expected, given = file_keys(table), set(state_dict.keys())
+  missing, unexpected = expected - given, given - expected
+  if missing or unexpected:
+    msg = [f'{label} diffusers keys ({len(keys)}): {fmt_keys(keys)}'
+           for label, keys in (('missing', missing), ('unexpected', unexpected)) if keys]
+    raise ValueError(f'{what} state dict does not match its config: ' + '; '.join(msg))
+  for name, var in params.items():
+    source, target = table[name], var.get_value()
+    want = tuple(target.shape[1:] if source.stacked else target.shape)
+    for key in source.keys:
+      file_shape = tuple(np.shape(state_dict[key]))
+      try:
+        got = source.our_shape(file_shape)[1 if source.stacked else 0:]
+      except ValueError as e:
+        got = f'none: {e}'
+      if got != want:
+        raise ValueError(f'diffusers key {key!r} has shape {file_shape}, expected one that gives '
+                         f'{want} for our param {name} (it gives {got})')
+    var.set_value(jnp.asarray(gather(source, state_dict.__getitem__), dtype=target.dtype))
+  return model

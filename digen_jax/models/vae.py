@@ -610,46 +610,11 @@ def vae_key_table(config: VAEConfig) -> dict[str, TensorSource]:
   return table
 
 
-def _fmt_keys(keys, limit: int = 20) -> str:
-  keys = sorted(keys)
-  more = f' ... (+{len(keys) - limit} more)' if len(keys) > limit else ''
-  return ', '.join(keys[:limit]) + more
-
-
 def load_vae_state(model: QwenImageVAE, state_dict: Mapping[str, Any]) -> QwenImageVAE:
   """Set every param of `model` IN PLACE from a diffusers state dict {key: array}; returns it.
   `model` may be abstract (nnx.eval_shape). Arrays are cast to each param's dtype. Raises
   ValueError naming missing / unexpected keys or a key whose shape does not fit."""
-  table = vae_key_table(model.config)
-  expected = tensor_source.file_keys(table)
-  given = set(state_dict.keys())
-  missing, unexpected = expected - given, given - expected
-  if missing or unexpected:
-    msg = []
-    if missing:
-      msg.append(f'missing diffusers keys ({len(missing)}): {_fmt_keys(missing)}')
-    if unexpected:
-      msg.append(f'unexpected diffusers keys ({len(unexpected)}): {_fmt_keys(unexpected)}')
-    raise ValueError('VAE state dict does not match the config: ' + '; '.join(msg))
-  params = {'.'.join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-  for name, var in params.items():
-    source = table[name]
-    target = var.get_value()
-    key = source.keys[0]
-    file_shape = tuple(np.shape(state_dict[key]))
-    try:
-      if source.perm is not None and len(source.perm) != len(file_shape):
-        raise ValueError(f'rank {len(file_shape)}, expected {len(source.perm)}')
-      got = source.our_shape(file_shape)
-    except ValueError as e:
-      raise ValueError(f'diffusers key {key!r} has shape {file_shape}, which does not fit our '
-                       f'param {name} {tuple(target.shape)}: {e}') from e
-    if tuple(got) != tuple(target.shape):
-      raise ValueError(f'diffusers key {key!r} has shape {file_shape}, expected one that gives '
-                       f'{tuple(target.shape)} for our param {name} (it gives {tuple(got)})')
-    value = tensor_source.gather(source, state_dict.__getitem__)
-    var.set_value(jnp.asarray(value, dtype=target.dtype))
-  return model
+  return tensor_source.fill_params(model, vae_key_table(model.config), state_dict, 'VAE')
 
 
 def resolve_vae_folder(path: str | os.PathLike) -> Path:
