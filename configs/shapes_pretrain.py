@@ -3,6 +3,10 @@
   python -m digen_jax.pretrain --config=configs/shapes_pretrain.py --workdir=/tmp/shapes_pre
   python -m digen_jax.pretrain --config=configs/shapes_pretrain.py:test --workdir=/tmp/x
 
+`pretrain.caption_noise` trains on a share of pairs whose caption is wrong in one attribute
+(a count, the relation, or which object has which shape; `grammar.miscaption`), so a base that
+draws every concept binds them to the prompt unreliably: the regime RL post-training works in.
+
 The `model`, `latent`, `text` and `sampler` fields are the ones the ShapesBench RL config reuses:
 call `apply_shapes_base(c)` on an RL config to get exactly them, with model.init='checkpoint'
 pointing at the shipped assets/shapes_base (trained by this file's default variant).
@@ -52,6 +56,9 @@ def get_config(arg: str | None = None):
   p.single_fraction = 0.5           # share of single-object prompts per batch (train split is ~7%
                                     # singles); < 0 = uniform over the split's prompts
   p.image_size = 16                 # must equal latent.height == latent.width
+  p.caption_noise = 0.0             # share of pairs whose caption is wrong in one attribute
+  p.caption_noise_kinds = 'count,relation,binding'  # grammar.MISCAPTION_KINDS to draw from
+  p.data_workers = 0                # processes rendering batches ahead (0 = in the training process)
   p.log_every = 50
   p.eval_every = 500                # 0 = only at the end
   p.eval_prompts = 100              # prompts per split in periodic evals (eval split has 100)

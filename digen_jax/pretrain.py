@@ -2,9 +2,10 @@
 
   python -m digen_jax.pretrain --config=configs/shapes_pretrain.py --workdir=DIR
 
-Each step draws train-split prompts, renders matching images on the fly (numpy, ~0.2 ms each),
-encodes the prompts with the frozen cached word encoder, and takes one AdamW step on the
-flow-matching loss
+Each step takes a batch of (image, caption) pairs from `data.shapes.training` (train-split
+prompts rendered on the fly, optionally rendered ahead by `data_workers` processes; a
+`caption_noise` share of captions wrong in one attribute), encodes the captions with the frozen
+cached word encoder, and takes one AdamW step on the flow-matching loss
 
     x_σ = (1 − σ)·x0 + σ·ε,   loss = mean ‖v_θ(x_σ, σ, text) − (ε − x0)‖²,
 
@@ -15,9 +16,11 @@ and saved params use it.
 Evaluation (periodic and final) samples with the deterministic Euler ODE on the config's sampler
 schedule (`experiment.build_schedule`, the one RL uses), B samples per prompt with fixed noise,
 and scores them with the pure-code ShapesBench checker: strict accuracy (all atoms) and mean
-partial credit, on the 'eval' split (held-out colour/shape pairs) and on a fixed subset of the
-'train' split. The final eval also scores SDE rollouts (the sampler GRPO uses), to show the
-reward spread RL starts from.
+partial credit, on the 'val' split (held-out relations, where settings are chosen) and on a fixed
+subset of the 'train' split. The final eval adds the 'eval' split (the reported figure) and
+'singles', every single-object train prompt, with strict accuracy per shape, colour and count (the
+capability gate, `single_object_rates`); it also scores SDE rollouts (the sampler GRPO uses), to
+show the reward spread RL starts from.
 
 Writes under --workdir: metrics.jsonl (one row per logged step and per eval), params/ (params_io
 folder: params.safetensors + config.json, refreshed every save_every steps and at the end),
@@ -49,7 +52,7 @@ from digen_jax import experiment
 from digen_jax import metrics as metrics_lib
 from digen_jax import visualize
 from digen_jax.data.shapes import grammar
-from digen_jax.data.shapes import render as render_lib
+from digen_jax.data.shapes import training as training_data
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import mmdit
@@ -96,31 +99,24 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'config.pretrain.sigma_shift={p.sigma_shift} must be > 0 (1 = no shift)')
   if p.get('init_from'):
     experiment.checkpoint_folder(p.init_from, 'config.pretrain.init_from')
+  try:
+    batch_spec(config)
+  except ValueError as e:
+    raise ValueError(f'config.pretrain: {e}') from None
+  if int(p.data_workers) < 0:
+    raise ValueError(f'config.pretrain.data_workers={p.data_workers} must be >= 0 (0 = render in '
+                     'the training process)')
   if p.warmup < 0 or p.warmup >= p.steps:
     raise ValueError(f'config.pretrain.warmup={p.warmup} must be in [0, steps={p.steps})')
 
 
-class PromptSampler:
-  """Draws prompt texts from a split; `single_fraction` of them single-object (if >= 0).
-
-  The train split is ~93% relation prompts, so uniform sampling would starve counting; mixing
-  singles in at a fixed rate keeps both kinds learnt.
-  """
-
-  def __init__(self, split: str, single_fraction: float, seed: int):
-    pool = grammar.split_prompts()[split]
-    self.singles = [p.to_text() for p in pool if not p.is_relation]
-    self.relations = [p.to_text() for p in pool if p.is_relation]
-    self.all = [p.to_text() for p in pool]
-    self.single_fraction = single_fraction
-    self.rng = np.random.default_rng(seed)
-
-  def sample(self, n: int) -> list[str]:
-    if self.single_fraction < 0:
-      return [self.all[i] for i in self.rng.integers(0, len(self.all), n)]
-    is_single = self.rng.random(n) < self.single_fraction
-    return [self.singles[self.rng.integers(len(self.singles))] if s
-            else self.relations[self.rng.integers(len(self.relations))] for s in is_single]
+def batch_spec(config: ml_collections.ConfigDict) -> training_data.BatchSpec:
+  """The training-pair stream config.pretrain describes."""
+  p = config.pretrain
+  kinds = tuple(k.strip() for k in str(p.caption_noise_kinds).split(',') if k.strip())
+  return training_data.BatchSpec(batch=int(p.batch), size=int(p.image_size), seed=int(config.seed),
+                                 single_fraction=float(p.single_fraction),
+                                 caption_noise=float(p.caption_noise), noise_kinds=kinds)
 
 
 def eval_prompt_set(split: str, n: int, seed: int = 0) -> list[str]:
@@ -284,7 +280,34 @@ def evaluate(sample_fn: Callable, params, encoder, prompts: Sequence[str], sampl
     res['strict_accuracy_single'] = float(strict[~is_rel].mean())
   if is_rel.any():
     res['strict_accuracy_relation'] = float(strict[is_rel].mean())
+  res.update(single_object_rates(strict, texts))
   return res, images
+
+
+def single_object_rates(strict: np.ndarray, texts: Sequence[str]) -> dict[str, float]:
+  """Strict accuracy of the single-object prompts among `texts`, per shape, colour and count
+  ('single/shape/circle', ...), and the smallest of them ('single/min'): the capability gate.
+
+  Shapes and colours are judged on one-object prompts (count words are composition); each count
+  on every single-object prompt with that count."""
+  rates: dict[str, float] = {}
+  parsed = [grammar.parse(t) for t in texts]
+  single = np.array([not q.is_relation for q in parsed])
+  if not single.any():
+    return rates
+  obj = [q.objects[0] for q in parsed]
+  one = single & np.array([o.count == 1 for o in obj])
+  for attr, values in (('shape', grammar.SHAPES), ('color', tuple(grammar.COLORS))):
+    for v in values:
+      sel = one & np.array([getattr(o, attr) == v for o in obj])
+      if sel.any():
+        rates[f'single/{attr}/{v}'] = float(strict[sel].mean())
+  for n in range(1, grammar.MAX_COUNT + 1):
+    sel = single & np.array([o.count == n for o in obj])
+    if sel.any():
+      rates[f'single/count/{n}'] = float(strict[sel].mean())
+  rates['single/min'] = min(rates.values())
+  return rates
 
 
 # ------------------------------------------------------------------------------------------------
@@ -357,10 +380,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   sde = make_sampler(graphdef, sigmas, img_shape, patch, size, sde_cfg)
   uncond = tuple(jnp.asarray(a) for a in encoder.encode(['']))
 
-  prompts = PromptSampler('train', float(p.single_fraction), config.seed)
-  render_rng = np.random.default_rng(config.seed + 1)
   key = jax.random.key(config.seed + 2)
-  eval_sets = {'eval': eval_prompt_set('eval', int(p.eval_prompts)),
+  # Periodic evals watch val (held-out relations, where settings are chosen) and train; the eval
+  # split is scored once, at the end, for the report.
+  eval_sets = {'val': eval_prompt_set('val', int(p.eval_prompts)),
                'train': eval_prompt_set('train', int(p.eval_prompts))}
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=False)
   logging.info('pretrain: %s  params %d  tokens %s  sigmas %s', mcfg, num_params, latent_shape,
@@ -403,39 +426,44 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   losses, window, t_log, seen = [], [], time.time(), 0
   loss_ema = float('nan')
-  for step in range(1, int(p.steps) + 1):
-    texts = prompts.sample(int(p.batch))
-    imgs = np.stack([render_lib.render(t, size, render_rng) for t in texts])
-    x0 = latents_lib.pack(jnp.asarray(imgs), patch)
-    emb, mask = encoder.encode(texts)
-    key, sub = jax.random.split(key)
-    params, opt_state, ema, loss = train_step(params, opt_state, ema, jnp.float32(step), x0,
-                                              jnp.asarray(emb), jnp.asarray(mask), uncond, sub)
-    seen += len(texts)
-    window.append(loss)
-    if step % int(p.log_every) == 0 or step == int(p.steps):
-      vals = [float(l) for l in jax.device_get(window)]  # one host sync per log interval
-      window = []
-      losses.extend(vals)
-      if not all(math.isfinite(v) for v in vals):
-        raise FloatingPointError(f'pretrain: non-finite loss at step {step}: {vals[-5:]}; lower '
-                                 'config.pretrain.lr')
-      loss_ema = float(np.mean(vals))
-      now = time.time()
-      row = {'step': step, 'loss': loss_ema, 'lr': float(lr(step)),
-             'samples_per_s': seen / max(now - t_log, 1e-9), 'wall_s': now - t_start}
-      writer.write(row)
-      logging.info('step %d  loss %.4f  lr %.2e  %.1f samples/s', step, loss_ema, row['lr'],
-                   row['samples_per_s'])
-      t_log, seen = now, 0
-    if p.eval_every and step % int(p.eval_every) == 0 and step != int(p.steps):
-      run_evals(step, eval_sets, int(p.eval_samples))
-    if p.save_every and step % int(p.save_every) == 0 and step != int(p.steps):
-      save(step, {**common_extra, 'step': step, 'loss': loss_ema})
+  stream = training_data.BatchStream(batch_spec(config), first_step=1, workers=int(p.data_workers))
+  with stream:
+    for step in range(1, int(p.steps) + 1):
+      batch = next(stream)
+      texts = batch.captions
+      x0 = latents_lib.pack(jnp.asarray(batch.images), patch)
+      emb, mask = encoder.encode(texts)
+      key, sub = jax.random.split(key)
+      params, opt_state, ema, loss = train_step(params, opt_state, ema, jnp.float32(step), x0,
+                                                jnp.asarray(emb), jnp.asarray(mask), uncond, sub)
+      seen += len(texts)
+      window.append(loss)
+      if step % int(p.log_every) == 0 or step == int(p.steps):
+        vals = [float(l) for l in jax.device_get(window)]  # one host sync per log interval
+        window = []
+        losses.extend(vals)
+        if not all(math.isfinite(v) for v in vals):
+          raise FloatingPointError(f'pretrain: non-finite loss at step {step}: {vals[-5:]}; lower '
+                                   'config.pretrain.lr')
+        loss_ema = float(np.mean(vals))
+        now = time.time()
+        row = {'step': step, 'loss': loss_ema, 'lr': float(lr(step)),
+               'samples_per_s': seen / max(now - t_log, 1e-9), 'wall_s': now - t_start}
+        writer.write(row)
+        logging.info('step %d  loss %.4f  lr %.2e  %.1f samples/s', step, loss_ema, row['lr'],
+                     row['samples_per_s'])
+        t_log, seen = now, 0
+      if p.eval_every and step % int(p.eval_every) == 0 and step != int(p.steps):
+        run_evals(step, eval_sets, int(p.eval_samples))
+      if p.save_every and step % int(p.save_every) == 0 and step != int(p.steps):
+        save(step, {**common_extra, 'step': step, 'loss': loss_ema})
 
   train_wall = time.time() - t_start
   final_sets = {'eval': eval_prompt_set('eval', int(p.final_eval_prompts)),
-                'train': eval_prompt_set('train', int(p.final_eval_prompts))}
+                'val': eval_prompt_set('val', int(p.final_eval_prompts)),
+                'train': eval_prompt_set('train', int(p.final_eval_prompts)),
+                # The capability gate: every single-object prompt of the train split.
+                'singles': [q.to_text() for q in grammar.split_prompts()['train'] if not q.is_relation]}
   row, grids = run_evals(int(p.steps), final_sets, int(p.final_eval_samples), final=True)
   imgs, plist, s = grids['eval']
   pick = list(range(0, min(len(plist), 24) * s, s))  # the first sample of the first 24 prompts

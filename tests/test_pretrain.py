@@ -123,13 +123,31 @@ def test_sigma_sampling_ranges():
     pretrain.sample_train_sigmas(jax.random.key(0), 4, 'cosine')
 
 
-def test_prompt_sampler_mixes_singles_and_stays_in_train_split():
-  from digen_jax.data.shapes import grammar
-  s = pretrain.PromptSampler('train', 0.5, seed=0)
-  texts = s.sample(2000)
-  kinds = np.array([grammar.parse(t).is_relation for t in texts])
-  assert 0.45 < kinds.mean() < 0.55
-  assert not any(grammar.is_held_out(grammar.parse(t)) for t in texts)
+def test_single_object_rates_are_the_capability_gate():
+  texts = ['a red circle on a white background', 'a red square on a white background',
+           'two red circles on a white background',
+           'a red circle left of a blue square on a black background']
+  rates = pretrain.single_object_rates(np.array([1.0, 0.0, 1.0, 0.0]), texts)
+  assert rates['single/shape/circle'] == 1.0 and rates['single/shape/square'] == 0.0
+  assert rates['single/color/red'] == 0.5  # one-object prompts only: counts are composition
+  assert rates['single/count/1'] == 0.5 and rates['single/count/2'] == 1.0
+  assert rates['single/min'] == 0.0 and 'single/color/blue' not in rates
+  assert pretrain.single_object_rates(np.array([1.0]), texts[3:]) == {}
+
+
+def test_bad_caption_noise_is_a_config_error():
+  c = shapes_pretrain.get_config('test')
+  c.pretrain.caption_noise = 1.0
+  with pytest.raises(ValueError, match='config.pretrain: caption_noise=1.0'):
+    pretrain.validate(c)
+  c = shapes_pretrain.get_config('test')
+  c.pretrain.caption_noise_kinds = 'count,colour'
+  with pytest.raises(ValueError, match="noise_kinds=.*'colour'"):
+    pretrain.validate(c)
+  c = shapes_pretrain.get_config('test')
+  c.pretrain.data_workers = -1
+  with pytest.raises(ValueError, match='config.pretrain.data_workers'):
+    pretrain.validate(c)
 
 
 def test_sde_eval_sampler_keeps_the_last_step_deterministic():

@@ -22,7 +22,8 @@ def data_dir(tmp_path_factory):
 
 def test_shapes_bench_splits_and_fields(data_dir):
     splits = G.split_prompts()
-    for split in ("train", "eval"):
+    assert set(splits) == {"train", "eval", "val"}
+    for split in splits:
         seq = P.load_prompts("shapes_bench", split, data_dir)
         assert len(seq) == len(splits[split])
         assert list(seq) == [p.to_text() for p in splits[split]]  # generation order kept
@@ -30,7 +31,7 @@ def test_shapes_bench_splits_and_fields(data_dir):
             rec = seq.record(i)
             p = G.parse(rec["prompt"])
             assert rec == P.shapes_record(p) | {"count_a": p.objects[0].count}
-    ver = os.path.join(data_dir, "shapes_bench", "1.0.0")
+    ver = os.path.join(data_dir, "shapes_bench", str(P.ShapesBench.VERSION))
     assert any(f.startswith("shapes_bench-train.array_record") for f in os.listdir(ver))
     assert "tensorflow" not in sys.modules  # built and read without TensorFlow
 

@@ -93,6 +93,11 @@ def test_split_is_compositional_and_disjoint():
     assert {p.background for p in train} == set(G.BACKGROUNDS)
     # Both prompt kinds are evaluated.
     assert sum(p.is_relation for p in ev) >= 20 and sum(not p.is_relation for p in ev) >= 20
+    # val (for choosing settings) is held out like eval and shares no prompt with it or train.
+    val_t = {p.to_text() for p in s["val"]}
+    assert len(val_t) == len(s["val"]) == G.NUM_VAL_RELATIONS
+    assert not val_t & eval_t and not val_t & train_t
+    assert all(p.is_relation and p.pairs() & G.HELD_OUT_PAIRS for p in s["val"])
 
 
 def test_split_and_sampling_deterministic():
@@ -200,3 +205,56 @@ def test_render_batch_deterministic():
     a, b = R.render_batch(ps, 32, seed=11), R.render_batch(ps, 32, seed=11)
     assert a.shape == (8, 32, 32, 3) and a.dtype == np.float32
     np.testing.assert_array_equal(a, b)
+
+
+def test_miscaption_changes_exactly_one_attribute():
+    rng = np.random.default_rng(0)
+    two = G.parse("two red squares on a white background")
+    rel = G.parse("a red square left of a blue circle on a black background")
+    one = G.parse("a red square on a white background")
+    for _ in range(20):
+        assert G.miscaption(two, "count", rng).objects[0].count == 3
+        r = G.miscaption(rel, "relation", rng)
+        assert r.relation != rel.relation and r.objects == rel.objects
+    assert G.miscaption(rel, "binding", rng).to_text() == (
+        "a red circle left of a blue square on a black background")
+    # Not applicable: one object is never miscounted; binding needs two different shapes.
+    assert G.miscaption(one, "count", rng) is None and G.miscaption(one, "relation", rng) is None
+    same = G.parse("a red square left of a blue square on a black background")
+    assert G.miscaption(same, "binding", rng) is None and G.miscaption(rel, "count", rng) is None
+    with pytest.raises(ValueError, match="kind='colour'"):
+        G.miscaption(rel, "colour", rng)
+
+
+def test_training_batches_are_deterministic_noisy_and_never_name_held_out_pairs():
+    from digen_jax.data.shapes import training as T
+    spec = T.BatchSpec(batch=400, size=16, seed=3, caption_noise=0.5)
+    a, b = T.training_batch(spec, 7), T.training_batch(spec, 7)
+    np.testing.assert_array_equal(a.images, b.images)
+    assert a.captions == b.captions and a.captions != T.training_batch(spec, 8).captions
+    truths = [G.parse(t) for t in a.truths]
+    caps = [G.parse(t) for t in a.captions]
+    assert 0.45 < np.mean([not p.is_relation for p in truths]) < 0.55
+    # Every eligible pair (all but one-object prompts) is miscaptioned with probability 0.5.
+    eligible = np.array([p.is_relation or p.objects[0].count > 1 for p in truths])
+    assert not a.miscaptioned[~eligible].any()
+    assert 0.4 < a.miscaptioned[eligible].mean() < 0.6
+    assert a.miscaptioned.tolist() == [c != t for c, t in zip(a.captions, a.truths)]
+    assert not any(G.is_held_out(p) for p in truths + caps)
+    # The image is always the truth's: re-rendering the true prompts reproduces it.
+    clean = T.training_batch(T.BatchSpec(batch=400, size=16, seed=3), 7)
+    assert clean.truths == a.truths and not clean.miscaptioned.any()
+    np.testing.assert_array_equal(clean.images, a.images)
+    with pytest.raises(ValueError, match="caption_noise"):
+        T.BatchSpec(batch=4, size=16, seed=0, caption_noise=1.5)
+
+
+def test_batch_stream_workers_yield_the_in_process_batches():
+    from digen_jax.data.shapes import training as T
+    spec = T.BatchSpec(batch=8, size=16, seed=1, caption_noise=0.3)
+    with T.BatchStream(spec, first_step=5) as s0, T.BatchStream(spec, first_step=5, workers=2) as s2:
+        for _ in range(4):
+            x, y = next(s0), next(s2)
+            assert x.captions == y.captions
+            np.testing.assert_array_equal(x.images, y.images)
+    assert T.training_batch(spec, 8).captions == x.captions

@@ -111,10 +111,11 @@ def shapes_record(p: ShapesPrompt) -> dict[str, Any]:
 
 
 class ShapesBench(tfds.core.GeneratorBasedBuilder):
-    """ShapesBench prompts: compositional train/eval split (see digen_jax.data.shapes.grammar)."""
+    """ShapesBench prompts: compositional train/eval/val split (see digen_jax.data.shapes.grammar)."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release.",
+                     "1.1.0": "A 'val' split of held-out relation prompts, disjoint from 'eval'."}
     code_path = tfds.core.utils.classproperty(classmethod(_module_code_path))
 
     def _info(self) -> tfds.core.DatasetInfo:

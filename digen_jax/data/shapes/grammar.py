@@ -21,8 +21,16 @@ training still sees every colour (with two shapes) and every shape (with four co
   * eval  = every single-object prompt of a held-out pair (6 pairs x 3 counts x 3 backgrounds
     = 54) plus a fixed-seed sample of `NUM_EVAL_RELATIONS` relation prompts that contain at
     least one held-out pair (so the eval split is ~100 prompts, half counting/attribute and
-    half spatial).
+    half spatial);
+  * val   = a second fixed-seed sample of `NUM_VAL_RELATIONS` held-out relation prompts, disjoint
+    from eval's: settings (pretraining caption noise, RL hyper-parameters) are chosen on val, and
+    eval is kept for the reported figure. (Every held-out single-object prompt is in eval, so val
+    holds relations only.)
 A model trained on the train split has therefore never seen e.g. "red circle" in any prompt.
+
+`miscaption` makes a training caption wrong in one attribute (a count, the relation, or which
+object has which shape): pretraining on a share of such pairs gives a base that can draw every
+concept but binds them to the prompt unreliably, the regime RL post-training works in.
 """
 from __future__ import annotations
 
@@ -58,7 +66,9 @@ HELD_OUT_PAIRS: frozenset[tuple[str, str]] = frozenset(
     (c, SHAPES[i % len(SHAPES)]) for i, c in enumerate(COLORS)
 )
 NUM_EVAL_RELATIONS = 46
+NUM_VAL_RELATIONS = 100
 EVAL_SAMPLE_SEED = 0
+MISCAPTION_KINDS: tuple[str, ...] = ("count", "relation", "binding")
 
 _COLOR_NAMES = tuple(COLORS)
 _BG_NAMES = tuple(BACKGROUNDS)
@@ -216,9 +226,10 @@ def is_held_out(prompt: ShapesPrompt) -> bool:
 
 
 def split_prompts(
-    num_eval_relations: int = NUM_EVAL_RELATIONS, seed: int = EVAL_SAMPLE_SEED
+    num_eval_relations: int = NUM_EVAL_RELATIONS, seed: int = EVAL_SAMPLE_SEED,
+    num_val_relations: int = NUM_VAL_RELATIONS,
 ) -> dict[str, list[ShapesPrompt]]:
-    """The train/eval split described in the module docstring (deterministic)."""
+    """The train/eval/val split described in the module docstring (deterministic)."""
     train, eval_single, eval_rel = [], [], []
     for p in iter_all_prompts():
         if not is_held_out(p):
@@ -230,7 +241,40 @@ def split_prompts(
     if not 0 <= num_eval_relations <= len(eval_rel):
         raise ValueError(f"num_eval_relations={num_eval_relations} must be in 0..{len(eval_rel)}")
     idx = np.sort(np.random.default_rng(seed).choice(len(eval_rel), num_eval_relations, replace=False))
-    return {"train": train, "eval": eval_single + [eval_rel[i] for i in idx]}
+    rest = np.setdiff1d(np.arange(len(eval_rel)), idx)
+    if not 0 <= num_val_relations <= len(rest):
+        raise ValueError(f"num_val_relations={num_val_relations} must be in 0..{len(rest)}")
+    val_idx = np.sort(np.random.default_rng(seed + 1).choice(rest, num_val_relations, replace=False))
+    return {"train": train, "eval": eval_single + [eval_rel[i] for i in idx],
+            "val": [eval_rel[i] for i in val_idx]}
+
+
+def miscaption(prompt: ShapesPrompt, kind: str, rng: np.random.Generator) -> Optional[ShapesPrompt]:
+    """`prompt` made wrong in one attribute, or None where `kind` does not apply to it.
+
+    kind 'count': a count of 2 or 3 becomes the other (one object is never miscounted, so
+      single-object captions stay exact); 'relation': the relation becomes another one;
+      'binding': the two objects swap shapes (relation prompts whose shapes differ).
+    """
+    if kind not in MISCAPTION_KINDS:
+        raise ValueError(f"kind={kind!r} must be one of {MISCAPTION_KINDS}")
+    objs = prompt.objects
+    if kind == "count":
+        if prompt.is_relation or objs[0].count < 2:
+            return None
+        other = [n for n in range(2, MAX_COUNT + 1) if n != objs[0].count]
+        obj = dataclasses.replace(objs[0], count=int(other[rng.integers(len(other))]))
+        return dataclasses.replace(prompt, objects=(obj,))
+    if not prompt.is_relation:
+        return None
+    if kind == "relation":
+        other = [r for r in RELATIONS if r != prompt.relation]
+        return dataclasses.replace(prompt, relation=other[rng.integers(len(other))])
+    a, b = objs
+    if a.shape == b.shape:
+        return None
+    return dataclasses.replace(prompt, objects=(dataclasses.replace(a, shape=b.shape),
+                                                dataclasses.replace(b, shape=a.shape)))
 
 
 def sample_prompts(n: int, seed: int, split: str = "train") -> list[ShapesPrompt]:
