@@ -5,11 +5,12 @@ import diffusers
 import torch
 
 
-def randomized_transformer(**config) -> diffusers.QwenImageTransformer2DModel:
-  """A QwenImageTransformer2DModel(**config) in eval mode whose every tensor is random (norm
-  scales ~1 +- 0.3, biases ~0.2, weights ~1/sqrt(fan_in)), so a mis-mapped tensor shows."""
+def randomized_transformer(model_cls=diffusers.QwenImageTransformer2DModel, **config):
+  """A model_cls(**config) (a diffusers transformer; QwenImage by default) in eval mode whose every
+  tensor is random (norm scales ~1 +- 0.3, biases ~0.2, weights ~1/sqrt(fan_in)), so a mis-mapped
+  tensor shows."""
   torch.manual_seed(0)
-  model = diffusers.QwenImageTransformer2DModel(**config).eval()
+  model = model_cls(**config).eval()
   gen = torch.Generator().manual_seed(0)
   with torch.no_grad():
     for name, p in model.named_parameters():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,45 +67,77 @@ _BLOCK_NORMS = (
 )
 
 
+def config_kwargs(cfg: Mapping[str, Any], class_name: str, keys: tuple[str, ...], what: str,
+                  default_in_channels: int) -> dict[str, Any]:
+    """Config-dataclass kwargs from a diffusers config.json dict of model `class_name`: the `keys` present (same
+    names as the dataclass fields). Keys starting with '_' (metadata) are ignored; any other unknown key raises (it
+    may change the math). out_channels=None becomes in_channels (diffusers' meaning); axes_dims_rope a tuple."""
+    cls = cfg.get("_class_name", class_name)
+    if cls != class_name:
+        raise ValueError(f"config _class_name is {cls!r}; expected {class_name!r}")
+    unknown = sorted(k for k in cfg if not k.startswith("_") and k not in keys)
+    if unknown:
+        raise ValueError(f"unknown diffusers config keys {unknown}; {what} only understands {list(keys)}")
+    kwargs = {k: cfg[k] for k in keys if k in cfg}
+    if kwargs.get("out_channels", 0) is None:  # diffusers: out_channels=None means in_channels
+        kwargs["out_channels"] = kwargs.get("in_channels", default_in_channels)
+    if "axes_dims_rope" in kwargs:
+        kwargs["axes_dims_rope"] = tuple(kwargs["axes_dims_rope"])
+    return kwargs
+
+
 def config_from_diffusers(cfg: Mapping[str, Any], **overrides: Any) -> MMDiTConfig:
     """MMDiTConfig from a diffusers transformer config.json dict. Keys starting with '_' (metadata) are ignored;
     any other unknown key raises (it may change the math). `overrides` set MMDiTConfig fields (e.g. remat=True)."""
-    cls = cfg.get("_class_name", DIFFUSERS_CLASS_NAME)
-    if cls != DIFFUSERS_CLASS_NAME:
-        raise ValueError(f"config _class_name is {cls!r}; expected {DIFFUSERS_CLASS_NAME!r}")
-    unknown = sorted(k for k in cfg if not k.startswith("_") and k not in _CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"unknown diffusers config keys {unknown}; MMDiTConfig only understands {list(_CONFIG_KEYS)}")
-    kwargs = {k: cfg[k] for k in _CONFIG_KEYS if k in cfg}
-    if kwargs.get("out_channels", 0) is None:  # diffusers: out_channels=None means in_channels
-        kwargs["out_channels"] = kwargs.get("in_channels", MMDiTConfig.in_channels)
-    if "axes_dims_rope" in kwargs:
-        kwargs["axes_dims_rope"] = tuple(kwargs["axes_dims_rope"])
+    kwargs = config_kwargs(cfg, DIFFUSERS_CLASS_NAME, _CONFIG_KEYS, "MMDiTConfig", MMDiTConfig.in_channels)
     kwargs.update(overrides)
     return MMDiTConfig(**kwargs)
+
+
+class BlockStack(NamedTuple):
+    """A stack of diffusers blocks held as ONE module with a leading layer axis (mmdit.stacked_blocks).
+
+    name: our module name ("blocks"); prefix: the diffusers module list ("transformer_blocks"), layer i's keys
+    start with f"{prefix}.{i}."; linears / tensors: as for ``build_key_table``, relative to one block."""
+    name: str
+    prefix: str
+    num_layers: int
+    linears: tuple[tuple[str, tuple[str, ...]], ...]
+    tensors: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+def build_key_table(linears, tensors, stacks: tuple[BlockStack, ...] = ()) -> dict[str, TensorSource]:
+    """Our dotted param path -> its diffusers source.
+
+    linears: (diffusers module prefix, our module path) pairs of Linear layers: weight [out, in] -> kernel [in, out]
+    (transposed), bias -> bias. tensors: (diffusers key, our param path) pairs taken as they are (norm scales).
+    stacks: per-block linears and tensors, stacked along our leading layer axis (one diffusers key per layer)."""
+    table: dict[str, TensorSource] = {}
+    for prefix, path in linears:
+        name = ".".join(path)
+        table[f"{name}.kernel"] = TensorSource((f"{prefix}.weight",), perm=(1, 0))
+        table[f"{name}.bias"] = TensorSource((f"{prefix}.bias",))
+    for key, path in tensors:
+        table[".".join(path)] = TensorSource((key,))
+    for stack in stacks:
+        layers = range(stack.num_layers)
+        for prefix, path in stack.linears:
+            name = ".".join((stack.name,) + path)
+            table[f"{name}.kernel"] = TensorSource(
+                tuple(f"{stack.prefix}.{i}.{prefix}.weight" for i in layers), perm=(1, 0), stacked=True)
+            table[f"{name}.bias"] = TensorSource(
+                tuple(f"{stack.prefix}.{i}.{prefix}.bias" for i in layers), stacked=True)
+        for key, path in stack.tensors:
+            table[".".join((stack.name,) + path)] = TensorSource(
+                tuple(f"{stack.prefix}.{i}.{key}" for i in layers), stacked=True)
+    return table
 
 
 def diffusers_key_table(config: MMDiTConfig) -> dict[str, TensorSource]:
     """Our dotted param path -> its diffusers source: Linear weights [out, in] transposed to kernels [in, out];
     per-block tensors stacked along our leading layer axis (one diffusers key per layer)."""
-    table: dict[str, TensorSource] = {}
-    for prefix, path in _GLOBAL_LINEARS:
-        name = ".".join(path)
-        table[f"{name}.kernel"] = TensorSource((f"{prefix}.weight",), perm=(1, 0))
-        table[f"{name}.bias"] = TensorSource((f"{prefix}.bias",))
-    for key, path in _GLOBAL_NORMS:
-        table[".".join(path)] = TensorSource((key,))
-    layers = range(config.num_layers)
-    for prefix, path in _BLOCK_LINEARS:
-        name = ".".join(("blocks",) + path)
-        table[f"{name}.kernel"] = TensorSource(
-            tuple(f"transformer_blocks.{i}.{prefix}.weight" for i in layers), perm=(1, 0), stacked=True)
-        table[f"{name}.bias"] = TensorSource(
-            tuple(f"transformer_blocks.{i}.{prefix}.bias" for i in layers), stacked=True)
-    for key, path in _BLOCK_NORMS:
-        table[".".join(("blocks",) + path)] = TensorSource(
-            tuple(f"transformer_blocks.{i}.{key}" for i in layers), stacked=True)
-    return table
+    return build_key_table(_GLOBAL_LINEARS, _GLOBAL_NORMS, (
+        BlockStack("blocks", "transformer_blocks", config.num_layers, _BLOCK_LINEARS, _BLOCK_NORMS),))
 
 
 def load_diffusers_state(model: MMDiT, state_dict: Mapping[str, Any]) -> MMDiT:

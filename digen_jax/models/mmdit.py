@@ -18,6 +18,9 @@ Layout of our parameters (names mirror diffusers so the converter table reads on
 
 Linear kernels are [in, out] (torch stores [out, in]).
 
+FLUX.1 (digen_jax.models.flux) reuses MMDiTBlock as its double-stream block and the helpers here (embedders, norms,
+RoPE, project_qkv / multihead_attention, stacked_blocks / run_stacked).
+
 Precision: matmuls run in the params' dtype (activations are cast to it on entry), so casting every param to
 bfloat16 gives a bf16 forward. RMSNorm/LayerNorm statistics, RoPE rotation and the attention softmax run in
 float32; the output is float32. One deliberate difference from diffusers: diffusers rounds the timestep to the
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +104,7 @@ class MMDiTConfig:
                 raise ValueError(f"MMDiTConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.guidance_embeds:
             raise ValueError("MMDiTConfig.guidance_embeds=True (FLUX-style guidance embedding) is not supported; "
-                             "QwenImage checkpoints use guidance_embeds=False")
+                             "QwenImage checkpoints use guidance_embeds=False (FLUX.1 is digen_jax.models.flux)")
         for name in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
             if getattr(self, name):
                 raise ValueError(f"MMDiTConfig.{name}=True (a QwenImage edit/layered variant) is not supported; "
@@ -121,24 +124,28 @@ class MMDiTConfig:
 # Pure helpers (numpy at trace time for anything that only depends on static shapes).
 
 
-def timestep_embedding(sigma: jax.Array) -> jax.Array:
-    """Sinusoidal embedding of sigma*1000, diffusers Timesteps(256, flip_sin_to_cos=True, shift=0, scale=1000).
+def timestep_embedding(sigma: jax.Array, scale: float = TIMESTEP_SCALE) -> jax.Array:
+    """Sinusoidal embedding of scale*sigma, diffusers Timesteps(256, flip_sin_to_cos=True, shift=0, scale=scale).
 
-    sigma [B] -> [B, 256] float32, order (cos, sin).
+    sigma [B] -> [B, 256] float32, order (cos, sin). QwenImage embeds sigma with scale=1000; FLUX multiplies sigma by
+    1000 itself and embeds the product with scale=1 (the two round differently in float32, hence the argument).
     """
     half = TIMESTEP_CHANNELS // 2
     # Same op order as diffusers' get_timestep_embedding so float32 results agree bit-for-bit or nearly.
     exponent = np.float32(-math.log(TIMESTEP_MAX_PERIOD)) * np.arange(half, dtype=np.float32) / np.float32(half)
-    freqs = jnp.asarray(np.exp(exponent, dtype=np.float32))
+    # exp in float64, rounded once: torch's float32 exp is (nearly always) correctly rounded, numpy's is not (1 ulp
+    # off for ~40% of these); at FLUX's guidance 3.5 * 1000 one ulp of a frequency moves a sinusoid by ~2e-4.
+    freqs = jnp.asarray(np.exp(exponent.astype(np.float64)).astype(np.float32))
     args = sigma.astype(jnp.float32)[:, None] * freqs[None, :]
-    args = TIMESTEP_SCALE * args
+    if scale != 1.0:
+        args = scale * args
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
 
 
-def _axis_inv_freq(dim: int, theta: float) -> np.ndarray:
-    """1 / theta^(2i/dim), i < dim/2, computed in float32 like QwenEmbedRope.rope_params."""
-    return (1.0 / np.power(np.float32(theta), np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-            ).astype(np.float32)
+def _axis_inv_freq(dim: int, theta: float, dtype: Any = np.float32) -> np.ndarray:
+    """1 / theta^(2i/dim), i < dim/2, computed in `dtype`: float32 like QwenEmbedRope.rope_params, float64 like
+    FluxPosEmbed (get_1d_rotary_pos_embed with freqs_dtype=float64)."""
+    return (1.0 / np.power(dtype(theta), np.arange(0, dim, 2, dtype=dtype) / dtype(dim))).astype(dtype)
 
 
 def rope_positions(img_shape: tuple[int, int, int], n_txt: int) -> tuple[np.ndarray, np.ndarray]:
@@ -166,15 +173,21 @@ def rope_cos_sin(img_shape: tuple[int, int, int], n_txt: int, axes_dims: tuple[i
     interleaved pair (x[2i], x[2i+1]); the half-dims are split over axes (frame, height, width) as axes_dims/2.
     """
     img_pos, txt_pos = rope_positions(img_shape, n_txt)
-    inv = [_axis_inv_freq(d, theta) for d in axes_dims]
+    return (*rope_tables(img_pos, axes_dims, theta), *rope_tables(txt_pos, axes_dims, theta))
 
-    def angles(pos):
-        # float32 product like torch.outer(index, inv_freq), then cos/sin in float64 and rounded once.
-        ang = np.concatenate([pos[:, a:a + 1].astype(np.float32) * inv[a][None, :] for a in range(3)], axis=1)
-        ang = ang.astype(np.float64)
-        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
-    return (*angles(img_pos), *angles(txt_pos))
+def rope_tables(pos: np.ndarray, axes_dims: tuple[int, ...], theta: float, freqs_dtype: Any = np.float32
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) [S, sum(axes_dims)/2] float32 for positions pos [S, len(axes_dims)], deterministic numpy.
+
+    Axis a owns axes_dims[a]/2 consecutive entries. Angles are pos * inv_freq in `freqs_dtype` (float32 like
+    torch.outer(index, inv_freq) in QwenEmbedRope; float64 in FluxPosEmbed), then cos/sin in float64, rounded once.
+    """
+    inv = [_axis_inv_freq(d, theta, freqs_dtype) for d in axes_dims]
+    ang = np.concatenate([pos[:, a:a + 1].astype(freqs_dtype) * inv[a][None, :] for a in range(len(axes_dims))],
+                         axis=1)
+    ang = ang.astype(np.float64)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -261,6 +274,75 @@ def joint_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Arra
     return (out / denom).astype(v.dtype)
 
 
+def project_qkv(x: jax.Array, to_q: nnx.Linear, to_k: nnx.Linear, to_v: nnx.Linear, norm_q: RMSNorm,
+                norm_k: RMSNorm, cos: jax.Array, sin: jax.Array, heads: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, S, D] -> q, k, v [B, S, heads, Dh] in x.dtype: Linear projections, per-head RMSNorm on q and k, RoPE
+    (tables [S, Dh/2]) on q and k, q pre-multiplied by the softmax scale 1/sqrt(Dh).
+
+    q and k come out in the half-split head-dim order (to_half_split): RMSNorm over head dims is order-free once its
+    scale is permuted the same way, and RoPE becomes two contiguous halves. Attention scores are the same as with
+    diffusers' interleaved layout; v keeps the original order, so the attention output does too. Folding the softmax
+    scale into q is exact for power-of-two head dims (one rounding otherwise)."""
+    hd = norm_q.scale.shape[-1]
+    cos2, sin2 = half_split_tables(cos, sin)
+
+    def split_heads(y):
+        return y.reshape(*y.shape[:-1], heads, hd)
+
+    def qk(proj, norm, mult):
+        y = dense(x, to_half_split(proj.kernel[...], hd), to_half_split(proj.bias[...], hd))
+        y = rms_norm(split_heads(y), to_half_split(norm.scale[...], hd), norm.eps)
+        y = apply_rope_half(y, cos2, sin2)
+        return (y * mult if mult != 1.0 else y).astype(x.dtype)
+
+    return qk(to_q, norm_q, 1.0 / math.sqrt(hd)), qk(to_k, norm_k, 1.0), split_heads(to_v(x))
+
+
+def multihead_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None) -> jax.Array:
+    """q, k, v [B, S, H, Dh] (q pre-scaled, as from project_qkv) -> [B, S, H*Dh]: ``joint_attention`` on the
+    head-major layout, heads merged back in order."""
+    out = joint_attention(jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), key_bias)
+    out = jnp.swapaxes(out, 1, 2)
+    return out.reshape(*out.shape[:2], -1)
+
+
+def stacked_blocks(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs) -> nnx.Module:
+    """ONE module whose params carry a leading [num_layers] axis: make(rngs) vmapped over split rngs (each layer its
+    own init). Run it with ``run_stacked``."""
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_blocks(block_rngs):
+        return make(block_rngs)
+
+    return make_blocks(rngs)
+
+
+def run_stacked(blocks: nnx.Module, carry: Any, call: Callable[[nnx.Module, Any], Any], *, num_layers: int,
+                remat: bool, scan_layers: bool) -> Any:
+    """carry = call(block_i, carry) for the layers i of `blocks` (from ``stacked_blocks``), in order.
+
+    scan_layers: under lax.scan (one compiled block: compile time independent of num_layers), else unrolled.
+    remat: rematerialise each layer in the backward pass (jax.checkpoint). See MMDiTConfig for the trade-offs."""
+    graphdef, block_state = nnx.split(blocks)
+
+    def body(carry, layer_state):
+        return call(nnx.merge(graphdef, layer_state), carry), None
+
+    if remat:
+        body = jax.checkpoint(body)
+    if scan_layers:
+        carry, _ = jax.lax.scan(body, carry, block_state)
+        return carry
+    # One split per stacked param (its transpose is one concatenate of the layers' gradients; indexing a[i] instead
+    # would transpose to a zero-padded full-stack gradient per layer).
+    parts = jax.tree.map(lambda a: jnp.split(a, num_layers, axis=0), block_state)
+    for i in range(num_layers):
+        layer_state = jax.tree.map(lambda p: p[i][0], parts, is_leaf=lambda x: isinstance(x, list))
+        carry, _ = body(carry, layer_state)
+    return carry
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Modules.
 
@@ -288,8 +370,9 @@ class TimestepEmbedder(nnx.Module):
         self.linear_1 = _linear(TIMESTEP_CHANNELS, dim, rngs, param_dtype)
         self.linear_2 = _linear(dim, dim, rngs, param_dtype)
 
-    def __call__(self, sigma: jax.Array) -> jax.Array:
-        emb = timestep_embedding(sigma).astype(self.linear_1.kernel.dtype)
+    def __call__(self, sigma: jax.Array, scale: float = TIMESTEP_SCALE) -> jax.Array:
+        """sigma [B] -> [B, dim]; `scale` as in ``timestep_embedding``."""
+        emb = timestep_embedding(sigma, scale).astype(self.linear_1.kernel.dtype)
         return self.linear_2(jax.nn.silu(self.linear_1(emb)))
 
 
@@ -329,8 +412,10 @@ class JointAttention(nnx.Module):
     per-head RMSNorm on Q and K, RoPE, one softmax over the concatenated [text, image] sequence."""
 
     def __init__(self, config: MMDiTConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+        # config: MMDiTConfig, or any config with inner_dim, attention_head_dim, num_attention_heads and eps
+        # (flux.FluxConfig: FLUX's double-stream attention is the same computation).
         d, hd = config.inner_dim, config.attention_head_dim
-        self.heads, self.head_dim = config.num_attention_heads, hd
+        self.heads = config.num_attention_heads
         self.to_q = _linear(d, d, rngs, param_dtype)
         self.to_k = _linear(d, d, rngs, param_dtype)
         self.to_v = _linear(d, d, rngs, param_dtype)
@@ -349,37 +434,17 @@ class JointAttention(nnx.Module):
         [B, L+N] float32 (0 = visible, MASK_BIAS = padded text key) or None. Returns (img_out [B, N, D],
         txt_out [B, L, D])."""
         img_cos, img_sin, txt_cos, txt_sin = rope
-        h, hd = self.heads, self.head_dim
-        scale = 1.0 / math.sqrt(hd)
+        iq, ik, iv = project_qkv(img, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, img_cos, img_sin,
+                                 self.heads)
+        tq, tk, tv = project_qkv(txt, self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q,
+                                 self.norm_added_k, txt_cos, txt_sin, self.heads)
 
-        def heads(x):
-            return x.reshape(*x.shape[:-1], h, hd)
-
-        def qk_post(y, norm, cos, sin, mult, dtype):
-            y = rms_norm(heads(y), to_half_split(norm.scale[...], hd), norm.eps)
-            y = apply_rope_half(y, *half_split_tables(cos, sin))
-            return (y * mult if mult != 1.0 else y).astype(dtype)
-
-        def stream(x, pq, pk, pv, nq, nk, cos, sin):
-            # Q/K in the half-split head-dim order (to_half_split): RMSNorm over head dims is order-free once its
-            # scale is permuted the same way, and RoPE becomes two contiguous halves. The softmax scale is folded
-            # into q (exact for power-of-two head dims; one rounding otherwise).
-            yq = dense(x, to_half_split(pq.kernel[...], hd), to_half_split(pq.bias[...], hd))
-            yk = dense(x, to_half_split(pk.kernel[...], hd), to_half_split(pk.bias[...], hd))
-            yv = pv(x)
-            return (qk_post(yq, nq, cos, sin, scale, x.dtype), qk_post(yk, nk, cos, sin, 1.0, x.dtype), heads(yv))
-
-        iq, ik, iv = stream(img, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, img_cos, img_sin)
-        tq, tk, tv = stream(txt, self.add_q_proj, self.add_k_proj, self.add_v_proj, self.norm_added_q,
-                            self.norm_added_k, txt_cos, txt_sin)
-
-        # Order [text, image], as diffusers; the concatenation and the move to head-major [B, H, S, Dh] are one copy.
+        # Order [text, image], as diffusers; the concatenation and the move to head-major [B, H, S, Dh] fuse into
+        # one copy.
         def joint(t, i):
-            return jnp.swapaxes(jnp.concatenate([t, i], axis=1), 1, 2)
+            return jnp.concatenate([t, i], axis=1)
 
-        out = joint_attention(joint(tq, iq), joint(tk, ik), joint(tv, iv), key_bias)
-        out = jnp.swapaxes(out, 1, 2)
-        out = out.reshape(*out.shape[:2], -1)
+        out = multihead_attention(joint(tq, iq), joint(tk, ik), joint(tv, iv), key_bias)
         n_txt = txt.shape[1]
         return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
 
@@ -389,7 +454,10 @@ def _modulate(x, shift, scale):
 
 
 class MMDiTBlock(nnx.Module):
-    """One double-stream block (QwenImageTransformerBlock): AdaLN(shift, scale, gate) x2 per stream."""
+    """One double-stream block (QwenImageTransformerBlock): AdaLN(shift, scale, gate) x2 per stream.
+
+    Also FLUX's FluxTransformerBlock (same math: AdaLayerNormZero chunks in this order, LayerNorm eps 1e-6, tanh-GELU
+    FeedForward x4); its diffusers names differ and are mapped by the FLUX key table (digen_jax.models.flux)."""
 
     def __init__(self, config: MMDiTConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
         d = config.inner_dim
@@ -431,12 +499,8 @@ class MMDiT(nnx.Module):
             self.text_pool = TextPoolEmbedder(config.joint_attention_dim, d, rngs=rngs, param_dtype=param_dtype)
 
         # Stacked blocks: every param gets a leading [num_layers] axis (lax.scan in __call__).
-        @nnx.split_rngs(splits=config.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(block_rngs):
-            return MMDiTBlock(config, rngs=block_rngs, param_dtype=param_dtype)
-
-        self.blocks = make_blocks(rngs)
+        self.blocks = stacked_blocks(lambda r: MMDiTBlock(config, rngs=r, param_dtype=param_dtype),
+                                     config.num_layers, rngs)
         self.norm_out = _linear(d, 2 * d, rngs, param_dtype)
         self.proj_out = _linear(d, config.out_dim, rngs, param_dtype)
 
@@ -464,26 +528,8 @@ class MMDiT(nnx.Module):
             keys = jnp.concatenate([text_mask.astype(bool), jnp.ones((b, n_img), bool)], axis=1)
             key_bias = jnp.where(keys, 0.0, MASK_BIAS).astype(jnp.float32)
 
-        graphdef, block_state = nnx.split(self.blocks)
-
-        def body(carry, layer_state):
-            block = nnx.merge(graphdef, layer_state)
-            return block(*carry, temb, rope, key_bias), None
-
-        if cfg.remat:
-            body = jax.checkpoint(body)
-        if cfg.scan_layers:
-            (img, _), _ = jax.lax.scan(body, (img, txt), block_state)
-        else:
-            # One split per stacked param (its transpose is one concatenate of the layers' gradients; indexing a[i]
-            # instead would transpose to a zero-padded full-stack gradient per layer).
-            parts = jax.tree.map(lambda a: jnp.split(a, cfg.num_layers, axis=0), block_state)
-            layers = [jax.tree.map(lambda p: p[i][0], parts, is_leaf=lambda x: isinstance(x, list))
-                      for i in range(cfg.num_layers)]
-            carry = (img, txt)
-            for layer_state in layers:
-                carry, _ = body(carry, layer_state)
-            img = carry[0]
+        img, _ = run_stacked(self.blocks, (img, txt), lambda block, c: block(*c, temb, rope, key_bias),
+                             num_layers=cfg.num_layers, remat=cfg.remat, scan_layers=cfg.scan_layers)
 
         scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
         img = _modulate(layer_norm(img, cfg.eps), shift, scale)
@@ -521,12 +567,19 @@ def count_params(config: MMDiTConfig) -> int:
     def lin(i, o):
         return i * o + o
 
-    per_block = (2 * lin(d, 6 * d)            # img_mod, txt_mod
-                 + 8 * lin(d, d)              # q/k/v/out for both streams
-                 + 4 * hd                     # q/k RMSNorm scales, both streams
-                 + 2 * (lin(d, MLP_RATIO * d) + lin(MLP_RATIO * d, d)))
     return (lin(TIMESTEP_CHANNELS, d) + lin(d, d) + j + lin(config.in_channels, d) + lin(j, d)
-            + config.num_layers * per_block + lin(d, 2 * d) + lin(d, config.out_dim))
+            + config.num_layers * block_param_count(d, hd) + lin(d, 2 * d) + lin(d, config.out_dim))
+
+
+def block_param_count(d: int, head_dim: int) -> int:
+    """Number of parameters of one MMDiTBlock of width d."""
+    def lin(i, o):
+        return i * o + o
+
+    return (2 * lin(d, 6 * d)                 # img_mod, txt_mod
+            + 8 * lin(d, d)                   # q/k/v/out for both streams
+            + 4 * head_dim                    # q/k RMSNorm scales, both streams
+            + 2 * (lin(d, MLP_RATIO * d) + lin(MLP_RATIO * d, d)))
 
 
 def flops_per_forward(config: MMDiTConfig, batch: int, n_img: int, n_txt: int) -> float:
@@ -537,9 +590,13 @@ def flops_per_forward(config: MMDiTConfig, batch: int, n_img: int, n_txt: int) -
     s = n_img + n_txt
     per_sample = (TIMESTEP_CHANNELS * d + d * d             # time embedding (one row per sample)
                   + n_img * config.in_channels * d + n_txt * j * d)
-    per_block = (2 * d * 6 * d                              # modulation (one row per sample per stream)
-                 + s * 4 * d * d                            # q, k, v, out projections, either stream
-                 + s * 2 * MLP_RATIO * d * d                # MLP fc1 + fc2
-                 + 2 * s * s * d)                           # QK^T and PV over all heads
-    per_sample += config.num_layers * per_block + d * 2 * d + n_img * d * config.out_dim
+    per_sample += config.num_layers * block_macs(d, s) + d * 2 * d + n_img * d * config.out_dim
     return 2.0 * batch * per_sample
+
+
+def block_macs(d: int, s: int) -> int:
+    """Matmul multiply-adds of one MMDiTBlock of width d on one sample of s = n_img + n_txt tokens."""
+    return (2 * d * 6 * d                                   # modulation (one row per sample per stream)
+            + s * 4 * d * d                                 # q, k, v, out projections, either stream
+            + s * 2 * MLP_RATIO * d * d                     # MLP fc1 + fc2
+            + 2 * s * s * d)                                # QK^T and PV over all heads
