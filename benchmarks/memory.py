@@ -92,6 +92,7 @@ from digen_jax import tiny_pipeline
 from digen_jax import weights as weights_lib
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.models import convert
+from digen_jax.models import family as family_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.models import mmdit
 from digen_jax.models import vae as vae_lib
@@ -296,12 +297,8 @@ def per_device_bytes(tree) -> int:
 
 
 def abstract_cond(exp, batch: int, mesh):
-  """Text conditioning {'text' [B, L, D] float32, 'text_mask' [B, L] int32}, batch-sharded."""
-  c = exp.config
-  return {'text': jax.ShapeDtypeStruct((batch, c.text.max_length, c.model.joint_attention_dim),
-                                       jnp.float32, sharding=mesh_lib.batch_sharding(mesh, 3)),
-          'text_mask': jax.ShapeDtypeStruct((batch, c.text.max_length), jnp.int32,
-                                            sharding=mesh_lib.batch_sharding(mesh, 2))}
+  """The conditioning dict (Experiment.cond_abstract), batch-sharded on `mesh`."""
+  return exp.cond_abstract(batch, lambda nd: mesh_lib.batch_sharding(mesh, nd))
 
 
 def abstract_trajectory(exp, batch: int):
@@ -385,7 +382,7 @@ def measure(bound, args: dict, shared: tuple[str, ...] = ()) -> dict:
 
 
 def mmdit_forward_flops(exp, batch: int) -> float:
-  return mmdit.flops_per_forward(exp.model_config, batch, exp.latent_shape[0],
+  return family_lib.of(exp.config).flops_per_forward(exp.model_config, batch, exp.latent_shape[0],
                                  exp.config.text.max_length)
 
 
@@ -488,7 +485,7 @@ def analytic(exp, mesh) -> dict:
   opt = laid_out(opt, mesh_lib.fsdp_shardings(opt, mesh))
   base = w.base_abstract if w.lora is not None else None
   out = {
-      'mmdit_params': mmdit.count_params(exp.model_config),
+      'mmdit_params': family_lib.of(exp.config).count_params(exp.model_config),
       'trainable': 'lora' if w.lora is not None else 'full',
       'trainable_params': count(exp.params),
       'trainable_bytes_f32': whole_bytes(params32),

@@ -6,7 +6,8 @@ Two measurements, both with fixed noise (seconds on the CPU, no training):
   * denoising: ground-truth single objects on white are noised to σ and denoised in one step
     (x̂0 = x_σ − σ·v); reported are the x̂0 MSE and how much x̂0 moves when only the shape word
     ("square" <-> "circle") or only the colour word of the prompt changes. A model that ignores the
-    shape word moves ~0 for the shape swap.
+    shape word moves ~0 for the shape swap; `shape_to_color_sensitivity` is the ratio of the two
+    (mean over σ).
   * generation: "a <colour> <shape> on a white background" for 2 colours x 3 shapes x 8 noises,
     sampled with the config's ODE (10 Euler steps, shift 3); reported per prompted shape: the
     shapes the checker sees (circle/square/triangle/none) and the strict pass rate, plus the mean
@@ -47,11 +48,15 @@ def _prompt(color: str, shape: str) -> str:
 def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.ndarray, list[str]]:
   """Returns (report, generated images [6*noises, H, W, 3], their prompts)."""
   c = shapes_pretrain.get_config()
-  model = params_io.load_model(experiment.checkpoint_folder(params_dir, '--params'))
+  folder = experiment.checkpoint_folder(params_dir, '--params')
+  model = params_io.load_model(folder)
   mcfg = model.config
   graphdef, params = nnx.split(model)
+  with open(os.path.join(folder, 'config.json')) as f:
+    extra = json.load(f).get('extra', {})
   encoder = experiment.build_text_encoder(c)
-  size, patch = int(c.latent.height), int(mcfg.patch_size)
+  # The image size the checkpoint was trained at (pretrain records it), else the config's.
+  size, patch = int(extra.get('latent', {}).get('height', c.latent.height)), int(mcfg.patch_size)
   shape = (1, size // patch, size // patch)
   report: dict = {'params': params_dir, 'pooled_text': bool(mcfg.pooled_text)}
 
@@ -80,6 +85,9 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
                  'shape_swap_abs': float(jnp.mean(jnp.abs(x0_hat(x_t, s, shape_swapped) - ref))),
                  'color_swap_abs': float(jnp.mean(jnp.abs(x0_hat(x_t, s, color_swapped) - ref)))})
   report['denoising'] = rows
+  # How much the shape word moves x̂0 relative to the colour word (1 = as much; ~0 = ignored).
+  report['shape_to_color_sensitivity'] = float(
+      np.mean([r['shape_swap_abs'] for r in rows]) / max(np.mean([r['color_swap_abs'] for r in rows]), 1e-12))
 
   # Generation with the config's ODE; the same noises for every prompt.
   sample = pretrain.make_sampler(graphdef, experiment.build_schedule(c, shape[1] * shape[2]), shape, patch, size)

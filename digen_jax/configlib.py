@@ -30,6 +30,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.axes_dims_rope = (16, 56, 56)
   c.model.rope_theta = 10000.0      # diffusers' QwenEmbedRope theta; smaller = finer position code on small grids
   c.model.pooled_text = False       # FLUX-style pooled prompt in the timestep embedding (not QwenImage)
+  c.model.family = 'qwenimage'      # 'qwenimage' (MMDiT) | 'flux' (models/family.py)
+  # FLUX only: single-stream blocks after the num_layers double-stream ones, the CLIP pooled
+  # vector's size, and FLUX.1-dev's guidance embedding (guidance distillation; -schnell has none).
+  c.model.num_single_layers = 0
+  c.model.pooled_projection_dim = 768
+  c.model.guidance_embeds = False
   # Execution options (same math, same params): jax.checkpoint each block in the update's backward
   # pass, and run the blocks under lax.scan (False: unrolled; compile time grows with layers).
   c.model.remat = False
@@ -60,7 +66,7 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- text conditioning ---------------------------------------------------------------------
   c.text = ml_collections.ConfigDict()
-  c.text.encoder = 'qwen2.5-vl'     # 'word' (small frozen word-level encoder) or 'qwen2.5-vl'
+  c.text.encoder = 'qwen2.5-vl'     # 'word' (small frozen word-level encoder), 'qwen2.5-vl', 't5-clip' (FLUX)
   c.text.max_length = 1024
   # Real encoders ('qwen2.5-vl') are read from an embedding cache written by
   # `python -m digen_jax.encode_prompts --config=... --prompts=... --out=DIR`; torch never runs
@@ -84,6 +90,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.sampler.guidance_scale = 0.0    # > 1 turns on CFG (rollout and training alike)
   c.sampler.norm_rescale = True     # QwenImage "true CFG" norm rescale
   c.sampler.negative_prompt = ' '   # CFG's unconditional branch (the QwenImage pipelines' ' ')
+  c.sampler.distilled_guidance = 3.5  # FLUX.1-dev's guidance input (model.guidance_embeds), not CFG
 
   # --- GRPO ----------------------------------------------------------------------------------
   c.rl = ml_collections.ConfigDict()
@@ -241,9 +248,10 @@ def shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_C
 
 
 _CHOICES = {
+    'model.family': ('qwenimage', 'flux'),
     'model.init': ('checkpoint', 'random'),
     'latent.space': ('pixel', 'vae'),
-    'text.encoder': ('word', 'qwen2.5-vl'),
+    'text.encoder': ('word', 'qwen2.5-vl', 't5-clip'),
     'sampler.scheduler': ('qwenimage', 'flux'),
     'sampler.sde': ('flow_grpo', 'dance', 'cps'),
     'sampler.logprob_reduce': ('mean', 'sum'),
@@ -291,6 +299,32 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
                      f'config.model.attention_head_dim={m.attention_head_dim}')
   if not m.rope_theta > 0:
     raise ValueError(f'config.model.rope_theta={m.rope_theta!r} must be > 0 (diffusers: 10000.0)')
+  if m.family == 'flux':
+    if m.num_single_layers < 0 or m.num_layers + m.num_single_layers < 1:
+      raise ValueError(f'config.model.num_layers={m.num_layers}, num_single_layers='
+                       f'{m.num_single_layers}: FLUX needs >= 0 of each and at least one block')
+    if config.text.encoder not in ('t5-clip', 'word'):
+      raise ValueError(f"config.model.family='flux' conditions on T5 tokens and the CLIP pooled "
+                       f"vector: config.text.encoder={config.text.encoder!r} must be 't5-clip' (an "
+                       'embedding cache made by digen_jax.encode_prompts from a FLUX pipeline '
+                       "folder) or 'word' (toy configs)")
+    if config.text.encoder == 'word' and m.pooled_projection_dim != m.joint_attention_dim:
+      raise ValueError(f'config.model.pooled_projection_dim={m.pooled_projection_dim}: the word '
+                       "encoder's pooled vector is a mean of its tokens, so it must equal "
+                       f'config.model.joint_attention_dim={m.joint_attention_dim}')
+    if config.sampler.guidance_scale > 1.0:
+      raise ValueError(f'config.sampler.guidance_scale={config.sampler.guidance_scale}: FLUX.1 is '
+                       'guidance-distilled (no CFG); set it to 0 and use '
+                       'config.sampler.distilled_guidance (FLUX.1-dev) instead')
+    if m.pooled_text:
+      raise ValueError("config.model.pooled_text is the MMDiT's option; FLUX always conditions on "
+                       'the pooled CLIP vector (model.pooled_projection_dim)')
+  elif config.text.encoder == 't5-clip':
+    raise ValueError(f"config.text.encoder='t5-clip' is FLUX's; config.model.family={m.family!r} "
+                     "reads 'word' or 'qwen2.5-vl'")
+  elif m.guidance_embeds or m.num_single_layers:
+    raise ValueError(f"config.model.guidance_embeds / num_single_layers are FLUX's; with "
+                     f"config.model.family={m.family!r} leave them False / 0")
   if config.rl.group_size < 2:
     raise ValueError(f'config.rl.group_size={config.rl.group_size}: GRPO needs at least 2 samples '
                      'per prompt')

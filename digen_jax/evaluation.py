@@ -50,7 +50,7 @@ class Evaluator:
     self.n_per = c.eval.samples_per_prompt
     n_dev = mesh.devices.size
     self.batch = max(n_dev, (c.eval.batch_size // n_dev) * n_dev)
-    velocity_fn = programs.make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+    velocity_fn = programs.velocity_fn_of(exp)
     sigmas = jnp.asarray(exp.sigmas)
     T = len(exp.sigmas) - 1
     guidance, norm_rescale = programs.guidance_of(exp)
@@ -65,7 +65,7 @@ class Evaluator:
       return exp.weights.decode(frozen, traj.latents[-1])
 
     rep = mesh_lib.replicated(mesh)
-    cond_sh = {'text': mesh_lib.batch_sharding(mesh, 3), 'text_mask': mesh_lib.batch_sharding(mesh, 2)}
+    cond_sh = programs.cond_shardings(mesh, exp.cond_abstract(1))
     frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)
     self._sample = programs.Bound(jax.jit(ode_sample, in_shardings=(
         rep, cond_sh, cond_sh, mesh_lib.batch_sharding(mesh, 1),
@@ -74,8 +74,7 @@ class Evaluator:
     self._uncond = self._encode([c.sampler.negative_prompt] * self.batch)
 
   def _encode(self, prompts):
-    emb, mask = self.exp.text_encoder.encode(prompts)
-    return {'text': jnp.asarray(emb, jnp.float32), 'text_mask': jnp.asarray(mask, jnp.int32)}
+    return jax.tree.map(jnp.asarray, self.exp.conditioning(prompts))
 
   def __call__(self, params, seed: int = 0) -> dict[str, Any]:
     """Returns {'metrics': {...}, 'images', 'prompts', 'rewards', 'passed'} (numpy)."""

@@ -19,7 +19,7 @@ from digen_jax.data import prompts as prompt_data
 from digen_jax.diffusion import schedule as schedule_lib
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax import weights as weights_lib
-from digen_jax.models import mmdit
+from digen_jax.models import family as family_lib
 from digen_jax.models import params_io
 from digen_jax.models import text as text_lib
 from digen_jax.models import text_cache
@@ -30,7 +30,7 @@ from digen_jax.rl import timesteps as timesteps_lib
 @dataclasses.dataclass
 class Experiment:
   config: ml_collections.ConfigDict
-  model_config: mmdit.MMDiTConfig
+  model_config: Any                 # the family's architecture config (MMDiTConfig, FluxConfig)
   weights: weights_lib.Weights      # trainable params (full or LoRA), frozen weights, decode
   text_encoder: Any                 # prompts -> (emb [B, L, D], mask [B, L])
   prompts: Any                      # PromptIterator: next_batch(), position, restore()
@@ -61,21 +61,38 @@ class Experiment:
     ShapeDtypeStructs when they stream from a large checkpoint (weights.init_params)."""
     return self.weights.params
 
+  @property
+  def family(self) -> family_lib.Family:
+    return family_lib.of(self.config)
 
-def model_config_from(config) -> mmdit.MMDiTConfig:
-  m = config.model
-  return mmdit.MMDiTConfig(
-      patch_size=m.patch_size, in_channels=m.in_channels, out_channels=m.out_channels,
-      num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
-      num_attention_heads=m.num_attention_heads, joint_attention_dim=m.joint_attention_dim,
-      axes_dims_rope=tuple(m.axes_dims_rope), pooled_text=bool(m.pooled_text),
-      rope_theta=float(m.rope_theta),
-      remat=bool(m.remat), scan_layers=bool(m.scan_layers))
+  def conditioning(self, prompts: list[str]) -> dict[str, np.ndarray]:
+    """The forward's conditioning for `prompts` (host arrays, batch-leading): 'text' [B, L, D]
+    float32, 'text_mask' [B, L] int32, and 'pooled' [B, P] float32 for families that read it."""
+    emb, mask = self.text_encoder.encode(prompts)
+    cond = {'text': np.asarray(emb, np.float32), 'text_mask': np.asarray(mask, np.int32)}
+    if 'pooled' in self.family.cond_keys:
+      cond['pooled'] = np.asarray(self.text_encoder.encode_pooled(prompts), np.float32)
+    return cond
+
+  def cond_abstract(self, batch: int, sharding_fn: Callable[[int], Any] | None = None) -> dict:
+    """ShapeDtypeStructs of `conditioning` for `batch` prompts; sharding_fn(ndim) places each."""
+    c = self.config
+    shapes = {'text': ((batch, c.text.max_length, c.model.joint_attention_dim), jnp.float32),
+              'text_mask': ((batch, c.text.max_length), jnp.int32),
+              'pooled': ((batch, c.model.pooled_projection_dim), jnp.float32)}
+    return {k: jax.ShapeDtypeStruct(*shapes[k], sharding=sharding_fn(len(shapes[k][0]))
+                                    if sharding_fn else None)
+            for k in self.family.cond_keys}
 
 
-def same_architecture(a: mmdit.MMDiTConfig, b: mmdit.MMDiTConfig) -> bool:
+def model_config_from(config):
+  """The architecture config (MMDiTConfig, FluxConfig) of config.model's family."""
+  return family_lib.of(config).config_from(config.model)
+
+
+def same_architecture(a, b) -> bool:
   """Equal up to the execution options (remat, scan_layers), which change neither math nor params."""
-  return dataclasses.replace(a, remat=b.remat, scan_layers=b.scan_layers) == b
+  return type(a) is type(b) and dataclasses.replace(a, remat=b.remat, scan_layers=b.scan_layers) == b
 
 
 def checkpoint_folder(path: str, field: str = 'config.model.checkpoint') -> str:
@@ -112,16 +129,16 @@ def check_text_encoder(config, text_encoder) -> None:
         f'Set config.seed={recorded.get("seed")} (the table is seeded by it)')
 
 
-def build_weights(config) -> tuple[mmdit.MMDiTConfig, weights_lib.Weights]:
+def build_weights(config) -> tuple[Any, weights_lib.Weights]:
   """(model config, the run's Weights): checkpoints are opened and checked, not read whole."""
   mcfg = model_config_from(config)
   if config.model.init != 'random':
     config.model.checkpoint = checkpoint_folder(config.model.checkpoint)
-  return mcfg, weights_lib.build(config, mcfg, same_architecture)
+  return mcfg, weights_lib.build(config, family_lib.of(config), mcfg, same_architecture)
 
 
-def build_model(config) -> tuple[mmdit.MMDiTConfig, Any, Any]:
-  """(model config, MMDiT graphdef, initial trainable params): build_weights, unpacked."""
+def build_model(config) -> tuple[Any, Any, Any]:
+  """(model config, the transformer's graphdef, initial trainable params): build_weights, unpacked."""
   mcfg, weights = build_weights(config)
   return mcfg, weights.graphdef, weights.params
 

@@ -11,24 +11,39 @@ import jax.numpy as jnp
 import optax
 
 from digen_jax.diffusion import sampler as sampler_lib
+from digen_jax.models import family as family_lib
 from digen_jax.rl import objective as objective_lib
 from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.runtime import mesh as mesh_lib
 
 
-def make_velocity_fn(graphdef, img_shape, compute_dtype):
-  """velocity_fn(params, latents [B,N,C], sigma [B], cond) -> v [B,N,C] float32.
+def make_velocity_fn(graphdef, img_shape, compute_dtype, family=None, guidance: float = 0.0):
+  """velocity_fn(params, latents [B,N,C], sigma [B], cond) -> v [B,N,C] float32: the family's
+  forward (models/family.py; default the MMDiT's) on a conditioning dict
+  (Experiment.conditioning). guidance: FLUX.1-dev's distilled guidance input. With a bf16 compute
+  dtype the float32 master params are cast inside the jitted program, so gradients flow back to
+  float32."""
+  forward = (family or family_lib.get('qwenimage')).forward
 
-  cond = {'text': [B, L, D], 'text_mask': [B, L]}. With a bf16 compute dtype the float32 master
-  params are cast inside the jitted program, so gradients flow back to float32."""
   def velocity_fn(params, latents, sigma, cond):
     if compute_dtype != jnp.float32:
       params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
     model = nnx.merge(graphdef, params)
-    v = model(latents.astype(compute_dtype), sigma, cond['text'].astype(compute_dtype),
-              cond['text_mask'], img_shape=img_shape)
+    cond = dict(cond, text=cond['text'].astype(compute_dtype))
+    v = forward(model, latents.astype(compute_dtype), sigma, cond, img_shape, guidance)
     return v.astype(jnp.float32)
   return velocity_fn
+
+
+def velocity_fn_of(exp):
+  """make_velocity_fn for an Experiment's model, family and sampler settings."""
+  return make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype, exp.family,
+                          float(exp.config.sampler.distilled_guidance))
+
+
+def cond_shardings(mesh, cond):
+  """Batch shardings on `mesh` for a conditioning dict (arrays or ShapeDtypeStructs)."""
+  return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim), cond)
 
 
 def guidance_of(exp):
@@ -82,7 +97,7 @@ def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_o
   weights on `mesh` (default: loaded replicated, with the decoder)."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
-  velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+  velocity_fn = velocity_fn_of(exp)
   sigmas = jnp.asarray(exp.sigmas)
   T = len(exp.sigmas) - 1
   guidance, norm_rescale = guidance_of(exp)
@@ -100,7 +115,7 @@ def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_o
     return traj, exp.weights.decode(frozen, traj.latents[-1])
 
   rep = mesh_lib.replicated(mesh)
-  cond_sharding = {'text': mesh_lib.batch_sharding(mesh, 3), 'text_mask': mesh_lib.batch_sharding(mesh, 2)}
+  cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
   in_sh = (rep if param_shardings is None else param_shardings, cond_sharding, cond_sharding,
            rep, rep)
   out_sh = (traj_shardings, mesh_lib.batch_sharding(mesh, 4))
@@ -141,7 +156,7 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
   trainable tree (the MMDiT, or LoRA adapters merged into the frozen base inside)."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
-  velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+  velocity_fn = velocity_fn_of(exp)
   r = exp.config.rl
   T = len(exp.sigmas) - 1
   guidance, norm_rescale = guidance_of(exp)
@@ -180,7 +195,7 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
 
   rep = mesh_lib.replicated(mesh)
   data = lambda nd, axis=0: mesh_lib.batch_sharding(mesh, nd, axis)
-  cond_sharding = {'text': data(3), 'text_mask': data(2)}
+  cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
   return Bound(jax.jit(
       update,
       in_shardings=(param_shardings, opt_shardings, traj_shardings, cond_sharding, cond_sharding,
@@ -246,7 +261,7 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
   make_update."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
-  velocity_fn = make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+  velocity_fn = velocity_fn_of(exp)
   r = exp.config.rl
   guidance, norm_rescale = guidance_of(exp)
   K, K_pad = tsp_steps(exp, mesh)
@@ -291,7 +306,7 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
 
   rep = mesh_lib.replicated(mesh)
   data = lambda nd: mesh_lib.batch_sharding(mesh, nd)
-  cond_sharding = {'text': data(3), 'text_mask': data(2)}
+  cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
   acc_sh = {'grads': param_shardings,
             'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}}
   return Bound(jax.jit(

@@ -23,10 +23,8 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from digen_jax.models import convert
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import lora as lora_lib
-from digen_jax.models import mmdit
 from digen_jax.models import params_io
 from digen_jax.models import streaming
 from digen_jax.models import vae as vae_lib
@@ -61,7 +59,7 @@ class Weights:
   params: Any                       # trainable: MMDiT state or LoRA adapters
   frozen_dtype: Any
   lora: lora_lib.LoraConfig | None = None
-  load_mmdit: Callable | None = None  # (shardings, dtype) -> MMDiT state on those shardings
+  load_transformer: Callable | None = None  # (shardings, dtype) -> transformer state on those shardings
   base_abstract: Any = None         # LoRA: the frozen base's ShapeDtypeStructs
   vae: VAESource | None = None
   latent_hw: tuple[int, int] = (0, 0)
@@ -74,8 +72,8 @@ class Weights:
 
   def init_params(self, shardings):
     """The initial trainable params on `shardings` (float32 masters)."""
-    if self.lora is None and self.load_mmdit is not None:
-      return self.load_mmdit(shardings, jnp.float32)
+    if self.lora is None and self.load_transformer is not None:
+      return self.load_transformer(shardings, jnp.float32)
     return jax.device_put(self.params, shardings)
 
   def frozen_abstract(self, decode: bool = True) -> dict:
@@ -93,7 +91,7 @@ class Weights:
       if (devices, fsdp) not in cache:
         sh = (mesh_lib.fsdp_shardings(self.base_abstract, mesh) if fsdp else
               jax.tree.map(lambda _: mesh_lib.replicated(mesh), self.base_abstract))
-        cache[(devices, fsdp)] = self.load_mmdit(sh, self.frozen_dtype)
+        cache[(devices, fsdp)] = self.load_transformer(sh, self.frozen_dtype)
       base = cache[(devices, fsdp)]
     vae = None
     if decode and self.vae is not None:
@@ -136,15 +134,17 @@ class Weights:
 # --------------------------------------------------------------------------- building
 
 
-def _mmdit_source(config, mcfg: mmdit.MMDiTConfig, same_architecture):
+def _transformer_source(config, family, mcfg, same_architecture):
   """(graphdef, initial params or their abstract, loader or None)."""
   m = config.model
   if m.init == 'random':
-    model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
-    graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(family.new(mcfg, config.seed))
     return graphdef, params, None
   path = m.checkpoint
   if os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
+    if family.name != 'qwenimage':
+      raise ValueError(f'config.model.checkpoint={path!r} is a digen_jax params folder (an MMDiT); '
+                       f'config.model.family={family.name!r} loads a diffusers folder')
     # Our own params folder (pretrain output): small, read whole as before.
     model = params_io.load_model(path)
     if not same_architecture(model.config, mcfg):
@@ -153,12 +153,12 @@ def _mmdit_source(config, mcfg: mmdit.MMDiTConfig, same_architecture):
     model.config = mcfg             # the run's execution options (remat, scan_layers)
     graphdef, params = nnx.split(model)
     return graphdef, params, None
-  ckpt_cfg = convert.read_config(path)
-  loader = lambda sh, dtype: convert.load_diffusers_sharded(path, lambda _: sh, dtype)[2]
+  ckpt_cfg = family.read_config(path)
+  loader = lambda sh, dtype: family.load_sharded(path, lambda _: sh, dtype)[2]
   if not same_architecture(ckpt_cfg, mcfg):
     raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
                      f'{ckpt_cfg}, config asks for {mcfg}')
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: mmdit.MMDiT(mcfg, rngs=nnx.Rngs(0))))
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: family.new(mcfg, 0)))
   return graphdef, abstract_of(abstract), loader
 
 
@@ -188,9 +188,10 @@ def _vae_source(config) -> VAESource | None:
   return VAESource(vcfg, graphdef, abstract_of(abstract), folder)
 
 
-def build(config, mcfg: mmdit.MMDiTConfig, same_architecture) -> Weights:
-  """The run's Weights from config.model / config.latent (files are opened, not read whole)."""
-  graphdef, params, loader = _mmdit_source(config, mcfg, same_architecture)
+def build(config, family, mcfg, same_architecture) -> Weights:
+  """The run's Weights from config.model / config.latent (files are opened, not read whole);
+  `family` is models/family.py's entry for config.model.family, `mcfg` its architecture config."""
+  graphdef, params, loader = _transformer_source(config, family, mcfg, same_architecture)
   lo = config.model.lora
   lora_cfg, base_abstract = None, None
   if lo.rank > 0:
@@ -200,13 +201,13 @@ def build(config, mcfg: mmdit.MMDiTConfig, same_architecture) -> Weights:
     if loader is None:              # a random base (tiny configs): frozen, held like a checkpoint
       base = params
       loader = lambda sh, dtype: jax.device_put(_cast(base, dtype), sh)
-    paths = lora_lib.target_paths(base_abstract, convert.diffusers_key_table(mcfg), lora_cfg)
+    paths = lora_lib.target_paths(base_abstract, family.key_table(mcfg), lora_cfg)
     params = lora_lib.init_adapters(base_abstract, paths, lora_cfg,
                                     jax.random.key(config.seed + 1))
   lat = config.latent
   return Weights(
       graphdef=graphdef, params=params, frozen_dtype=_DTYPES[config.model.frozen_dtype],
-      lora=lora_cfg, load_mmdit=loader, base_abstract=base_abstract,
+      lora=lora_cfg, load_transformer=loader, base_abstract=base_abstract,
       vae=_vae_source(config), latent_hw=(lat.height, lat.width), patch=config.model.patch_size,
       vae_batch_chunk=int(lat.vae_batch_chunk), vae_tile=int(lat.vae_tile))
 

@@ -1,14 +1,16 @@
-"""The importance ratio of the real QwenImage MMDiT is 1 before the first update.
+"""The importance ratio of the real QwenImage MMDiT (and of FLUX) is 1 before the first update.
 
 Rollout through the rollout program (one jitted scan, data-parallel), then recompute every
 step's log-prob from the stored trajectory with unchanged params through the training path:
-|exp(logp_new - logp_old) - 1| <= 1e-5 for every step, every SDE variant, with and without CFG.
+|exp(logp_new - logp_old) - 1| <= 1e-5 for every step, every SDE variant, with and without CFG
+(FLUX: with its distilled guidance input instead).
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import flux
 from configs import qwenimage
 from digen_jax import experiment
 from digen_jax import programs
@@ -17,9 +19,9 @@ from digen_jax.runtime import mesh as mesh_lib
 
 
 @pytest.mark.parametrize('sde', ['flow_grpo', 'dance', 'cps'])
-@pytest.mark.parametrize('guidance', [0.0, 4.0])
-def test_ratio_is_one_for_every_step(tmp_path, sde, guidance):
-  c = qwenimage.get_config('tiny')
+@pytest.mark.parametrize('family,guidance', [('qwenimage', 0.0), ('qwenimage', 4.0), ('flux', 0.0)])
+def test_ratio_is_one_for_every_step(tmp_path, sde, family, guidance):
+  c = (qwenimage if family == 'qwenimage' else flux).get_config('tiny')
   c.sampler.sde = sde
   c.sampler.guidance_scale = guidance
   c.sampler.num_steps = 4
@@ -27,13 +29,11 @@ def test_ratio_is_one_for_every_step(tmp_path, sde, guidance):
   mesh = mesh_lib.make_mesh(jax.devices()[:2])
   rollout = programs.make_rollout(exp, mesh)
   prompts = [p for p in exp.prompts.next_batch() for _ in range(c.rl.group_size)]
-  emb, mask = exp.text_encoder.encode(prompts)
-  cond = {'text': jnp.asarray(emb), 'text_mask': jnp.asarray(mask)}
-  u_emb, u_mask = exp.text_encoder.encode([''] * len(prompts))
-  uncond = {'text': jnp.asarray(u_emb), 'text_mask': jnp.asarray(u_mask)}
+  cond = jax.tree.map(jnp.asarray, exp.conditioning(prompts))
+  uncond = jax.tree.map(jnp.asarray, exp.conditioning([''] * len(prompts)))
   traj, _ = rollout(exp.params, cond, uncond, jax.random.key(0), jnp.int32(0))
 
-  velocity_fn = programs.make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+  velocity_fn = programs.velocity_fn_of(exp)
   T = c.sampler.num_steps
   steps = jnp.arange(T)
   logp_new, _, _ = jax.jit(lambda p, t, cd, u: objective.step_log_probs(
@@ -69,7 +69,7 @@ def _max_ratio_dev(c, tmp_path, perturb_adapters=False):
   traj, _ = programs.make_rollout(exp, roll_mesh)(params, cond, uncond, jax.random.key(0),
                                                   jnp.int32(0))
   frozen = exp.weights.frozen(train_mesh, fsdp=True, decode=False)
-  velocity_fn = programs.make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+  velocity_fn = programs.velocity_fn_of(exp)
   guidance = c.sampler.guidance_scale
   steps = jnp.arange(c.sampler.num_steps)
   logp_new, _, _ = jax.jit(lambda p, fr, t, cd, u: objective.step_log_probs(

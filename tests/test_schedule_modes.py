@@ -121,7 +121,7 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   tsp = programs.make_fragment_grad(exp, mesh, psh, workers.trajectory_shardings(mesh), tsp=True)
   with jax.transfer_guard('disallow'):
     acc = tsp(params, zero(params), traj, cond, cond, adv, valid, indices, None)
-  velocity_fn = programs.make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype)
+  velocity_fn = programs.velocity_fn_of(exp)
 
   def serial(p):
     return objective.grpo_objective(velocity_fn, p, traj, cond, adv, valid, indices,

@@ -37,6 +37,9 @@ class TextEncoder(Protocol):
         """prompts -> (embeddings [B, max_length, dim] float32, mask [B, max_length] int32)."""
         ...
 
+# Families whose forward also reads a pooled prompt vector (FLUX: CLIP's) call the encoder's
+# `encode_pooled(prompts) -> [B, pooled_dim] float32`, an optional method of a TextEncoder.
+
 
 def tokenize(text: str) -> list[str]:
     """Lowercased words; whitespace and punctuation separate and are dropped."""
@@ -116,9 +119,16 @@ class WordEncoder:
         emb = (self.table[ids] + self.positions[None]) * mask[..., None]
         return emb.astype(np.float32), mask
 
+    def encode_pooled(self, prompts: list[str]) -> np.ndarray:
+        """[B, dim] float32: the mean of each prompt's token vectors (the toy stand-in for a CLIP
+        pooled vector, so FLUX-family toy configs run without a real encoder)."""
+        emb, mask = self.encode(prompts)
+        return (emb.sum(1) / np.maximum(mask.sum(1, keepdims=True), 1)).astype(np.float32)
+
 
 class CachedEncoder:
-    """Wraps a TextEncoder; each distinct prompt string is encoded by the inner encoder once.
+    """Wraps a TextEncoder; each distinct prompt string is encoded by the inner encoder once
+    (`encode_pooled` is passed through uncached: it is small).
 
     max_entries: optional LRU bound on the cache (None = unbounded).
     """
@@ -134,6 +144,9 @@ class CachedEncoder:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def encode_pooled(self, prompts: list[str]) -> np.ndarray:
+        return self.encoder.encode_pooled(prompts)
 
     def encode(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         if isinstance(prompts, str):

@@ -110,9 +110,7 @@ class FragmentSampler:
     c, n = exp.config, plan.size
     sds = jax.ShapeDtypeStruct
     data = lambda nd: mesh_lib.batch_sharding(mesh, nd)
-    cond = {'text': sds((n, c.text.max_length, c.model.joint_attention_dim), jnp.float32,
-                        sharding=data(3)),
-            'text_mask': sds((n, c.text.max_length), jnp.int32, sharding=data(2))}
+    cond = exp.cond_abstract(n, data)
     scalar = lambda dt: sds((), dt, sharding=rep)
     # Frozen weights on this mesh (TAG: the trainer's own FSDP copy, shared through the cache).
     frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)

@@ -29,7 +29,7 @@ from digen_jax import checkpoint as ckpt_lib
 from digen_jax import evaluation
 from digen_jax import programs
 from digen_jax.diffusion import sampler as sampler_lib
-from digen_jax.models import convert
+from digen_jax.models import family as family_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -44,10 +44,8 @@ def _step_keys(base_key, step):
 
 def encode(exp, prompts: list[str], mesh):
   """Text conditioning for `prompts`, batch-sharded on `mesh` (host encoder, explicit copy)."""
-  emb, mask = exp.text_encoder.encode(prompts)
-  return {'text': jax.device_put(np.asarray(emb, np.float32), mesh_lib.batch_sharding(mesh, 3)),
-          'text_mask': jax.device_put(np.asarray(mask, np.int32),
-                                      mesh_lib.batch_sharding(mesh, 2))}
+  cond = exp.conditioning(prompts)
+  return jax.device_put(cond, programs.cond_shardings(mesh, cond))
 
 
 def uncond(exp, batch: int, mesh):
@@ -167,8 +165,7 @@ def abstract_batch(exp) -> dict:
   sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   c, b = exp.config, exp.batch_size
   params = jax.tree.map(lambda x: sds(x.shape, x.dtype), exp.params)
-  cond = {'text': sds((b, c.text.max_length, c.model.joint_attention_dim), jnp.float32),
-          'text_mask': sds((b, c.text.max_length), jnp.int32)}
+  cond = exp.cond_abstract(b)
   frozen = exp.weights.frozen_abstract(decode=True)
   traj, _ = jax.eval_shape(programs.make_rollout(exp, mesh, frozen=frozen), params, cond, cond,
                            sds((), jax.random.key(0).dtype), sds((), jnp.int32))
@@ -247,7 +244,7 @@ class TrainerWorker:
       # The run's adapters as diffusers' own LoRA loader reads them (README "Real models").
       folder = os.path.join(os.path.dirname(self.checkpointer.directory), 'lora')
       lora_lib.save_diffusers_lora(folder, jax.device_get(self.params), self.exp.weights.lora,
-                                   convert.diffusers_key_table(self.exp.model_config))
+                                   family_lib.of(self.exp.config).key_table(self.exp.model_config))
 
   def close(self):
     self.checkpointer.close()
