@@ -117,3 +117,18 @@ def test_short_ladder_one_process(tmp_path, capsys):
     assert (r['timeline'] is not None) == os.path.isfile(src)
     if r['timeline']:
       assert open(r['timeline'], 'rb').read() == open(src, 'rb').read()
+
+
+def test_ladder_accepts_the_flux_config(tmp_path):
+  """configs/flux.py on the exact rungs: every run is ok, and the schedules reproduce colocated's
+  rewards (same samples, same policy)."""
+  out = tmp_path / 'flux'
+  code = ladder.main(['--config', 'configs/flux.py:tiny,disagg', '--out', f'{out}.json', '--steps',
+                      '2', '--rungs', 'colocated,disagg,tag', '--variants', 'sp', '--eval_prompts',
+                      '0', '--timeout_s', '300'])
+  rows = {r['name']: r for r in json.load(open(f'{out}.json'))['rows']}
+  assert list(rows) == ['colocated', 'sp-disagg', 'sp-tag'] and code == 0
+  for name, r in rows.items():
+    assert r['status'] == 'ok' and r['steps'] == 2, (name, r['log_tail'])
+  assert rows['sp-disagg']['reward_mean'] == rows['colocated']['reward_mean']
+  assert rows['sp-tag']['reward_mean'] == rows['colocated']['reward_mean']
