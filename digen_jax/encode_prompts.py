@@ -5,25 +5,36 @@
       [--batch_size=16] [--device=cuda] [--dtype=bfloat16] \
       [--config.model.checkpoint=/path/Qwen-Image] [--config.x=y ...]
 
-The pipeline folder is config.model.checkpoint; its text_encoder/ and tokenizer/ are loaded with
-transformers and every prompt is encoded exactly as diffusers' QwenImagePipeline.encode_prompt
-does (chat template, the first 34 template tokens dropped, last hidden state at the attended
-positions, at most 1024 tokens). Besides the prompts, config.sampler.negative_prompt and '' are
-encoded, so classifier-free guidance finds them. --prompts defaults to config.data.prompts: a
-text file (one prompt per line) or a tfds prompt dataset ('shapes', 'prompt_file/<name>'), whose
---split defaults to config.data.split and config.eval.split. --out defaults to config.text.cache.
+The pipeline folder is config.model.checkpoint; its text encoder(s) and tokenizer(s) are loaded
+with transformers and every prompt is encoded exactly as diffusers' encode_prompt does, chosen by
+model_index.json's _class_name:
+  QwenImagePipeline  text_encoder/ + tokenizer/ (Qwen2.5-VL): chat template, the first 34 template
+                     tokens dropped, last hidden state at the attended positions, at most 1024
+                     tokens.
+  FluxPipeline       text_encoder_2/ + tokenizer_2/ (T5): last hidden state of the prompt padded
+                     to max_sequence_length = config.text.max_length (FLUX.1-dev 512, -schnell
+                     256), pads included (FLUX attends to them); text_encoder/ + tokenizer/
+                     (CLIP): pooler_output of the prompt padded to 77 tokens, the pooled vector.
+A prompt longer than a tokenizer's limit is truncated, as diffusers does (it only warns): the
+cached embeddings are then exactly what the pipeline would condition on. The run logs how many,
+and a FLUX cache records each prompt's token counts (EmbeddingCache.truncated says which encoders
+cut it). Besides the prompts, config.sampler.negative_prompt and '' are encoded, so
+classifier-free guidance finds them. --prompts defaults to config.data.prompts: a text file (one
+prompt per line) or a tfds prompt dataset ('shapes', 'prompt_file/<name>'), whose --split
+defaults to config.data.split and config.eval.split. --out defaults to config.text.cache.
 
 The cache format is models/text_cache.py's. An existing cache made by the same encoder (same
-files, same compute dtype) gets only the prompts it lacks; a different encoder is an error. One
-shard is written at a time and the index replaced atomically after each, so an interrupted run
-keeps every completed shard and the next run carries on. Torch runs in this process only.
+files, same compute dtype, for FLUX the same max_sequence_length) gets only the prompts it lacks;
+a different encoder is an error. One shard is written at a time and the index replaced
+atomically after each, so an interrupted run keeps every completed shard and the next run carries
+on. Torch runs in this process only.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from absl import app
 from absl import flags
@@ -45,36 +56,55 @@ def folder_dtype(config_json: dict[str, Any]) -> str:
   return 'float32'
 
 
+def _transformers_class(folder: str, part: str, qualified: str):
+  """The transformers class model_index.json names ('transformers.X') for a component."""
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  library, name = qualified.split('.', 1)
+  if library != 'transformers' or not hasattr(transformers, name):
+    raise ValueError(f"{os.path.join(folder, 'model_index.json')}: {part} class "
+                     f'{library}.{name} is not a transformers class')
+  return getattr(transformers, name)
+
+
+def _load(folder: str, encoder: str, tokenizer: str, classes: tuple[str, str], dtype: str,
+          device: str):
+  """(tokenizer, text encoder in eval mode on device, in dtype) of a pipeline folder's parts."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  tok = _transformers_class(folder, tokenizer, classes[1]).from_pretrained(
+      os.path.join(folder, tokenizer))
+  model = _transformers_class(folder, encoder, classes[0]).from_pretrained(
+      os.path.join(folder, encoder), dtype=getattr(torch, dtype)).to(device).eval()
+  return tok, model
+
+
+def _check_dtype(dtype: str) -> str:
+  if dtype not in DTYPES:
+    raise ValueError(f'--dtype={dtype!r} must be one of {DTYPES}')
+  return dtype
+
+
 class QwenPromptEncoder:
   """A pipeline folder's Qwen2.5-VL text encoder and tokenizer, as QwenImagePipeline runs them.
 
   folder: the diffusers pipeline folder. device: torch device ('' = cuda if available, else cpu).
   dtype: compute dtype name ('' = the dtype the folder's weights are stored in).
   """
+  pooled_dim = None                   # Qwen-Image conditions on the sequence alone
 
   def __init__(self, folder: str, device: str = '', dtype: str = ''):
     import torch  # pylint: disable=g-import-not-at-top
-    import transformers  # pylint: disable=g-import-not-at-top
 
     self.torch = torch
     self.identity = text_cache.encoder_fingerprint(folder)
-    dtype = dtype or folder_dtype(self.identity['config'])
-    if dtype not in DTYPES:
-      raise ValueError(f'--dtype={dtype!r} must be one of {DTYPES}')
-    self.dtype = dtype
-    self.identity['compute_dtype'] = dtype
+    self.dtype = _check_dtype(dtype or folder_dtype(self.identity['config']))
+    self.identity['compute_dtype'] = self.dtype
     self.device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
-    classes = {}
-    for part in ('text_encoder', 'tokenizer'):
-      library, name = self.identity['class' if part == 'text_encoder' else 'tokenizer_class'].split(
-          '.', 1)
-      if library != 'transformers' or not hasattr(transformers, name):
-        raise ValueError(f"{os.path.join(folder, 'model_index.json')}: {part} class "
-                         f'{library}.{name} is not a transformers class')
-      classes[part] = getattr(transformers, name)
-    self.tokenizer = classes['tokenizer'].from_pretrained(os.path.join(folder, 'tokenizer'))
-    self.model = classes['text_encoder'].from_pretrained(
-        os.path.join(folder, 'text_encoder'), dtype=getattr(torch, dtype)).to(self.device).eval()
+    self.tokenizer, self.model = _load(
+        folder, 'text_encoder', 'tokenizer',
+        (self.identity['class'], self.identity['tokenizer_class']), self.dtype, self.device)
+    self.name = self.identity['class']
     self.dim = self.identity['dim']
     self.template = self.identity['template']
     self.drop_idx = self.identity['drop_idx']
@@ -85,8 +115,15 @@ class QwenPromptEncoder:
     enc = self.tokenizer([self.template.format(p) for p in prompts])
     return [len(ids) for ids in enc['input_ids']]
 
-  def embed(self, prompts: Sequence[str]) -> list[np.ndarray]:
-    """[len_i, dim] float32 embeddings per prompt: diffusers' _get_qwen_prompt_embeds, unpadded."""
+  def truncated(self, prompts: Sequence[str]) -> list[str]:
+    """The prompts with more than max_sequence_length tokens after the template (diffusers cuts
+    them)."""
+    limit = self.max_sequence_length + self.drop_idx
+    return [p for p, n in zip(prompts, self.token_counts(prompts)) if n > limit]
+
+  def embed(self, prompts: Sequence[str]) -> list[text_cache.Entry]:
+    """Per prompt its [len_i, dim] float32 embeddings: diffusers' _get_qwen_prompt_embeds,
+    unpadded."""
     torch = self.torch
     tokens = self.tokenizer([self.template.format(p) for p in prompts],
                             max_length=self.max_sequence_length + self.drop_idx, padding=True,
@@ -100,7 +137,97 @@ class QwenPromptEncoder:
       hidden = out.hidden_states[-1]
       mask = tokens.attention_mask.bool()
       split = torch.split(hidden[mask], mask.sum(dim=1).tolist(), dim=0)
-      return [e[self.drop_idx:][:self.max_sequence_length].float().cpu().numpy() for e in split]
+      return [text_cache.Entry(p, e[self.drop_idx:][:self.max_sequence_length].float().cpu()
+                               .numpy()) for p, e in zip(prompts, split)]
+
+
+class FluxPromptEncoder:
+  """A FLUX.1 pipeline folder's two text encoders, as FluxPipeline.encode_prompt runs them: T5
+  (text_encoder_2) gives the sequence, CLIP (text_encoder) the pooled vector.
+
+  folder, device: as QwenPromptEncoder's. dtype: compute dtype of both ('' = the dtype the
+  folder's weights are stored in; the two must agree, as FluxPipeline.from_pretrained(torch_dtype)
+  runs them). max_sequence_length: the T5 length (None: diffusers' default 512).
+  """
+
+  def __init__(self, folder: str, device: str = '', dtype: str = '',
+               max_sequence_length: Optional[int] = None):
+    import torch  # pylint: disable=g-import-not-at-top
+
+    self.torch = torch
+    self.identity = text_cache.encoder_fingerprint(folder, max_sequence_length)
+    encoders = self.identity['encoders']
+    if not dtype:
+      stored = {k: folder_dtype(e['config']) for k, e in encoders.items()}
+      if len(set(stored.values())) > 1:
+        raise ValueError(f'{folder}: the text encoders are stored in different dtypes {stored}; '
+                         'give --dtype')
+      dtype = stored['text_encoder_2']
+    self.dtype = _check_dtype(dtype)
+    self.identity['compute_dtype'] = self.dtype
+    self.device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    self.clip_tokenizer, self.clip = _load(
+        folder, 'text_encoder', 'tokenizer', (encoders['text_encoder']['class'],
+                                              encoders['text_encoder']['tokenizer_class']),
+        self.dtype, self.device)
+    self.t5_tokenizer, self.t5 = _load(
+        folder, 'text_encoder_2', 'tokenizer_2', (encoders['text_encoder_2']['class'],
+                                                  encoders['text_encoder_2']['tokenizer_class']),
+        self.dtype, self.device)
+    self.clip_length = encoders['text_encoder']['max_length']
+    if self.clip_tokenizer.model_max_length != self.clip_length:    # diffusers pads to the former
+      raise ValueError(f'{folder}/tokenizer loads with model_max_length '
+                       f'{self.clip_tokenizer.model_max_length}, its tokenizer_config.json says '
+                       f'{self.clip_length}')
+    self.name = f"{encoders['text_encoder_2']['class']} + {encoders['text_encoder']['class']}"
+    self.dim = self.identity['dim']
+    self.pooled_dim = self.identity['pooled_dim']
+    self.max_sequence_length = self.identity['max_sequence_length']
+
+  def tokens(self, prompts: Sequence[str]) -> list[dict[str, int]]:
+    """Per prompt {text_encoder: CLIP tokens, text_encoder_2: T5 tokens}, before truncation."""
+    clip = self.clip_tokenizer(list(prompts))['input_ids']
+    t5 = self.t5_tokenizer(list(prompts))['input_ids']
+    return [{'text_encoder': len(c), 'text_encoder_2': len(t)} for c, t in zip(clip, t5)]
+
+  def token_counts(self, prompts: Sequence[str]) -> list[int]:
+    """T5 token counts before truncation (every batch is padded to max_sequence_length anyway)."""
+    return [n['text_encoder_2'] for n in self.tokens(prompts)]
+
+  def truncated(self, prompts: Sequence[str]) -> list[str]:
+    """The prompts that CLIP's 77 or T5's max_sequence_length tokens cut (diffusers truncates)."""
+    return [p for p, n in zip(prompts, self.tokens(prompts))
+            if n['text_encoder'] > self.clip_length
+            or n['text_encoder_2'] > self.max_sequence_length]
+
+  def embed(self, prompts: Sequence[str]) -> list[text_cache.Entry]:
+    """Per prompt its [max_sequence_length, dim] T5 embeddings (pads included), [pooled_dim] CLIP
+    pooled vector and token counts: FluxPipeline's _get_t5_prompt_embeds and
+    _get_clip_prompt_embeds (tokenizer padding='max_length', truncation, no attention mask)."""
+    torch = self.torch
+    prompts = list(prompts)
+    clip_ids = self.clip_tokenizer(prompts, padding='max_length', max_length=self.clip_length,
+                                   truncation=True, return_tensors='pt').input_ids
+    t5_ids = self.t5_tokenizer(prompts, padding='max_length', max_length=self.max_sequence_length,
+                               truncation=True, return_tensors='pt').input_ids
+    with torch.inference_mode():
+      pooled = self.clip(clip_ids.to(self.device), output_hidden_states=False).pooler_output
+      seq = self.t5(t5_ids.to(self.device), output_hidden_states=False)[0]
+      pooled, seq = pooled.float().cpu().numpy(), seq.float().cpu().numpy()
+    return [text_cache.Entry(p, s, q, n)
+            for p, s, q, n in zip(prompts, seq, pooled, self.tokens(prompts))]
+
+
+PromptEncoder = Union[QwenPromptEncoder, FluxPromptEncoder]
+
+
+def prompt_encoder(folder: str, device: str = '', dtype: str = '',
+                   max_sequence_length: Optional[int] = None) -> PromptEncoder:
+  """The encoder of a pipeline folder's class (model_index.json): QwenPromptEncoder or
+  FluxPromptEncoder. max_sequence_length: FLUX's T5 length; not used by Qwen-Image."""
+  if text_cache.is_flux(text_cache.pipeline_class(folder)):
+    return FluxPromptEncoder(folder, device, dtype, max_sequence_length)
+  return QwenPromptEncoder(folder, device, dtype)
 
 
 def gather_prompts(config, prompts: str = '', split: str = '', data_dir: str = '') -> list[str]:
@@ -136,7 +263,7 @@ def gather_prompts(config, prompts: str = '', split: str = '', data_dir: str = '
   return list(dict.fromkeys(out))
 
 
-def encode_to_cache(encoder: QwenPromptEncoder, prompts: Sequence[str], out: str,
+def encode_to_cache(encoder: PromptEncoder, prompts: Sequence[str], out: str,
                     batch_size: int = 16, shard_bytes: int = 512 << 20,
                     max_length: Optional[int] = None) -> dict[str, Any]:
   """Adds the prompts `out` lacks; returns {new, cached, total, truncated, too_long, shards}.
@@ -145,25 +272,24 @@ def encode_to_cache(encoder: QwenPromptEncoder, prompts: Sequence[str], out: str
   """
   if batch_size < 1:
     raise ValueError(f'--batch_size={batch_size} must be >= 1')
-  with text_cache.CacheWriter(out, encoder.identity, encoder.dim) as writer:
+  with text_cache.CacheWriter(out, encoder.identity, encoder.dim, encoder.pooled_dim) as writer:
     todo = writer.missing(prompts)
     cached = len(dict.fromkeys(prompts)) - len(todo)
     counts = encoder.token_counts(todo) if todo else []
-    limit = encoder.max_sequence_length + encoder.drop_idx
-    truncated = [p for p, n in zip(todo, counts) if n > limit]
+    truncated = encoder.truncated(todo) if todo else []
     if truncated:
-      logging.warning('%d prompts exceed %d tokens and are truncated as diffusers does, e.g. %r',
-                      len(truncated), encoder.max_sequence_length, truncated[0][:80])
+      logging.warning('%d prompts exceed a tokenizer limit (%s) and are truncated as diffusers '
+                      'does, e.g. %r', len(truncated), _limits(encoder), truncated[0][:80])
     order = sorted(range(len(todo)), key=lambda i: counts[i])
     pending, pending_bytes, shards, too_long = [], 0, [], []
     t0 = time.time()
     for start in range(0, len(order), batch_size):
       batch = [todo[i] for i in order[start:start + batch_size]]
-      for p, e in zip(batch, encoder.embed(batch)):
-        pending.append((p, e))
-        pending_bytes += e.nbytes
-        if max_length is not None and len(e) > max_length:
-          too_long.append(p)
+      for entry in encoder.embed(batch):
+        pending.append(entry)
+        pending_bytes += entry.embeddings.nbytes
+        if max_length is not None and len(entry.embeddings) > max_length:
+          too_long.append(entry.text)
       if pending_bytes >= shard_bytes:
         shards.append(writer.add(pending))
         pending, pending_bytes = [], 0
@@ -177,6 +303,12 @@ def encode_to_cache(encoder: QwenPromptEncoder, prompts: Sequence[str], out: str
                       too_long[0][:80])
     return {'new': len(todo), 'cached': cached, 'total': len(writer), 'truncated': len(truncated),
             'too_long': len(too_long), 'shards': shards}
+
+
+def _limits(encoder: PromptEncoder) -> str:
+  if isinstance(encoder, FluxPromptEncoder):
+    return f'CLIP {encoder.clip_length}, T5 {encoder.max_sequence_length} tokens'
+  return f'{encoder.max_sequence_length} tokens after the template'
 
 
 def _define_flags():
@@ -217,15 +349,20 @@ def main(argv, cli):
       data_dir = (f.data_dir or config.data.data_dir
                   or (os.path.join(workdir, 'data') if workdir else tmp))
       prompts = gather_prompts(config, f.prompts, f.split, data_dir)
-    encoder = QwenPromptEncoder(config.model.checkpoint, device=f.device, dtype=f.dtype)
+    # FLUX's T5 sequence is what training reads, padded to config.text.max_length: one length.
+    encoder = prompt_encoder(config.model.checkpoint, device=f.device, dtype=f.dtype,
+                             max_sequence_length=config.text.max_length)
     logging.info('text encoder %s (%s on %s), %d prompts (with the negative and empty prompt)',
-                 encoder.identity['class'], encoder.dtype, encoder.device, len(prompts))
+                 encoder.name, encoder.dtype, encoder.device, len(prompts))
     stats = encode_to_cache(encoder, prompts, out, batch_size=f.batch_size,
                             shard_bytes=f.shard_mb << 20, max_length=config.text.max_length)
   except (ValueError, FileNotFoundError) as e:
     cli.fail(f'encode_prompts: {e}')
-  print(f"encode_prompts: {stats['new']} prompts encoded, {stats['cached']} already cached -> "
-        f"{out} ({stats['total']} prompts, dim {encoder.dim}, {encoder.dtype})", flush=True)
+  pooled = f', pooled dim {encoder.pooled_dim}' if encoder.pooled_dim else ''
+  truncated = f", {stats['truncated']} truncated" if stats['truncated'] else ''
+  print(f"encode_prompts: {stats['new']} prompts encoded{truncated}, {stats['cached']} already "
+        f"cached -> {out} ({stats['total']} prompts, dim {encoder.dim}{pooled}, {encoder.dtype})",
+        flush=True)
 
 
 if __name__ == '__main__':

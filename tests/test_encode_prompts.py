@@ -268,3 +268,37 @@ def test_text_cache_reads_without_torch(setup):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.split() == ['(2,', '32,', '32)', str(int(
       text_cache.EmbeddingCache(setup['cache'], 32).encode(['cat', ''])[1].sum()))]
+
+
+def test_qwen_cache_has_no_pooled_vectors(setup):
+  cache = text_cache.EmbeddingCache(setup['cache'], max_length=MAX_LENGTH)
+  assert cache.pooled_dim is None and cache.tokens('cat') == {} and cache.truncated('cat') == []
+  with pytest.raises(ValueError, match=r'has no pooled vectors.*Qwen2_5_VL'):
+    cache.encode_pooled(['cat'])
+
+
+def test_format_1_cache_is_read_and_upgraded(setup, tmp_path):
+  """A cache written before pooled vectors existed (format 1: no pooled_dim) stays valid; the
+  next append rewrites its index as format 2."""
+  cache_dir = str(tmp_path / 'v1')
+  shutil.copytree(setup['cache'], cache_dir)
+  index_path = os.path.join(cache_dir, 'index.json')
+  index = json.load(open(index_path))
+  assert index['format'] == text_cache.FORMAT == 'digen_jax.embedding_cache/2'
+  assert index['pooled_dim'] is None
+  del index['pooled_dim'], index['digest']
+  index['format'] = 'digen_jax.embedding_cache/1'
+  canonical = json.dumps(index, sort_keys=True, ensure_ascii=True, separators=(',', ':'))
+  index['digest'] = hashlib.sha256(canonical.encode()).hexdigest()
+  json.dump(index, open(index_path, 'w'))
+  old = text_cache.EmbeddingCache(cache_dir, max_length=MAX_LENGTH)
+  assert old.pooled_dim is None
+  np.testing.assert_array_equal(
+      old.encode(PROMPTS)[0],
+      text_cache.EmbeddingCache(setup['cache'], max_length=MAX_LENGTH).encode(PROMPTS)[0])
+  encoder = encode_prompts.prompt_encoder(setup['folder'], device='cpu')
+  assert isinstance(encoder, encode_prompts.QwenPromptEncoder)
+  assert encode_prompts.encode_to_cache(encoder, PROMPTS + ['dog'], cache_dir)['new'] == 1
+  index = json.load(open(index_path))
+  assert index['format'] == text_cache.FORMAT and index['pooled_dim'] is None
+  assert not text_cache.EmbeddingCache(cache_dir, max_length=MAX_LENGTH).missing(PROMPTS + ['dog'])

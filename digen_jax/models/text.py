@@ -2,6 +2,10 @@
 
 `TextEncoder.encode(prompts)` returns (embeddings [B, L, D] float32, mask [B, L] int32), with
 L = max_length, mask 1 on real tokens and 0 on padding (padded embeddings are exactly 0).
+`PooledTextEncoder` adds `encode_pooled(prompts)` -> [B, P] float32: one vector per prompt, for
+pipelines that also condition on one (FLUX.1: CLIP's pooled output, added to the timestep
+embedding). The embedding cache of models/text_cache.py is both; `pooled_dim` None says a cache
+has no pooled vectors.
 
 `WordEncoder` is the small frozen encoder for ShapesBench-scale experiments: lowercase, split on
 whitespace and punctuation (punctuation is dropped), map words to ids (unknown -> <unk>), prepend
@@ -39,6 +43,15 @@ class TextEncoder(Protocol):
 
 # Families whose forward also reads a pooled prompt vector (FLUX: CLIP's) call the encoder's
 # `encode_pooled(prompts) -> [B, pooled_dim] float32`, an optional method of a TextEncoder.
+
+
+@runtime_checkable
+class PooledTextEncoder(TextEncoder, Protocol):
+    pooled_dim: Optional[int]  # None: this encoder has no pooled vectors (encode_pooled raises)
+
+    def encode_pooled(self, prompts: list[str]) -> np.ndarray:
+        """prompts -> pooled vectors [B, pooled_dim] float32."""
+        ...
 
 
 def tokenize(text: str) -> list[str]:
