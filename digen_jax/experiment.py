@@ -153,6 +153,16 @@ def build_text_encoder(config):
   if cache.dim != config.model.joint_attention_dim:
     raise ValueError(f'config.text.cache={config.text.cache!r} holds {cache.dim}-dim embeddings but '
                      f'config.model.joint_attention_dim={config.model.joint_attention_dim}')
+  wants_pooled = config.text.encoder == 't5-clip'
+  if wants_pooled and cache.pooled_dim != config.model.pooled_projection_dim:
+    raise ValueError(f'config.text.cache={config.text.cache!r} holds pooled vectors of dim '
+                     f'{cache.pooled_dim} (None: a cache without them, e.g. Qwen-Image\'s) but '
+                     f'config.model.pooled_projection_dim={config.model.pooled_projection_dim}; '
+                     'encode the prompts with the FLUX pipeline folder (digen_jax.encode_prompts)')
+  if not wants_pooled and cache.pooled_dim is not None:
+    raise ValueError(f'config.text.cache={config.text.cache!r} was made by a FLUX pipeline (T5 + '
+                     f'CLIP) but config.text.encoder={config.text.encoder!r}; use configs/flux.py '
+                     "or set config.text.encoder='t5-clip'")
   return cache
 
 

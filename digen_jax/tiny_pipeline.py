@@ -1,6 +1,6 @@
-"""A toy Qwen-Image pipeline folder: the real diffusers layout and classes at test size.
+"""Toy Qwen-Image and FLUX.1 pipeline folders: the real diffusers layouts and classes at test size.
 
-  python -m digen_jax.tiny_pipeline --out=DIR [--seed=0]
+  python -m digen_jax.tiny_pipeline --out=DIR [--seed=0] [--family=qwenimage|flux]
 
 `build(folder, seed)` saves diffusers' `QwenImagePipeline(...)` with `save_pretrained`, so
 model_index.json, transformer/, vae/, text_encoder/, tokenizer/ and scheduler/ are exactly what a
@@ -10,6 +10,12 @@ size = the transformer's joint_attention_dim) and a byte-level BPE Qwen2Tokenize
 the prompt template and the ShapesBench words. Every weight is redrawn from a generator seeded by
 `seed` with O(1) activations in mind (no zero-initialised output or modulation layers), so the
 models' outputs depend on every weight. Nothing is downloaded. Uses torch: tests and tools only.
+
+`build_flux(folder, seed)` saves diffusers' `FluxPipeline(...)` the same way: a random
+FluxTransformer2DModel with the guidance embedding (FLUX.1-dev's layout: 1 double- and 2
+single-stream blocks, 2 heads x 16), a random AutoencoderKL (4 latent channels, 2x compression,
+FLUX's scaling and shift factors), a random CLIPTextModel with a locally trained byte-level BPE
+CLIPTokenizer, and a random T5EncoderModel with a locally trained Unigram T5 tokenizer.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import string
 from typing import Any
 
 from absl import app
@@ -137,13 +144,8 @@ def build(folder: str, seed: int = 0) -> dict[str, Any]:
 
   from digen_jax.diffusion import schedule  # pylint: disable=g-import-not-at-top
 
-  folder = os.fspath(folder)
-  if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
-    raise ValueError(f'{folder} exists and is not an empty folder; choose a new --out')
-  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-    raise ValueError(f'seed={seed!r} must be a non-negative int')
-  # Distinct, seed-determined streams per component (no shared global RNG state).
-  sub = lambda name: int.from_bytes(hashlib.sha256(f'{seed}/{name}'.encode()).digest()[:6], 'big')
+  folder = _new_folder(folder, seed)
+  sub = _streams(seed)
   torch.manual_seed(sub('construct'))   # the libraries' own init, overwritten by _randomize
   tokenizer = _tokenizer()
   transformer = QwenImageTransformer2DModel(**TRANSFORMER)
@@ -168,11 +170,129 @@ def build(folder: str, seed: int = 0) -> dict[str, Any]:
   }
 
 
+# FLUX toy sizes (configs/flux.py:tiny_pipeline reads the same numbers).
+FLUX_Z_DIM = 4
+FLUX_TRANSFORMER = dict(patch_size=1, in_channels=FLUX_Z_DIM * 4, num_layers=1, num_single_layers=2,
+                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                        pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+FLUX_VAE = dict(block_out_channels=(8, 16), down_block_types=('DownEncoderBlock2D',) * 2,
+                up_block_types=('UpDecoderBlock2D',) * 2, latent_channels=FLUX_Z_DIM,
+                norm_num_groups=4, layers_per_block=1, use_quant_conv=False,
+                use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)
+FLUX_VAE_SCALE_FACTOR = 2 ** (len(FLUX_VAE['block_out_channels']) - 1)
+FLUX_CLIP_MAX_LENGTH = 77
+
+
+def _flux_words() -> list[str]:
+  from digen_jax.data.shapes.grammar import grammar_words  # pylint: disable=g-import-not-at-top
+  return grammar_words() + 'and cat photo astronaut riding horse moon'.split()
+
+
+def _clip_tokenizer():
+  """CLIPTokenizer (byte-level BPE, '</w>' word ends, 77 tokens) trained on the toy words and
+  every printable ASCII character, so any English prompt tokenizes."""
+  from tokenizers import Tokenizer, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  from tokenizers.models import BPE  # pylint: disable=g-import-not-at-top
+  from transformers import CLIPTokenizer  # pylint: disable=g-import-not-at-top
+
+  backend = CLIPTokenizer().backend_tokenizer          # CLIP's own normalizer and pre-tokenizer
+  bpe = Tokenizer(BPE(unk_token='<|endoftext|>', continuing_subword_prefix='',
+                      end_of_word_suffix='</w>', fuse_unk=False))
+  bpe.normalizer, bpe.pre_tokenizer = backend.normalizer, backend.pre_tokenizer
+  words = _flux_words()
+  corpus = words + [' '.join(words), ' '.join(string.digits + string.ascii_letters
+                                              + string.punctuation)]
+  trainer = trainers.BpeTrainer(
+      vocab_size=1000, min_frequency=1, special_tokens=['<|startoftext|>', '<|endoftext|>'],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), end_of_word_suffix='</w>',
+      show_progress=False)
+  bpe.train_from_iterator(corpus, trainer)
+  model = json.loads(bpe.to_str())['model']
+  return CLIPTokenizer(vocab=model['vocab'], merges=[tuple(m) for m in model['merges']],
+                       model_max_length=FLUX_CLIP_MAX_LENGTH)
+
+
+def _t5_tokenizer():
+  """T5TokenizerFast (Unigram, '</s>' appended, <pad> = 0) trained on the toy words and ASCII."""
+  from tokenizers import Tokenizer, trainers  # pylint: disable=g-import-not-at-top
+  from tokenizers.models import Unigram  # pylint: disable=g-import-not-at-top
+  from transformers import T5TokenizerFast  # pylint: disable=g-import-not-at-top
+
+  uni = Tokenizer(Unigram())
+  uni.pre_tokenizer = T5TokenizerFast(extra_ids=0).backend_tokenizer.pre_tokenizer
+  trainer = trainers.UnigramTrainer(
+      vocab_size=200, special_tokens=['<pad>', '</s>', '<unk>'], unk_token='<unk>',
+      initial_alphabet=list(string.ascii_letters + string.digits + string.punctuation),
+      show_progress=False)
+  words = _flux_words()
+  uni.train_from_iterator(words + [' '.join(words)], trainer)
+  vocab = [tuple(v) for v in json.loads(uni.to_str())['model']['vocab']]
+  return T5TokenizerFast(vocab=vocab, extra_ids=4)
+
+
+def build_flux(folder: str, seed: int = 0) -> dict[str, Any]:
+  """Writes the toy FLUX.1 pipeline into `folder` (new or empty); returns its sizes."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from diffusers import AutoencoderKL  # pylint: disable=g-import-not-at-top
+  from diffusers import FlowMatchEulerDiscreteScheduler  # pylint: disable=g-import-not-at-top
+  from diffusers import FluxPipeline  # pylint: disable=g-import-not-at-top
+  from diffusers import FluxTransformer2DModel  # pylint: disable=g-import-not-at-top
+  from transformers import CLIPTextConfig, CLIPTextModel  # pylint: disable=g-import-not-at-top
+  from transformers import T5Config, T5EncoderModel  # pylint: disable=g-import-not-at-top
+
+  from digen_jax.diffusion import schedule  # pylint: disable=g-import-not-at-top
+
+  folder = _new_folder(folder, seed)
+  sub = _streams(seed)
+  torch.manual_seed(sub('construct'))
+  clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
+  t = FLUX_TRANSFORMER
+  clip = CLIPTextModel(CLIPTextConfig(
+      vocab_size=len(clip_tok), hidden_size=t['pooled_projection_dim'], intermediate_size=64,
+      num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=FLUX_CLIP_MAX_LENGTH,
+      projection_dim=t['pooled_projection_dim'], bos_token_id=clip_tok.bos_token_id,
+      eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id))
+  t5 = T5EncoderModel(T5Config(
+      vocab_size=len(t5_tok), d_model=t['joint_attention_dim'], d_kv=16, d_ff=64, num_layers=2,
+      num_heads=3, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+      feed_forward_proj='gated-gelu', pad_token_id=t5_tok.pad_token_id,
+      eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=t5_tok.pad_token_id))
+  transformer = FluxTransformer2DModel(**t)
+  vae = AutoencoderKL(**FLUX_VAE)
+  for name, module in (('clip', clip), ('t5', t5), ('transformer', transformer), ('vae', vae)):
+    _randomize(module, sub(name))
+  scheduler = FlowMatchEulerDiscreteScheduler(**dataclasses.asdict(schedule.flux_scheduler_config()))
+  pipe = FluxPipeline(scheduler=scheduler, vae=vae.eval(), text_encoder=clip.eval(),
+                      tokenizer=clip_tok, text_encoder_2=t5.eval(), tokenizer_2=t5_tok,
+                      transformer=transformer.eval())
+  pipe.save_pretrained(folder, safe_serialization=True)
+  return {'family': 'flux',
+          'transformer': {k: list(v) if isinstance(v, tuple) else v for k, v in t.items()},
+          'vae_scale_factor': FLUX_VAE_SCALE_FACTOR, 'latent_channels': FLUX_Z_DIM,
+          'text_dim': t['joint_attention_dim'], 'pooled_dim': t['pooled_projection_dim'],
+          'seed': seed}
+
+
+def _new_folder(folder, seed) -> str:
+  folder = os.fspath(folder)
+  if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
+    raise ValueError(f'{folder} exists and is not an empty folder; choose a new --out')
+  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    raise ValueError(f'seed={seed!r} must be a non-negative int')
+  return folder
+
+
+def _streams(seed):
+  """Distinct, seed-determined generator seeds per component (no shared global RNG state)."""
+  return lambda name: int.from_bytes(hashlib.sha256(f'{seed}/{name}'.encode()).digest()[:6], 'big')
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]}')
   try:
-    sizes = build(flags.FLAGS.out, seed=flags.FLAGS.seed)
+    make = {'qwenimage': build, 'flux': build_flux}[flags.FLAGS.family]
+    sizes = make(flags.FLAGS.out, seed=flags.FLAGS.seed)
   except ValueError as e:
     raise SystemExit(f'digen_jax.tiny_pipeline: {e}') from None
   print(json.dumps(sizes, indent=1))
@@ -182,5 +302,6 @@ if __name__ == '__main__':
   # Defined here, not at import: tests import build() next to other modules' flags.
   flags.DEFINE_string('out', None, 'Folder to write the toy pipeline into (new or empty).')
   flags.DEFINE_integer('seed', 0, 'Seed of every weight.')
+  flags.DEFINE_enum('family', 'qwenimage', ['qwenimage', 'flux'], 'Which pipeline to build.')
   flags.mark_flags_as_required(['out'])
   app.run(main)

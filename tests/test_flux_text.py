@@ -1,16 +1,14 @@
 """encode_prompts + models/text_cache.py against diffusers' FluxPipeline.encode_prompt.
 
-A toy FLUX.1 pipeline folder is built here and saved with FluxPipeline.save_pretrained: random tiny
-CLIPTextModel and T5EncoderModel (every weight redrawn, O(1) activations), a byte-level BPE
-CLIPTokenizer and a Unigram T5 tokenizer trained locally on a few words, a tiny transformer, VAE
-and scheduler. The real CLI encodes a prompt file into a cache in a subprocess; EmbeddingCache must
+A toy FLUX.1 pipeline folder (digen_jax.tiny_pipeline.build_flux: FluxPipeline.save_pretrained of
+random tiny CLIPTextModel and T5EncoderModel, a byte-level BPE CLIPTokenizer and a Unigram T5
+tokenizer trained locally, a tiny transformer, VAE and scheduler) is built here. The real CLI encodes a prompt file into a cache in a subprocess; EmbeddingCache must
 reproduce diffusers' T5 sequence embeddings (the attended pad positions included) and CLIP pooled
 vectors for every prompt. Nothing is downloaded.
 """
 import json
 import os
 import shutil
-import string
 import subprocess
 import sys
 
@@ -22,7 +20,7 @@ from diffusers import FluxPipeline
 from digen_jax import encode_prompts
 from digen_jax.models import text_cache
 from digen_jax.models.text import PooledTextEncoder, TextEncoder
-from digen_jax.tiny_pipeline import _randomize
+from digen_jax import tiny_pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = 'a red circle and a blue square ' * 12        # past CLIP's 77 tokens and T5's length
@@ -35,81 +33,9 @@ PROMPTS = [
 ]
 EXTRA = ['', ' ']          # the empty prompt and the default negative prompt (CFG)
 MAX_SEQUENCE_LENGTH = 40   # the T5 length (FLUX.1-dev 512, -schnell 256), small to keep it fast
-CLIP_DIM, T5_DIM = 32, 48  # distinct, so a swapped encoder cannot pass
-WORDS = ('two red blue circle circles square on a white black background left of and cat photo '
-         'astronaut riding horse moon').split()
-
-
-def _clip_tokenizer():
-  """CLIPTokenizer (byte-level BPE, '</w>' word ends, 77 tokens) trained on WORDS and ASCII."""
-  from tokenizers import Tokenizer, pre_tokenizers, trainers
-  from tokenizers.models import BPE
-  from transformers import CLIPTokenizer
-
-  backend = CLIPTokenizer().backend_tokenizer          # CLIP's own normalizer and pre-tokenizer
-  bpe = Tokenizer(BPE(unk_token='<|endoftext|>', continuing_subword_prefix='',
-                      end_of_word_suffix='</w>', fuse_unk=False))
-  bpe.normalizer, bpe.pre_tokenizer = backend.normalizer, backend.pre_tokenizer
-  # Every printable character also as a word of its own, so each has its '</w>' form too.
-  corpus = WORDS + [' '.join(WORDS), ' '.join(string.digits + string.ascii_letters
-                                              + string.punctuation)]
-  trainer = trainers.BpeTrainer(
-      vocab_size=1000, min_frequency=1, special_tokens=['<|startoftext|>', '<|endoftext|>'],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), end_of_word_suffix='</w>',
-      show_progress=False)
-  bpe.train_from_iterator(corpus, trainer)
-  model = json.loads(bpe.to_str())['model']
-  return CLIPTokenizer(vocab=model['vocab'], merges=[tuple(m) for m in model['merges']],
-                       model_max_length=77)
-
-
-def _t5_tokenizer():
-  """T5TokenizerFast (Unigram, '</s>' appended, <pad> = 0) trained on WORDS and ASCII."""
-  from tokenizers import Tokenizer, trainers
-  from tokenizers.models import Unigram
-  from transformers import T5TokenizerFast
-
-  uni = Tokenizer(Unigram())
-  uni.pre_tokenizer = T5TokenizerFast(extra_ids=0).backend_tokenizer.pre_tokenizer
-  trainer = trainers.UnigramTrainer(
-      vocab_size=200, special_tokens=['<pad>', '</s>', '<unk>'], unk_token='<unk>',
-      initial_alphabet=list(string.ascii_letters + string.digits + string.punctuation),
-      show_progress=False)
-  uni.train_from_iterator(WORDS + [' '.join(WORDS)], trainer)
-  vocab = [tuple(v) for v in json.loads(uni.to_str())['model']['vocab']]
-  return T5TokenizerFast(vocab=vocab, extra_ids=4)
-
-
-def build_flux_folder(folder: str, seed: int = 0) -> None:
-  """A toy FluxPipeline saved with save_pretrained (real layout, model_index.json and classes)."""
-  from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-  from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-  torch.manual_seed(seed)
-  clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
-  clip = CLIPTextModel(CLIPTextConfig(
-      vocab_size=len(clip_tok), hidden_size=CLIP_DIM, intermediate_size=64, num_hidden_layers=2,
-      num_attention_heads=2, max_position_embeddings=77, projection_dim=CLIP_DIM,
-      bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
-      pad_token_id=clip_tok.pad_token_id))
-  t5 = T5EncoderModel(T5Config(
-      vocab_size=len(t5_tok), d_model=T5_DIM, d_kv=16, d_ff=64, num_layers=2, num_heads=3,
-      relative_attention_num_buckets=8, relative_attention_max_distance=32,
-      feed_forward_proj='gated-gelu', pad_token_id=t5_tok.pad_token_id,
-      eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=t5_tok.pad_token_id))
-  _randomize(clip, seed + 1)
-  _randomize(t5, seed + 2)
-  pipe = FluxPipeline(
-      scheduler=FlowMatchEulerDiscreteScheduler(),
-      vae=AutoencoderKL(block_out_channels=(8,), down_block_types=('DownEncoderBlock2D',),
-                        up_block_types=('UpDecoderBlock2D',), latent_channels=4,
-                        norm_num_groups=4, layers_per_block=1),
-      text_encoder=clip.eval(), tokenizer=clip_tok, text_encoder_2=t5.eval(), tokenizer_2=t5_tok,
-      transformer=FluxTransformer2DModel(
-          patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-          num_attention_heads=2, joint_attention_dim=T5_DIM, pooled_projection_dim=CLIP_DIM,
-          axes_dims_rope=(4, 6, 6)))
-  pipe.save_pretrained(folder, safe_serialization=True)
+# The toy pipeline's encoder widths: distinct, so a swapped encoder cannot pass.
+CLIP_DIM = tiny_pipeline.FLUX_TRANSFORMER['pooled_projection_dim']
+T5_DIM = tiny_pipeline.FLUX_TRANSFORMER['joint_attention_dim']
 
 
 def _run(args):
@@ -122,7 +48,7 @@ def _run(args):
 def setup(tmp_path_factory):
   root = tmp_path_factory.mktemp('flux_text')
   folder = str(root / 'pipeline')
-  build_flux_folder(folder, seed=0)
+  tiny_pipeline.build_flux(folder, seed=0)
   prompt_file = root / 'prompts.txt'
   prompt_file.write_text('\n'.join(PROMPTS) + '\n')
   cache = str(root / 'cache')
@@ -229,7 +155,7 @@ def test_identity_covers_both_encoders(setup):
 
 def test_cache_from_another_encoder(setup, tmp_path):
   other = str(tmp_path / 'other_pipeline')
-  build_flux_folder(other, seed=1)
+  tiny_pipeline.build_flux(other, seed=1)
   cache = text_cache.EmbeddingCache(setup['cache'], max_length=MAX_SEQUENCE_LENGTH)
   with pytest.raises(ValueError,
                      match=r'different text encoder.*text_encoder/model\.safetensors'):

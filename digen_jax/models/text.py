@@ -41,8 +41,6 @@ class TextEncoder(Protocol):
         """prompts -> (embeddings [B, max_length, dim] float32, mask [B, max_length] int32)."""
         ...
 
-# Families whose forward also reads a pooled prompt vector (FLUX: CLIP's) call the encoder's
-# `encode_pooled(prompts) -> [B, pooled_dim] float32`, an optional method of a TextEncoder.
 
 
 @runtime_checkable
@@ -98,6 +96,7 @@ class WordEncoder:
         self.vocab = list(_SPECIALS) + words
         self.ids = {w: i for i, w in enumerate(self.vocab)}
         self.dim, self.max_length, self.seed = dim, max_length, seed
+        self.pooled_dim = dim
         rng = np.random.default_rng(seed)
         # Entries ~ N(0, 1/2): a token vector's norm is ~sqrt(dim/2), the same as a position-code
         # row's (dim/2 sin/cos pairs), so neither term drowns the other.
@@ -151,6 +150,7 @@ class CachedEncoder:
             raise ValueError(f"max_entries={max_entries!r} must be >= 1 or None")
         self.encoder = encoder
         self.max_length, self.dim = encoder.max_length, encoder.dim
+        self.pooled_dim = getattr(encoder, "pooled_dim", None)
         self.max_entries = max_entries
         self._cache: collections.OrderedDict[str, tuple[np.ndarray, np.ndarray]] = (
             collections.OrderedDict())
