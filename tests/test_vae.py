@@ -3,7 +3,6 @@ model saved with save_pretrained: decode, encode, packed entry points, sliced an
 the loader's key table and error messages, bf16 params."""
 import copy
 import json
-import math
 
 from diffusers import AutoencoderKLQwenImage
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
@@ -18,6 +17,7 @@ import torch
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import tensor_source
 from digen_jax.models import vae
+from tests import diffusers_models
 
 # Three downsamplings (8x, as Qwen-Image), both 2-D and 3-D resample modes, resnets with and
 # without conv_shortcut, mid-block attention over 32 channels.
@@ -27,28 +27,11 @@ TINY = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
 RTOL = 1e-4
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-  """Every parameter random (gammas and biases too), scaled so activations stay O(1) and the
-  decoded pixels mostly inside (-1, 1), where the final clamp does not hide differences."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-      if name.endswith('gamma'):
-        p.copy_(1.0 + 0.3 * noise)
-      elif name.endswith('bias'):
-        p.copy_(0.1 * noise)
-      else:
-        fan_in = p[0].numel() if p.ndim > 1 else 1
-        p.copy_(noise / math.sqrt(fan_in))
-    model.decoder.conv_out.weight.mul_(0.25)
-
-
 @pytest.fixture(scope='module')
 def ref():
   torch.manual_seed(0)
   model = AutoencoderKLQwenImage(**TINY).eval()
-  _randomize(model, 1)
+  diffusers_models.randomize_vae(model, 1)
   return model
 
 

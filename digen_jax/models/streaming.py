@@ -24,7 +24,7 @@ import math
 import os
 from pathlib import Path
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 import weakref
 
 from flax import nnx
@@ -45,6 +45,7 @@ _NP_DTYPES = {
 }
 
 Bounds = tuple[tuple[int, int], ...]  # [start, stop) per axis
+_T = TypeVar('_T')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,17 @@ def read_config_json(folder: str | os.PathLike) -> dict[str, Any]:
   if not isinstance(raw, dict):
     raise ValueError(f'{config_file} must hold a JSON object, got {type(raw).__name__}')
   return raw
+
+
+def read_component_config(folder: str | os.PathLike, parse: Callable[[dict[str, Any]], _T]) -> _T:
+  """parse(the folder's config.json dict), e.g. a model's config_from_diffusers; a ValueError from
+  reading or parsing names the file."""
+  config_file = Path(folder) / 'config.json'
+  raw = read_config_json(folder)
+  try:
+    return parse(raw)
+  except ValueError as e:
+    raise ValueError(f'{config_file}: {e}') from e
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:
@@ -394,3 +406,13 @@ def load(checkpoint: Checkpoint, table: KeyTable, abstract: Any, shardings: Any,
     nnx.replace_by_pure_dict(state, out)
     return state
   return out
+
+
+def load_module(path: str | os.PathLike, table: KeyTable, graphdef: nnx.GraphDef, abstract: Any,
+                *, label: str = 'diffusers') -> Any:
+  """nnx.merge(graphdef, params) with every param of `abstract` (nnx.State of ShapeDtypeStructs)
+  streamed from the checkpoint at `path` (see `open_checkpoint`) through `table` onto the first
+  local device: a single-device model (e.g. a VAE) with no random init. Errors as `load`."""
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  state = load(open_checkpoint(path), table, abstract, device, label=label)
+  return nnx.merge(graphdef, state)

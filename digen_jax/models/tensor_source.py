@@ -76,6 +76,22 @@ def fmt_keys(keys, limit: int = 20) -> str:
   return ', '.join(keys[:limit]) + more
 
 
+def table_from_modules(model, leaf_types: tuple[type, ...], what: str) -> dict[str, TensorSource]:
+  """The key table of a model whose every param lives in a leaf module of one of `leaf_types`,
+  each with a static `sources(path, shapes)` giving its params' TensorSources (path: the leaf's
+  dotted path; shapes: {dotted param path: our shape}). `model` may be abstract (nnx.eval_shape).
+  ValueError (naming `what`) when a param is held by a module that is not such a leaf."""
+  shapes = {'.'.join(map(str, p)): tuple(v.get_value().shape)
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  table: dict[str, TensorSource] = {}
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, leaf_types):
+      table.update(module.sources('.'.join(map(str, path)), shapes))
+  if set(table) != set(shapes):  # a module holding params that is not a known leaf
+    raise ValueError(f'{what} misses our params {sorted(set(shapes) - set(table))[:10]}')
+  return table
+
+
 def fill_params(model, table: KeyTable, state_dict: Mapping[str, np.ndarray], what: str):
   """Sets every nnx.Param of `model` IN PLACE from `state_dict` ({file key: array, in the file's
   layout}) through `table`, cast to each param's dtype; returns `model` (which may be abstract,

@@ -20,6 +20,10 @@ Parameter layout (names mirror diffusers, so the key table is mechanical):
 
 Precision: convs and attention matmuls run in the params' dtype (inputs are cast on entry);
 norm statistics and the attention softmax run in float32; outputs are float32.
+
+flux_vae.py (FLUX.1's AutoencoderKL) shares this file's convs and resamplers, attention, batch
+chunking, tiled decode, 1x1-conv leaf and packed entry points (decode_packed / encode_packed take
+any VAE with latent_channels, normalize / denormalize, encode / decode).
 """
 from __future__ import annotations
 
@@ -177,7 +181,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, query_chunk: int = ATTN_
   return out.transpose(1, 0, 2, 3).reshape(b, m * query_chunk, c)[:, :n]
 
 
-def _conv(x, kernel, bias, *, stride=1, padding):
+def conv2d(x, kernel, bias, *, stride=1, padding):
   """NHWC conv in the kernel's dtype. kernel [kh, kw, in, out], bias [out]."""
   y = jax.lax.conv_general_dilated(
       x.astype(kernel.dtype), kernel, (stride, stride), padding,
@@ -185,7 +189,22 @@ def _conv(x, kernel, bias, *, stride=1, padding):
   return y + bias.astype(y.dtype)
 
 
-def _map_chunks(fn: Callable[[jax.Array], jax.Array], x: jax.Array, chunk: int) -> jax.Array:
+def downsample_conv(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+  """2x spatial downsampling as diffusers' VAEs do it (QwenImageResample 'downsample2d',
+  Downsample2D with padding=0): zero-pad right and bottom by 1, then a 3x3 stride-2 conv.
+  [B, H, W, in] -> [B, H/2, W/2, out]."""
+  return conv2d(x, kernel, bias, stride=2, padding=[(0, 1), (0, 1)])
+
+
+def upsample_conv(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+  """2x spatial upsampling as diffusers' VAEs do it (QwenImageResample 'upsample2d', Upsample2D):
+  nearest 2x (nearest and nearest-exact agree at scale 2: src = dst // 2), then a 3x3 conv.
+  [B, H, W, in] -> [B, 2H, 2W, out]."""
+  x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
+  return conv2d(x, kernel, bias, padding=[(1, 1), (1, 1)])
+
+
+def map_chunks(fn: Callable[[jax.Array], jax.Array], x: jax.Array, chunk: int) -> jax.Array:
   """fn over x's leading (batch) axis `chunk` items at a time (lax.map: one compiled body, one
   chunk live at a time); the remainder is one more call. chunk <= 0 or >= B: fn(x)."""
   b = x.shape[0]
@@ -222,12 +241,56 @@ def _blend_h(a: jax.Array, b: jax.Array, extent: int) -> jax.Array:
   return b.at[:, :, :e].set(a[:, :, a.shape[2] - e:] * (1 - w) + b[:, :, :e] * w)
 
 
+def tiled_decode(decode: Callable[[jax.Array], jax.Array], z: jax.Array, tile: TileConfig,
+                 compression: int) -> jax.Array:
+  """diffusers' tiled decode of latents z [B, h, w, C]: `decode` (latents -> unclipped pixels,
+  `compression` pixels per latent) runs on overlapping latent tiles, blended and cropped in
+  diffusers' order. This is AutoencoderKLQwenImage.tiled_decode for one frame, and
+  AutoencoderKL.tiled_decode with tile_sample_min_size S (tile_overlap_factor 0.25, S / 4 a
+  multiple of `compression`) is TileConfig(S, S, 3 * S // 4, 3 * S // 4)."""
+  r = compression
+  _, h, w, _ = z.shape
+  min_h, min_w = tile.height // r, tile.width // r
+  if h <= min_h and w <= min_w:  # diffusers decodes without tiles then
+    return decode(z)
+  step_h, step_w = tile.stride_height // r, tile.stride_width // r
+  starts = [(i, j) for i in range(0, h, step_h) for j in range(0, w, step_w)]
+  # Tiles of one shape decode under one lax.map (one compiled decoder per shape, at most 4:
+  # interior, bottom edge, right edge, corner), one tile live at a time.
+  groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  for i, j in starts:
+    groups.setdefault((min(min_h, h - i), min(min_w, w - j)), []).append((i, j))
+  decoded = {}
+  for (th, tw), where in groups.items():
+    stack = jnp.stack([z[:, i:i + th, j:j + tw] for i, j in where])
+    out = jax.lax.map(decode, stack)
+    decoded.update({ij: out[n] for n, ij in enumerate(where)})
+  # Blend in diffusers' order. diffusers blends in place, so a tile's above and left
+  # neighbours are already blended when it reads them; rows[i][j] is updated the same way.
+  rows_i, cols_j = sorted({i for i, _ in starts}), sorted({j for _, j in starts})
+  rows = [[decoded[(i, j)] for j in cols_j] for i in rows_i]
+  blend_h, blend_w = tile.height - tile.stride_height, tile.width - tile.stride_width
+  out_rows = []
+  for a in range(len(rows)):
+    pieces = []
+    for b in range(len(rows[a])):
+      t = rows[a][b]
+      if a > 0:
+        t = _blend_v(rows[a - 1][b], t, blend_h)
+      if b > 0:
+        t = _blend_h(rows[a][b - 1], t, blend_w)
+      rows[a][b] = t
+      pieces.append(t[:, :tile.stride_height, :tile.stride_width])
+    out_rows.append(jnp.concatenate(pieces, axis=2))
+  return jnp.concatenate(out_rows, axis=1)[:, :h * r, :w * r]
+
+
 # ---------------------------------------------------------------------------------------------
 # Modules. Each leaf module knows its diffusers keys (`sources`); containers mirror diffusers'
 # attribute names and list indices, so a leaf's path is its diffusers module path.
 
 
-def _kernel_init(rngs: nnx.Rngs, shape, dtype):
+def kernel_init(rngs: nnx.Rngs, shape, dtype):
   return nnx.initializers.lecun_normal()(rngs.params(), shape, dtype)
 
 
@@ -237,13 +300,13 @@ class CausalConv(nnx.Module):
 
   def __init__(self, cin: int, cout: int, kernel: tuple[int, int, int], *, param_dtype,
                rngs: nnx.Rngs):
-    self.kernel = nnx.Param(_kernel_init(rngs, (*kernel, cin, cout), param_dtype))
+    self.kernel = nnx.Param(kernel_init(rngs, (*kernel, cin, cout), param_dtype))
     self.bias = nnx.Param(jnp.zeros((cout,), param_dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.kernel[...][-1]
     pads = [((kernel.shape[0] - 1) // 2,) * 2, ((kernel.shape[1] - 1) // 2,) * 2]
-    return _conv(x, kernel, self.bias[...], padding=pads)
+    return conv2d(x, kernel, self.bias[...], padding=pads)
 
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
@@ -257,7 +320,7 @@ class ResampleConv(nnx.Module):
   conv), hence its keys `<path>.1.weight`. Applied by Resample (padding and stride differ)."""
 
   def __init__(self, cin: int, cout: int, *, param_dtype, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(_kernel_init(rngs, (3, 3, cin, cout), param_dtype))
+    self.kernel = nnx.Param(kernel_init(rngs, (3, 3, cin, cout), param_dtype))
     self.bias = nnx.Param(jnp.zeros((cout,), param_dtype))
 
   @staticmethod
@@ -271,7 +334,7 @@ class Pointwise(nnx.Module):
   """A 1x1 Conv2d held as a dense kernel [in, out] (diffusers weight [out, in, 1, 1])."""
 
   def __init__(self, cin: int, cout: int, *, param_dtype, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(_kernel_init(rngs, (cin, cout), param_dtype))
+    self.kernel = nnx.Param(kernel_init(rngs, (cin, cout), param_dtype))
     self.bias = nnx.Param(jnp.zeros((cout,), param_dtype))
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -354,11 +417,8 @@ class Resample(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     conv = self.resample
-    if self.mode.startswith('upsample'):
-      # nearest-exact at scale 2 repeats each pixel (src = floor((dst + 0.5) / 2) = dst // 2).
-      x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)
-      return _conv(x, conv.kernel[...], conv.bias[...], padding=[(1, 1), (1, 1)])
-    return _conv(x, conv.kernel[...], conv.bias[...], stride=2, padding=[(0, 1), (0, 1)])
+    resample = upsample_conv if self.mode.startswith('upsample') else downsample_conv
+    return resample(x, conv.kernel[...], conv.bias[...])
 
 
 class MidBlock(nnx.Module):
@@ -466,6 +526,18 @@ class QwenImageVAE(nnx.Module):
   def dtype(self):
     return self.decoder.conv_in.kernel.dtype
 
+  @property
+  def latent_channels(self) -> int:
+    return self.config.z_dim
+
+  def normalize(self, z: jax.Array) -> jax.Array:
+    """Latent means -> the transformer's latent space (normalize_latents)."""
+    return normalize_latents(z, self.config)
+
+  def denormalize(self, z: jax.Array) -> jax.Array:
+    """The transformer's latent space -> what decode takes (denormalize_latents)."""
+    return denormalize_latents(z, self.config)
+
   def encode(self, images: jax.Array, *, batch_chunk: int = 0) -> jax.Array:
     """[B, H, W, C] in [-1, 1] (H, W multiples of 8) -> latent mean (the posterior's mode)
     [B, H/8, W/8, z_dim], float32, not normalised. batch_chunk > 0: that many images at a time."""
@@ -478,7 +550,7 @@ class QwenImageVAE(nnx.Module):
     def run(x):
       return self.quant_conv(self.encoder(x.astype(self.dtype)))[..., :z]
 
-    return _map_chunks(run, images, batch_chunk).astype(jnp.float32)
+    return map_chunks(run, images, batch_chunk).astype(jnp.float32)
 
   def decode(self, latents: jax.Array, *, batch_chunk: int = 0, tile: TileConfig | None = None
              ) -> jax.Array:
@@ -493,7 +565,7 @@ class QwenImageVAE(nnx.Module):
       fn = functools.partial(self._decode_tiled, tile=tile)
     else:
       fn = self._decode_raw
-    out = _map_chunks(fn, latents.astype(self.dtype), batch_chunk)
+    out = map_chunks(fn, latents.astype(self.dtype), batch_chunk)
     return jnp.clip(out.astype(jnp.float32), -1.0, 1.0)
 
   def _decode_raw(self, z: jax.Array) -> jax.Array:
@@ -501,41 +573,7 @@ class QwenImageVAE(nnx.Module):
 
   def _decode_tiled(self, z: jax.Array, tile: TileConfig) -> jax.Array:
     """diffusers AutoencoderKLQwenImage.tiled_decode for one frame (unclipped)."""
-    r = self.config.spatial_compression
-    _, h, w, _ = z.shape
-    min_h, min_w = tile.height // r, tile.width // r
-    if h <= min_h and w <= min_w:  # diffusers decodes without tiles then
-      return self._decode_raw(z)
-    step_h, step_w = tile.stride_height // r, tile.stride_width // r
-    starts = [(i, j) for i in range(0, h, step_h) for j in range(0, w, step_w)]
-    # Tiles of one shape decode under one lax.map (one compiled decoder per shape, at most 4:
-    # interior, bottom edge, right edge, corner), one tile live at a time.
-    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for i, j in starts:
-      groups.setdefault((min(min_h, h - i), min(min_w, w - j)), []).append((i, j))
-    decoded = {}
-    for (th, tw), where in groups.items():
-      stack = jnp.stack([z[:, i:i + th, j:j + tw] for i, j in where])
-      out = jax.lax.map(self._decode_raw, stack)
-      decoded.update({ij: out[n] for n, ij in enumerate(where)})
-    # Blend in diffusers' order. diffusers blends in place, so a tile's above and left
-    # neighbours are already blended when it reads them; rows[i][j] is updated the same way.
-    rows_i, cols_j = sorted({i for i, _ in starts}), sorted({j for _, j in starts})
-    rows = [[decoded[(i, j)] for j in cols_j] for i in rows_i]
-    blend_h, blend_w = tile.height - tile.stride_height, tile.width - tile.stride_width
-    out_rows = []
-    for a in range(len(rows)):
-      pieces = []
-      for b in range(len(rows[a])):
-        t = rows[a][b]
-        if a > 0:
-          t = _blend_v(rows[a - 1][b], t, blend_h)
-        if b > 0:
-          t = _blend_h(rows[a][b - 1], t, blend_w)
-        rows[a][b] = t
-        pieces.append(t[:, :tile.stride_height, :tile.stride_width])
-      out_rows.append(jnp.concatenate(pieces, axis=2))
-    return jnp.concatenate(out_rows, axis=1)[:, :h * r, :w * r]
+    return tiled_decode(self._decode_raw, z, tile, self.config.spatial_compression)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,26 +598,29 @@ def decode_packed(model: QwenImageVAE, tokens: jax.Array, latent_hw: tuple[int, 
                   patch: int = 2, *, batch_chunk: int = 0, tile: TileConfig | None = None
                   ) -> jax.Array:
   """Transformer output tokens [B, (h/p)(w/p), z_dim*p*p] (normalised latents, diffusers' packing)
-  -> images [B, 8h, 8w, C] float32 in [-1, 1]: QwenImagePipeline's unpack, denormalise, decode."""
+  -> images [B, 8h, 8w, C] float32 in [-1, 1]: QwenImagePipeline's unpack, denormalise, decode.
+  `model` may be any VAE with this interface (latent_channels, denormalize, decode), e.g.
+  flux_vae.FluxVAE: FluxPipeline packs and unpacks its latents the same way."""
   h, w = latent_hw
-  want = (h // patch) * (w // patch), model.config.z_dim * patch * patch
+  want = (h // patch) * (w // patch), model.latent_channels * patch * patch
   if h % patch or w % patch or tokens.ndim != 3 or tuple(tokens.shape[1:]) != want:
     raise ValueError(f'decode_packed: latent_hw={latent_hw} with patch={patch} needs tokens '
                      f'[B, {want[0]}, {want[1]}] and h, w multiples of {patch}; got tokens '
                      f'{tokens.shape}')
-  z = denormalize_latents(latents_lib.unpack(tokens, h, w, patch), model.config)
+  z = model.denormalize(latents_lib.unpack(tokens, h, w, patch))
   return model.decode(z, batch_chunk=batch_chunk, tile=tile)
 
 
 def encode_packed(model: QwenImageVAE, images: jax.Array, patch: int = 2, *,
                   batch_chunk: int = 0) -> jax.Array:
   """Images [B, H, W, C] in [-1, 1] -> normalised latent means packed as transformer tokens
-  [B, (H/8p)(W/8p), z_dim*p*p] float32 (the inverse of decode_packed up to the VAE's loss)."""
+  [B, (H/8p)(W/8p), z_dim*p*p] float32 (the inverse of decode_packed up to the VAE's loss).
+  `model`: as for decode_packed (config.spatial_compression, encode, normalize)."""
   r = model.config.spatial_compression * patch
   if images.ndim != 4 or images.shape[1] % r or images.shape[2] % r:
     raise ValueError(f'encode_packed: images [B, H, W, C] need H and W multiples of {r} '
                      f'(VAE compression x patch), got shape {images.shape}')
-  z = normalize_latents(model.encode(images, batch_chunk=batch_chunk), model.config)
+  z = model.normalize(model.encode(images, batch_chunk=batch_chunk))
   return latents_lib.pack(z, patch)
 
 
@@ -599,15 +640,7 @@ def abstract_vae(config: VAEConfig, param_dtype: Any = jnp.float32):
 def vae_key_table(config: VAEConfig) -> dict[str, TensorSource]:
   """Our dotted param path -> its diffusers source (every param, every diffusers key once)."""
   model = nnx.eval_shape(lambda: _build(config, jnp.float32))
-  shapes = {'.'.join(map(str, p)): tuple(v.get_value().shape)
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-  table: dict[str, TensorSource] = {}
-  for path, module in nnx.iter_modules(model):
-    if isinstance(module, _LEAVES):
-      table.update(module.sources('.'.join(map(str, path)), shapes))
-  if set(table) != set(shapes):  # a module holding params that is not a known leaf
-    raise ValueError(f'vae_key_table misses our params {sorted(set(shapes) - set(table))[:10]}')
-  return table
+  return tensor_source.table_from_modules(model, _LEAVES, 'vae_key_table')
 
 
 def load_vae_state(model: QwenImageVAE, state_dict: Mapping[str, Any]) -> QwenImageVAE:
@@ -624,12 +657,7 @@ def resolve_vae_folder(path: str | os.PathLike) -> Path:
 
 def read_vae_config(path: str | os.PathLike) -> VAEConfig:
   """VAEConfig from a diffusers vae/ folder or pipeline folder."""
-  folder = resolve_vae_folder(path)
-  config_file = folder / 'config.json'
-  try:
-    return config_from_diffusers(streaming.read_config_json(folder))
-  except ValueError as e:
-    raise ValueError(f'{config_file}: {e}') from e
+  return streaming.read_component_config(resolve_vae_folder(path), config_from_diffusers)
 
 
 def load_vae_folder(path: str | os.PathLike, param_dtype: Any = jnp.float32) -> QwenImageVAE:
@@ -639,7 +667,4 @@ def load_vae_folder(path: str | os.PathLike, param_dtype: Any = jnp.float32) -> 
   folder = resolve_vae_folder(path)
   config = read_vae_config(folder)
   graphdef, abstract = abstract_vae(config, param_dtype)
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  state = streaming.load(streaming.open_checkpoint(folder), vae_key_table(config), abstract,
-                         device, label='diffusers')
-  return nnx.merge(graphdef, state)
+  return streaming.load_module(folder, vae_key_table(config), graphdef, abstract)
