@@ -20,10 +20,19 @@ Variants (comma-separated, e.g. `:full,disagg`):
   disagg   rollout and trainer on separate meshes (README "Disaggregated runs")
   tiny     the architecture at toy size (double- and single-stream blocks, guidance embedding),
            random init, pixel space, word encoder: seconds on a CPU
+  tiny_pipeline  the whole real path at toy size: a random diffusers FLUX.1 folder (transformer
+           with guidance embedding, AutoencoderKL, CLIP + T5 encoders and tokenizers, scheduler;
+           digen_jax/tiny_pipeline.py) built under config.model.checkpoint if absent and its
+           prompts encoded into config.text.cache (child processes: torch never runs in
+           training), then T5 + pooled CLIP embeddings -> FLUX sampling with distilled guidance
+           -> VAE decode -> JPEG + ShapesBench rewards -> GRPO (LoRA; add `full` for all weights)
 """
+import os
+import tempfile
+
 from digen_jax import configlib
 
-_VARIANTS = ('schnell', 'dance', 'full', 'disagg', 'tiny')
+_VARIANTS = ('schnell', 'dance', 'full', 'disagg', 'tiny', 'tiny_pipeline')
 
 
 def get_config(arg: str | None = None):
@@ -122,6 +131,43 @@ def get_config(arg: str | None = None):
     c.rl.prompts_per_step = 2
     c.rl.timesteps = 'all_but_last'
     c.data.prompts = 'shapes'
+    c.total_steps = 3
+
+  if 'tiny_pipeline' in variants:
+    # digen_jax/tiny_pipeline.py's FLUX toy sizes (FLUX_TRANSFORMER, FLUX_VAE).
+    c.model.checkpoint = os.path.join(tempfile.gettempdir(), 'digen_tiny_flux')
+    c.model.build_tiny_pipeline = True
+    c.model.remat = False
+    c.model.in_channels = 16
+    c.model.out_channels = 4
+    c.model.num_layers = 1
+    c.model.num_single_layers = 2
+    c.model.attention_head_dim = 16
+    c.model.num_attention_heads = 2
+    c.model.joint_attention_dim = 48
+    c.model.pooled_projection_dim = 32
+    c.model.axes_dims_rope = (4, 6, 6)
+    c.model.lora.rank = 4 if 'full' not in variants else 0
+    c.model.lora.alpha = 8.0
+    c.latent.channels = 4
+    c.latent.height = c.latent.width = 16    # 32x32 images (the toy VAE compresses 2x)
+    c.latent.vae_batch_chunk = 4
+    c.text.cache = os.path.join(c.model.checkpoint, 'text_cache')
+    c.text.max_length = 32                   # the T5 sequence length (FLUX attends to the pads)
+    c.sampler.num_steps = 4
+    c.optim.compute_dtype = 'float32'
+    c.model.frozen_dtype = 'float32'
+    c.rl.behaviour_logprobs = 'rollout'
+    c.optim.lr = 1e-3
+    c.rl.group_size = 4
+    c.rl.prompts_per_step = 2
+    c.rl.timesteps = 'all_but_last'
+    c.data.prompts = 'shapes'
+    c.reward.weights = 'jpeg_compressibility:1,shapes:1'
+    c.eval.every = 2
+    c.eval.num_prompts = 4
+    c.eval.samples_per_prompt = 2
+    c.eval.batch_size = 8
     c.total_steps = 3
 
   if 'disagg' in variants:

@@ -339,9 +339,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if config.rl.inner_epochs < 1:
     raise ValueError(f'config.rl.inner_epochs={config.rl.inner_epochs} must be >= 1')
   if config.model.init == 'checkpoint' and not config.model.checkpoint:
-    raise ValueError('config.model.checkpoint is empty: give a diffusers QwenImage folder with '
-                     '--config.model.checkpoint=PATH, or run the random-initialised tiny variant '
-                     'configs/qwenimage.py:tiny')
+    raise ValueError('config.model.checkpoint is empty: give a diffusers pipeline folder (e.g. '
+                     'Qwen/Qwen-Image, black-forest-labs/FLUX.1-dev) with '
+                     '--config.model.checkpoint=PATH, or run a random-initialised tiny variant '
+                     '(configs/qwenimage.py:tiny, configs/flux.py:tiny)')
   o = config.optim
   if not (o.lr > 0 and 0 <= o.warmup_steps < config.total_steps * config.rl.inner_epochs
           and 0.0 <= o.final_lr_frac <= 1.0):

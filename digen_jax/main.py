@@ -37,7 +37,7 @@ def main(argv):
 
 
 def prepare_tiny_pipeline(config, workdir: str):
-  """configs/qwenimage.py:tiny_pipeline: builds the toy diffusers folder at
+  """configs/qwenimage.py:tiny_pipeline, configs/flux.py:tiny_pipeline: builds the toy diffusers folder at
   config.model.checkpoint if absent and encodes the prompts the run can draw into
   config.text.cache, each in a child process (torch never runs in the training process)."""
   import subprocess  # pylint: disable=g-import-not-at-top
@@ -52,7 +52,7 @@ def prepare_tiny_pipeline(config, workdir: str):
 
   folder = config.model.checkpoint
   if not os.path.isfile(os.path.join(folder, 'model_index.json')):
-    child(['digen_jax.tiny_pipeline', f'--out={folder}'])
+    child(['digen_jax.tiny_pipeline', f'--out={folder}', f'--family={config.model.family}'])
   config_flags = [a for a in sys.argv[1:] if a.startswith('--config')]
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
   for split in dict.fromkeys((config.data.split, config.eval.split)):

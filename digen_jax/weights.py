@@ -45,7 +45,8 @@ def is_pipeline_folder(path: str) -> bool:
 
 @dataclasses.dataclass
 class VAESource:
-  config: Any                       # vae_lib.VAEConfig
+  config: Any                       # vae.VAEConfig / flux_vae.FluxVAEConfig
+  lib: Any                          # the module reading it (family.vae)
   graphdef: Any
   abstract: Any                     # nnx.State of ShapeDtypeStructs
   folder: str                       # the vae/ folder (safetensors)
@@ -98,7 +99,7 @@ class Weights:
       if (devices, 'vae') not in cache:
         rep = mesh_lib.replicated(mesh)
         cache[(devices, 'vae')] = streaming.load(
-            streaming.open_checkpoint(self.vae.folder), vae_lib.vae_key_table(self.vae.config),
+            streaming.open_checkpoint(self.vae.folder), self.vae.lib.vae_key_table(self.vae.config),
             self.vae.abstract, jax.tree.map(lambda _: rep, self.vae.abstract), self.frozen_dtype)
       vae = cache[(devices, 'vae')]
     return {'base': base, 'vae': vae}
@@ -166,7 +167,7 @@ def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x, tree)
 
 
-def _vae_source(config) -> VAESource | None:
+def _vae_source(config, family) -> VAESource | None:
   if config.latent.space != 'vae':
     return None
   path = config.model.checkpoint
@@ -176,16 +177,17 @@ def _vae_source(config) -> VAESource | None:
                      f"folder: config.model.checkpoint={path!r} has no {PIPELINE_INDEX} and vae/; "
                      "point it at a pipeline folder (e.g. Qwen/Qwen-Image) or use a pixel-space "
                      'config such as configs/qwenimage.py:tiny')
-  vcfg = vae_lib.read_vae_config(folder)
-  if vcfg.z_dim != config.latent.channels:
+  vcfg = family.vae.read_vae_config(folder)
+  if vcfg.latent_channels != config.latent.channels:
     raise ValueError(f'config.latent.channels={config.latent.channels} but the VAE in {folder} has '
-                     f'z_dim={vcfg.z_dim}; set --config.latent.channels={vcfg.z_dim}')
+                     f'{vcfg.latent_channels} latent channels; set '
+                     f'--config.latent.channels={vcfg.latent_channels}')
   tile, step = config.latent.vae_tile, vcfg.spatial_compression
   if tile and (tile % step or tile < 2 * step):
     raise ValueError(f'config.latent.vae_tile={tile} must be a multiple of the VAE compression '
                      f'{step} and at least {2 * step} pixels (0 = no tiling)')
-  graphdef, abstract = vae_lib.abstract_vae(vcfg, jnp.float32)
-  return VAESource(vcfg, graphdef, abstract_of(abstract), folder)
+  graphdef, abstract = family.vae.abstract_vae(vcfg, jnp.float32)
+  return VAESource(vcfg, family.vae, graphdef, abstract_of(abstract), folder)
 
 
 def build(config, family, mcfg, same_architecture) -> Weights:
@@ -208,7 +210,7 @@ def build(config, family, mcfg, same_architecture) -> Weights:
   return Weights(
       graphdef=graphdef, params=params, frozen_dtype=_DTYPES[config.model.frozen_dtype],
       lora=lora_cfg, load_transformer=loader, base_abstract=base_abstract,
-      vae=_vae_source(config), latent_hw=(lat.height, lat.width), patch=config.model.patch_size,
+      vae=_vae_source(config, family), latent_hw=(lat.height, lat.width), patch=config.model.patch_size,
       vae_batch_chunk=int(lat.vae_batch_chunk), vae_tile=int(lat.vae_tile))
 
 

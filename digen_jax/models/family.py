@@ -5,8 +5,8 @@ its diffusers checkpoints, names its params the diffusers way (LoRA targets and 
 forward on the conditioning dict, and says which conditioning arrays that forward takes. Everything
 else (sampler, objective, programs, runtime) is family-agnostic and goes through this table.
 
-  'qwenimage': models/mmdit.py (Qwen-Image MMDiT; also the ShapesBench base generator)
-  'flux':      models/flux.py  (FLUX.1 -dev / -schnell)
+  'qwenimage': models/mmdit.py (Qwen-Image MMDiT; also the ShapesBench base generator), vae.py
+  'flux':      models/flux.py  (FLUX.1 -dev / -schnell), flux_vae.py (AutoencoderKL)
 
 Conditioning dicts hold batch-leading arrays: 'text' [B, L, D] and 'text_mask' [B, L] always
 (FLUX ignores the mask: its T5 sequence is padded and every token attends, as in diffusers),
@@ -24,7 +24,9 @@ from flax import nnx
 from digen_jax.models import convert
 from digen_jax.models import flux
 from digen_jax.models import flux_convert
+from digen_jax.models import flux_vae
 from digen_jax.models import mmdit
+from digen_jax.models import vae as qwen_vae
 
 FAMILIES = ('qwenimage', 'flux')
 
@@ -41,6 +43,10 @@ class Family:
   forward: Callable[..., jax.Array]            # (module, latents, sigma, cond, img_shape, guidance) -> v
   count_params: Callable[[Any], int]           # arch config -> parameter count
   flops_per_forward: Callable[..., float]      # (arch config, batch, n_img, n_txt) -> matmul FLOPs
+  # The pipeline's VAE module: read_vae_config(folder), abstract_vae(cfg, dtype) ->
+  # (graphdef, abstract), vae_key_table(cfg), decode_packed(model, tokens, latent_hw, patch, ...)
+  # and a config with latent_channels and spatial_compression (models/vae.py, models/flux_vae.py).
+  vae: Any = None
 
   def new(self, cfg, seed: int):
     return self.module(cfg, rngs=nnx.Rngs(seed))
@@ -85,11 +91,11 @@ _TABLE = {
     'qwenimage': Family('qwenimage', _mmdit_config, mmdit.MMDiT, convert.read_config,
                         convert.load_diffusers_sharded, convert.diffusers_key_table,
                         ('text', 'text_mask'), _mmdit_forward, mmdit.count_params,
-                        mmdit.flops_per_forward),
+                        mmdit.flops_per_forward, qwen_vae),
     'flux': Family('flux', _flux_config, flux.Flux, flux_convert.read_config,
                    flux_convert.load_flux_sharded, flux_convert.flux_key_table,
                    ('text', 'text_mask', 'pooled'), _flux_forward, flux.count_params,
-                   flux.flops_per_forward),
+                   flux.flops_per_forward, flux_vae),
 }
 
 

@@ -105,6 +105,11 @@ class VAEConfig:
       raise ValueError(f'VAEConfig.latents_std must all be > 0, got {self.latents_std}')
 
   @property
+  def latent_channels(self) -> int:
+    """The latent's channels (z_dim; FluxVAEConfig's name, so weights.py reads either)."""
+    return self.z_dim
+
+  @property
   def spatial_compression(self) -> int:
     """Pixels per latent along each spatial axis (diffusers' spatial_compression_ratio)."""
     return 2 ** len(self.temperal_downsample)
