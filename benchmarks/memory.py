@@ -91,10 +91,9 @@ from digen_jax import programs
 from digen_jax import tiny_pipeline
 from digen_jax import weights as weights_lib
 from digen_jax.diffusion import sde as sde_lib
-from digen_jax.models import convert
 from digen_jax.models import family as family_lib
+from digen_jax.models import flux_vae
 from digen_jax.models import lora as lora_lib
-from digen_jax.models import mmdit
 from digen_jax.models import vae as vae_lib
 from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -156,7 +155,7 @@ NOTES = (
 FLOPS_NOTE = ('xla_flops: compiled.cost_analysis() per device; XLA counts a while/scan body '
               'once, so the sampler scan (T steps) and the layer scan (num_layers) each count '
               'one iteration: far below the real count. analytic_mmdit_flops: every MMDiT '
-              'matmul (mmdit.flops_per_forward) of the real loop counts, per device.')
+              'matmul (family.flops_per_forward) of the real loop counts, per device.')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,40 +179,51 @@ def run_config():
 
 
 def vae_config(config, spec: str):
-  """(VAEConfig, description) for --vae (see the module docstring), or (None, 'none')."""
+  """(VAE config, description) for --vae (see the module docstring), or (None, 'none'). The VAE is
+  the config's family's (models/family.py: Qwen-Image's or FLUX's AutoencoderKL)."""
   if config.latent.space != 'vae':
     return None, 'none (pixel space: identity decoder)'
   z = int(config.latent.channels)
+  family = family_lib.of(config)
+  lib = family.vae
 
   def from_file(path):
     if os.path.isdir(path):
       path = os.path.join(path, 'vae', 'config.json') if os.path.isdir(
           os.path.join(path, 'vae')) else os.path.join(path, 'config.json')
     with open(path) as f:
-      return vae_lib.config_from_diffusers(json.load(f)), f'config of {path}'
+      return lib.config_from_diffusers(json.load(f)), f'config of {path}'
+
+  def real():
+    if family.name == 'flux':
+      return flux_vae.FluxVAEConfig(), 'real FLUX.1 VAE (FluxVAEConfig defaults)'
+    return vae_lib.VAEConfig(), 'real Qwen-Image VAE (VAEConfig defaults)'
 
   def tiny():
+    if family.name == 'flux':
+      kw = dict(tiny_pipeline.FLUX_VAE, latent_channels=z)
+      return flux_vae.config_from_diffusers(kw), f'tiny (tiny_pipeline.FLUX_VAE, {z} channels)'
     kw = dict(tiny_pipeline.VAE)
     if kw['z_dim'] != z:
       kw.update(z_dim=z, latents_mean=[0.0] * z, latents_std=[1.0] * z)
     return vae_lib.VAEConfig(**kw), f'tiny (digen_jax/tiny_pipeline.py VAE, z_dim {z})'
 
   if spec == 'real':
-    cfg, what = vae_lib.VAEConfig(), 'real Qwen-Image VAE (VAEConfig defaults)'
+    cfg, what = real()
   elif spec == 'tiny':
     cfg, what = tiny()
   elif spec == 'auto':
     ckpt = config.model.checkpoint
     if ckpt and os.path.isfile(os.path.join(ckpt, 'vae', 'config.json')):
       cfg, what = from_file(ckpt)
-    elif z == vae_lib.VAEConfig().z_dim:
-      cfg, what = vae_lib.VAEConfig(), 'real Qwen-Image VAE (VAEConfig defaults)'
+    elif z == real()[0].latent_channels:
+      cfg, what = real()
     else:
       cfg, what = tiny()
   else:
     cfg, what = from_file(spec)
-  if cfg.z_dim != z:
-    raise app.UsageError(f'--vae={spec}: the VAE has z_dim={cfg.z_dim} but '
+  if cfg.latent_channels != z:
+    raise app.UsageError(f'--vae={spec}: the VAE has {cfg.latent_channels} latent channels but '
                          f'config.latent.channels={z}')
   return cfg, what
 
@@ -228,7 +238,8 @@ def abstract_experiment(config):
   img_shape = (lat.frames, lat.height // p, lat.width // p)
   num_tokens = int(np.prod(img_shape))
   mcfg = experiment.model_config_from(config)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: mmdit.MMDiT(mcfg, rngs=nnx.Rngs(0))))
+  family = family_lib.of(config)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: family.new(mcfg, 0)))
   params = weights_lib.abstract_of(state)
   lo = config.model.lora
   lora_cfg, base_abstract = None, None
@@ -236,15 +247,15 @@ def abstract_experiment(config):
     lora_cfg = lora_lib.LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha or lo.rank),
                                    targets=lo.targets)
     base_abstract = params
-    paths = lora_lib.target_paths(base_abstract, convert.diffusers_key_table(mcfg), lora_cfg)
+    paths = lora_lib.target_paths(base_abstract, family.key_table(mcfg), lora_cfg)
     params = jax.eval_shape(
         lambda key: lora_lib.init_adapters(base_abstract, paths, lora_cfg, key),
         jax.random.key(config.seed + 1))
   vcfg, vae_what = vae_config(config, VAE.value)
   vae = None
   if vcfg is not None:
-    vgraph, vstate = vae_lib.abstract_vae(vcfg, jnp.float32)
-    vae = weights_lib.VAESource(vcfg, vgraph, weights_lib.abstract_of(vstate), folder='')
+    vgraph, vstate = family.vae.abstract_vae(vcfg, jnp.float32)
+    vae = weights_lib.VAESource(vcfg, family.vae, vgraph, weights_lib.abstract_of(vstate), folder='')
   frozen_dtype = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}[config.model.frozen_dtype]
   weights = weights_lib.Weights(
       graphdef=graphdef, params=params, frozen_dtype=frozen_dtype, lora=lora_cfg,
