@@ -32,7 +32,6 @@ from flax import nnx  # noqa: E402
 from configs import shapes_pretrain  # noqa: E402
 from digen_jax import experiment, pretrain, visualize  # noqa: E402
 from digen_jax.data.shapes import render  # noqa: E402
-from digen_jax.models import latents as latents_lib  # noqa: E402
 from digen_jax.models import params_io  # noqa: E402
 from digen_jax.rewards import shapes_checker  # noqa: E402
 
@@ -55,9 +54,16 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
   with open(os.path.join(folder, 'config.json')) as f:
     extra = json.load(f).get('extra', {})
   encoder = experiment.build_text_encoder(c)
-  # The image size the checkpoint was trained at (pretrain records it), else the config's.
-  size, patch = int(extra.get('latent', {}).get('height', c.latent.height)), int(mcfg.patch_size)
-  shape = (1, size // patch, size // patch)
+  # The latent space the checkpoint was trained in (pretrain records it), else the config's.
+  lat = extra.get('latent', {})
+  c.latent.space, c.latent.ae = lat.get('space', 'pixel'), lat.get('ae', '')
+  c.latent.height = c.latent.width = int(lat.get('height', c.latent.height))
+  c.latent.channels = int(lat.get('channels', c.latent.channels))
+  c.model.patch_size = patch = int(mcfg.patch_size)
+  size = int(lat.get('image_size', c.latent.height))
+  grid = int(c.latent.height)
+  shape = (1, grid // patch, grid // patch)
+  to_tokens, to_images = pretrain.latent_codec(c)
   report: dict = {'params': params_dir, 'pooled_text': bool(mcfg.pooled_text)}
 
   @jax.jit
@@ -73,7 +79,7 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
   rng = np.random.default_rng(seed)
   gt_prompts = [_prompt(col, s) for col in COLORS for s in ('square', 'circle')] * 4
   gt = np.stack([render.render(p, size, rng) for p in gt_prompts])
-  x0 = latents_lib.pack(jnp.asarray(gt), patch)
+  x0 = to_tokens(jnp.asarray(gt))
   shape_swapped = [p.replace('square', 'X').replace('circle', 'square').replace('X', 'circle') for p in gt_prompts]
   color_swapped = [p.replace('red', 'X').replace('blue', 'red').replace('X', 'blue') for p in gt_prompts]
   rows = []
@@ -90,7 +96,7 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
       np.mean([r['shape_swap_abs'] for r in rows]) / max(np.mean([r['color_swap_abs'] for r in rows]), 1e-12))
 
   # Generation with the config's ODE; the same noises for every prompt.
-  sample = pretrain.make_sampler(graphdef, experiment.build_schedule(c, shape[1] * shape[2]), shape, patch, size)
+  sample = pretrain.make_sampler(graphdef, experiment.build_schedule(c, shape[1] * shape[2]), shape, to_images)
   prompts = [_prompt(col, s) for col in COLORS for s in SHAPES]
   texts = [p for p in prompts for _ in range(noises)]
   x1 = jax.random.normal(jax.random.key(seed + 100), (noises, shape[1] * shape[2], mcfg.in_channels))

@@ -53,7 +53,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- what the generator works in: latent grid and decoder ----------------------------------
   c.latent = ml_collections.ConfigDict()
-  c.latent.space = 'vae'            # 'pixel' (identity decoder, tiny configs) or 'vae'
+  c.latent.space = 'vae'            # 'pixel' (identity decoder, tiny configs), 'vae' (the pipeline
+                                    # folder's VAE) or 'ae' (our autoencoder at latent.ae)
+  c.latent.ae = ''                  # 'ae' space: a digen_jax.pretrain_ae params folder
   c.latent.channels = 16            # unpacked latent channels (3 for pixel space)
   c.latent.height = 166             # latent grid (pixels for 'pixel' space)
   c.latent.width = 166
@@ -250,7 +252,7 @@ def shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_C
 _CHOICES = {
     'model.family': ('qwenimage', 'flux'),
     'model.init': ('checkpoint', 'random'),
-    'latent.space': ('pixel', 'vae'),
+    'latent.space': ('pixel', 'vae', 'ae'),
     'text.encoder': ('word', 'qwen2.5-vl', 't5-clip'),
     'sampler.scheduler': ('qwenimage', 'flux'),
     'sampler.sde': ('flow_grpo', 'dance', 'cps'),

@@ -57,6 +57,8 @@ from digen_jax.diffusion import sde as sde_lib
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import mmdit
 from digen_jax.models import params_io
+from digen_jax.models import shapes_ae
+from digen_jax.models import vae as vae_lib
 from digen_jax.models import text as text_lib
 from digen_jax.rewards import shapes_checker
 
@@ -73,14 +75,26 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if 'pretrain' not in config:
     raise ValueError('config has no `pretrain` section; use configs/shapes_pretrain.py')
   p, lat = config.pretrain, config.latent
-  if lat.space != 'pixel':
-    raise ValueError(f"config.latent.space={lat.space!r}: pretraining renders pixels; use 'pixel'")
-  if lat.channels != 3 or lat.frames != 1:
-    raise ValueError(f'config.latent.channels={lat.channels}, frames={lat.frames}: ShapesBench images '
-                     'are RGB stills; use channels=3, frames=1')
-  if not (p.image_size == lat.height == lat.width):
-    raise ValueError(f'config.pretrain.image_size={p.image_size} must equal latent.height={lat.height} '
-                     f'and latent.width={lat.width}')
+  if lat.space not in ('pixel', 'ae'):
+    raise ValueError(f"config.latent.space={lat.space!r}: pretraining renders pixels; use 'pixel' or "
+                     "'ae' (a digen_jax.pretrain_ae autoencoder at config.latent.ae)")
+  if lat.frames != 1 or lat.height != lat.width:
+    raise ValueError(f'config.latent: frames={lat.frames}, {lat.height}x{lat.width}: ShapesBench '
+                     'images are square stills; use frames=1 and height == width')
+  if lat.space == 'pixel':
+    if lat.channels != 3:
+      raise ValueError(f'config.latent.channels={lat.channels}: pixel space is RGB; use 3')
+    if p.image_size != lat.height:
+      raise ValueError(f'config.pretrain.image_size={p.image_size} must equal latent.height='
+                       f'{lat.height} in pixel space')
+  else:
+    acfg = shapes_ae.read_vae_config(experiment.checkpoint_folder(lat.ae, 'config.latent.ae'))
+    if lat.channels != acfg.latent_channels:
+      raise ValueError(f'config.latent.channels={lat.channels} but the autoencoder at '
+                       f'config.latent.ae has {acfg.latent_channels}')
+    if p.image_size != lat.height * acfg.spatial_compression:
+      raise ValueError(f'config.pretrain.image_size={p.image_size} must equal latent.height '
+                       f'{lat.height} x the autoencoder compression {acfg.spatial_compression}')
   if config.text.encoder != 'word':
     raise ValueError(f"config.text.encoder={config.text.encoder!r}: pretraining uses the 'word' encoder")
   if p.sigma_sampling not in _SIGMA_SAMPLING:
@@ -213,9 +227,26 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, pcfg,
   return jax.jit(step_fn, donate_argnums=(0, 1, 2))
 
 
-def make_sampler(graphdef, sigmas: np.ndarray, img_shape: tuple[int, int, int], patch: int,
-                 size: int, sde_cfg: sde_lib.SDEConfig | None = None) -> Callable:
-  """jitted (params, x1 [B,N,C] initial noise, text, mask, key) -> images [B, size, size, 3].
+def latent_codec(config: ml_collections.ConfigDict) -> tuple[Callable, Callable]:
+  """(to_tokens, to_images) of config.latent: images [B, S, S, 3] <-> generator tokens [B, N, C].
+
+  'pixel': the identity (patch packing); 'ae': the autoencoder at config.latent.ae (normalised
+  latents, packed as the pipelines pack theirs). Both are jit-able."""
+  lat, patch = config.latent, int(config.model.patch_size)
+  if lat.space == 'pixel':
+    size = int(lat.height)
+    return (lambda im: latents_lib.pack(im, patch),
+            lambda tok: latents_lib.decode_pixels(tok, size, size, patch))
+  ae = params_io.load_model(experiment.checkpoint_folder(lat.ae, 'config.latent.ae'))
+  hw = (int(lat.height), int(lat.width))
+  return (lambda im: vae_lib.encode_packed(ae, im, patch),
+          lambda tok: vae_lib.decode_packed(ae, tok, hw, patch))
+
+
+def make_sampler(graphdef, sigmas: np.ndarray, img_shape: tuple[int, int, int],
+                 to_images: Callable, sde_cfg: sde_lib.SDEConfig | None = None) -> Callable:
+  """jitted (params, x1 [B,N,C] initial noise, text, mask, key) -> images [B, S, S, 3]
+  (to_images: latent_codec's decoder).
 
   sde_cfg None: deterministic Euler ODE over `sigmas` (key unused). Otherwise steps 0 … T−2 are SDE
   steps of that kind and the last one (σ → 0) is Euler, as in GRPO rollouts (rl.timesteps never
@@ -240,7 +271,7 @@ def make_sampler(graphdef, sigmas: np.ndarray, img_shape: tuple[int, int, int], 
       return jnp.where(t < t_steps - 1, x_sde, sde_lib.euler_step(x, v, s, sn)), None
 
     x0, _ = jax.lax.scan(body, x1.astype(jnp.float32), jnp.arange(t_steps))
-    return latents_lib.decode_pixels(x0, size, size, patch)
+    return to_images(x0)
 
   return jax.jit(run)
 
@@ -352,7 +383,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   mcfg = experiment.model_config_from(config)
   size, patch = int(p.image_size), int(config.model.patch_size)
-  img_shape = (1, size // patch, size // patch)
+  grid = int(config.latent.height)                 # pixels ('pixel') or latents ('ae') per side
+  img_shape = (1, grid // patch, grid // patch)
+  to_tokens, to_images = latent_codec(config)
+  to_tokens = jax.jit(to_tokens)
   latent_shape = (img_shape[1] * img_shape[2], int(config.model.in_channels))
   encoder = experiment.build_text_encoder(config)  # the exact encoder RL will build
   sigmas = experiment.build_schedule(config, latent_shape[0])
@@ -376,8 +410,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   opt_state = optimizer.init(params)
   ema = jax.tree.map(jnp.copy, params) if p.ema > 0 else None
   train_step = make_train_step(graphdef, optimizer, p, img_shape)
-  ode = make_sampler(graphdef, sigmas, img_shape, patch, size)
-  sde = make_sampler(graphdef, sigmas, img_shape, patch, size, sde_cfg)
+  ode = make_sampler(graphdef, sigmas, img_shape, to_images)
+  sde = make_sampler(graphdef, sigmas, img_shape, to_images, sde_cfg)
   uncond = tuple(jnp.asarray(a) for a in encoder.encode(['']))
 
   key = jax.random.key(config.seed + 2)
@@ -417,7 +451,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       'text_encoder': {'kind': 'word', 'dim': int(config.model.joint_attention_dim),
                        'max_length': int(config.text.max_length), 'seed': int(config.seed),
                        'table_sha256': text_lib.table_digest(encoder)},
-      'latent': {'space': 'pixel', 'height': size, 'width': size, 'channels': 3},
+      'latent': {'space': config.latent.space, 'ae': config.latent.ae, 'image_size': size,
+                 'height': grid, 'width': grid, 'channels': int(config.latent.channels)},
       'sampler': {'scheduler': config.sampler.scheduler, 'shift': float(config.sampler.shift),
                   'num_steps': int(config.sampler.num_steps)},
       'cfg_trained': bool(p.text_dropout > 0),
@@ -431,7 +466,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     for step in range(1, int(p.steps) + 1):
       batch = next(stream)
       texts = batch.captions
-      x0 = latents_lib.pack(jnp.asarray(batch.images), patch)
+      x0 = to_tokens(jnp.asarray(batch.images))
       emb, mask = encoder.encode(texts)
       key, sub = jax.random.split(key)
       params, opt_state, ema, loss = train_step(params, opt_state, ema, jnp.float32(step), x0,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.models import params_io
+from digen_jax.models import shapes_ae
 from digen_jax.models import streaming
 from digen_jax.models import vae as vae_lib
 from digen_jax.runtime import mesh as mesh_lib
@@ -163,11 +164,31 @@ def _transformer_source(config, family, mcfg, same_architecture):
   return graphdef, abstract_of(abstract), loader
 
 
+def _repo_path(path: str) -> str:
+  """A repo-relative path (e.g. the shipped assets/...) resolved from any working directory."""
+  here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+  return here if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(here) else path
+
+
 def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x, tree)
 
 
 def _vae_source(config, family) -> VAESource | None:
+  if config.latent.space == 'ae':
+    folder = config.latent.ae
+    if not folder:
+      raise ValueError("config.latent.space='ae' decodes with a ShapesBench autoencoder: set "
+                       'config.latent.ae to a params folder made by python -m digen_jax.pretrain_ae')
+    folder = _repo_path(folder)
+    acfg = shapes_ae.read_vae_config(folder)
+    if acfg.latent_channels != config.latent.channels:
+      raise ValueError(f'config.latent.channels={config.latent.channels} but the autoencoder in '
+                       f'{folder} has {acfg.latent_channels}; set --config.latent.channels='
+                       f'{acfg.latent_channels}')
+    graphdef, abstract = shapes_ae.abstract_vae(acfg)
+    return VAESource(acfg, shapes_ae, graphdef, abstract_of(abstract),
+                     os.path.join(folder, params_io.WEIGHTS_FILE))
   if config.latent.space != 'vae':
     return None
   path = config.model.checkpoint

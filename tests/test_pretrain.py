@@ -159,10 +159,11 @@ def test_sde_eval_sampler_keeps_the_last_step_deterministic():
   x1 = jax.random.normal(jax.random.key(0), (2, 16, 48))
   text, mask = jnp.ones((2, 5, 32)), jnp.ones((2, 5), jnp.int32)
   sde_cfg = sde_lib.SDEConfig(kind='flow_grpo', noise_level=0.7)
+  to_images = lambda tok: latents_lib.decode_pixels(tok, 16, 16, 4)
   for sig, same in ((np.array([0.8, 0.0], np.float32), True),
                     (np.array([0.8, 0.4, 0.0], np.float32), False)):
-    ode = pretrain.make_sampler(graphdef, sig, (1, 4, 4), 4, 16)(state, x1, text, mask, jax.random.key(1))
-    sde = pretrain.make_sampler(graphdef, sig, (1, 4, 4), 4, 16, sde_cfg)(state, x1, text, mask,
+    ode = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images)(state, x1, text, mask, jax.random.key(1))
+    sde = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images, sde_cfg)(state, x1, text, mask,
                                                                           jax.random.key(1))
     assert ode.shape == (2, 16, 16, 3)
     assert np.array_equal(np.asarray(ode), np.asarray(sde)) == same, sig
@@ -312,3 +313,70 @@ def test_shapes_probe_reports_on_the_shipped_checkpoint():
   for g in r['generation'].values():
     assert sum(g['seen'].values()) == 2                         # 2 colours x 1 noise per shape
     assert 0.0 <= g['strict'] <= 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# the ShapesBench autoencoder (latent-space base generators)
+
+
+@pytest.fixture(scope='module')
+def tiny_ae(tmp_path_factory):
+  """A briefly trained autoencoder folder (digen_jax.pretrain_ae at toy size)."""
+  from digen_jax import pretrain_ae
+  out = tmp_path_factory.mktemp('ae')
+  summary = pretrain_ae.train(str(out), steps=30, batch=8, size=32, lr=2e-3, latent_channels=4,
+                              width=16, perturb=0.2, seed=0, eval_images=32)
+  return str(out / 'params'), summary
+
+
+def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
+  from digen_jax.models import shapes_ae
+  from digen_jax.models import vae as vae_lib
+  folder, summary = tiny_ae
+  assert summary['strict_ground_truth'] == 1.0 and np.isfinite(summary['recon_mse'])
+  assert 0.0 <= summary['strict_reconstructed'] <= 1.0
+  cfg = shapes_ae.read_vae_config(folder)
+  assert cfg.latent_channels == 4 and cfg.spatial_compression == 4
+  assert np.allclose(cfg.latent_std, summary['latent_std'])
+  model = params_io.load_model(folder)
+  assert isinstance(model, shapes_ae.ShapesAE)
+  images = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (2, 32, 32, 3)), jnp.float32)
+  tokens = vae_lib.encode_packed(model, images, 1)
+  assert tokens.shape == (2, 64, 4)
+  out = vae_lib.decode_packed(model, tokens, (8, 8), 1)
+  assert out.shape == (2, 32, 32, 3) and float(jnp.abs(out).max()) <= 1.0
+  # normalize/denormalize invert each other with the stored statistics.
+  z = model.encode(images)
+  np.testing.assert_allclose(np.asarray(model.denormalize(model.normalize(z))), np.asarray(z),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match='not a ShapesBench autoencoder'):
+    shapes_ae.read_vae_config(SHIPPED)
+
+
+def _ae_config(folder, variant='test'):
+  c = shapes_pretrain.get_config(variant)
+  c.latent.space, c.latent.ae = 'ae', folder
+  c.latent.height = c.latent.width = 8
+  c.latent.channels = 4
+  c.model.patch_size, c.model.in_channels, c.model.out_channels = 1, 4, 4
+  c.pretrain.image_size = 32
+  return c
+
+
+def test_pretrain_in_the_autoencoder_latent_space(tiny_ae, tmp_path):
+  folder, _ = tiny_ae
+  c = _ae_config(folder)
+  c.pretrain.steps = 20
+  summary = pretrain.train(c, str(tmp_path))
+  assert np.all(np.isfinite(summary['losses']))
+  _, _, extra = params_io.load_params(str(tmp_path / 'params'))
+  assert extra['latent'] == {'space': 'ae', 'ae': folder, 'image_size': 32, 'height': 8,
+                             'width': 8, 'channels': 4}
+  bad = _ae_config(folder)
+  bad.pretrain.image_size = 16
+  with pytest.raises(ValueError, match='image_size=16 must equal latent.height 8 x the autoencoder'):
+    pretrain.validate(bad)
+  bad = _ae_config(folder)
+  bad.latent.ae = str(tmp_path / 'nowhere')
+  with pytest.raises(ValueError, match='config.latent.ae'):
+    pretrain.validate(bad)

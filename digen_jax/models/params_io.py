@@ -1,4 +1,8 @@
-"""Save / load MMDiT parameters as a small self-describing folder (safetensors + JSON, no pickle).
+"""Save / load model parameters as a small self-describing folder (safetensors + JSON, no pickle).
+
+Two kinds of model are stored this way, told apart by config.json's "format": the MMDiT
+(FORMAT, e.g. the ShapesBench base generator) and the ShapesBench autoencoder (AE_FORMAT,
+models/shapes_ae.py). `model_config` is the kind's config dataclass.
 
 A params folder holds:
   params.safetensors   one tensor per parameter, keyed by its dotted path in the NNX state
@@ -32,8 +36,12 @@ from safetensors.numpy import save_file
 
 from digen_jax.models import streaming
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
+from digen_jax.models.shapes_ae import ShapesAE, ShapesAEConfig
 
 FORMAT = "digen_jax.mmdit_params/1"
+AE_FORMAT = "digen_jax.shapes_ae/1"
+# format -> (config class, module class); both modules take (config, rngs=...).
+_KINDS = {FORMAT: (MMDiTConfig, MMDiT), AE_FORMAT: (ShapesAEConfig, ShapesAE)}
 WEIGHTS_FILE = "params.safetensors"
 CONFIG_FILE = "config.json"
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -62,21 +70,31 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _abstract_state(config: MMDiTConfig) -> tuple[Any, nnx.State]:
-    """(graphdef, state of ShapeDtypeStructs) of MMDiT(config), without allocating weights."""
-    abstract = nnx.eval_shape(lambda: MMDiT(config, rngs=nnx.Rngs(0)))
+def _kind(config) -> tuple[str, Any]:
+    """(format, module class) of a model config; ValueError for another type."""
+    for fmt, (cls, module) in _KINDS.items():
+        if isinstance(config, cls):
+            return fmt, module
+    raise ValueError(f"model_config must be one of {[c.__name__ for c, _ in _KINDS.values()]}, "
+                     f"got {type(config).__name__}")
+
+
+def _abstract_state(config) -> tuple[Any, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs) of the config's module, without allocating weights."""
+    module = _kind(config)[1]
+    abstract = nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(0)))
     return nnx.split(abstract)
 
 
-def save_params(folder: str | os.PathLike, params: nnx.State, model_config: MMDiTConfig,
+def save_params(folder: str | os.PathLike, params: nnx.State, model_config: Any,
                 extra: Mapping[str, Any] | None = None, *, dtype: str = "float32") -> str:
     """Writes params.safetensors + config.json into `folder` (created if needed); returns the folder.
 
-    params: the MMDiT's nnx.State (as from nnx.split(model)); its keys and shapes must be those of
-    MMDiT(model_config). extra: JSON-serialisable dict stored under "extra".
+    params: the model's nnx.State (as from nnx.split(model)); its keys and shapes must be those of
+    the module model_config describes (MMDiT or ShapesAE). extra: JSON-serialisable dict stored
+    under "extra".
     """
-    if not isinstance(model_config, MMDiTConfig):
-        raise ValueError(f"model_config must be an MMDiTConfig, got {type(model_config).__name__}")
+    fmt = _kind(model_config)[0]
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {sorted(_DTYPES)}")
     extra = dict(extra or {})
@@ -93,9 +111,9 @@ def save_params(folder: str | os.PathLike, params: nnx.State, model_config: MMDi
     # that the digest would then (correctly but unhelpfully) reject.
     tmp_w, tmp_c = weights + ".tmp", os.path.join(folder, CONFIG_FILE + ".tmp")
     save_file({k: np.ascontiguousarray(v.astype(_DTYPES[dtype])) for k, v in flat.items()}, tmp_w,
-              metadata={"format": FORMAT})
+              metadata={"format": fmt})
     meta = {
-        "format": FORMAT,
+        "format": fmt,
         "model_config": dataclasses.asdict(model_config),
         "dtype": dtype,
         "num_params": int(sum(v.size for v in flat.values())),
@@ -111,8 +129,8 @@ def save_params(folder: str | os.PathLike, params: nnx.State, model_config: MMDi
     return folder
 
 
-def _check_against_config(flat: Mapping[str, np.ndarray], config: MMDiTConfig, source: str) -> None:
-    """ValueError listing missing / unexpected / mis-shaped keys vs MMDiT(config)."""
+def _check_against_config(flat: Mapping[str, np.ndarray], config, source: str) -> None:
+    """ValueError listing missing / unexpected / mis-shaped keys vs the config's module."""
     _, abstract = _abstract_state(config)
     want = {k: tuple(v.shape) for k, v in _flat_leaves(abstract).items()}
     missing = sorted(set(want) - set(flat))
@@ -120,7 +138,7 @@ def _check_against_config(flat: Mapping[str, np.ndarray], config: MMDiTConfig, s
     bad = sorted(f"{k}: {tuple(flat[k].shape)} != {want[k]}" for k in set(want) & set(flat)
                  if tuple(flat[k].shape) != want[k])
     if missing or unexpected or bad:
-        raise ValueError(f"{source} do not match MMDiT({config}): missing {missing[:10]}, "
+        raise ValueError(f"{source} do not match {_kind(config)[1].__name__}({config}): missing {missing[:10]}, "
                          f"unexpected {unexpected[:10]}, wrong shapes {bad[:10]}")
 
 
@@ -139,15 +157,15 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in _KINDS:
         raise ValueError(f"{path}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                         f"expected {FORMAT!r}")
+                         f"expected {FORMAT!r} (or {AE_FORMAT!r})")
     return meta
 
 
 def load_params_sharded(folder: str | os.PathLike, shardings_fn: Callable[[nnx.State], Any],
-                        dtype: Any = None) -> tuple[MMDiTConfig, nnx.State, dict[str, Any]]:
-    """(model config, nnx.State of MMDiT(config), extra), each param streamed from params.safetensors
+                        dtype: Any = None) -> tuple[Any, nnx.State, dict[str, Any]]:
+    """(model config, nnx.State of its module, extra), each param streamed from params.safetensors
     straight onto `shardings_fn(abstract_state)` (a matching tree of Shardings), each device reading
     only its slice. dtype: the params' dtype (None: float32, whatever dtype the file holds).
 
@@ -158,7 +176,7 @@ def load_params_sharded(folder: str | os.PathLike, shardings_fn: Callable[[nnx.S
     meta = read_config(folder)
     cfg_path = os.path.join(folder, CONFIG_FILE)
     try:
-        config = MMDiTConfig(**meta["model_config"])
+        config = _KINDS[meta["format"]][0](**meta["model_config"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{cfg_path}: bad model_config ({e})") from e
     weights = os.path.join(folder, WEIGHTS_FILE)
@@ -179,8 +197,8 @@ def load_params_sharded(folder: str | os.PathLike, shardings_fn: Callable[[nnx.S
     return config, state, dict(meta.get("extra", {}))
 
 
-def load_params(folder: str | os.PathLike) -> tuple[MMDiTConfig, nnx.State, dict[str, Any]]:
-    """(model config, float32 nnx.State of MMDiT(config) on the first local device, extra) from a folder
+def load_params(folder: str | os.PathLike) -> tuple[Any, nnx.State, dict[str, Any]]:
+    """(model config, float32 nnx.State of its module on the first local device, extra) from a folder
     written by save_params (streamed: see load_params_sharded).
 
     Raises ValueError naming the path if the folder, either file, the digest, or any key/shape is wrong.
@@ -189,8 +207,8 @@ def load_params(folder: str | os.PathLike) -> tuple[MMDiTConfig, nnx.State, dict
     return load_params_sharded(folder, lambda abstract: jax.tree.map(lambda _: device, abstract))
 
 
-def load_model(folder: str | os.PathLike) -> MMDiT:
-    """MMDiT with the float32 params of a folder written by save_params."""
+def load_model(folder: str | os.PathLike) -> MMDiT | ShapesAE:
+    """The module (MMDiT or ShapesAE) with the float32 params of a folder written by save_params."""
     config, state, _ = load_params(folder)
     graphdef, _ = _abstract_state(config)
     return nnx.merge(graphdef, state)
