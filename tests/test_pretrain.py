@@ -380,3 +380,31 @@ def test_pretrain_in_the_autoencoder_latent_space(tiny_ae, tmp_path):
   bad.latent.ae = str(tmp_path / 'nowhere')
   with pytest.raises(ValueError, match='config.latent.ae'):
     pretrain.validate(bad)
+
+
+def test_rl_rollout_decodes_with_the_autoencoder(tiny_ae, tmp_path):
+  """An RL config in the autoencoder's latent space: the rollout program decodes its final
+  latents to 32 px images with the autoencoder, inside the same jitted program."""
+  from configs import shapes as shapes_rl
+  from digen_jax import programs
+  from digen_jax.runtime import mesh as mesh_lib
+  folder, _ = tiny_ae
+  c = shapes_rl.get_config()
+  c.latent.space, c.latent.ae = 'ae', folder
+  c.latent.height = c.latent.width = 8
+  c.latent.channels = 4
+  c.model.patch_size, c.model.in_channels, c.model.out_channels = 1, 4, 4
+  c.model.init = 'random'
+  c.rl.prompts_per_step, c.rl.group_size = 1, 2
+  exp = experiment.build(c, str(tmp_path), 1)
+  assert exp.weights.vae is not None and exp.latent_shape == (64, 4)
+  mesh = mesh_lib.make_mesh(jax.devices()[:1])
+  prompts = ['a red circle on a white background'] * 2
+  cond = jax.tree.map(jnp.asarray, exp.conditioning(prompts))
+  traj, images = programs.make_rollout(exp, mesh)(exp.params, cond, cond, jax.random.key(0),
+                                                   jnp.int32(0))
+  assert images.shape == (2, 32, 32, 3) and float(jnp.abs(images).max()) <= 1.0
+  ae = params_io.load_model(folder)
+  from digen_jax.models import vae as vae_lib
+  want = vae_lib.decode_packed(ae, traj.latents[-1], (8, 8), 1)
+  np.testing.assert_allclose(np.asarray(images), np.asarray(want), atol=1e-5)
