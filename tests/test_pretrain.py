@@ -325,7 +325,7 @@ def tiny_ae(tmp_path_factory):
   from digen_jax import pretrain_ae
   out = tmp_path_factory.mktemp('ae')
   summary = pretrain_ae.train(str(out), steps=30, batch=8, size=32, lr=2e-3, latent_channels=4,
-                              width=16, perturb=0.2, seed=0, eval_images=32)
+                              width=16, perturb=0.2, seed=0, eval_images=32, shape_channels=3)
   return str(out / 'params'), summary
 
 
@@ -336,7 +336,7 @@ def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
   assert summary['strict_ground_truth'] == 1.0 and np.isfinite(summary['recon_mse'])
   assert 0.0 <= summary['strict_reconstructed'] <= 1.0
   cfg = shapes_ae.read_vae_config(folder)
-  assert cfg.latent_channels == 4 and cfg.spatial_compression == 4
+  assert cfg.latent_channels == 4 and cfg.spatial_compression == 4 and cfg.shape_channels == 3
   assert np.allclose(cfg.latent_std, summary['latent_std'])
   model = params_io.load_model(folder)
   assert isinstance(model, shapes_ae.ShapesAE)
@@ -351,6 +351,28 @@ def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match='not a ShapesBench autoencoder'):
     shapes_ae.read_vae_config(SHIPPED)
+  with pytest.raises(ValueError, match='shape_channels=3 must be 0 or 3'):
+    shapes_ae.ShapesAEConfig(latent_channels=2, shape_channels=3)
+
+
+def test_autoencoder_loss_teaches_the_shape_channels_the_shape_coverage(tiny_ae):
+  """The shape term is exactly the mean squared error between the leading latent channels and
+  each latent cell's per-shape coverage, weighted by shape_weight."""
+  from digen_jax import pretrain_ae
+  from digen_jax.data.shapes import training as training_data
+  model = params_io.load_model(tiny_ae[0])
+  fresh = training_data.training_batch(
+      training_data.BatchSpec(batch=16, size=32, seed=1000, shape_maps=True), 1)
+  x, maps = jnp.asarray(fresh.images), jnp.asarray(fresh.shape_maps)
+  targets = np.asarray(model.shape_targets(maps))
+  assert targets.shape == (16, 8, 8, 3) and targets.max() > 0.9
+  np.testing.assert_allclose(targets.mean(), fresh.shape_maps.mean(), rtol=1e-5)  # pooling keeps area
+  z = np.asarray(model.encode(x))[..., :3]
+  want = float(np.mean((z - targets) ** 2))
+  key = jax.random.key(0)
+  with_term, without = (float(pretrain_ae.ae_loss(model, x, maps, key, 0.2, w)) for w in (2.5, 0.0))
+  np.testing.assert_allclose(with_term - without, 2.5 * want, rtol=1e-4)
+  assert np.isfinite(tiny_ae[1]['shape_channel_rmse'])  # reported by every training run
 
 
 def _ae_config(folder, variant='test'):

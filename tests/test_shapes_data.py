@@ -258,3 +258,24 @@ def test_batch_stream_workers_yield_the_in_process_batches():
             assert x.captions == y.captions
             np.testing.assert_array_equal(x.images, y.images)
     assert T.training_batch(spec, 8).captions == x.captions
+
+
+def test_shape_maps_are_the_drawn_objects_coverage_per_shape():
+    from digen_jax.data.shapes import training as T
+    spec = T.BatchSpec(batch=64, size=32, seed=5)
+    plain, mapped = T.training_batch(spec, 2), T.training_batch(
+        T.BatchSpec(batch=64, size=32, seed=5, shape_maps=True), 2)
+    assert plain.shape_maps is None
+    np.testing.assert_array_equal(plain.images, mapped.images)  # maps never change the images
+    assert mapped.shape_maps.shape == (64, 32, 32, len(G.SHAPES))
+    for img, truth, maps in zip(mapped.images, mapped.truths, mapped.shape_maps):
+        p = G.parse(truth)
+        drawn = {o.shape for o in p.objects}
+        for k, shape in enumerate(G.SHAPES):
+            # A shape's channel is lit exactly when the prompt draws that shape.
+            assert (maps[..., k].sum() > 0) == (shape in drawn)
+        # Wherever a channel is lit, the image shows an object colour, not the background.
+        bg = np.asarray(G.BACKGROUNDS[p.background]) * 2 - 1
+        covered = maps.sum(-1) > 0.99
+        assert np.abs(img[covered] - bg).max(axis=-1).min() > 0.3
+        assert np.abs(img[maps.sum(-1) == 0] - bg).max() < 1e-6

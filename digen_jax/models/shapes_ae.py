@@ -8,7 +8,14 @@ on rendered images turns latents into pixels, so sharp edges are the decoder's j
   encoder  [B, 32, 32, 3] -> conv3x3 -> 2 x (stride-2 conv3x3) -> conv1x1 -> [B, 8, 8, C]
   decoder  [B, 8, 8, C] -> conv1x1 -> 2 x (nearest 2x + conv3x3) -> conv3x3 -> [B, 32, 32, 3]
 
-SiLU between layers. The latents are normalised to unit variance per channel with statistics
+SiLU between layers. With `shape_channels` = 3, the first three latent channels are taught to
+hold, per latent cell, the share of the cell covered by a circle, a square and a triangle
+(`shape_targets`; digen_jax.pretrain_ae adds the term). Why: in a purely reconstructive latent a
+square and a circle of the same size differ by a few corner pixels, so a flow model's loss barely
+rewards reading the shape word (benchmarks/RESULTS.md, shapes_probe); with shape channels the shape
+word moves the latent as much as the colour word does, as semantically regularised VAEs of real
+models make concepts prominent in their latents. The decoder still has to draw the shape from
+them: rewards only ever see decoded pixels. The latents are normalised to unit variance per channel with statistics
 measured on rendered images (`latent_mean`, `latent_std`, fixed after training), so the flow
 model sees N(0, 1)-scaled data. The decoder is trained on lightly perturbed latents as well as
 clean ones, so the slightly-off latents a generator produces still decode to clean shapes.
@@ -26,10 +33,13 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from digen_jax.data.shapes.grammar import SHAPES
+
 
 @dataclasses.dataclass(frozen=True)
 class ShapesAEConfig:
   latent_channels: int = 4
+  shape_channels: int = 0           # 0, or len(SHAPES): leading channels that hold shape coverage
   width: int = 64                   # channels of the 16x16 and 8x8 stages (the 32x32 one has half)
   downsamples: int = 2              # each halves the resolution: 32 px -> 8x8 latents
   latent_mean: tuple[float, ...] = ()   # per channel, measured after training ('' = 0)
@@ -43,6 +53,9 @@ class ShapesAEConfig:
     if self.latent_channels < 1 or self.width < 2 or self.downsamples < 1:
       raise ValueError(f'ShapesAEConfig: latent_channels={self.latent_channels}, width={self.width}, '
                        f'downsamples={self.downsamples} must be >= 1, >= 2, >= 1')
+    if self.shape_channels not in (0, len(SHAPES)) or self.shape_channels > self.latent_channels:
+      raise ValueError(f'ShapesAEConfig.shape_channels={self.shape_channels} must be 0 or '
+                       f'{len(SHAPES)} (one per shape), and <= latent_channels={self.latent_channels}')
     for name in ('latent_mean', 'latent_std'):
       v = getattr(self, name)
       object.__setattr__(self, name, tuple(float(x) for x in v))
@@ -88,6 +101,13 @@ class ShapesAE(nnx.Module):
     for conv in self.enc_down:
       x = jax.nn.silu(conv(x))
     return self.enc_out(x)
+
+  def shape_targets(self, shape_maps: jax.Array) -> jax.Array:
+    """Per-pixel shape coverage [B, H, W, len(SHAPES)] -> what the shape channels of the raw
+    latents should hold: its mean over each latent cell, [B, H/r, W/r, len(SHAPES)]."""
+    b, h, w, k = shape_maps.shape
+    r = self.config.spatial_compression
+    return shape_maps.reshape(b, h // r, r, w // r, r, k).mean(axis=(2, 4))
 
   def decode_raw(self, latents: jax.Array) -> jax.Array:
     """Raw latents [B, h, w, C] -> images [B, r h, r w, 3], unclipped."""

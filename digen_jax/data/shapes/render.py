@@ -179,6 +179,15 @@ def rasterize(objects: Sequence[Placed], background: str, size: int = 32,
     return np.clip(img * 2.0 - 1.0, -1.0, 1.0).astype(np.float32)
 
 
+def shape_coverage(objects: Sequence[Placed], size: int = 32, supersample: int = 4) -> np.ndarray:
+    """[size, size, len(SHAPES)] float32: per pixel, the coverage by objects of each shape (in
+    SHAPES order); what an autoencoder with shape channels is taught to put in its latents."""
+    maps = np.zeros((size, size, len(SHAPES)), np.float32)
+    for p in objects:
+        maps[..., SHAPES.index(p.shape)] += coverage(p, size, supersample)
+    return np.clip(maps, 0.0, 1.0)
+
+
 def render(prompt: Union[ShapesPrompt, str], size: int = 32,
            rng: Union[np.random.Generator, int, None] = None,
            supersample: int = 4) -> np.ndarray:

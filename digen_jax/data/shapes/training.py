@@ -30,6 +30,7 @@ class BatchSpec:
     ~93% relation prompts, so uniform sampling would starve counting).
   caption_noise: share of pairs whose caption is wrong in one attribute, drawn uniformly among
     `noise_kinds` that apply to the prompt (grammar.MISCAPTION_KINDS).
+  shape_maps: also return each image's per-shape coverage maps (render.shape_coverage).
   """
   batch: int
   size: int
@@ -38,6 +39,7 @@ class BatchSpec:
   single_fraction: float = 0.5
   caption_noise: float = 0.0
   noise_kinds: tuple[str, ...] = grammar.MISCAPTION_KINDS
+  shape_maps: bool = False
 
   def __post_init__(self):
     if self.batch < 1:
@@ -53,11 +55,12 @@ class BatchSpec:
 @dataclasses.dataclass(frozen=True)
 class Batch:
   """images [B, size, size, 3] float32 in [-1, 1]; captions (what the model is told); truths (what
-  was drawn); miscaptioned [B] bool."""
+  was drawn); miscaptioned [B] bool; shape_maps [B, size, size, len(SHAPES)] or None."""
   images: np.ndarray
   captions: list[str]
   truths: list[str]
   miscaptioned: np.ndarray
+  shape_maps: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -113,9 +116,13 @@ def training_batch(spec: BatchSpec, step: int) -> Batch:
   prompt_rng, image_rng, caption_rng = (np.random.default_rng([spec.seed, step, i]) for i in range(3))
   truths = sample_prompts(spec, prompt_rng, spec.batch)
   captions = [caption_for(p, spec, caption_rng) for p in truths]
-  images = np.stack([render_lib.render(p, spec.size, image_rng) for p in truths])
+  layouts = [render_lib.layout(p, spec.size, image_rng) for p in truths]
+  images = np.stack([render_lib.rasterize(objs, p.background, spec.size)
+                     for objs, p in zip(layouts, truths)])
+  maps = (np.stack([render_lib.shape_coverage(objs, spec.size) for objs in layouts])
+          if spec.shape_maps else None)
   return Batch(images, [c.to_text() for c in captions], [p.to_text() for p in truths],
-               np.array([c != p for c, p in zip(captions, truths)]))
+               np.array([c != p for c, p in zip(captions, truths)]), maps)
 
 
 class BatchStream:
