@@ -215,6 +215,7 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
 
 
 SHAPES_BASE_CHECKPOINT = 'assets/shapes_base'
+SHAPES_AE_CHECKPOINT = 'assets/shapes_ae'   # issue 16's autoencoder (assets/shapes_ae/README.md)
 
 
 def shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_CHECKPOINT):

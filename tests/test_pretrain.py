@@ -375,6 +375,31 @@ def test_autoencoder_loss_teaches_the_shape_channels_the_shape_coverage(tiny_ae)
   assert np.isfinite(tiny_ae[1]['shape_channel_rmse'])  # reported by every training run
 
 
+def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
+  """assets/shapes_ae (the latents issue 16's base generators work in) keeps every shape: its
+  reconstructions of fresh renders pass the strict checker as the renders do."""
+  from digen_jax.data.shapes import training as training_data
+  from digen_jax.models import shapes_ae
+  from digen_jax.rewards import shapes_checker
+  folder = os.path.join(REPO, shapes_pretrain.configlib.SHAPES_AE_CHECKPOINT)
+  cfg = shapes_ae.read_vae_config(folder)
+  assert (cfg.latent_channels, cfg.shape_channels, cfg.spatial_compression) == (8, 3, 4)
+  model = params_io.load_model(folder)
+  fresh = training_data.training_batch(
+      training_data.BatchSpec(batch=96, size=32, seed=77, shape_maps=True), 1)
+  z = model.encode(jnp.asarray(fresh.images))
+  recon = np.asarray(model.decode(z))
+  assert shapes_checker.shapes_strict(fresh.images, fresh.truths).mean() == 1.0
+  assert shapes_checker.shapes_strict(recon, fresh.truths).mean() >= 0.97
+  # The shape channels hold the shape coverage (RMSE well below the targets' RMS).
+  targets = np.asarray(model.shape_targets(jnp.asarray(fresh.shape_maps)))
+  rmse = float(np.sqrt(np.mean((np.asarray(z)[..., :3] - targets) ** 2)))
+  assert rmse < 0.3 * float(np.sqrt(np.mean(targets ** 2))), rmse
+  # Normalised latents are ~N(0, 1) per channel, as the generator expects.
+  zn = np.asarray(model.normalize(z))
+  assert np.all(np.abs(zn.mean(axis=(0, 1, 2))) < 0.3) and np.all(np.abs(zn.std(axis=(0, 1, 2)) - 1) < 0.3)
+
+
 def _ae_config(folder, variant='test'):
   c = shapes_pretrain.get_config(variant)
   c.latent.space, c.latent.ae = 'ae', folder
