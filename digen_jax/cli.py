@@ -28,6 +28,10 @@ def parse_flags(argv):
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     if 'Traceback (most recent call last):' in lines:   # error raised inside a config file
       lines = [lines[0], lines[-1]]
+    wrapped = e.args[0] if e.args else None
+    if isinstance(e, KeyError) or isinstance(wrapped, KeyError):
+      # An override of a field the config does not have (config_flags raises AttributeError(KeyError)).
+      lines = ['the config has no field ' + ' '.join(lines).replace("\\'", "'")]
     fail('bad --config: ' + ' '.join(lines))
 
 

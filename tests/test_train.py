@@ -81,6 +81,9 @@ def test_cli_tiny_writes_metrics(tmp_path):
     (['--config=configs/qwenimage.py:tiny', '--config.reward.weights=shapes:x'],
      "config.reward.weights: reward weights 'shapes:x': 'shapes:x' is not NAME or NAME:WEIGHT"),
     (['--config=configs/qwenimage.py:tiny', '--config.rl.step_loop=map'], 'rl.step_loop'),
+    (['--config=configs/qwenimage.py:tiny', '--config.totl_steps=3'],
+     'the config has no field \'totl_steps\' Did you mean "total_steps"'),
+    (['--config=configs/qwenimage.py:tiny', '--config.optim.lr=nan'], 'lr=nan must be > 0'),
 ])
 def test_bad_input_fails_fast_with_clear_error(tmp_path, flags, message):
   wd = tmp_path / 'run'
