@@ -233,7 +233,8 @@ class Schedule:
       return v
     return None
 
-  def trainer_action(self, now: float) -> SampleFragment | TrainFragment | Apply | Publish | Wait | Done:
+  def trainer_action(self, now: float
+                     ) -> SampleFragment | TrainFragment | Apply | Publish | Wait | Done:
     """The trainer's next action at time `now`: publish the policy of the batch it starts,
     train the first trainable fragment, apply once all are trained, else (TAG) sample an
     unclaimed fragment if BTS predicts the batch ends sooner, else wait for a fragment."""
