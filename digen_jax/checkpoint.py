@@ -48,6 +48,45 @@ class Checkpointer:
     self._manager.close()
 
 
+class ProcessCheckpointer(Checkpointer):
+  """A Checkpointer for a multi-process job in which only this process saves.
+
+  orbax 0.12 refuses to save arrays that live on one process's devices when the job has
+  several processes, so state goes through host memory (numpy) and is saved by this process
+  alone (active_processes); NumpyHandler writes from process 0 only, hence the trainer is
+  process 0. Restores come back as numpy and are placed on the template's shardings. Same
+  on-disk format as Checkpointer: single-process tools (digen_jax.eval) read these checkpoints.
+  """
+
+  def __init__(self, directory: str, *, max_to_keep: int = 2, save_every: int = 1):
+    pid = jax.process_index()
+    if pid != 0:
+      raise ValueError(f'ProcessCheckpointer runs in process 0 (this is process {pid}): make the '
+                       'trainer process 0 (config.cluster.trainer.processes=(0,))')
+    self.directory = os.path.abspath(directory)
+    os.makedirs(self.directory, exist_ok=True)   # orbax cannot create it with active_processes
+    mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid})
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                             save_interval_steps=max(1, save_every),
+                                             create=False, multiprocessing_options=mp),
+        item_handlers={'state': ocp.StandardCheckpointHandler(multiprocessing_options=mp),
+                       'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
+
+  def save(self, step, state, meta, *, force=False):
+    if self._manager.should_save(step) or force:
+      super().save(step, jax.device_get(state), meta, force=force)
+
+  def restore(self, step, template):
+    host = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), template)
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(host), meta=ocp.args.JsonRestore()))
+    state = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding),
+                         restored['state'], template)
+    return state, restored['meta']
+
+
 def key_to_data(key: jax.Array) -> jax.Array:
   """Typed PRNG key -> uint32 array (what orbax can store)."""
   return jax.random.key_data(key)

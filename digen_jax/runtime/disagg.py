@@ -24,19 +24,15 @@ jax.distributed key-value store.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 from absl import logging
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
-from digen_jax import checkpoint as ckpt_lib
-from digen_jax import metrics as metrics_lib
 from digen_jax.runtime import distributed
 from digen_jax.runtime import pipeline
 from digen_jax.runtime import publish
+from digen_jax.runtime import steps as steps_lib
 from digen_jax.runtime import synchronous
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.runtime import transfer
@@ -65,85 +61,31 @@ def train(exp, workdir: str, cluster) -> dict:
   raise ValueError(f'config.cluster gives process {me} no role')
 
 
-class ProcessCheckpointer(ckpt_lib.Checkpointer):
-  """A Checkpointer for a multi-process job in which only this process saves.
-
-  orbax 0.12 refuses to save arrays that live on one process's devices when the job has
-  several processes, so state goes through host memory (numpy) and is saved by this process
-  alone (active_processes); NumpyHandler writes from process 0 only, hence the trainer is
-  process 0. Restores come back as numpy and are placed on the template's shardings. Same
-  on-disk format as Checkpointer: single-process tools (digen_jax.eval) read these checkpoints.
-  """
-
-  def __init__(self, directory: str, *, max_to_keep: int = 2, save_every: int = 1):
-    pid = jax.process_index()
-    if pid != 0:
-      raise ValueError(f'ProcessCheckpointer runs in process 0 (this is process {pid}): make the '
-                       'trainer process 0 (config.cluster.trainer.processes=(0,))')
-    self.directory = os.path.abspath(directory)
-    os.makedirs(self.directory, exist_ok=True)   # orbax cannot create it with active_processes
-    mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid})
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                             save_interval_steps=max(1, save_every),
-                                             create=False, multiprocessing_options=mp),
-        item_handlers={'state': ocp.StandardCheckpointHandler(multiprocessing_options=mp),
-                       'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
-
-  def save(self, step, state, meta, *, force=False):
-    if self._manager.should_save(step) or force:
-      super().save(step, jax.device_get(state), meta, force=force)
-
-  def restore(self, step, template):
-    host = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), template)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(host), meta=ocp.args.JsonRestore()))
-    state = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding),
-                         restored['state'], template)
-    return state, restored['meta']
-
-
 def _trainer_process(exp, workdir: str, cluster) -> dict:
   config = exp.config
-  level = config.runtime.transfer_guard
-  trainer = workers.TrainerWorker(
-      exp, cluster.trainer.mesh,
-      ProcessCheckpointer(os.path.join(workdir, 'checkpoints'),
-                          max_to_keep=config.keep_checkpoints,
-                          save_every=config.checkpoint_every),
-      level)
-  start = trainer.start
+  tracer = trace_lib.Tracer(config.schedule.trace)
+  run = steps_lib.TrainerRun(exp, workdir, cluster, tracer)
+  trainer, level, start = run.trainer, run.level, run.start
   distributed.kv_set(f'{_KV}/start', json.dumps({'step': start,
                                                  'data_position': trainer.data_position}))
   chan = transfer.Channel(cluster.rollout.process, name='disagg', timeout_s=PEER_TIMEOUT_S)
-  dtype = publish.rollout_param_dtype(cluster)
-  publish_mb = publish.publish_megabytes(exp.params, dtype)
   batch_abstract = workers.with_shardings(workers.abstract_batch(exp), trainer.batch_shardings)
-  writer = metrics_lib.MetricsWriter(workdir)
-  progress = metrics_lib.Progress(start, config.total_steps)
-  eval_on = config.eval.every > 0
-  tracer = trace_lib.Tracer(config.schedule.trace)
 
-  def publish_now(version: int) -> float:
-    t = time.perf_counter()
-    with workers.guard(level):
-      manifest = publish.adapter_manifest(exp.weights, trainer.params, digest=version == start)
-      publish.send_weights(chan, trainer.params, version, dtype, manifest)
-    return time.perf_counter() - t
+  def send(params, version):
+    manifest = publish.adapter_manifest(exp.weights, params, digest=version == start)
+    publish.send_weights(chan, params, version, run.rollout_dtype, manifest)
 
   for step in range(start, config.total_steps):
     t0 = time.perf_counter()
     t_start = time.time()
-    send_s = publish_now(step)
+    _, send_s = run.publish(send, step)
     with workers.guard(level):
       batch, info, t_move = publish.receive_batch(chan, batch_abstract)
     if info['step'] != step or info['policy_version'] != step:
       raise RuntimeError(f'trainer at step {step} got the batch of step {info["step"]} sampled '
                          f'by policy version {info["policy_version"]}; the naive schedule is '
                          'strictly on-policy')
-    for row in info['evals']:
-      writer.write(row)
+    run.write_rows(info['evals'])
     tracer.extend(trace_lib.Span.from_json(s) for s in info['spans'])
     t0 += info['eval_s']                         # the step's wall time excludes eval
     t_start += info['eval_s']
@@ -151,29 +93,17 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
     m, update_s = trainer.train_step(batch, info['batch_prompts'], step, tracer)
     wall = time.perf_counter() - t0
     t_end = time.time()
-    if m['nonfinite'] > 0:
-      logging.error('step %d: non-finite loss/gradient; the update was skipped (weights '
-                    'unchanged)', step + 1)
-    row = workers.step_row(
-        step=step + 1, policy_version=info['policy_version'],
+    run.end_step(
+        step, data_position=info['data_position'], policy_version=info['policy_version'],
         rewards=np.asarray(info['rewards'], np.float32), valid_frac=info['valid_frac'],
         metrics=m, wall_s=wall, rollout_s=info['rollout_s'], reward_s=info['reward_s'],
-        update_s=update_s, publish_s=send_s + info['publish_pull_s'], publish_mb=publish_mb,
-        batch_move_s=t_move, cluster=cluster,
+        update_s=update_s, publish_s=send_s + info['publish_pull_s'], batch_move_s=t_move,
         utilization=tracer.utilization(t_start, t_end, cluster.num_devices))
-    writer.write(row)
-    if (step + 1) % config.log_every == 0 or step + 1 == config.total_steps:
-      progress.log(step + 1, row)
-    trainer.save(step + 1, info['data_position'], force=step + 1 == config.total_steps)
-  if eval_on and start < config.total_steps:
-    publish_now(config.total_steps)                                 # the final policy
-    for row in json.loads(distributed.kv_get(f'{_KV}/final_evals', PEER_TIMEOUT_S)):
-      writer.write(row)
+  if run.final_eval:
+    run.publish(send, config.total_steps)                           # the final policy
+    run.write_rows(json.loads(distributed.kv_get(f'{_KV}/final_evals', PEER_TIMEOUT_S)))
     chan.wait_delivered(publish.WEIGHTS_TAG)
-  tracer.write(workdir, title='disagg (synchronous, 2 processes)')
-  trainer.close()
-  writer.close()
-  return {'params': trainer.params, 'opt_state': trainer.opt_state, 'step': config.total_steps}
+  return run.finish('disagg (synchronous, 2 processes)')
 
 
 def _rollout_process(exp, workdir: str, cluster) -> dict:

@@ -70,3 +70,9 @@ class FragmentPlan:
 def stale_count(num: int, fraction: float) -> int:
   """TCSS: how many of a batch's M fragments may start with the previous policy."""
   return int(num * fraction + 1e-9)
+
+
+def plan_of(config) -> FragmentPlan:
+  """The fragment plan of a run's config (rl batch, config.schedule)."""
+  return FragmentPlan(config.rl.prompts_per_step, config.rl.group_size,
+                      config.schedule.fragments, config.schedule.fragment_unit)
