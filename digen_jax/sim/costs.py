@@ -392,6 +392,16 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str):
   return total, coefficients, seconds
 
 
+def count_unrolled(name: str, config, mesh, batch: int, layout: str, vae: str):
+  """(cost vector, seconds) of the program at its real trip counts with every loop unrolled:
+  exact, and slow to compile at real sizes."""
+  unrolled_config = copy.deepcopy(config)
+  unrolled_config.model.scan_layers = False
+  _, lower = _build(name, unrolled_config, mesh, batch, layout, vae)
+  counted, _, seconds = compile_and_read(lower, unrolled=True)
+  return counted, seconds
+
+
 def trip_counts(name: str, exp, mesh) -> dict[str, int]:
   m = exp.config.model
   out = {k: int(m[k]) for k in layer_kinds(exp.config)}
@@ -421,10 +431,7 @@ def program_cost(name: str, config, mesh, *, batch: int, method: str = 'extrapol
     counted = raw
     method = 'raw' if name != 'apply' else 'exact'
   elif method == 'unrolled':
-    unrolled_config = copy.deepcopy(config)
-    unrolled_config.model.scan_layers = False
-    _, lower_u = _build(name, unrolled_config, mesh, batch, layout, vae)
-    counted, _, count_s = compile_and_read(lower_u, unrolled=True)
+    counted, count_s = count_unrolled(name, config, mesh, batch, layout, vae)
   else:
     counted, fit, count_s = fit_counts(name, config, mesh, batch, layout, vae)
   return ProgramCost(
