@@ -61,6 +61,7 @@ def test_rollout_flops_count_every_step_and_layer():
   assert rel(fit['c_num_layers'], block) < ANALYTIC_RTOL, (fit, block)
 
 
+@pytest.mark.slow
 def test_program_cost_grad_full_remat_and_raw_undercount():
   config, mesh = qwen_toy(cfg=True, remat=True), mesh_of(2)
   p = costs.program_cost('grad', config, mesh, batch=2)
@@ -89,6 +90,7 @@ def test_grad_lora_backward_counts():
   assert fitted[0] < 0.9 * full_ft
 
 
+@pytest.mark.slow
 def test_flux_rollout_counts_both_block_kinds():
   c = flux_config.get_config('tiny')
   c.model.num_attention_heads = 4

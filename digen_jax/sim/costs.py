@@ -503,6 +503,8 @@ def run_costs(config, devices: int, *, programs_: tuple[str, ...] = PROGRAMS,
       published_bytes=rollout_copy, rollout_param_bytes=rollout_copy + base,
       gathered_bytes=_bytes(exp.params, compute) + base)
   for p in programs_:
+    print(f'[costs] {p}: batch {batches[p]}, {devices} devices, method {method}', file=sys.stderr,
+          flush=True)
     costs.programs[p] = program_cost(p, config, mesh, batch=batches[p], method=method,
                                      rollout_layout=layout, vae=vae)
   return costs
