@@ -538,6 +538,26 @@ def format_table(costs: Costs) -> str:
   return '\n'.join(rows)
 
 
+def format_times(costs: Costs, kinds: list[str], mfu: float) -> str:
+  """Roofline seconds of each program per accelerator kind (sim/timing.py), and the step's parts
+  when all three programs are there."""
+  from digen_jax.sim import hardware   # pylint: disable=g-import-not-at-top  (timing imports us)
+  from digen_jax.sim import timing     # pylint: disable=g-import-not-at-top
+  eff = timing.Efficiency(mfu=mfu)
+  rows = [f'roofline seconds per call (MFU {mfu:.0%}, {eff.hbm:.0%} of HBM and link bandwidth)']
+  for kind in kinds:
+    acc = hardware.get(kind)
+    line = f'{acc.name:<10}' + ''.join(
+        f'  {p.name} {timing.program_seconds(p, acc, eff):.3g}s' for p in costs.programs.values())
+    if {'rollout', 'grad', 'apply'} <= set(costs.programs):
+      for mode in ('colocated', 'disagg'):
+        parts = timing.step_breakdown(costs, acc, mode=mode, eff=eff)
+        line += f'\n{"":<10}  step ({mode}, serial): ' + ', '.join(
+            f'{k} {v:.3g}s' for k, v in parts.items())
+    rows.append(line)
+  return '\n'.join(rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line.
 
@@ -562,6 +582,12 @@ def main(argv):
   if unknown:
     raise app.UsageError(f'--programs takes {",".join(PROGRAMS)}; got {sorted(unknown)}')
   name = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--config=')), '')
+  from digen_jax.sim import hardware   # pylint: disable=g-import-not-at-top
+  for kind in f['hardware'].value:     # before minutes of compiling
+    try:
+      hardware.get(kind)
+    except ValueError as e:
+      raise app.UsageError(f'--hardware: {e}') from e
   try:
     costs = run_costs(config, f['devices'].value, programs_=tuple(f['programs'].value),
                       method=f['method'].value, rollout_batch=f['rollout_batch'].value,
@@ -571,6 +597,8 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   print(format_table(costs), flush=True)
+  if f['hardware'].value:
+    print(format_times(costs, f['hardware'].value, f['mfu'].value), flush=True)
   if f['json'].value:
     with open(f['json'].value, 'w') as out:
       json.dump(dict(costs.to_json(), command=' '.join(['python -m digen_jax.sim.costs']
@@ -600,6 +628,9 @@ def _define_flags() -> dict:
                                           'The rollout copy\'s layout (default: the config\'s).'),
       'vae': flags.DEFINE_string('vae', 'auto', "'auto', 'real', 'tiny' or a config path."),
       'json': flags.DEFINE_string('json', None, 'Also write the figures as JSON here.'),
+      'hardware': flags.DEFINE_list('hardware', [], 'Accelerator kinds (sim/hardware.py) to '
+                                    'print roofline seconds for, e.g. H100,H20.'),
+      'mfu': flags.DEFINE_float('mfu', 0.4, 'Achieved fraction of peak FLOP/s for --hardware.'),
   }
 
 
