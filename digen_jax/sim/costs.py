@@ -276,6 +276,27 @@ def lora_merge_flops(exp) -> float:
   return total
 
 
+def lora_weight_grad_flops(exp, rows: int) -> float:
+  """The full weight gradient x^T dy of every adapted kernel, one backward on `rows` samples:
+  LoRA trains through the merged weight W + s A B (lora.merge), so the backward forms dW of
+  each adapted kernel before projecting it onto A and B. A kernel sees its stream's tokens
+  (text for add_* / to_add_out, all of them in FLUX's single-stream blocks, else image)."""
+  if exp.weights.lora is None:
+    return 0.0
+  n_img, n_txt = exp.latent_shape[0], exp.config.text.max_length
+  total = 0.0
+  for path, entry in exp.params.items():
+    a, b = entry['a'], entry['b']          # [..., in, r], [..., r, out]
+    if path.startswith('single_blocks.'):
+      tokens = n_img + n_txt
+    elif '.add_' in path or 'to_add_out' in path:
+      tokens = n_txt
+    else:
+      tokens = n_img
+    total += 2.0 * rows * tokens * np.prod(a.shape[:-1]) * b.shape[-1]
+  return total
+
+
 def cfg_branches(exp) -> int:
   return 2 if programs.guidance_of(exp)[0] is not None else 1
 
@@ -289,7 +310,8 @@ def trained_steps(exp, mesh) -> int:
 def analytic_flops(name: str, exp, mesh, batch: int) -> float:
   """Per-device matmul FLOPs of program `name`: forwards x steps x CFG branches, the backward
   (full: 2 forwards; LoRA: data gradients = the linear layers once + attention twice, plus the
-  small adapter gradients), the remat recompute (one more forward) and the LoRA merge."""
+  adapted kernels' full weight gradients), the remat recompute (one more forward: an upper
+  bound, XLA drops the recomputed ops the backward does not read) and the LoRA merge."""
   n = mesh.devices.size
   if name == 'apply':
     return 0.0
@@ -302,7 +324,8 @@ def analytic_flops(name: str, exp, mesh, batch: int) -> float:
   if exp.weights.lora is None:
     backward = 2 * fwd
   else:
-    backward = (fwd - attn) + 2 * attn
+    backward = (fwd - attn) + 2 * attn + trained_steps(exp, mesh) * lora_weight_grad_flops(
+        exp, rows)
   remat = fwd if exp.model_config.remat else 0.0
   # The merge's backward: dA = dW B^T and dB = A^T dW, each the merge's size.
   return (fwd + backward + remat + 3 * merge) / n
