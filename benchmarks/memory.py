@@ -45,30 +45,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import sys
 import time
 
-
-def _force_devices(argv: list[str]) -> None:
-  """XLA_FLAGS / JAX_PLATFORMS for --devices=N, before anything imports jax."""
-  n = None
-  for i, arg in enumerate(argv):
-    if arg.startswith('--devices='):
-      n = arg.split('=', 1)[1]
-    elif arg == '--devices' and i + 1 < len(argv):
-      n = argv[i + 1]
-  if n is None or not n.isdigit() or int(n) < 1:
-    return                          # absl reports the bad or missing flag
-  flags_ = re.sub(r'--xla_force_host_platform_device_count=\S+', '',
-                  os.environ.get('XLA_FLAGS', ''))
-  os.environ['XLA_FLAGS'] = f'{flags_} --xla_force_host_platform_device_count={n}'.strip()
-  os.environ['JAX_PLATFORMS'] = 'cpu'
-
-
-if __name__ == '__main__':
-  _force_devices(sys.argv[1:])
 
 # Make `import digen_jax` work when run as `python benchmarks/memory.py` from anywhere.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,28 +56,32 @@ if REPO not in sys.path:
   sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# pylint: disable=g-import-not-at-top,wrong-import-position  (after _force_devices)
+from digen_jax.sim import devices as devices_lib  # pylint: disable=g-import-not-at-top  (no jax)
+
+if __name__ == '__main__':
+  devices_lib.force_host_devices(sys.argv[1:])   # before anything imports jax
+
+# pylint: disable=g-import-not-at-top,wrong-import-position  (after force_host_devices)
 from absl import app
 from absl import flags
-from flax import nnx
 import jax
 import jax.numpy as jnp
 from ml_collections import config_flags
 import numpy as np
 
 import common
-from digen_jax import experiment
 from digen_jax import programs
-from digen_jax import tiny_pipeline
-from digen_jax import weights as weights_lib
-from digen_jax.diffusion import sde as sde_lib
 from digen_jax.models import family as family_lib
-from digen_jax.models import flux_vae
-from digen_jax.models import lora as lora_lib
-from digen_jax.models import vae as vae_lib
 from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import workers
+from digen_jax.sim import abstract as abstract_lib
+from digen_jax.sim.abstract import abstract_cond
+from digen_jax.sim.abstract import abstract_trajectory
+from digen_jax.sim.abstract import frozen_tree
+from digen_jax.sim.abstract import laid_out
+from digen_jax.sim.abstract import per_device_bytes
+from digen_jax.sim.abstract import whole_bytes
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file[:variant], e.g. '
@@ -178,165 +162,13 @@ def run_config():
   return config
 
 
-def vae_config(config, spec: str):
-  """(VAE config, description) for --vae (see the module docstring), or (None, 'none'). The VAE is
-  the config's family's (models/family.py: Qwen-Image's or FLUX's AutoencoderKL)."""
-  if config.latent.space != 'vae':
-    return None, 'none (pixel space: identity decoder)'
-  z = int(config.latent.channels)
-  family = family_lib.of(config)
-  lib = family.vae
-
-  def from_file(path):
-    if os.path.isdir(path):
-      path = os.path.join(path, 'vae', 'config.json') if os.path.isdir(
-          os.path.join(path, 'vae')) else os.path.join(path, 'config.json')
-    with open(path) as f:
-      return lib.config_from_diffusers(json.load(f)), f'config of {path}'
-
-  def real():
-    if family.name == 'flux':
-      return flux_vae.FluxVAEConfig(), 'real FLUX.1 VAE (FluxVAEConfig defaults)'
-    return vae_lib.VAEConfig(), 'real Qwen-Image VAE (VAEConfig defaults)'
-
-  def tiny():
-    if family.name == 'flux':
-      kw = dict(tiny_pipeline.FLUX_VAE, latent_channels=z)
-      return flux_vae.config_from_diffusers(kw), f'tiny (tiny_pipeline.FLUX_VAE, {z} channels)'
-    kw = dict(tiny_pipeline.VAE)
-    if kw['z_dim'] != z:
-      kw.update(z_dim=z, latents_mean=[0.0] * z, latents_std=[1.0] * z)
-    return vae_lib.VAEConfig(**kw), f'tiny (digen_jax/tiny_pipeline.py VAE, z_dim {z})'
-
-  if spec == 'real':
-    cfg, what = real()
-  elif spec == 'tiny':
-    cfg, what = tiny()
-  elif spec == 'auto':
-    ckpt = config.model.checkpoint
-    if ckpt and os.path.isfile(os.path.join(ckpt, 'vae', 'config.json')):
-      cfg, what = from_file(ckpt)
-    elif z == real()[0].latent_channels:
-      cfg, what = real()
-    else:
-      cfg, what = tiny()
-  else:
-    cfg, what = from_file(spec)
-  if cfg.latent_channels != z:
-    raise app.UsageError(f'--vae={spec}: the VAE has {cfg.latent_channels} latent channels but '
-                         f'config.latent.channels={z}')
-  return cfg, what
-
-
 def abstract_experiment(config):
-  """(Experiment, description): the run's parts as experiment.build makes them, with every
-  weight a ShapeDtypeStruct (nothing read, nothing allocated) and no text encoder, prompts or
-  reward (the compiled programs do not take them)."""
-
-  lat = config.latent
-  p = config.model.patch_size
-  img_shape = (lat.frames, lat.height // p, lat.width // p)
-  num_tokens = int(np.prod(img_shape))
-  mcfg = experiment.model_config_from(config)
-  family = family_lib.of(config)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: family.new(mcfg, 0)))
-  params = weights_lib.abstract_of(state)
-  lo = config.model.lora
-  lora_cfg, base_abstract = None, None
-  if lo.rank > 0:
-    lora_cfg = lora_lib.LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha or lo.rank),
-                                   targets=lo.targets)
-    base_abstract = params
-    paths = lora_lib.target_paths(base_abstract, family.key_table(mcfg), lora_cfg)
-    params = jax.eval_shape(
-        lambda key: lora_lib.init_adapters(base_abstract, paths, lora_cfg, key),
-        jax.random.key(config.seed + 1))
-  vcfg, vae_what = vae_config(config, VAE.value)
-  vae = None
-  if vcfg is not None:
-    vgraph, vstate = family.vae.abstract_vae(vcfg, jnp.float32)
-    vae = weights_lib.VAESource(vcfg, family.vae, vgraph, weights_lib.abstract_of(vstate), folder='')
-  frozen_dtype = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}[config.model.frozen_dtype]
-  weights = weights_lib.Weights(
-      graphdef=graphdef, params=params, frozen_dtype=frozen_dtype, lora=lora_cfg,
-      base_abstract=base_abstract, vae=vae,
-      latent_hw=(lat.height, lat.width), patch=p, vae_batch_chunk=int(lat.vae_batch_chunk),
-      vae_tile=int(lat.vae_tile))
-  r = config.rl
-  exp = experiment.Experiment(
-      config=config, model_config=mcfg, weights=weights, text_encoder=None, prompts=None,
-      reward_fn=None, sigmas=experiment.build_schedule(config, num_tokens),
-      sde_cfg=sde_lib.SDEConfig(kind=config.sampler.sde, noise_level=config.sampler.noise_level,
-                                logprob_reduce=config.sampler.logprob_reduce),
-      selection=timesteps_lib.TimestepSelection(
-          kind=r.timesteps, fraction=r.timestep_fraction, window_start=r.window_start,
-          window_size=r.window_size, slide_every=r.slide_every),
-      optimizer=experiment.build_optimizer(config), img_shape=img_shape,
-      latent_shape=(num_tokens, config.model.in_channels))
-  return exp, vae_what
-
-
-# ---------------------------------------------------------------------------------------------
-# Abstract arguments.
-
-
-def laid_out(tree, shardings, dtype=None):
-  """ShapeDtypeStructs of `tree` on `shardings` (a tree, or one sharding for every leaf),
-  floating leaves cast to `dtype` when given."""
-  if isinstance(shardings, jax.sharding.Sharding):
-    one = shardings
-    shardings = jax.tree.map(lambda _: one, tree)
-
-  def sds(x, s):
-    d = dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-    return jax.ShapeDtypeStruct(x.shape, d, sharding=s)
-  return jax.tree.map(sds, tree, shardings)
-
-
-def whole_bytes(tree) -> int:
-  """The bytes of a tree of arrays or ShapeDtypeStructs, unsharded."""
-  return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-
-
-def per_device_bytes(tree) -> int:
-  """The bytes one device holds of a tree of ShapeDtypeStructs with shardings."""
-  total = 0
-  for x in jax.tree.leaves(tree):
-    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-    total += int(np.prod(shape)) * x.dtype.itemsize   # (typed PRNG keys too)
-  return total
-
-
-def abstract_cond(exp, batch: int, mesh):
-  """The conditioning dict (Experiment.cond_abstract), batch-sharded on `mesh`."""
-  return exp.cond_abstract(batch, lambda nd: mesh_lib.batch_sharding(mesh, nd))
-
-
-def abstract_trajectory(exp, batch: int):
-  """The rollout's Trajectory for `batch` samples (shapes only), as workers.abstract_batch
-  traces it on one local device."""
-  mesh = mesh_lib.make_mesh(jax.local_devices()[:1])
-  sds = jax.ShapeDtypeStruct
-  cond = {k: sds(v.shape, v.dtype) for k, v in abstract_cond(exp, batch, mesh).items()}
-  params = jax.tree.map(lambda x: sds(x.shape, x.dtype), exp.params)
-  frozen = exp.weights.frozen_abstract(decode=True)
-  traj, _ = jax.eval_shape(programs.make_rollout(exp, mesh, frozen=frozen), params, cond, cond,
-                           sds((), jax.random.key(0).dtype), sds((), jnp.int32))
-  return traj
-
-
-def frozen_tree(exp, mesh, *, base: str | None, decode: bool):
-  """The frozen weights as Weights.frozen loads them (model.frozen_dtype), abstract, on `mesh`:
-  the LoRA base 'fsdp' / 'replicated' (None: absent), the VAE replicated when `decode`."""
-  w = exp.weights
-  rep = mesh_lib.replicated(mesh)
-  out = {'base': None, 'vae': None}
-  if w.lora is not None and base is not None:
-    sh = mesh_lib.fsdp_shardings(w.base_abstract, mesh) if base == 'fsdp' else rep
-    out['base'] = laid_out(w.base_abstract, sh, w.frozen_dtype)
-  if decode and w.vae is not None:
-    out['vae'] = laid_out(w.vae.abstract, rep, w.frozen_dtype)
-  return out
+  """(Experiment, description) with every weight a ShapeDtypeStruct and --vae's VAE
+  (digen_jax/sim/abstract.py)."""
+  try:
+    return abstract_lib.abstract_experiment(config, VAE.value)
+  except ValueError as e:
+    raise app.UsageError(f'--vae: {e}') from e
 
 
 # ---------------------------------------------------------------------------------------------
