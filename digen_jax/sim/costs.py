@@ -106,7 +106,8 @@ class ProgramCost:
   method: str                     # how loops were counted: extrapolate | unrolled | raw
   compile_s: float                # lower + compile of the real program
   count_compile_s: float          # lower + compile of the loop-free variants
-  fit: dict[str, float] = dataclasses.field(default_factory=dict)   # FLOP coefficients a, b, c_k, d_k
+  # FLOP coefficients a, b, c_k, d_k of the extrapolation (empty for the other methods).
+  fit: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def xla_vs_analytic(self) -> float:
@@ -207,7 +208,8 @@ def build_rollout(exp, mesh, batch: int, layout: str):
 
 def _sums(mesh):
   rep = mesh_lib.replicated(mesh)
-  keys = programs._SUM_KEYS + programs._MAX_KEYS + ('weight_sum',)   # pylint: disable=protected-access
+  # The accumulator's metric sums, as programs.make_zero_acc makes them.
+  keys = programs._SUM_KEYS + programs._MAX_KEYS + ('weight_sum',)  # pylint: disable=protected-access
   return {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=rep) for k in keys}
 
 

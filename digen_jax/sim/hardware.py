@@ -69,7 +69,8 @@ _BUILTIN = (
         intra_node_bw=450 * GB, inter_node_bw=NDR_400G, host_bw=PCIE5_X16,
         source='NVIDIA HGX H20 product brief as reported (no public nvidia.com datasheet; e.g. '
                'SemiAnalysis "Nvidia\'s New China AI Chips", Nov 2023): BF16 148 TFLOPS dense, '
-               '96 GB HBM3 4.0 TB/s, NVLink 900 GB/s, PCIe Gen5; NIC: assumed 400 Gb/s as HGX H100.',
+               '96 GB HBM3 4.0 TB/s, NVLink 900 GB/s, PCIe Gen5; NIC: assumed 400 Gb/s as '
+               'HGX H100.',
         aliases=('h20',)),
     Accelerator(
         'A100 80GB', peak_bf16_flops=312 * TERA, hbm_bw=2.039e12, memory_bytes=80 * 10 ** 9,
