@@ -1,0 +1,106 @@
+"""python -m digen_jax.sim: the ladder (benchmarks/ladder.py) predicted by the simulator.
+
+    python -m digen_jax.sim --profile=PROFILE.json --json=OUT.json [--steps 8] [--rungs ...]
+        [--variants mp2,sp] [--fragments 16] [--fragment_unit group] [--tcss_fraction 0.5]
+        [--measured=LADDER.json] [--timelines=DIR]
+
+PROFILE.json: this machine's program costs (python -m digen_jax.sim.profile, same config and
+overrides as the ladder run it predicts). OUT.json has the ladder's keys (DESIGN.md §5:
+'modes', 'modes_by_variant', 'rows'), so predicted and measured rungs compare line by line;
+--measured prints that comparison (relative error of samples/s, absolute error of utilization)
+and stores it under 'comparison'. --timelines writes each simulated rung's timeline.png in a
+real run's format. For accelerator clusters see python -m digen_jax.plan.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from digen_jax.sim import predict
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog='python -m digen_jax.sim', description=__doc__.split('\n')[0])
+  p.add_argument('--profile', required=True, help='sim.profile JSON of this machine')
+  p.add_argument('--json', required=True, help='where the predicted ladder JSON goes')
+  p.add_argument('--steps', type=int, default=8, help='optimizer steps per rung (>= 2)')
+  p.add_argument('--rungs', default=','.join(predict.RUNGS))
+  p.add_argument('--variants', default=','.join(predict.VARIANTS))
+  p.add_argument('--fragments', type=int, default=16)
+  p.add_argument('--fragment_unit', default='group', choices=('group', 'sample'))
+  p.add_argument('--tcss_fraction', type=float, default=0.5)
+  p.add_argument('--measured', default=None, help='a ladder JSON to compare with')
+  p.add_argument('--timelines', default=None, help='directory for <run>.png timelines')
+  a = p.parse_args(argv)
+  a.rungs = [r for r in a.rungs.split(',') if r]
+  a.variants = [v for v in a.variants.split(',') if v]
+  for r in a.rungs:
+    if r not in predict.RUNGS:
+      p.error(f'--rungs: unknown rung {r!r}; use a subset of {",".join(predict.RUNGS)}')
+  for v in a.variants:
+    if v not in predict.VARIANTS:
+      p.error(f'--variants: unknown variant {v!r}; use a subset of {",".join(predict.VARIANTS)}')
+  if a.steps < 2:
+    p.error(f'--steps={a.steps}: need >= 2 (the first step fills the pipeline)')
+  if not 0 < a.tcss_fraction <= 1:
+    p.error(f'--tcss_fraction={a.tcss_fraction} must be in (0, 1]')
+  for path in (a.profile, a.measured):
+    if path and not os.path.isfile(path):
+      p.error(f'{path}: no such file')
+  return a
+
+
+def format_comparison(cmp: dict) -> str:
+  out = [f'{"variant":8} {"mode":18} {"measured":>9} {"predicted":>9} {"error":>7} '
+         f'{"util m":>7} {"util p":>7}']
+  for x in cmp['lines']:
+    mu = x['measured_util']
+    out.append(f'{x["variant"]:8} {x["mode"]:18} {x["measured_sps"]:9.2f} '
+               f'{x["predicted_sps"]:9.2f} {100 * x["sps_error"]:+6.1f}% '
+               f'{mu if mu is None else round(mu, 3)!s:>7} {x["predicted_util"]:7.3f}')
+  out.append(f'samples/s: mean |error| {100 * cmp["sps_mae"]:.1f}%, largest '
+             f'{100 * cmp["sps_max"]:.1f}%; utilization: mean |error| '
+             f'{cmp["util_mae"] if cmp["util_mae"] is None else round(cmp["util_mae"], 3)}')
+  return '\n'.join(out)
+
+
+def main(argv=None) -> int:
+  a = parse_args(sys.argv[1:] if argv is None else argv)
+  with open(a.profile) as f:
+    profile = json.load(f)
+  try:
+    pred = predict.predict_ladder(profile, rungs=a.rungs, variants=a.variants, steps=a.steps,
+                                  fragments=a.fragments, unit=a.fragment_unit,
+                                  tcss_fraction=a.tcss_fraction)
+  except ValueError as e:
+    print(f'digen_jax.sim: {e}', file=sys.stderr)
+    return 2
+  if a.timelines:
+    from digen_jax.runtime import trace as trace_lib  # pylint: disable=g-import-not-at-top
+    os.makedirs(a.timelines, exist_ok=True)
+    for r in pred['rows']:
+      trace_lib.write_timeline(os.path.join(a.timelines, f'sim_{r["name"]}.png'),
+                               r['result'].spans, title=f'simulated {r["name"]}')
+  for r in pred['rows']:
+    del r['result']
+    print(f'{r["name"]:12} {r["samples_per_s"]:8.2f} samples/s  util {r["utilization"]:.3f}'
+          f'  x coloc {r["x_colocated"] or 0:.2f}  x disagg {r["x_disagg"] or 0:.2f}')
+  doc = {'source': 'simulator', 'profile': a.profile, 'profile_machine': profile.get('machine'),
+         'command': ' '.join(['python -m digen_jax.sim'] + (sys.argv[1:] if argv is None
+                                                             else list(argv))),
+         'steps': a.steps, 'variant': a.variants[0] if a.variants else '-', **pred}
+  if a.measured:
+    with open(a.measured) as f:
+      measured = json.load(f)
+    doc['comparison'] = predict.compare(pred, measured, a.variants)
+    print(format_comparison(doc['comparison']))
+  with open(a.json, 'w') as f:
+    json.dump(doc, f, indent=1)
+  print(f'[sim] {a.json}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,382 @@
+"""Discrete-event simulation of a run: the real schedule (runtime/schedule.py) on a virtual clock.
+
+The same `Schedule` the runtime drives with real programs is driven here by modelled costs:
+each role (trainer, rollout) asks its own Schedule for its next action exactly as
+runtime/pipeline.py and runtime/rollout.py do, the simulator charges the action's seconds
+(`StepCosts`) on the role's devices, and events (a fragment reaching the trainer, a publish
+ending, a policy pulled) go back into the Schedules. Claims are arbitrated first come, first
+served, as the runtime's links do. BTS (TAG) decides from the costs it profiles online from
+the simulated spans, as in a real run.
+
+Devices and host cores. Each role's programs run on its devices; `Layout.shared` says whether
+the two roles' programs compete for the same compute (one process with both meshes on one
+host's cores, or colocated): then concurrent programs share it (processor sharing: k programs
+in flight each progress at 1/k of their speed alone). With `colocated` the roles are the same
+devices. Hand-overs (a fragment's delivery, a policy pull) and host bookkeeping are latencies
+that occupy no device.
+
+M = 1 is colocated or naive disaggregation: the schedule then samples the whole batch as one
+fragment, trains it, applies and publishes, the order of runtime/synchronous.py (whose
+full-batch update is charged as one 'grad' of the whole batch; `StepCosts.apply` is then 0).
+
+Output: per-step rows (wall from one optimizer step's end to the next, samples/s, utilization
+as trace.utilization computes it from the spans), the spans themselves (trace.Span, virtual
+seconds: trace.write_timeline draws them like a real run's) and the BTS decisions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import statistics
+from typing import Callable
+
+from digen_jax.runtime import bts as bts_lib
+from digen_jax.runtime import fragments as frag_lib
+from digen_jax.runtime import schedule as sched_lib
+from digen_jax.runtime import trace as trace_lib
+
+ROLLOUT, TRAINER = sched_lib.ROLLOUT, sched_lib.TRAINER
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+  """Seconds of one run's programs and hand-overs, each as it runs alone on its role's devices.
+
+  rollout      rollout devices: sample + score one fragment
+  grad         trainer devices: one fragment's gradient (M = 1: the whole update)
+  apply        trainer devices: the optimizer step (M = 1: 0, inside `grad`)
+  tag_rollout  trainer devices: sample + score one fragment (TAG); None: no TAG program
+  publish      trainer devices: send the weights (colocated: the layout switch)
+  pull         rollout: from a publish's end until the rollout holds the policy (no compute)
+  deliver      from a rollout fragment's end until the trainer holds it (scoring, hand-over)
+  gap          rollout host time after each fragment before it starts the next
+  trainer_host trainer host time per step after the publish (metrics, checkpoint, encode)
+  """
+  rollout: float
+  grad: float
+  apply: float = 0.0
+  tag_rollout: float | None = None
+  publish: float = 0.0
+  pull: float = 0.0
+  deliver: float = 0.0
+  gap: float = 0.0
+  trainer_host: float = 0.0
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if v is not None and not (v >= 0 and v < float('inf')):
+        raise ValueError(f'StepCosts.{f.name}={v!r}: seconds must be finite and >= 0')
+    if self.rollout <= 0 or self.grad <= 0:
+      raise ValueError(f'StepCosts: rollout={self.rollout} and grad={self.grad} must be > 0')
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the roles run: device counts, whether they compete for one pool of compute
+  (`shared`), whether they are the same devices (`colocated`, implies shared)."""
+  trainer_devices: int = 1
+  rollout_devices: int = 1
+  shared: bool = False
+  colocated: bool = False
+
+  def __post_init__(self):
+    if self.trainer_devices < 1 or self.rollout_devices < 1:
+      raise ValueError(f'Layout: device counts must be >= 1, got trainer={self.trainer_devices} '
+                       f'rollout={self.rollout_devices}')
+    if self.colocated and self.trainer_devices != self.rollout_devices:
+      raise ValueError('Layout: a colocated layout has one device set (trainer_devices == '
+                       'rollout_devices)')
+
+  def devices(self, role: str) -> tuple[int, ...]:
+    """Device ids of `role` (colocated: the same ones for both)."""
+    if self.colocated or role == TRAINER:
+      return tuple(range(self.trainer_devices))
+    return tuple(range(self.trainer_devices, self.trainer_devices + self.rollout_devices))
+
+  @property
+  def num_devices(self) -> int:
+    return self.trainer_devices if self.colocated else self.trainer_devices + self.rollout_devices
+
+  def pool(self, role: str) -> str:
+    return 'shared' if self.shared or self.colocated else role
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """The schedule settings of a run (config.schedule's fields that change the order)."""
+  fragments: int = 1
+  unit: str = 'group'
+  tsp: bool = False
+  tag: bool = False
+  tcss_fraction: float = 0.0
+
+  @property
+  def synchronous(self) -> bool:
+    """Whether the runtime runs this with its full-batch loops (runtime/synchronous.py,
+    runtime/disagg.py), as runtime/pipeline.enabled decides: their step's wall time runs from
+    the publish to the update's end, and the bookkeeping after it is outside."""
+    return self.fragments == 1 and not (self.tsp or self.tag or self.tcss_fraction > 0)
+
+
+@dataclasses.dataclass
+class _Job:
+  role: str
+  program: str
+  remaining: float            # seconds of work left at speed 1
+  pool: str
+  t0: float
+  done: Callable[[float, float], None]   # (t_end, duration)
+  step: int = -1
+  fragment: int = -1
+  version: int = -1
+
+
+class Simulation:
+  """One run of `steps` optimizer steps of a batch of `groups` x `group_size` samples."""
+
+  def __init__(self, costs: StepCosts, layout: Layout, schedule: Schedule, *, groups: int,
+               group_size: int, steps: int):
+    if steps < 1:
+      raise ValueError(f'steps={steps} must be >= 1')
+    if schedule.tag and costs.tag_rollout is None:
+      raise ValueError('schedule.tag needs StepCosts.tag_rollout (the trainer-side sampling)')
+    self.costs, self.layout, self.schedule = costs, layout, schedule
+    self.plan = frag_lib.FragmentPlan(groups, group_size, schedule.fragments, schedule.unit)
+    self.steps = steps
+    # Each role drives its own Schedule, as in a run whose roles live in two processes.
+    self.trainer_sm = sched_lib.Schedule(self.plan, start=0, total_steps=steps,
+                                         tag=schedule.tag, costs=bts_lib.Costs())
+    self.rollout_sm = sched_lib.Schedule(self.plan, start=0, total_steps=steps,
+                                         tcss_fraction=schedule.tcss_fraction)
+    self.now = 0.0
+    self.jobs: list[_Job] = []
+    self.timers: list[tuple[float, int, Callable[[], None]]] = []
+    self._seq = 0
+    self.claims: dict[tuple[int, int], tuple[str, float]] = {}   # the arbiter (the link)
+    self.published: dict[int, float] = {}
+    self.spans: list[trace_lib.Span] = []
+    self.decisions: list[dict] = []
+    self.apply_end: dict[int, float] = {}
+    self.publish_start: dict[int, float] = {}
+    self.busy = {TRAINER: False, ROLLOUT: False}    # a program or a latency in progress
+    self.done = {TRAINER: False, ROLLOUT: False}
+    self.rollout_policy: int | None = None
+
+  # ------------------------------------------------------------------------ the clock
+
+  def _after(self, seconds: float, fn: Callable[[], None]) -> None:
+    self._seq += 1
+    heapq.heappush(self.timers, (self.now + seconds, self._seq, fn))
+
+  def _run(self, role: str, program: str, seconds: float, done, **where) -> None:
+    self.busy[role] = True
+    self.jobs.append(_Job(role, program, seconds, self.layout.pool(role), self.now, done,
+                          **where))
+
+  def _rates(self) -> dict[int, float]:
+    per_pool: dict[str, int] = {}
+    for j in self.jobs:
+      per_pool[j.pool] = per_pool.get(j.pool, 0) + 1
+    return {id(j): 1.0 / per_pool[j.pool] for j in self.jobs}
+
+  def _advance(self) -> bool:
+    """Moves the clock to the next event and handles it. False when nothing is pending."""
+    rates = self._rates()
+    t_job, job = min(((self.now + j.remaining / rates[id(j)], j) for j in self.jobs),
+                     default=(float('inf'), None), key=lambda x: x[0])
+    t_timer = self.timers[0][0] if self.timers else float('inf')
+    t = min(t_job, t_timer)
+    if t == float('inf'):
+      return False
+    for j in self.jobs:
+      j.remaining -= (t - self.now) * rates[id(j)]
+    self.now = t
+    if job is not None and t_job <= t_timer:
+      self.jobs.remove(job)
+      self.spans.append(trace_lib.Span(self.layout.devices(job.role), job.role, job.program,
+                                       job.t0, t, job.step, job.fragment, job.version))
+      self.busy[job.role] = False
+      job.done(t, t - job.t0)
+    else:
+      _, _, fn = heapq.heappop(self.timers)
+      fn()
+    return True
+
+  def run(self) -> 'Result':
+    self._poll()
+    while not all(self.done.values()):
+      if not self._advance():
+        raise RuntimeError(f'the simulation is stuck at t={self.now:.3f}: trainer at step '
+                           f'{self.trainer_sm.trainer_step}, rollout at step '
+                           f'{self.rollout_sm.rollout_step}')
+      self._poll()
+    return Result(self)
+
+  def _poll(self) -> None:
+    """Lets every idle role take its next action (repeatedly: an action may free the other)."""
+    progress = True
+    while progress:
+      progress = False
+      for role in (TRAINER, ROLLOUT):
+        if not self.busy[role] and not self.done[role]:
+          progress |= (self._trainer_next() if role == TRAINER else self._rollout_next())
+
+  def _hold(self, role: str, seconds: float, then: Callable[[], None] | None = None) -> None:
+    """`role` is busy on its host (no device) for `seconds`, then runs `then`."""
+    self.busy[role] = True
+
+    def end():
+      self.busy[role] = False
+      if then is not None:
+        then()
+    self._after(seconds, end)
+
+  # ------------------------------------------------------------------------ the arbiter
+
+  def _claim(self, step: int, f: int, role: str) -> bool:
+    if (step, f) in self.claims:
+      return False
+    self.claims[(step, f)] = (role, self.now)
+    return True
+
+  # ------------------------------------------------------------------------ trainer
+
+  def _trainer_next(self) -> bool:
+    """Runs the trainer's next action (runtime/pipeline.py's loop). True if it started one."""
+    sm, c = self.trainer_sm, self.costs
+    step = sm.trainer_step
+    if sm.needs_claims():
+      sm.note_claims(step, {f: who for (s, f), who in self.claims.items() if s == step})
+    action = sm.trainer_action(self.now)
+    if isinstance(action, sched_lib.Publish):
+      v = action.version
+
+      def published(t, _):
+        sm.published(v, t)
+        self.published[v] = t
+        if v > 0 and not self.schedule.synchronous:   # the step's bookkeeping after its publish
+          self._hold(TRAINER, c.trainer_host)
+      self.publish_start[v] = self.now
+      self._run(TRAINER, 'publish', c.publish, published, step=v, version=v)
+      return True
+    if isinstance(action, sched_lib.TrainFragment):
+      s, f = action.step, action.index
+      self._run(TRAINER, 'grad' if self.plan.num > 1 else 'update', c.grad,
+                lambda t, d: sm.trained(s, f, d), step=s, fragment=f, version=s)
+      return True
+    if isinstance(action, sched_lib.Apply):
+      s = action.step
+      if c.apply > 0:
+        self._run(TRAINER, 'apply', c.apply, lambda t, d: self._applied(s, t), step=s,
+                  version=s + 1)
+      else:
+        self._applied(s, self.now)
+      return True
+    if isinstance(action, sched_lib.SampleFragment):
+      s, f = action.step, action.index
+      dec = action.decision
+      if self._claim(s, f, TRAINER):
+        sm.claimed(s, f, TRAINER, self.now)
+        dec['fragment'] = f
+        self.decisions.append(dec)
+
+        def sampled(t, d):
+          sm.fragment_arrived(s, f, s, TRAINER)
+          sm.sampled_by_trainer(d, d)
+        self._run(TRAINER, 'tag_rollout', c.tag_rollout, sampled, step=s, fragment=f,
+                  version=s)
+        return True
+      dec.update(action='wait', reason=f'fragment {f} was claimed by the rollout first')
+      self.decisions.append(dec)
+      return False
+    if isinstance(action, sched_lib.Wait):
+      if action.decision is not None and (not self.decisions
+                                          or self.decisions[-1] is not action.decision):
+        self.decisions.append(action.decision)
+      return False
+    if isinstance(action, sched_lib.Done):
+      self.done[TRAINER] = True
+      return True
+    raise AssertionError(f'the trainer cannot {action}')
+
+  def _applied(self, step: int, t: float) -> None:
+    self.trainer_sm.applied(step)
+    self.apply_end[step] = t
+    if step + 1 >= self.steps or self.schedule.synchronous:   # bookkeeping before the publish
+      self._hold(TRAINER, self.costs.trainer_host)
+
+  # ------------------------------------------------------------------------ rollout
+
+  def _rollout_next(self) -> bool:
+    """Runs the rollout's next action (runtime/rollout.py's loop). True if it started one."""
+    sm, c = self.rollout_sm, self.costs
+    ready = sm.stale_window() and sm.rollout_step in self.published
+    action = sm.rollout_action(next_policy_ready=ready)
+    if isinstance(action, sched_lib.Done):
+      self.done[ROLLOUT] = True
+      return True
+    if isinstance(action, sched_lib.ReceivePolicy):
+      v = action.version
+      if v not in self.published:
+        return False                           # waits for the publish
+      self._hold(ROLLOUT, max(0.0, self.published[v] + c.pull - self.now),
+                 lambda: sm.policy_received(v))
+      return True
+    if isinstance(action, sched_lib.SampleFragment):
+      s, f, v = action.step, action.index, action.version
+      if not self._claim(s, f, ROLLOUT):       # the trainer took it (TAG)
+        sm.claimed(s, f, TRAINER, self.now)
+        return True
+      sm.claimed(s, f, ROLLOUT, self.now)
+      t_start = self.now
+
+      def sampled(t_end, d):
+        def arrive():
+          self.trainer_sm.fragment_arrived(s, f, v, ROLLOUT, sample_s=d, t_start=t_start,
+                                           t_end=t_end, arrived=self.now)
+        self._after(c.deliver, arrive)
+        self._hold(ROLLOUT, c.gap)
+      self._run(ROLLOUT, 'rollout', c.rollout, sampled, step=s, fragment=f, version=v)
+      return True
+    if isinstance(action, sched_lib.EndRolloutStep):
+      sm.rollout_step_ended(action.step)
+      return True
+    raise AssertionError(f'the rollout cannot {action}')
+
+
+class Result:
+  """Per-step figures of a finished Simulation, computed like a real run's metrics."""
+
+  def __init__(self, sim: Simulation):
+    self.spans, self.decisions = sim.spans, sim.decisions
+    self.batch = sim.plan.batch
+    self.num_devices = sim.layout.num_devices
+    ends = [sim.apply_end[s] for s in range(sim.steps)]
+    if sim.schedule.synchronous:   # publish -> update end
+      starts = [sim.publish_start[s] for s in range(sim.steps)]
+    else:                          # contiguous: one optimizer step's end to the next
+      starts = [0.0] + ends[:-1]
+    self.rows = []
+    for s, (t0, t1) in enumerate(zip(starts, ends)):
+      wall = t1 - t0
+      self.rows.append({'step': s + 1, 'wall_s': wall, 'samples_per_s': self.batch / wall,
+                        'utilization': trace_lib.utilization(self.spans, t0, t1,
+                                                             self.num_devices)})
+    self.makespan = sim.now
+
+  def summary(self) -> dict:
+    """The ladder's figures: median samples/s and mean utilization over the steps after the
+    first (the first one fills the pipeline, and compiles in a real run)."""
+    rows = self.rows[1:] or self.rows
+    return {'samples_per_s': statistics.median(r['samples_per_s'] for r in rows),
+            'utilization': statistics.fmean(r['utilization'] for r in rows),
+            'wall_s': statistics.median(r['wall_s'] for r in rows),
+            'steps': len(self.rows),
+            'bts_inserts': sum(d.get('action') == 'insert' for d in self.decisions)}
+
+
+def simulate(costs: StepCosts, layout: Layout, schedule: Schedule, *, groups: int,
+             group_size: int, steps: int) -> Result:
+  return Simulation(costs, layout, schedule, groups=groups, group_size=group_size,
+                    steps=steps).run()

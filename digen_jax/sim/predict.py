@@ -1,0 +1,137 @@
+"""The ladder predicted: a profile of this machine's programs (sim/profile.py) -> per rung the
+costs, layout and schedule the simulator (sim/engine.py) runs, and the ladder's JSON figures.
+
+Rungs and variants are benchmarks/ladder.py's: colocated (one process, 2D devices, one mesh),
+then per variant (mp2: two pinned processes; sp: one process, both roles' devices) naive
+disaggregation, +GAP (M fragments), +TSP, +TAG/BTS, +TCSS. How a profile's seconds become a
+rung's StepCosts (what each runtime loop does between its programs):
+
+  full-batch loops (colocated, disagg)   rollout = encode + sampling + scoring + advantages of
+                                         the batch; deliver = the batch's move to the trainer;
+                                         grad = the whole update; publish (+ pull, mp2)
+  pipelined loops (GAP and up)           rollout = a fragment's sampling span; deliver = its
+                                         scoring + hand-over; gap = scoring + hand-over (the
+                                         rollout hands each fragment over before the next one,
+                                         schedule.wait_for_pull) + the next fragment's encode;
+                                         grad = advantages + gradient (TSP: its program);
+                                         apply; tag_rollout = encode + span + scoring on the
+                                         trainer; trainer_host = the step's encodes + selection
+"""
+from __future__ import annotations
+
+from digen_jax.sim import engine
+
+RUNGS = ('colocated', 'disagg', 'gap', 'tsp', 'tag', 'tcss')
+MODE_KEYS = {'colocated': 'colocated', 'disagg': 'disagg', 'gap': 'gap', 'tsp': 'gap_tsp',
+             'tag': 'gap_tsp_tag', 'tcss': 'gap_tsp_tag_tcss'}
+VARIANTS = ('mp2', 'sp')
+
+
+def rung_schedule(rung: str, fragments: int, unit: str, tcss_fraction: float) -> engine.Schedule:
+  """The schedule of a rung: each rung turns on one more technique (benchmarks/ladder.py)."""
+  if rung not in RUNGS:
+    raise ValueError(f'rung {rung!r} is not one of {RUNGS}')
+  level = RUNGS.index(rung)
+  return engine.Schedule(fragments=fragments if level >= 2 else 1,
+                         unit=unit if level >= 2 else 'group', tsp=level >= 3, tag=level >= 4,
+                         tcss_fraction=tcss_fraction if level >= 5 else 0.0)
+
+
+def _get(seconds: dict, key: str, layout: str) -> float:
+  if key not in seconds:
+    raise ValueError(f'the profile of layout {layout!r} has no {key!r}; profile this config '
+                     'with the same --fragments (python -m digen_jax.sim.profile)')
+  return float(seconds[key])
+
+
+def step_costs(prof: dict, layout_name: str, schedule: engine.Schedule) -> engine.StepCosts:
+  """A profiled layout's seconds -> the StepCosts of `schedule` (see the module docstring)."""
+  s = prof['seconds']
+  B, n = prof['batch'], prof['fragment']
+  g = lambda key: _get(s, key, layout_name)
+  if schedule.synchronous:
+    return engine.StepCosts(rollout=g(f'rollout+reward/{B}'), grad=g(f'update/{B}'),
+                            publish=g('publish'), pull=g('pull'), deliver=g(f'move/{B}'))
+  if schedule.fragments != prof['fragments']:
+    raise ValueError(f'the profile holds M={prof["fragments"]} fragment programs, the rung '
+                     f'asks for M={schedule.fragments}')
+  hand = g(f'reward/{n}') + g(f'handover/{n}')
+  return engine.StepCosts(
+      rollout=g(f'rollout/{n}'),
+      grad=g(f'adv/{n}') + g(f'grad_tsp/{n}' if schedule.tsp else f'grad/{n}'),
+      apply=g('apply'),
+      tag_rollout=g(f'encode/{n}') + g(f'tag_rollout/{n}') + g(f'tag_reward/{n}'),
+      publish=g('publish'), pull=g('pull'), deliver=hand, gap=hand + g(f'encode/{n}'),
+      trainer_host=schedule.fragments * g(f'encode/{n}') + g('begin'))
+
+
+def layout_of(prof: dict) -> engine.Layout:
+  return engine.Layout(trainer_devices=prof['trainer_devices'],
+                       rollout_devices=prof['rollout_devices'], shared=prof['shared'],
+                       colocated=prof['colocated'])
+
+
+def predict_ladder(profile: dict, *, rungs=RUNGS, variants=VARIANTS, steps: int = 8,
+                   fragments: int = 16, unit: str = 'group', tcss_fraction: float = 0.5
+                   ) -> dict:
+  """Simulates every (rung, variant) the ladder runs. Returns {'rows': [...], 'modes': ...,
+  'modes_by_variant': ...} with the ladder's keys (DESIGN.md §5)."""
+  layouts = profile['layouts']
+  rows = []
+  for rung in rungs:
+    for variant in (['-'] if rung == 'colocated' else variants):
+      name = 'colocated' if rung == 'colocated' else variant
+      if name not in layouts:
+        raise ValueError(f'the profile has no {name!r} layout (it has {sorted(layouts)})')
+      prof = layouts[name]
+      schedule = rung_schedule(rung, fragments, unit, tcss_fraction)
+      B, gs = prof['batch'], prof['group_size']
+      result = engine.simulate(step_costs(prof, name, schedule), layout_of(prof), schedule,
+                               groups=B // gs, group_size=gs, steps=steps)
+      row = {'name': rung if rung == 'colocated' else f'{variant}-{rung}', 'rung': rung,
+             'variant': variant, 'status': 'ok', **result.summary(), 'result': result}
+      rows.append(row)
+  _add_ratios(rows)
+  out = {'rows': rows, 'modes_by_variant': {v: _modes(rows, v) for v in variants}}
+  out['modes'] = out['modes_by_variant'][variants[0]] if variants else _modes(rows, '-')
+  return out
+
+
+def _add_ratios(rows: list[dict]) -> None:
+  sps = {r['name']: r['samples_per_s'] for r in rows}
+  for r in rows:
+    r['x_colocated'] = r['samples_per_s'] / sps['colocated'] if 'colocated' in sps else None
+    d = sps.get(f'{r["variant"]}-disagg')
+    r['x_disagg'] = r['samples_per_s'] / d if d else None
+
+
+def _modes(rows: list[dict], variant: str) -> dict:
+  return {MODE_KEYS[r['rung']]: {k: r.get(k) for k in (
+      'samples_per_s', 'utilization', 'x_colocated', 'x_disagg', 'bts_inserts')}
+          for r in rows if r['variant'] in ('-', variant)}
+
+
+def compare(predicted: dict, measured: dict, variants=VARIANTS) -> dict:
+  """Predicted vs measured ladder JSON: per (variant, mode) the relative error of samples/s
+  and the absolute error of utilization; the mean absolute and the largest relative error."""
+  lines = []
+  for v in variants:
+    p_modes = predicted['modes_by_variant'].get(v, {})
+    m_modes = measured.get('modes_by_variant', {}).get(v, {})
+    for key, m in m_modes.items():
+      p = p_modes.get(key)
+      if p is None or m.get('samples_per_s') is None:
+        continue
+      lines.append({'variant': v, 'mode': key, 'measured_sps': m['samples_per_s'],
+                    'predicted_sps': p['samples_per_s'],
+                    'sps_error': p['samples_per_s'] / m['samples_per_s'] - 1,
+                    'measured_util': m.get('utilization'), 'predicted_util': p['utilization'],
+                    'util_error': (p['utilization'] - m['utilization']
+                                   if m.get('utilization') is not None else None)})
+  if not lines:
+    raise ValueError('no (variant, mode) is in both the prediction and the measurement')
+  errs = [abs(x['sps_error']) for x in lines]
+  uerrs = [abs(x['util_error']) for x in lines if x['util_error'] is not None]
+  return {'lines': lines, 'sps_mae': sum(errs) / len(errs), 'sps_max': max(errs),
+          'util_mae': sum(uerrs) / len(uerrs) if uerrs else None,
+          'util_max': max(uerrs) if uerrs else None}
