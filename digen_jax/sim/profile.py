@@ -91,7 +91,10 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
   from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import workers  # pylint: disable=g-import-not-at-top
 
+  from digen_jax import compile_cache  # pylint: disable=g-import-not-at-top
+
   info = distributed.maybe_initialize()
+  compile_cache.enable()     # the runs it predicts then start from the same compiled programs
   config = _layout_config(config, layout, fragments, unit)
   workdir = tempfile.mkdtemp(prefix='digen_profile_')
   multi = info.num_processes > 1

@@ -1,0 +1,183 @@
+"""The simulator against measured runs (issue 17, part 4): per scenario, profile this machine's
+programs (python -m digen_jax.sim.profile), run the real ladder (benchmarks/ladder.py), predict
+the same rungs with the simulator (python -m digen_jax.sim) and compare samples/s and
+utilization line by line. Nothing is fitted to the ladder's figures: the simulator sees only
+the profile.
+
+    python benchmarks/sim_validation.py --out /tmp/simval                    # every scenario
+    python benchmarks/sim_validation.py --out /tmp/simval --scenarios small  # the CI-size one
+
+Scenarios (configs/shapes.py:disagg, B = prompts x 8 samples):
+  balanced       the ladder headline: 16 prompts, M = 16 groups, 11 sampler steps, 1/4 of the
+                 steps trained; colocated, mp2 and sp, every rung
+  rollout_bound  1/8 of the steps trained (the trainer waits for fragments), mp2
+  trainer_bound  1/2 of the steps trained (the rollout waits for the policy), mp2
+  hetero         balanced, with the rollout's core shared with a CPU hog started first (the
+                 rollout process gets about half a core: a slower rollout device), mp2
+  small          8 prompts, M = 8, 8 sampler steps, 4 steps, mp2 disagg and GAP+TSP+TAG (CI)
+
+Output: OUT/<scenario>/{profile.json, ladder.json, sim.json} and OUT/validation.json with
+every line, the mean absolute and largest relative error of samples/s per scenario and overall.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from digen_jax.sim import predict  # noqa: E402
+
+CONFIG = 'configs/shapes.py:disagg'
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+  name: str
+  sets: tuple[str, ...]                 # --config.k=v of every run
+  fragments: int
+  rungs: tuple[str, ...]
+  variants: tuple[str, ...]
+  steps: int = 6
+  hog_rollout_core: bool = False
+
+
+BALANCED = ('--config.rl.timestep_fraction=0.25', '--config.sampler.num_steps=11',
+            '--config.rl.prompts_per_step=16')
+SCENARIOS = {
+    'balanced': Scenario('balanced', BALANCED, 16, predict.RUNGS, ('mp2', 'sp')),
+    'rollout_bound': Scenario('rollout_bound', ('--config.rl.timestep_fraction=0.12',
+                                                '--config.sampler.num_steps=11',
+                                                '--config.rl.prompts_per_step=16'),
+                              16, predict.RUNGS[1:], ('mp2',)),
+    'trainer_bound': Scenario('trainer_bound', ('--config.rl.timestep_fraction=0.5',
+                                                '--config.sampler.num_steps=11',
+                                                '--config.rl.prompts_per_step=16'),
+                              16, predict.RUNGS[1:], ('mp2',)),
+    'hetero': Scenario('hetero', BALANCED, 16, predict.RUNGS[1:], ('mp2',),
+                       hog_rollout_core=True),
+    'small': Scenario('small', ('--config.rl.timestep_fraction=0.25',
+                                '--config.sampler.num_steps=8',
+                                '--config.rl.prompts_per_step=8'),
+                      8, ('disagg', 'tag'), ('mp2',), steps=4),
+}
+
+
+@contextlib.contextmanager
+def cpu_hog(core: int | None):
+  """A busy loop pinned to `core` for the duration (None: nothing)."""
+  if core is None:
+    yield
+    return
+  proc = subprocess.Popen([sys.executable, '-c', 'while True: pass'],
+                          preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+  try:
+    yield
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+def _run(cmd: list[str], log: str) -> None:
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (REPO, os.environ.get('PYTHONPATH')) if p))
+  with open(log, 'w') as f:
+    done = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                          check=False)
+  if done.returncode:
+    with open(log) as f:
+      tail = f.read()[-3000:]
+    raise RuntimeError(f'{" ".join(cmd[:4])} ... failed (exit {done.returncode}):\n{tail}')
+
+
+def layouts_of(s: Scenario) -> list[str]:
+  return (['colocated'] if 'colocated' in s.rungs else []) + list(s.variants)
+
+
+def run_scenario(s: Scenario, out: str, *, python: str = sys.executable) -> dict:
+  """Profile, ladder and prediction of one scenario. Returns its comparison."""
+  d = os.path.join(out, s.name)
+  os.makedirs(d, exist_ok=True)
+  cores = sorted(os.sched_getaffinity(0))
+  hog = cores[1 % len(cores)] if s.hog_rollout_core else None   # mp2 pins the rollout there
+  t0 = time.time()
+  with cpu_hog(hog):
+    _run([python, '-m', 'digen_jax.sim.profile', f'--config={CONFIG}', *s.sets,
+          f'--out={d}/profile.json', f'--layouts={",".join(layouts_of(s))}',
+          f'--fragments={s.fragments}', '--fragment_unit=group'], f'{d}/profile.log')
+    t_profile = time.time() - t0
+    ladder = [python, 'benchmarks/ladder.py', '--config', CONFIG, '--out', f'{d}/ladder.json',
+              '--steps', str(s.steps), '--fragments', str(s.fragments), '--fragment_unit',
+              'group', '--rungs', ','.join(s.rungs), '--variants', ','.join(s.variants),
+              '--eval_prompts', '0']
+    for word in s.sets:
+      ladder += ['--set', word]
+    _run(ladder, f'{d}/ladder.log')
+  t_ladder = time.time() - t0 - t_profile
+  _run([python, '-m', 'digen_jax.sim', f'--profile={d}/profile.json', f'--json={d}/sim.json',
+        '--steps', str(s.steps), '--rungs', ','.join(s.rungs), '--variants',
+        ','.join(s.variants), '--fragments', str(s.fragments), '--measured',
+        f'{d}/ladder.json', '--timelines', f'{d}/timelines'], f'{d}/sim.log')
+  with open(f'{d}/sim.json') as f:
+    cmp = json.load(f)['comparison']
+  cmp.update(scenario=s.name, profile_s=t_profile, ladder_s=t_ladder)
+  return cmp
+
+
+def summarize(results: list[dict]) -> dict:
+  lines = [dict(x, scenario=r['scenario']) for r in results for x in r['lines']]
+  errs = [abs(x['sps_error']) for x in lines]
+  return {'lines': lines, 'sps_mae': sum(errs) / len(errs), 'sps_max': max(errs),
+          'scenarios': {r['scenario']: {k: r[k] for k in ('sps_mae', 'sps_max', 'util_mae',
+                                                          'profile_s', 'ladder_s')}
+                        for r in results}}
+
+
+def markdown(summary: dict) -> str:
+  out = ['| scenario | variant | mode | measured samples/s | predicted | error | util measured '
+         '| util predicted |', '|---|---|---|---|---|---|---|---|']
+  for x in summary['lines']:
+    out.append(f'| {x["scenario"]} | {x["variant"]} | {x["mode"]} | {x["measured_sps"]:.2f} | '
+               f'{x["predicted_sps"]:.2f} | {100 * x["sps_error"]:+.1f}% | '
+               f'{x["measured_util"]:.3f} | {x["predicted_util"]:.3f} |')
+  out.append(f'\nsamples/s: mean |error| {100 * summary["sps_mae"]:.1f}%, largest '
+             f'{100 * summary["sps_max"]:.1f}%')
+  return '\n'.join(out)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--out', required=True)
+  p.add_argument('--scenarios', default='balanced,rollout_bound,trainer_bound,hetero')
+  a = p.parse_args(argv)
+  names = [n for n in a.scenarios.split(',') if n]
+  bad = [n for n in names if n not in SCENARIOS]
+  if bad or not names:
+    p.error(f'--scenarios: unknown {bad}; use a subset of {",".join(SCENARIOS)}')
+  os.makedirs(a.out, exist_ok=True)
+  results = []
+  for n in names:
+    print(f'[validation] {n} ...', flush=True)
+    results.append(run_scenario(SCENARIOS[n], a.out))
+    r = results[-1]
+    print(f'[validation] {n}: mean |error| {100 * r["sps_mae"]:.1f}%, largest '
+          f'{100 * r["sps_max"]:.1f}% (profile {r["profile_s"]:.0f}s, ladder '
+          f'{r["ladder_s"]:.0f}s)', flush=True)
+  summary = summarize(results)
+  summary['command'] = ' '.join(['python benchmarks/sim_validation.py'] + (
+      sys.argv[1:] if argv is None else list(argv)))
+  summary['date'] = time.strftime('%Y-%m-%d %H:%M:%S %Z')
+  with open(os.path.join(a.out, 'validation.json'), 'w') as f:
+    json.dump(summary, f, indent=1)
+  print(markdown(summary))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

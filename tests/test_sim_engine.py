@@ -1,0 +1,136 @@
+"""sim/engine.py: the real schedule on a virtual clock gives the closed-form answers where there
+are some, and the schedule's own behaviour (BTS insertions, TCSS staleness) where there are not."""
+from __future__ import annotations
+
+import pytest
+
+from digen_jax.runtime import fragments as frag_lib
+from digen_jax.runtime import trace as trace_lib
+from digen_jax.sim import engine
+from digen_jax.sim import predict
+
+G, P = 4, 8   # group size, prompts per step: B = 32
+
+
+def run(costs, schedule, layout=engine.Layout(), steps=6):
+  return engine.simulate(costs, layout, schedule, groups=P, group_size=G, steps=steps)
+
+
+def test_synchronous_step_is_the_sum_of_its_parts():
+  c = engine.StepCosts(rollout=2.0, grad=1.5, publish=0.1, pull=0.2, deliver=0.3,
+                       trainer_host=0.7)
+  r = run(c, engine.Schedule(fragments=1))
+  wall = 0.1 + 0.2 + 2.0 + 0.3 + 1.5          # the host work after the update is outside
+  for row in r.rows:
+    assert row['wall_s'] == pytest.approx(wall)
+    # busy: the publish (trainer), the rollout, the update, over 2 devices
+    assert row['utilization'] == pytest.approx((0.1 + 2.0 + 1.5) / (2 * wall))
+  assert r.summary()['samples_per_s'] == pytest.approx(P * G / wall)
+
+
+def test_colocated_uses_every_device_for_each_phase():
+  c = engine.StepCosts(rollout=2.0, grad=1.5, publish=0.1)
+  r = run(c, engine.Schedule(fragments=1), engine.Layout(2, 2, colocated=True))
+  assert r.summary()['wall_s'] == pytest.approx(3.6)
+  assert r.summary()['utilization'] == pytest.approx(1.0)
+  assert all(s.devices == (0, 1) for s in r.spans)
+
+
+@pytest.mark.parametrize('m', [2, 4, 8])
+def test_balanced_gap_step_is_fill_plus_m_fragments(m):
+  c = engine.StepCosts(rollout=1.0, grad=1.0, apply=0.25, publish=0.5)
+  r = run(c, engine.Schedule(fragments=m))
+  # publish, the first fragment alone (fill), M gradients back to back, the apply
+  for row in r.rows:
+    assert row['wall_s'] == pytest.approx(0.5 + (m + 1) * 1.0 + 0.25)
+  assert len([s for s in r.spans if s.program == 'grad']) == m * 6
+  assert len([s for s in r.spans if s.program == 'rollout']) == m * 6
+
+
+def test_devices_of_separate_roles_never_overlap_and_every_fragment_trains_once():
+  c = engine.StepCosts(rollout=0.7, grad=1.1, apply=0.2, publish=0.1, deliver=0.05, gap=0.02,
+                       tag_rollout=0.9)
+  r = run(c, engine.Schedule(fragments=8, tag=True, tsp=True), steps=5)
+  for dev in (0, 1):
+    spans = sorted((s for s in r.spans if dev in s.devices), key=lambda s: s.t0)
+    assert all(a.t1 <= b.t0 + 1e-12 for a, b in zip(spans, spans[1:]))
+  trained = [(s.step, s.fragment) for s in r.spans if s.program == 'grad']
+  assert sorted(trained) == [(s, f) for s in range(5) for f in range(8)]
+  sampled = [(s.step, s.fragment) for s in r.spans if s.program in ('rollout', 'tag_rollout')]
+  assert sorted(sampled) == [(s, f) for s in range(5) for f in range(8)]
+
+
+def test_shared_compute_slows_concurrent_programs():
+  c = engine.StepCosts(rollout=1.0, grad=1.0, apply=0.1, publish=0.1)
+  alone = run(c, engine.Schedule(fragments=4)).summary()
+  shared = run(c, engine.Schedule(fragments=4), engine.Layout(shared=True)).summary()
+  sync = run(c, engine.Schedule(fragments=1), engine.Layout(shared=True)).summary()
+  assert shared['wall_s'] > alone['wall_s']
+  # Sharing one pool, overlap cannot beat doing the same work one program at a time.
+  assert shared['wall_s'] >= 4 * 1.0 + 4 * 1.0 + 0.1 + 0.1 - 1e-9
+  assert sync['wall_s'] == pytest.approx(0.1 + 1.0 + 1.0 + 0.1)
+
+
+def test_tag_inserts_when_the_rollout_is_the_bottleneck():
+  slow_rollout = engine.StepCosts(rollout=3.0, grad=1.0, apply=0.1, publish=0.1,
+                                  tag_rollout=1.0)
+  gap = run(slow_rollout, engine.Schedule(fragments=8, tsp=True)).summary()
+  tag = run(slow_rollout, engine.Schedule(fragments=8, tsp=True, tag=True)).summary()
+  assert tag['bts_inserts'] > 0
+  assert tag['samples_per_s'] > 1.2 * gap['samples_per_s']
+
+
+def test_tag_learns_that_helping_does_not_pay():
+  # The trainer's sampling is 5x the rollout's: BTS may try once before it has measured it,
+  # then waits; the run is not slower than GAP by more than that one insertion.
+  c = engine.StepCosts(rollout=1.0, grad=0.5, apply=0.1, publish=0.1, tag_rollout=5.0)
+  gap = run(c, engine.Schedule(fragments=8, tsp=True), steps=8)
+  tag = run(c, engine.Schedule(fragments=8, tsp=True, tag=True), steps=8)
+  assert tag.summary()['bts_inserts'] <= 1
+  assert tag.makespan <= gap.makespan + 5.0 + 1e-9
+
+
+def test_tcss_starts_stale_fragments_within_its_bound():
+  c = engine.StepCosts(rollout=1.0, grad=1.0, apply=0.5, publish=0.5, tag_rollout=1.0)
+  m, phi = 8, 0.5
+  r = run(c, engine.Schedule(fragments=m, tsp=True, tag=True, tcss_fraction=phi), steps=6)
+  stale = [s for s in r.spans if s.program == 'rollout' and s.version == s.step - 1]
+  assert stale, 'TCSS never started a fragment with the previous policy'
+  per_step = {}
+  for s in stale:
+    per_step[s.step] = per_step.get(s.step, 0) + 1
+  assert max(per_step.values()) <= frag_lib.stale_count(m, phi)
+  on_policy = run(c, engine.Schedule(fragments=m, tsp=True, tag=True), steps=6)
+  assert r.summary()['samples_per_s'] > on_policy.summary()['samples_per_s']
+
+
+def test_utilization_is_the_traces_own_measure():
+  c = engine.StepCosts(rollout=0.5, grad=0.4, apply=0.1, publish=0.05, deliver=0.01)
+  r = run(c, engine.Schedule(fragments=4))
+  row = r.rows[2]
+  t1 = sum(x['wall_s'] for x in r.rows[:3])
+  t0 = t1 - row['wall_s']
+  assert row['utilization'] == pytest.approx(trace_lib.utilization(r.spans, t0, t1, 2))
+
+
+@pytest.mark.parametrize('bad, field', [
+    (dict(rollout=-1.0, grad=1.0), 'rollout'),
+    (dict(rollout=1.0, grad=float('nan')), 'grad'),
+    (dict(rollout=1.0, grad=1.0, publish=float('inf')), 'publish'),
+])
+def test_bad_costs_name_the_field(bad, field):
+  with pytest.raises(ValueError, match=f'StepCosts.{field}'):
+    engine.StepCosts(**bad)
+
+
+def test_tag_without_a_trainer_sampling_cost_is_refused():
+  with pytest.raises(ValueError, match='tag_rollout'):
+    run(engine.StepCosts(rollout=1.0, grad=1.0), engine.Schedule(fragments=4, tag=True))
+
+
+def test_rungs_turn_on_one_technique_each():
+  s = [predict.rung_schedule(r, 16, 'group', 0.5) for r in predict.RUNGS]
+  assert [x.synchronous for x in s] == [True, True, False, False, False, False]
+  assert [(x.fragments, x.tsp, x.tag, x.tcss_fraction) for x in s[2:]] == [
+      (16, False, False, 0.0), (16, True, False, 0.0), (16, True, True, 0.0),
+      (16, True, True, 0.5)]

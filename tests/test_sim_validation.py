@@ -1,0 +1,26 @@
+"""Issue 17 part 4 at CI size: the simulator, calibrated only with costs profiled on this
+machine (sim/profile.py), predicts the samples/s of real ladder runs (two processes, naive
+disaggregation and GAP+TSP+TAG) within 10% on average and 15% at worst. The full comparison
+(balance points, a heterogeneous case, every rung) is benchmarks/sim_validation.py's, in
+benchmarks/RESULTS.md."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'benchmarks'))
+import sim_validation  # noqa: E402
+
+
+@pytest.mark.slow
+def test_simulator_predicts_measured_ladder_runs(tmp_path):
+  cmp = sim_validation.run_scenario(sim_validation.SCENARIOS['small'], str(tmp_path))
+  table = '\n'.join(f'{x["mode"]}: measured {x["measured_sps"]:.2f} predicted '
+                    f'{x["predicted_sps"]:.2f} ({100 * x["sps_error"]:+.1f}%)'
+                    for x in cmp['lines'])
+  assert {x['mode'] for x in cmp['lines']} == {'disagg', 'gap_tsp_tag'}, table
+  assert cmp['sps_mae'] <= 0.10, table
+  assert cmp['sps_max'] <= 0.15, table
+  assert cmp['util_mae'] <= 0.10, table
