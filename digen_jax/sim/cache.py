@@ -35,7 +35,10 @@ IGNORED_OVERRIDES = ('schedule.', 'runtime.', 'cluster.layout', 'cluster.trainer
                      'eval.', 'data.', 'total_steps', 'checkpoint', 'keep_checkpoints',
                      'sample_grid', 'log_every', 'seed', 'optim.lr', 'optim.schedule',
                      'optim.warmup', 'model.checkpoint', 'text.cache', 'model.remat',
-                     'model.lora.rank', 'model.lora.alpha')
+                     'model.lora.rank', 'model.lora.alpha',
+                     # The batch is in the key; the planner models rl.step_loop's two loops.
+                     'rl.prompts_per_step', 'rl.group_size', 'rl.adv_std', 'rl.adv_eps',
+                     'rl.adv_clip', 'rl.clip_range', 'rl.step_loop')
 # Config sections the compiled programs read (the digest of a cached entry).
 PROGRAM_SECTIONS = ('model', 'latent', 'text', 'sampler', 'rl', 'optim', 'cluster')
 
