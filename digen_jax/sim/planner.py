@@ -39,6 +39,8 @@ class Settings:
   recompute: bool = False
   cost_devices: int = 0
   pad: bool = False                 # cost batches that do not divide a role's devices, padded
+  trace_devices: int = 32           # up to this many devices the best candidates' traces hold
+                                    # every device; above, one row per role
 
   def knobs(self) -> rm.Knobs:
     try:
@@ -129,6 +131,9 @@ def run_model(config_arg: str, config, overrides: list[str], settings: Settings,
   """The RunModel of a config from the costs cache; a missing entry is computed (compiling the
   programs in a child process) and stored, with a memory point (sim/cache.py)."""
   path, variant = cache.split_config_arg(config_arg)
+  if 'pretrain' in config:
+    raise PlanError(f'{config_arg} is a pretraining config (python -m digen_jax.pretrain); the '
+                    'planner plans GRPO runs: give an RL config, e.g. configs/shapes.py')
   r, m = config.rl, config.model
   if r.prompts_per_step < 1 or r.group_size < 1:
     raise PlanError(f'config.rl.prompts_per_step={r.prompts_per_step} and group_size='
@@ -199,6 +204,8 @@ def plan(run: rm.RunModel, parts, settings: Settings, *, trainer: search.Split |
   dis = modes['disagg']
   out_modes, results = {}, {}
   for key, c in modes.items():
+    if c is not None and c.layout.num_devices <= settings.trace_devices:
+      planner.simulate(c, real_layout=True)    # every device's spans, for the trace
     if c is None:
       why = ('no split divides the batch over the devices (--pad costs it padded)'
              if key in planner.indivisible else 'no candidate fits in memory')
@@ -315,8 +322,8 @@ def format_plan(p: dict) -> str:
       continue
     xc = f'{m["x_colocated"]:.2f}' if m['x_colocated'] else '-'
     xd = f'{m["x_disagg"]:.2f}' if m['x_disagg'] else '-'
-    lines.append(f'{k:18}{m["samples_per_s"]:10.3f}{m["utilization"]:6.2f}{xc:>8}{xd:>9}'
-                 f'{m["fragments"]:4d}{m["wall_s"]:8.1f}  {m["split"]}'
+    lines.append(f'{k:18}{m["samples_per_s"]:10.4g}{m["utilization"]:6.2f}{xc:>8}{xd:>9}'
+                 f'{m["fragments"]:4d}{m["wall_s"]:8.3g}  {m["split"]}'
                  + ('  (TSP off: not a ladder rung)' if k in search.EXTRA_MODES else ''))
   lines += ['', 'memory per device (GiB; usable '
             f'{p["settings"]["memory_fraction"]:.0%} of the device), the option each role takes:']

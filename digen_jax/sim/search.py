@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import math
 
+from digen_jax.runtime import trace as trace_lib
 from digen_jax.sim import engine
 from digen_jax.sim import hardware
 from digen_jax.sim import predict
@@ -99,6 +100,22 @@ class Candidate:
   @property
   def samples_per_s(self) -> float:
     return self.result['samples_per_s'] if self.result else 0.0
+
+
+def weighted_utilization(res: engine.Result, layout: engine.Layout) -> float:
+  """Utilization of `layout` from a simulation with one device per role (trainer device 0,
+  rollout device 1; colocated: device 0), as Result.summary() averages it: over the steps
+  after the first."""
+  rows = res.rows[1:] or res.rows
+  n_t = layout.trainer_devices
+  n_r = 0 if layout.colocated else layout.rollout_devices
+  total = []
+  for r in rows:
+    busy = trace_lib.busy_seconds(res.spans, r['t0'], r['t1'])
+    wall = r['t1'] - r['t0']
+    total.append(min(1.0, (n_t * busy.get(0, 0.0) + n_r * busy.get(1, 0.0))
+                     / ((n_t + n_r) * wall)) if wall > 0 else 0.0)
+  return sum(total) / len(total)
 
 
 class Planner:
@@ -195,10 +212,16 @@ class Planner:
                      engine.Layout(split.trainer.n, split.rollout.n), schedule, bound,
                      {'rollout': roll, 'grad': grad, 'tag': tag, 'apply_s': apply})
 
-  def simulate(self, c: Candidate) -> Candidate:
-    res = engine.simulate(c.costs, c.layout, c.schedule, groups=self.run.prompts,
+  def simulate(self, c: Candidate, *, real_layout: bool = False) -> Candidate:
+    """Runs the engine. Samples/s does not depend on the device counts (they are in the
+    costs), so the search simulates one device per role and weights its utilization by the
+    roles' device counts; `real_layout` simulates every device (for a trace)."""
+    layout = c.layout if real_layout else engine.Layout(colocated=c.layout.colocated)
+    res = engine.simulate(c.costs, layout, c.schedule, groups=self.run.prompts,
                           group_size=self.run.group_size, steps=self.steps)
     c.result = dict(res.summary(), makespan_s=res.makespan)
+    if not real_layout:
+      c.result['utilization'] = weighted_utilization(res, c.layout)
     c.result['_sim'] = res
     return c
 
