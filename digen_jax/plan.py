@@ -53,6 +53,8 @@ _GRID = flags.DEFINE_integer('grid', 16, 'Trainer counts tried per part: all up 
 _TCSS = flags.DEFINE_float('tcss_fraction', 0.0, "TCSS phi (0: the config's, else 0.5).")
 _PAD = flags.DEFINE_bool('pad', False, 'Also cost splits whose device counts do not divide the '
                          'batch (padded; the runtime needs them divisible).')
+_TIMELINES = flags.DEFINE_enum('timelines', 'all', ['all', 'best'], "With --out: every mode's "
+                               "timeline (timelines/<mode>.png) or the best mode's only.")
 _ACCELERATORS = flags.DEFINE_string('accelerators', None, 'JSON file of more accelerator kinds '
                                     '(sim/hardware.load_json).')
 
@@ -100,7 +102,7 @@ def main(argv):
   plan['command'] = ' '.join(['python -m digen_jax.plan'] + sys.argv[1:])
   print(planning.format_plan(plan))
   if _OUT.value:
-    for path in planning.write(plan, _OUT.value):
+    for path in planning.write(plan, _OUT.value, every_mode=_TIMELINES.value == 'all'):
       print(f'[plan] {path}')
   print(f'[plan] {plan["plan_seconds"]:.1f} s')
 

@@ -194,7 +194,7 @@ def plan(run: rm.RunModel, parts, settings: Settings, *, trainer: search.Split |
   found = planner.search()
   modes = found['modes']
   if all(c is None for c in modes.values()):
-    if planner.indivisible:
+    if planner.indivisible and not planner.costed:
       raise PlanError(
           f'no split of {cluster} divides the batch of {run.batch} samples (or its fragments) '
           'over both roles\' devices, which the runtime needs: change rl.prompts_per_step / '
@@ -207,8 +207,9 @@ def plan(run: rm.RunModel, parts, settings: Settings, *, trainer: search.Split |
     if c is not None and c.layout.num_devices <= settings.trace_devices:
       planner.simulate(c, real_layout=True)    # every device's spans, for the trace
     if c is None:
-      why = ('no split divides the batch over the devices (--pad costs it padded)'
-             if key in planner.indivisible else 'no candidate fits in memory')
+      why = ('does not fit in memory' if planner.costed and key != 'colocated'
+             or key == 'colocated' and key not in planner.indivisible
+             else 'no split divides the batch over the devices (--pad costs it padded)')
       out_modes[key] = {'samples_per_s': None, 'utilization': None, 'fits': False, 'why': why}
       continue
     results[key] = c.result.pop('_sim')
@@ -245,6 +246,7 @@ def candidate_json(c: search.Candidate) -> dict:
   r = {k: v for k, v in c.result.items() if not k.startswith('_')}
   out = {'samples_per_s': r['samples_per_s'], 'utilization': r['utilization'],
          'wall_s': r['wall_s'], 'bts_inserts': r['bts_inserts'], 'fragments': c.fragments,
+         'trainer_busy': r['trainer_busy'], 'rollout_busy': r['rollout_busy'],
          'split': c.split.label if c.split else f'colocated on all devices',
          'trainer': c.split.trainer.label if c.split else None,
          'rollout': c.split.rollout.label if c.split else None,
@@ -312,8 +314,8 @@ def format_plan(p: dict) -> str:
            f'{r["batch"]} ({r["prompts"]} prompts x {r["group_size"]}), T={r["T"]}, K={r["K"]}, '
            f'{r["image_tokens"]} image tokens; costs {p["source"]}; roofline '
            f'{p["settings"]["roofline"]}, MFU {p["settings"]["mfu"]:.0%}']
-  head = (f'{"mode":18}{"samples/s":>10}{"util":>6}{"x coloc":>8}{"x disagg":>9}{"M":>4}'
-          f'{"step s":>8}  split')
+  head = (f'{"mode":18}{"samples/s":>10}{"util":>6}{"busy t/r":>10}{"x coloc":>8}'
+          f'{"x disagg":>9}{"M":>4}{"step s":>8}  split')
   lines += ['', head]
   for k in search.MODES + search.EXTRA_MODES:
     m = p['modes'][k]
@@ -322,9 +324,12 @@ def format_plan(p: dict) -> str:
       continue
     xc = f'{m["x_colocated"]:.2f}' if m['x_colocated'] else '-'
     xd = f'{m["x_disagg"]:.2f}' if m['x_disagg'] else '-'
-    lines.append(f'{k:18}{m["samples_per_s"]:10.4g}{m["utilization"]:6.2f}{xc:>8}{xd:>9}'
+    busy = f'{m["trainer_busy"]:.2f}/{m["rollout_busy"]:.2f}'
+    lines.append(f'{k:18}{m["samples_per_s"]:10.4g}{m["utilization"]:6.2f}{busy:>10}{xc:>8}{xd:>9}'
                  f'{m["fragments"]:4d}{m["wall_s"]:8.3g}  {m["split"]}'
                  + ('  (TSP off: not a ladder rung)' if k in search.EXTRA_MODES else ''))
+  lines.append('busy t/r: the share of a step the trainer / the rollout runs a program '
+               '(colocated: the same devices)')
   lines += ['', 'memory per device (GiB; usable '
             f'{p["settings"]["memory_fraction"]:.0%} of the device), the option each role takes:']
   shown = set()
@@ -349,22 +354,26 @@ def format_plan(p: dict) -> str:
   return '\n'.join(lines)
 
 
-def write(p: dict, directory: str, *, max_rows: int = 32) -> list[str]:
-  """plan.json, timeline.png and trace.json (the best mode), timelines/<mode>.png."""
-  os.makedirs(os.path.join(directory, 'timelines'), exist_ok=True)
+def write(p: dict, directory: str, *, max_rows: int = 32, every_mode: bool = True) -> list[str]:
+  """plan.json, timeline.png and trace.json (the best mode), timelines/<mode>.png (every mode,
+  or none)."""
+  os.makedirs(os.path.join(directory, 'timelines') if every_mode else directory, exist_ok=True)
   results = p.get('_results', {})
   doc = {k: v for k, v in p.items() if not k.startswith('_')}
   paths = [os.path.join(directory, 'plan.json')]
   with open(paths[0], 'w') as f:
     json.dump(doc, f, indent=1, default=str)
   for mode, res in results.items():
+    if not every_mode and mode != p['best']:
+      continue
     m = p['modes'][mode]
     title = (f'simulated {mode}: {p["model"]} on {p["cluster"]}, {m["split"]}, M={m["fragments"]}'
              f', {m["samples_per_s"]:.3f} samples/s')
     spans = _rows(res.spans, max_rows)
-    path = os.path.join(directory, 'timelines', f'{mode}.png')
-    trace_lib.write_timeline(path, spans, title=title)
-    paths.append(path)
+    if every_mode:
+      path = os.path.join(directory, 'timelines', f'{mode}.png')
+      trace_lib.write_timeline(path, spans, title=title)
+      paths.append(path)
     if mode == p['best']:
       top = os.path.join(directory, 'timeline.png')
       trace_lib.write_timeline(top, spans, title=title)

@@ -17,8 +17,8 @@ cost model (sim/runmodel.py) on each role's accelerators:
 
 The search: every split of the cluster's parts (each part's count on a grid, both roles >= 1
 device) and every M is ranked by a bound (pipelined modes: the busier role's seconds per step;
-naive modes: the serial sum); the best `simulate_top` of each mode are simulated and the best
-simulated one is kept. Every simulated candidate is reported (`tried`).
+naive modes: the serial sum); the best `simulate_top` of each mode and the best of each M are
+simulated and the best simulated one is kept. Every simulated candidate is reported (`tried`).
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def splits(parts: tuple[hardware.ClusterPart, ...], grid: int = 16) -> list[Spli
   return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Candidate:
   mode: str
   split: Split | None               # None: colocated
@@ -118,6 +118,19 @@ def weighted_utilization(res: engine.Result, layout: engine.Layout) -> float:
   return sum(total) / len(total)
 
 
+def role_busy(res: engine.Result) -> dict[str, float]:
+  """Per role: the fraction of the steps after the first in which it runs a program (its
+  devices run in lockstep, so its spans' union is every device's busy time)."""
+  rows = res.rows[1:] or res.rows
+  out = {}
+  for role in (engine.TRAINER, engine.ROLLOUT):
+    spans = [dataclasses.replace(s, devices=(0,)) for s in res.spans if s.role == role]
+    fr = [trace_lib.busy_seconds(spans, r['t0'], r['t1']).get(0, 0.0) / (r['t1'] - r['t0'])
+          for r in rows if r['t1'] > r['t0']]
+    out[role] = sum(fr) / len(fr) if fr else 0.0
+  return out
+
+
 class Planner:
   """The modes of one RunModel on one cluster."""
 
@@ -128,6 +141,7 @@ class Planner:
     self.run, self.parts, self.knobs = run, parts, knobs
     self.fixed, self.pad = fixed, pad
     self.indivisible: dict[str, int] = {}   # mode -> candidates left out (batch vs devices)
+    self.costed = 0                          # candidates whose batch divides (memory decides)
     self.steps, self.simulate_top, self.grid = steps, simulate_top, grid
     self.tcss = tcss_fraction or run.tcss_fraction or TCSS_DEFAULT
     self._memo: dict = {}
@@ -165,6 +179,7 @@ class Planner:
     if not self.divisible(run.batch, g):
       self.indivisible['colocated'] = 1
       return None
+    self.costed += 1
     grad = self.grad(g, run.batch, False)
     if grad is None:
       return None
@@ -189,6 +204,7 @@ class Planner:
     if not self.divisible(b, split.trainer, split.rollout):
       self.indivisible[mode] = self.indivisible.get(mode, 0) + 1
       return None
+    self.costed += 1
     roll = self.rollout(split.rollout, b)
     grad = self.grad(split.trainer, b, schedule.tsp)
     if roll is None or grad is None:
@@ -219,7 +235,8 @@ class Planner:
     layout = c.layout if real_layout else engine.Layout(colocated=c.layout.colocated)
     res = engine.simulate(c.costs, layout, c.schedule, groups=self.run.prompts,
                           group_size=self.run.group_size, steps=self.steps)
-    c.result = dict(res.summary(), makespan_s=res.makespan)
+    c.result = dict(res.summary(), makespan_s=res.makespan,
+                    **{f'{k}_busy': v for k, v in role_busy(res).items()})
     if not real_layout:
       c.result['utilization'] = weighted_utilization(res, c.layout)
     c.result['_sim'] = res
@@ -241,7 +258,12 @@ class Planner:
       cands = [c for s in all_splits for m in ms
                if (c := self.disagg(mode, s, m)) is not None]
       cands.sort(key=lambda c: c.bound_s)
-      top = [self.simulate(c) for c in cands[:self.simulate_top]]
+      # The best bounds, and the best bound of each M (the bound misses the pipeline's fill
+      # and drain, which M trades against the per-fragment costs).
+      pick = cands[:self.simulate_top]
+      for m in ms:
+        pick += [c for c in cands if c.fragments == m][:1]
+      top = [self.simulate(c) for c in dict.fromkeys(pick)]
       tried[mode] = top
       modes[mode] = max(top, key=lambda c: c.samples_per_s) if top else None
     return {'modes': modes, 'tried': tried}
