@@ -207,7 +207,8 @@ def plan(run: rm.RunModel, parts, settings: Settings, *, trainer: search.Split |
     if c is not None and c.layout.num_devices <= settings.trace_devices:
       planner.simulate(c, real_layout=True)    # every device's spans, for the trace
     if c is None:
-      why = ('does not fit in memory' if planner.costed and key != 'colocated'
+      why = ('needs >= 2 devices (one per role)' if key != 'colocated' and planner.all.n < 2
+             else 'does not fit in memory' if planner.costed and key != 'colocated'
              or key == 'colocated' and key not in planner.indivisible
              else 'no split divides the batch over the devices (--pad costs it padded)')
       out_modes[key] = {'samples_per_s': None, 'utilization': None, 'fits': False, 'why': why}
@@ -299,8 +300,11 @@ def diagnose(run: rm.RunModel, parts, knobs: rm.Knobs, cluster: str) -> str:
       msg += ', or LoRA (full fine-tuning holds f32 weights, gradients and optimizer state)'
     msgs.append(msg)
   if not msgs:
-    msgs.append('each role fits on all devices alone, but no split gives both roles enough '
-                'devices and colocated does not fit: add devices')
+    col = rm.smallest(rm.colocated_rollout_options(run, g, g.n, knobs))
+    msgs.append(f'colocated needs {col.memory["total"] / GIB:.1f} GiB per device ({col.label}; '
+                f'{limit / GIB:.1f} GiB usable on {kind}) and ' + (
+                    'disaggregation needs >= 2 devices' if g.n < 2 else
+                    'no split gives both roles enough devices') + ': add devices')
   return f'{run.name} does not fit {cluster}: ' + '; '.join(msgs)
 
 

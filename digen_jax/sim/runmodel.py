@@ -230,11 +230,15 @@ def colocated_rollout_options(run: RunModel, group: roles.Group, b: int, knobs: 
     state = run.trainer_persistent(group.n) - (run.optimizer_state_bytes / group.n
                                                if offload else 0.0)
     for o in rollout_options(run, group, b, knobs, persistent=state):
+      # A LoRA base is the trainer's own (its FSDP shard is in `state`): the replicated copy
+      # adds the rest of it, the FSDP layout samples from the trainer's shards.
+      own = run.rollout_param_bytes - run.frozen_base_bytes
       if o.detail['layout'] == 'fsdp':
-        # The copy is the trainer's shards cast to the compute dtype, per device.
-        o.memory['rollout_copy'] = run.rollout_param_bytes / group.n
-        o.memory['total'] = sum(v for k, v in o.memory.items() if k != 'total')
-        o.fits = o.memory['total'] <= _limit(group, knobs)
+        o.memory['rollout_copy'] = own / group.n
+      else:
+        o.memory['rollout_copy'] = own + run.frozen_base_bytes * (1 - 1 / group.n)
+      o.memory['total'] = sum(v for k, v in o.memory.items() if k != 'total')
+      o.fits = o.memory['total'] <= _limit(group, knobs)
       o.detail['offload'] = offload
       o.label += ', optimizer offloaded' if offload else ''
       out.append(o)
