@@ -171,6 +171,34 @@ def plot(curves: dict, path: str) -> None:
   plt.close(fig)
 
 
+KEPT = ('samples_per_s', 'utilization', 'x_colocated', 'x_disagg', 'trainer_busy',
+        'rollout_busy', 'wall_s', 'fragments', 'split', 'bts_inserts', 'step_costs', 'why')
+
+
+def compact(m: dict) -> dict:
+  """A mode's figures for the JSON: the step costs and the options' labels, not every detail."""
+  out = {k: m[k] for k in KEPT if k in m}
+  for what in ('rollout', 'grad', 'tag'):
+    o = m.get(f'{what}_option')
+    if o:
+      out[f'{what}_option'] = {'label': o['label'], 'seconds': o['seconds'],
+                               'memory_gib': o['memory_gib']['total'],
+                               **{k: o[k] for k in ('fsdp_s', 'compute_s', 'gather_s')
+                                  if k in o}}
+  return out
+
+
+def rounded(x):
+  """4 significant digits for every float (the JSON is committed)."""
+  if isinstance(x, float):
+    return float(f'{x:.4g}')
+  if isinstance(x, dict):
+    return {k: rounded(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [rounded(v) for v in x]
+  return x
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   ap.add_argument('--md', default=None, help='write the markdown tables here')
@@ -194,7 +222,8 @@ def main(argv=None) -> int:
     out_md.append(f'Roofline: {roofline}\n\n{table(rows)}')
     doc['tables'][roofline] = [{'model': r['model'], 'cluster': r['cluster'],
                                 'batch': r['plan']['run']['batch'],
-                                'modes': r['plan']['modes'], 'best': r['plan']['best'],
+                                'modes': {k: compact(m) for k, m in r['plan']['modes'].items()},
+                                'best': r['plan']['best'],
                                 'best_on_policy': r['plan']['best_on_policy'],
                                 'notes': r['plan']['notes']} for r in rows]
   if not a.no_scaling:
@@ -210,7 +239,8 @@ def main(argv=None) -> int:
       f.write(text + '\n')
   if a.json:
     with open(a.json, 'w') as f:
-      json.dump(doc, f, indent=1, default=str)
+      json.dump(rounded(doc), f, separators=(',', ':'), default=str)
+      f.write('\n')
   print(f'[paper_table] {time.time() - t0:.0f} s', file=sys.stderr)
   return 0
 

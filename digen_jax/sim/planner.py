@@ -12,7 +12,6 @@ import os
 
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.sim import cache
-from digen_jax.sim import engine
 from digen_jax.sim import hardware
 from digen_jax.sim import roles
 from digen_jax.sim import runmodel as rm
@@ -248,7 +247,7 @@ def candidate_json(c: search.Candidate) -> dict:
   out = {'samples_per_s': r['samples_per_s'], 'utilization': r['utilization'],
          'wall_s': r['wall_s'], 'bts_inserts': r['bts_inserts'], 'fragments': c.fragments,
          'trainer_busy': r['trainer_busy'], 'rollout_busy': r['rollout_busy'],
-         'split': c.split.label if c.split else f'colocated on all devices',
+         'split': c.split.label if c.split else 'colocated on all devices',
          'trainer': c.split.trainer.label if c.split else None,
          'rollout': c.split.rollout.label if c.split else None,
          'step_costs': dataclasses.asdict(c.costs), 'schedule': dataclasses.asdict(c.schedule),
@@ -401,7 +400,3 @@ def _rows(spans, max_rows: int):
     keep |= set(ids[:max(1, max_rows // max(1, len(by_role)))])
   return [dataclasses.replace(s, devices=tuple(d for d in s.devices if d in keep))
           for s in spans if any(d in keep for d in s.devices)]
-
-
-def simulate_best(p: dict) -> engine.Result | None:
-  return p.get('_results', {}).get(p['best'])

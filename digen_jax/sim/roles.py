@@ -20,7 +20,7 @@ each program is modelled in its unit of per-device work:
            per-device batches (a memory point), else proportional to them. XLA:CPU has no bf16
            dot: it holds an f32 copy of the bf16 weights a program reads (the replicated
            rollout's temp at 2 and 8 samples per device: 77.5 and 78.5 GiB, 2x its bf16 base),
-           which an accelerator does not; `accelerator_temp` removes that copy.
+           which an accelerator does not; `temp(..., accelerator=True)` removes that copy.
 
 A role with several kinds runs SPMD in lockstep: the slowest kind sets its seconds, the smallest
 memory its fit, and its collectives cross nodes.

@@ -2,8 +2,9 @@
 for the best rollout/trainer split.
 
 Modes are the ladder's rungs (sim/predict.py): colocated, naive disaggregation, +GAP, +TSP,
-+TAG/BTS, +TCSS, each adding to the one before; and GAP+TAG(+TCSS) without TSP (EXTRA_MODES). A candidate is (split, M): which devices of each kind train and which roll out,
-and the GAP fragment count (whole prompt groups per fragment). Its StepCosts come from the run's
++TAG/BTS, +TCSS, each adding to the one before; and GAP+TAG(+TCSS) without TSP (EXTRA_MODES).
+A candidate is (split, M): which devices of each kind train and which roll out, and the GAP
+fragment count (whole prompt groups per fragment). Its StepCosts come from the run's
 cost model (sim/runmodel.py) on each role's accelerators:
 
   rollout      the fastest fitting way to sample a fragment (M = 1: the batch) on the rollout
@@ -135,10 +136,10 @@ class Planner:
   """The modes of one RunModel on one cluster."""
 
   def __init__(self, run: rm.RunModel, parts: tuple[hardware.ClusterPart, ...],
-               knobs: rm.Knobs = rm.Knobs(), *, steps: int = 6, simulate_top: int = 6,
+               knobs: rm.Knobs | None = None, *, steps: int = 6, simulate_top: int = 6,
                grid: int = 16, tcss_fraction: float | None = None,
                fixed: Split | None = None, pad: bool = False):
-    self.run, self.parts, self.knobs = run, parts, knobs
+    self.run, self.parts, self.knobs = run, parts, knobs or rm.Knobs()
     self.fixed, self.pad = fixed, pad
     self.indivisible: dict[str, int] = {}   # mode -> candidates left out (batch vs devices)
     self.costed = 0                          # candidates whose batch divides (memory decides)
