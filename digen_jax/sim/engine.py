@@ -362,7 +362,8 @@ class Result:
       wall = t1 - t0
       self.rows.append({'step': s + 1, 'wall_s': wall, 'samples_per_s': self.batch / wall,
                         'utilization': trace_lib.utilization(self.spans, t0, t1,
-                                                             self.num_devices)})
+                                                             self.num_devices),
+                        't0': t0, 't1': t1})
     self.makespan = sim.now
 
   def summary(self) -> dict:

@@ -1,0 +1,249 @@
+"""The DigenRL paper's table, predicted: each technique's speedup over colocated and over naive
+disaggregation for four model families on 16 and 32 GPUs, homogeneous and mixed, and a
+scaling curve to 1024 accelerators.
+
+    python benchmarks/paper_table.py --md=/tmp/paper_table.md --json=benchmarks/paper_table.json \
+        --png=benchmarks/sim_scaling.png
+
+Families: Qwen-Image-20B and FLUX.1-dev-12B from configs/qwenimage.py and configs/flux.py with
+their XLA costs from the cache (benchmarks/costs/; full fine-tuning where cached, else the
+config's LoRA), HunyuanVideo-13B and Wan2.1-14B from their published sizes (sim/analytic.py:
+ANALYTIC). Batches scale with the cluster (weak scaling): the configs' batch at 16 GPUs
+(images: 8 prompts x 16; videos: 4 prompts x 8), twice the prompts at 32, and so on. Every mode
+is the planner's (digen_jax/sim/search.py): the best split and fragment count it finds,
+simulated by sim/engine.py. Splits whose device counts do not divide a fragment are costed
+padded (--pad: the paper picks its splits freely; our runtime needs the batch divisible).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# pylint: disable=wrong-import-position
+from configs import flux as flux_config
+from configs import qwenimage
+from digen_jax.sim import analytic
+from digen_jax.sim import cache
+from digen_jax.sim import hardware
+from digen_jax.sim import planner as planning
+from digen_jax.sim import runmodel as rm
+from digen_jax.sim import search
+# pylint: enable=wrong-import-position
+
+PAPER = '1.56-2.10x over colocated (16-32 GPUs; the paper\'s headline range)'
+CLUSTERS = ('16xH100', '32xH100', '8xH100+8xH20', '16xH100+16xH20')
+SCALING = (16, 32, 64, 128, 256, 512, 1024)
+LADDER = search.MODES
+SHOWN = ('disagg', 'gap', 'gap_tsp', 'gap_tsp_tag', 'gap_tsp_tag_tcss', 'gap_tag',
+         'gap_tag_tcss')
+
+
+def cached_run(module, path: str, finetune: str) -> rm.RunModel | None:
+  """The RunModel of a config from the costs cache (None when it has no entry)."""
+  variant = 'full' if finetune == 'full' else ''
+  config = module.get_config(variant)
+  rank = int(config.model.lora.rank)
+  entries = cache.matching(path, cache.config_digest(config), finetune, rank if rank else 0)
+  if not any(set(e.key.programs) >= {'rollout', 'grad', 'apply'} for e in entries):
+    return None
+  name = f'{path}{":" + variant if variant else ""}'
+  return rm.from_cache(name, config, entries)
+
+
+def families() -> dict[str, rm.RunModel]:
+  out = {}
+  for label, module, path in (('Qwen-Image-20B', qwenimage, 'configs/qwenimage.py'),
+                              ('FLUX.1-dev-12B', flux_config, 'configs/flux.py')):
+    run = cached_run(module, path, 'full') or cached_run(module, path, 'lora')
+    out[f'{label} ({run.finetune}, XLA)'] = run
+  out['HunyuanVideo-13B (full, analytic)'] = analytic.run_model(analytic.HUNYUAN_VIDEO)
+  out['Wan2.1-14B (full, analytic)'] = analytic.run_model(analytic.WAN21_14B)
+  return out
+
+
+def devices_of(spec: str) -> int:
+  return sum(p.count for p in hardware.parse_cluster(spec))
+
+
+def plan_one(run: rm.RunModel, spec: str, settings: planning.Settings) -> dict:
+  scale = max(1, devices_of(spec) // 16)
+  scaled = dataclasses.replace(run, prompts=run.prompts * scale, notes=list(run.notes))
+  p = planning.plan(scaled, hardware.parse_cluster(spec), settings, cluster=spec)
+  p.pop('_results', None)
+  return p
+
+
+def fmt(x, digits=2):
+  return '-' if x is None else f'{x:.{digits}f}'
+
+
+DIGENRL = ('gap', 'gap_tsp', 'gap_tsp_tag', 'gap_tag')     # on-policy DigenRL modes
+
+
+def best_digenrl(modes: dict) -> str | None:
+  fitted = [m for m in DIGENRL if modes[m]['samples_per_s']]
+  return max(fitted, key=lambda m: modes[m]['samples_per_s']) if fitted else None
+
+
+def table(rows: list[dict]) -> str:
+  head = ('| model | cluster | batch | colocated samples/s | ' + ' | '.join(
+      f'{m} x coloc' for m in SHOWN) + ' | best on-policy DigenRL mode: x coloc / x disagg | '
+      'its busy trainer / rollout | its split, M |')
+  lines = [head, '|' + '---|' * (head.count('|') - 1)]
+  for r in rows:
+    p = r['plan']
+    modes = p['modes']
+    col = modes['colocated']['samples_per_s']
+    cells = []
+    for m in SHOWN:
+      x = modes[m].get('x_colocated') if modes[m]['samples_per_s'] else None
+      cells.append(fmt(x) if x is not None else 'no fit')
+    k = best_digenrl(modes)
+    b = modes[k] if k else None
+    best = (f'{k}: {fmt(b["x_colocated"])} / {fmt(b["x_disagg"])}' if b else '-')
+    busy = f'{b["trainer_busy"]:.2f} / {b["rollout_busy"]:.2f}' if b else '-'
+    split = f'{b["split"]}, {b["fragments"]}' if b else '-'
+    lines.append(f'| {r["model"]} | {r["cluster"]} | {p["run"]["batch"]} | {fmt(col, 4)} | '
+                 + ' | '.join(cells) + f' | {best} | {busy} | {split} |')
+  return '\n'.join(lines)
+
+
+def scaling(runs: dict[str, rm.RunModel], settings: planning.Settings) -> dict:
+  """Per family and cluster kind (H100s; half H100s, half H20s): samples/s of colocated, naive
+  disagg and the best on-policy DigenRL mode on 16 to 1024 devices, weak scaling."""
+  out = {}
+  for name, run in runs.items():
+    for kinds in ('H100', 'H100+H20'):
+      pts = out.setdefault(f'{name}|{kinds}', [])
+      for n in SCALING:
+        spec = f'{n}xH100' if kinds == 'H100' else f'{n // 2}xH100+{n // 2}xH20'
+        t0 = time.time()
+        p = plan_one(run, spec, settings)
+        k = best_digenrl(p['modes'])
+        pts.append({'devices': n, 'cluster': spec, 'batch': p['run']['batch'],
+                    'colocated': p['modes']['colocated']['samples_per_s'],
+                    'disagg': p['modes']['disagg']['samples_per_s'],
+                    'best_mode': k, 'best': p['modes'][k]['samples_per_s'] if k else None,
+                    'best_split': p['modes'][k]['split'] if k else None,
+                    'seconds': round(time.time() - t0, 1)})
+        print(f'[scaling] {name} {spec}: {pts[-1]}', file=sys.stderr, flush=True)
+  return out
+
+
+def plot(curves: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  names = list(dict.fromkeys(k.split('|')[0] for k in curves))
+  kinds = list(dict.fromkeys(k.split('|')[1] for k in curves))
+  fig, axes = plt.subplots(len(kinds), len(names), figsize=(4.2 * len(names),
+                                                            3.3 * len(kinds)), squeeze=False)
+  for i, kind in enumerate(kinds):
+    for j, name in enumerate(names):
+      ax, pts = axes[i, j], curves[f'{name}|{kind}']
+      n = [p['devices'] for p in pts]
+      for key, style, label in (('colocated', 'o-', 'colocated'),
+                                ('disagg', 's--', 'naive disaggregation'),
+                                ('best', '^-', 'best on-policy DigenRL mode')):
+        ax.plot(n, [p[key] / p['devices'] if p[key] else float('nan') for p in pts], style,
+                label=label)
+      ax.set_xscale('log', base=2)
+      ax.set_yscale('log')
+      ax.set_title(f'{name}\n{"H100s" if kind == "H100" else "half H100s, half H20s"}',
+                   fontsize=8)
+      ax.grid(alpha=0.3, which='both')
+      if i == len(kinds) - 1:
+        ax.set_xlabel('accelerators (batch grows with them)')
+      if j == 0:
+        ax.set_ylabel('samples/s per accelerator')
+  axes[0, 0].legend(fontsize=7)
+  fig.suptitle('python -m digen_jax.plan, simulated: throughput per accelerator from 16 to 1024 '
+               'accelerators (benchmarks/paper_table.py)', fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+KEPT = ('samples_per_s', 'utilization', 'x_colocated', 'x_disagg', 'trainer_busy',
+        'rollout_busy', 'wall_s', 'fragments', 'split', 'bts_inserts', 'step_costs', 'why')
+
+
+def compact(m: dict) -> dict:
+  """A mode's figures for the JSON: the step costs and the options' labels, not every detail."""
+  out = {k: m[k] for k in KEPT if k in m}
+  for what in ('rollout', 'grad', 'tag'):
+    o = m.get(f'{what}_option')
+    if o:
+      out[f'{what}_option'] = {'label': o['label'], 'seconds': o['seconds'],
+                               'memory_gib': o['memory_gib']['total'],
+                               **{k: o[k] for k in ('fsdp_s', 'compute_s', 'gather_s')
+                                  if k in o}}
+  return out
+
+
+def rounded(x):
+  """4 significant digits for every float (the JSON is committed)."""
+  if isinstance(x, float):
+    return float(f'{x:.4g}')
+  if isinstance(x, dict):
+    return {k: rounded(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [rounded(v) for v in x]
+  return x
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  ap.add_argument('--md', default=None, help='write the markdown tables here')
+  ap.add_argument('--json', default=None, help='write every plan figure here')
+  ap.add_argument('--png', default=os.path.join(REPO, 'benchmarks', 'sim_scaling.png'))
+  ap.add_argument('--no_scaling', action='store_true')
+  ap.add_argument('--roofline', default='compute', choices=('compute', 'bytes', 'both'))
+  a = ap.parse_args(argv)
+  t0 = time.time()
+  runs = families()
+  out_md, doc = [], {'paper': PAPER, 'tables': {}, 'scaling': None}
+  for roofline in (('compute', 'bytes') if a.roofline == 'both' else (a.roofline,)):
+    settings = planning.Settings(roofline=roofline, pad=True)
+    rows = []
+    for name, run in runs.items():
+      if roofline == 'bytes' and run.source == 'analytic':
+        continue   # analytic bytes are an estimate of ours, not XLA's counts
+      for spec in CLUSTERS:
+        rows.append({'model': name, 'cluster': spec, 'plan': plan_one(run, spec, settings)})
+        print(f'[table] {roofline} {name} {spec}', file=sys.stderr, flush=True)
+    out_md.append(f'Roofline: {roofline}\n\n{table(rows)}')
+    doc['tables'][roofline] = [{'model': r['model'], 'cluster': r['cluster'],
+                                'batch': r['plan']['run']['batch'],
+                                'modes': {k: compact(m) for k, m in r['plan']['modes'].items()},
+                                'best': r['plan']['best'],
+                                'best_on_policy': r['plan']['best_on_policy'],
+                                'notes': r['plan']['notes']} for r in rows]
+  if not a.no_scaling:
+    settings = planning.Settings(roofline='compute', pad=True, sharded_decode=True,
+                                 simulate_top=3, grid=8)
+    doc['scaling'] = scaling(runs, settings)
+    plot(doc['scaling'], a.png)
+    out_md.append(f'Scaling curve: {a.png}')
+  text = '\n\n'.join(out_md)
+  print(text)
+  if a.md:
+    with open(a.md, 'w') as f:
+      f.write(text + '\n')
+  if a.json:
+    with open(a.json, 'w') as f:
+      json.dump(rounded(doc), f, separators=(',', ':'), default=str)
+      f.write('\n')
+  print(f'[paper_table] {time.time() - t0:.0f} s', file=sys.stderr)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,122 @@
+"""Plans a config on a described cluster: memory per device per role, predicted samples/s and
+utilization of every mode, the best rollout/trainer split, a simulated timeline.
+
+    python -m digen_jax.plan --config=configs/qwenimage.py --cluster=8xH100+8xH20 --out=/tmp/p
+    python -m digen_jax.plan --config=configs/flux.py:full --cluster=16xH100 \
+        [--config.k=v ...] [--trainer=8xH100] [--roofline=bytes] [--recompute]
+
+Costs come from the real compiled programs (sim/costs.py via the cache of sim/cache.py:
+benchmarks/costs/ holds the real Qwen-Image-20B and FLUX.1 configs'; a config without an entry
+is compiled once, in a child process, and stored). sim/runmodel.py scales them to each role's
+devices and accelerator, sim/search.py runs every mode through the simulator (sim/engine.py:
+the runtime's own schedule on a virtual clock) over the splits of the cluster, and this file
+validates the input, prints the figures and writes DIR/plan.json, DIR/timeline.png (the best
+mode's simulated spans, drawn like a real run's), DIR/trace.json and DIR/timelines/<mode>.png.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file[:variant].')
+_CLUSTER = flags.DEFINE_string('cluster', None, "Devices, e.g. '16xH100' or '8xH100+8xH20' "
+                               '(kinds: sim/hardware.py).')
+_OUT = flags.DEFINE_string('out', None, 'Directory for plan.json, timeline.png, trace.json.')
+_TRAINER = flags.DEFINE_string('trainer', None, "Fix the trainer's devices instead of "
+                               "searching, e.g. '8xH100' or '12' (one-kind clusters); the rest "
+                               'roll out.')
+_RECOMPUTE = flags.DEFINE_bool('recompute', False, 'Compile the programs again even if the '
+                               'costs cache has them.')
+_COST_DEVICES = flags.DEFINE_integer('cost_devices', 0, 'Fake devices to compile for when the '
+                                     'cache has no entry (0: 16, or the largest power of two '
+                                     'dividing the batches).', lower_bound=0)
+_ROOFLINE = flags.DEFINE_enum('roofline', 'compute', ['compute', 'bytes'],
+                              "'compute': seconds = FLOPs / (peak x MFU); 'bytes': the max with "
+                              "XLA's bytes accessed / HBM bandwidth (XLA:CPU's counts: an upper "
+                              'bound on an accelerator).')
+_MFU = flags.DEFINE_float('mfu', 0.4, 'Achieved fraction of peak bf16 FLOP/s.')
+_HBM = flags.DEFINE_float('hbm_efficiency', 0.8, 'Achieved fraction of HBM bandwidth.')
+_LINK = flags.DEFINE_float('link_efficiency', 0.8, 'Achieved fraction of link bandwidth.')
+_PER_NODE = flags.DEFINE_integer('devices_per_node', 8, 'Accelerators per node.', lower_bound=1)
+_MEM_FRACTION = flags.DEFINE_float('memory_fraction', 0.9, 'Usable fraction of device memory.')
+_SHARDED_DECODE = flags.DEFINE_bool('sharded_decode', False, 'Model the rollout\'s VAE decode '
+                                    'sharded over devices (the compiled program replicates it).')
+_STEPS = flags.DEFINE_integer('steps', 6, 'Simulated optimizer steps per candidate (>= 2).')
+_TOP = flags.DEFINE_integer('simulate_top', 6, 'Candidates simulated per mode (best bounds).',
+                            lower_bound=1)
+_GRID = flags.DEFINE_integer('grid', 16, 'Trainer counts tried per part: all up to GRID, '
+                             'else a GRID-step grid plus powers of two.', lower_bound=1)
+_TCSS = flags.DEFINE_float('tcss_fraction', 0.0, "TCSS phi (0: the config's, else 0.5).")
+_PAD = flags.DEFINE_bool('pad', False, 'Also cost splits whose device counts do not divide the '
+                         'batch (padded; the runtime needs them divisible).')
+_TIMELINES = flags.DEFINE_enum('timelines', 'all', ['all', 'best'], "With --out: every mode's "
+                               "timeline (timelines/<mode>.png) or the best mode's only.")
+_ACCELERATORS = flags.DEFINE_string('accelerators', None, 'JSON file of more accelerator kinds '
+                                    '(sim/hardware.load_json).')
+
+
+def fail(message: str):
+  sys.exit(f'digen_jax.plan: {message}')
+
+
+def _config_arg(argv) -> str:
+  return next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), '')
+
+
+def _overrides(argv) -> list[str]:
+  return [a for a in argv if a.startswith('--config.')]
+
+
+def main(argv):
+  del argv
+  from digen_jax.sim import planner as planning   # pylint: disable=g-import-not-at-top
+  t0 = time.time()
+  if _CONFIG.value is None or _CLUSTER.value is None:
+    fail('--config and --cluster are required, e.g. --config=configs/qwenimage.py '
+         '--cluster=8xH100+8xH20')
+  try:
+    config = _CONFIG.value
+    config.model  # pylint: disable=pointless-statement  (a failed load raises on first use)
+  except OSError as e:
+    fail('cannot load --config: ' + ' '.join(str(e.__cause__ or e).split()))
+  settings = planning.Settings(
+      roofline=_ROOFLINE.value, mfu=_MFU.value, hbm_efficiency=_HBM.value,
+      link_efficiency=_LINK.value, devices_per_node=_PER_NODE.value,
+      memory_fraction=_MEM_FRACTION.value, sharded_decode=_SHARDED_DECODE.value,
+      steps=_STEPS.value, simulate_top=_TOP.value, grid=_GRID.value,
+      tcss_fraction=_TCSS.value, recompute=_RECOMPUTE.value, cost_devices=_COST_DEVICES.value,
+      pad=_PAD.value)
+  try:
+    parts, trainer = planning.validate(_CLUSTER.value, _TRAINER.value, settings,
+                                       accelerators=_ACCELERATORS.value)
+    run = planning.run_model(_config_arg(sys.argv[1:]), config, _overrides(sys.argv[1:]),
+                             settings)
+    plan = planning.plan(run, parts, settings, trainer=trainer, cluster=_CLUSTER.value)
+  except planning.PlanError as e:
+    fail(str(e))
+  plan['plan_seconds'] = round(time.time() - t0, 2)
+  plan['command'] = ' '.join(['python -m digen_jax.plan'] + sys.argv[1:])
+  print(planning.format_plan(plan))
+  if _OUT.value:
+    for path in planning.write(plan, _OUT.value, every_mode=_TIMELINES.value == 'all'):
+      print(f'[plan] {path}')
+  print(f'[plan] {plan["plan_seconds"]:.1f} s')
+
+
+def _run():
+  try:
+    argv = flags.FLAGS(sys.argv)
+  except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
+    text = ' '.join(str(e).replace('\\n', ' ').split())
+    if 'Traceback' in text:
+      text = text.split('Traceback')[0] + text.rsplit(':', 1)[-1]
+    fail(f'bad flags: {text}')
+  app.run(main, argv=argv, flags_parser=lambda a: a)
+
+
+if __name__ == '__main__':
+  _run()

@@ -1,0 +1,295 @@
+"""A run's cost model: its programs (sim/roles.py's ProgramModel), byte counts and batch shape,
+and the ways each role can run its work (seconds per work item, bytes per device, fits or not).
+
+Built from cached `Costs` (sim/cache.py: XLA's figures of the real programs) or from published
+architecture sizes (sim/analytic.py). Work items are what the schedule hands out: the rollout of
+b samples, the gradient of b samples (GAP fragment, or the whole batch at M = 1), the optimizer
+apply, the weight publish or the colocated switch. Each role tries the ways it can run an item
+and keeps the fastest that fits in its devices' memory (x `memory_fraction`):
+
+  rollout   layout 'replicated' (the config default: a whole copy per device) or 'fsdp' (the
+            copy sharded, one all-gather of the weights per sampler step); the samples of a
+            device in chunks (calls one after another: same FLOPs, smaller activations)
+  grad      remat on / off (where the cache holds both), the K trained steps as one vmap (one
+            FSDP all-gather per call; rl.step_loop 'vmap', the default on several devices) or
+            a scan (rl.step_loop 'scan': one step's activations, 2 gathers per step), and
+            chunks of a device's samples (gradient accumulation over calls). TSP shards the
+            timestep axis over the trainer mesh (K padded to a multiple of it): per device
+            b x ceil(K / n) sample-steps instead of K x ceil(b / n)
+  colocated the trainer's FSDP state plus the rollout copy while it samples (the copy is
+            rebuilt from the shards each step: the switch), optionally the optimizer state
+            offloaded to host memory during the rollout
+
+A batch that does not divide a role's device count is padded (ceil): the plan marks it, since
+the runtime needs it divisible.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from digen_jax.sim import roles
+from digen_jax.sim import timing
+
+
+@dataclasses.dataclass
+class RunModel:
+  """Everything the planner needs to know about a run, independent of the cluster."""
+  name: str
+  source: str                       # 'xla' (cached Costs) | 'analytic'
+  prompts: int                      # rl.prompts_per_step
+  group_size: int
+  T: int                            # sampler steps
+  K: int                            # trained steps per trajectory
+  image_tokens: int
+  latent_channels: int              # per token, as the trajectory stores latents
+  layers: int                       # transformer blocks (all kinds)
+  trainable_bytes: int
+  optimizer_state_bytes: int
+  frozen_base_bytes: int
+  published_bytes: int
+  rollout_param_bytes: int
+  gathered_bytes: int
+  rollout: roles.ProgramModel
+  grads: dict[bool, roles.ProgramModel]      # by remat
+  apply: roles.ProgramModel
+  ref_bytes: int = 0                # the KL reference (rl.kl_beta > 0), FSDP
+  finetune: str = 'lora'
+  tcss_fraction: float = 0.0        # the config's (0: the plan uses 0.5, the ladder's)
+  notes: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def batch(self) -> int:
+    return self.prompts * self.group_size
+
+  def fragment_counts(self) -> list[int]:
+    """M values with one or more whole prompt groups per fragment (fragment_unit 'group')."""
+    return [m for m in range(1, self.prompts + 1) if self.prompts % m == 0]
+
+  def trajectory_bytes(self, samples: int) -> float:
+    """What a fragment hands to the trainer: float32 latents [T+1, b, N, C], log-probs, stds."""
+    return samples * 4.0 * ((self.T + 1) * self.image_tokens * self.latent_channels + 2 * self.T)
+
+  def trainer_persistent(self, n: int) -> float:
+    """FSDP bytes per device: params and gradient accumulator (f32), optimizer state, the LoRA
+    base, the KL reference."""
+    return (2 * self.trainable_bytes + self.optimizer_state_bytes + self.frozen_base_bytes
+            + self.ref_bytes) / n
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+  """Planner settings that are not the run's: efficiencies, node size, memory headroom."""
+  eff: timing.Efficiency = timing.DEFAULT
+  devices_per_node: int = 8
+  memory_fraction: float = 0.9      # of the accelerator's memory a program may use
+  sharded_decode: bool = False      # model the rollout's VAE decode sharded (not as compiled)
+  hbm: bool = True                  # False: compute-bound roofline (FLOPs only)
+
+  def seconds(self, group: roles.Group, flops: float, bytes_accessed: float) -> float:
+    return group.seconds(flops, bytes_accessed if self.hbm else 0.0, self.eff)
+
+
+def _limit(group: roles.Group, knobs: Knobs) -> float:
+  return group.memory_bytes * knobs.memory_fraction
+
+
+def rollout_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs, *,
+                    layouts=('replicated', 'fsdp'), on_trainer: bool = False,
+                    persistent: float = 0.0) -> list[roles.Option]:
+  """Ways to sample b samples on `group`. on_trainer (TAG): the trainer's own FSDP params,
+  gathered per sampler step, beside `persistent` bytes of trainer state."""
+  n, prog = group.n, run.rollout
+  s = math.ceil(b / n)
+  out = []
+  for layout in (('trainer',) if on_trainer else layouts):
+    for c in roles.chunks(s):
+      calls = math.ceil(s / c)
+      call_batch = min(b, c * n)
+      flops = prog.flops(n, c, call_batch, sharded_decode=knobs.sharded_decode)
+      sec = knobs.seconds(group, flops, prog.bytes_for(flops))
+      gather = 0.0
+      if layout in ('fsdp', 'trainer'):
+        gather = run.T * group.gather_seconds(run.gathered_bytes, knobs.devices_per_node,
+                                              knobs.eff)
+      if layout == 'replicated':
+        copy = run.rollout_param_bytes
+      elif layout == 'fsdp':
+        copy = run.rollout_param_bytes / n
+      else:
+        copy = 0.0
+      # The sharded layouts hold one gathered block at a time besides the copy.
+      block = run.gathered_bytes / run.layers if layout != 'replicated' else 0.0
+      mem = roles.memory_dict(state=persistent, rollout_copy=copy, gathered_block=block,
+                              temp=prog.temp(c))
+      out.append(roles.Option(
+          f'{layout} layout, {c} sample{"s" if c > 1 else ""}/device/call', calls * (sec + gather),
+          mem, mem['total'] <= _limit(group, knobs), calls,
+          {'layout': layout, 'chunk': c, 'padded': b % n != 0, 'gather_s': calls * gather}))
+  return out
+
+
+def grad_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs, *, tsp: bool
+                 ) -> list[roles.Option]:
+  """Ways to compute the gradient of b samples on `group` (a GAP fragment, or the whole batch
+  by gradient accumulation). Memory: the trainer's state plus the larger of the gradient's and
+  the optimizer apply's temp."""
+  n = group.n
+  persistent = run.trainer_persistent(n)
+  apply = apply_temp(run, n)
+  out = []
+  for remat, prog in sorted(run.grads.items()):
+    if tsp:   # chunks of the fragment's samples, K padded to the mesh
+      plans = [('vmap', bc, math.ceil(b / bc), bc * math.ceil(run.K / n), bc)
+               for bc in roles.chunks(b)]
+    else:
+      s = math.ceil(b / n)
+      plans = []
+      for c in roles.chunks(s):
+        plans.append(('vmap', c, math.ceil(s / c), run.K * c, min(b, c * n)))
+        plans.append(('scan', c, math.ceil(s / c), c, min(b, c * n)))
+    for loop, c, calls, mem_units, call_batch in plans:
+      units = mem_units if loop == 'vmap' else run.K * c
+      flops = prog.flops(n, units, call_batch)
+      gathers = 2 if loop == 'vmap' else 2 * run.K
+      sec = knobs.seconds(group, flops, prog.bytes_for(flops))
+      fsdp = group.fsdp_seconds(run.gathered_bytes, run.trainable_bytes, gathers,
+                                knobs.devices_per_node, knobs.eff)
+      mem = roles.memory_dict(state=persistent, temp=max(prog.temp(mem_units), apply))
+      what = f'{c} sample{"s" if c > 1 else ""}' + ('/call (TSP)' if tsp else '/device/call')
+      out.append(roles.Option(
+          f'remat {"on" if remat else "off"}, {loop} over K, {what}', calls * (sec + fsdp), mem,
+          mem['total'] <= _limit(group, knobs), calls,
+          {'remat': remat, 'loop': loop, 'chunk': c, 'padded': b % n != 0,
+           'fsdp_s': calls * fsdp, 'compute_s': calls * sec}))
+  return out
+
+
+def apply_seconds(run: RunModel, group: roles.Group, knobs: Knobs) -> float:
+  flops = run.apply.flops(group.n, 1, 1)
+  return knobs.seconds(group, flops, run.apply.bytes0 * run.apply.n0 / group.n)
+
+
+def apply_temp(run: RunModel, n: int) -> float:
+  return run.apply.temp_const * run.apply.n0 / n
+
+
+def best(options: list[roles.Option]) -> roles.Option | None:
+  """The fastest option that fits, or None."""
+  fitting = [o for o in options if o.fits]
+  return min(fitting, key=lambda o: o.seconds) if fitting else None
+
+
+def smallest(options: list[roles.Option]) -> roles.Option:
+  """The option with the least memory (what the 'does not fit' message quotes)."""
+  return min(options, key=lambda o: o.memory['total'])
+
+
+def trainer_fits(run: RunModel, group: roles.Group, knobs: Knobs) -> bool:
+  """Whether the trainer's state and the apply fit at all (before any gradient)."""
+  total = run.trainer_persistent(group.n) + apply_temp(run, group.n)
+  return total <= _limit(group, knobs)
+
+
+def publish_seconds(run: RunModel, trainer: roles.Group, rollout: roles.Group, layout: str,
+                    knobs: Knobs) -> float:
+  """Trainer -> rollout weights, once per step; the slowest receiving NIC. Within one node
+  (both roles of one kind on <= devices_per_node devices) over the intra-node link."""
+  within = (len(trainer.parts) == len(rollout.parts) == 1
+            and trainer.kinds == rollout.kinds
+            and trainer.n + rollout.n <= knobs.devices_per_node)
+  lay = 'fsdp' if layout == 'fsdp' else 'replicated'
+  return max(timing.publish_seconds(run.published_bytes, a, rollout_devices=rollout.n,
+                                    layout=lay, across_nodes=not within, eff=knobs.eff)
+             for a in trainer.kinds + rollout.kinds)
+
+
+def deliver_seconds(run: RunModel, samples: int, trainer: roles.Group, rollout: roles.Group,
+                    knobs: Knobs) -> float:
+  """A fragment's trajectories rollout -> trainer over the NICs of the rollout's devices."""
+  bw = min(a.inter_node_bw for a in trainer.kinds + rollout.kinds) * knobs.eff.link
+  return run.trajectory_bytes(samples) / (bw * min(trainer.n, rollout.n))
+
+
+def switch_seconds(run: RunModel, group: roles.Group, layout: str, offload: bool,
+                   knobs: Knobs) -> float:
+  """Colocated: the rollout copy built from the trainer's shards (+ the optimizer state's trip
+  to host memory and back when offloaded), once per step."""
+  return max(timing.switch_seconds(run.rollout_param_bytes, run.optimizer_state_bytes, group.n,
+                                   a, layout=layout, offload_optimizer=offload,
+                                   devices_per_node=group.per_node(knobs.devices_per_node),
+                                   eff=knobs.eff)['total']
+             for a in group.kinds)
+
+
+def colocated_rollout_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs
+                              ) -> list[roles.Option]:
+  """The colocated rollout beside the trainer's state (optimizer state offloaded or not)."""
+  out = []
+  for offload in (False, True):
+    state = run.trainer_persistent(group.n) - (run.optimizer_state_bytes / group.n
+                                               if offload else 0.0)
+    for o in rollout_options(run, group, b, knobs, persistent=state):
+      # A LoRA base is the trainer's own (its FSDP shard is in `state`): the replicated copy
+      # adds the rest of it, the FSDP layout samples from the trainer's shards.
+      own = run.rollout_param_bytes - run.frozen_base_bytes
+      if o.detail['layout'] == 'fsdp':
+        o.memory['rollout_copy'] = own / group.n
+      else:
+        o.memory['rollout_copy'] = own + run.frozen_base_bytes * (1 - 1 / group.n)
+      o.memory['total'] = sum(v for k, v in o.memory.items() if k != 'total')
+      o.fits = o.memory['total'] <= _limit(group, knobs)
+      o.detail['offload'] = offload
+      o.label += ', optimizer offloaded' if offload else ''
+      out.append(o)
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# From the costs cache.
+
+
+def from_cache(name: str, config, entries: list, *, notes: list[str] | None = None) -> RunModel:
+  """A RunModel from cached entries (sim/cache.Entry) of one config and fine-tuning: the entry
+  with all three programs (the config's remat preferred), grads of other remat settings, and
+  memory points (method 'raw' at other batches on the same device count)."""
+  counted = [e for e in entries if e.key.method != 'raw']
+  full = [e for e in counted if set(e.costs.programs) >= {'rollout', 'grad', 'apply'}]
+  if not full:
+    raise ValueError(f'{name}: no cached entry holds the rollout, grad and apply programs')
+  remat0 = bool(config.model.remat)
+  main = sorted(full, key=lambda e: (e.key.remat != remat0, e.key.devices != 16))[0]
+  c = main.costs
+  s = c.settings
+  points = [e.costs for e in entries if e.key.method == 'raw' and e.key.devices == c.devices]
+  bf16 = s['compute_dtype'] == 'bfloat16'
+  # XLA:CPU's f32 copy of every bf16 weight the replicated rollout reads (roles docstring).
+  upcast = 2 * c.gathered_bytes if bf16 and s['rollout_layout'] == 'replicated' else 0
+  T, K, tsp = int(s['num_steps']), int(s['trained_steps']), bool(s['tsp'])
+  rollout = roles.program_model(
+      c.programs['rollout'], memory_points=tuple(p.programs['rollout'] for p in points
+                                                 if 'rollout' in p.programs),
+      upcast_bytes=upcast)
+  grads = {}
+  for e in sorted(counted, key=lambda e: e is not main):
+    g = e.costs.programs.get('grad')
+    if g is None or e.key.remat in grads or e.costs.settings['tsp'] != tsp:
+      continue
+    same = [p.programs['grad'] for p in points if 'grad' in p.programs
+            and p.settings['remat'] == e.key.remat]
+    grads[e.key.remat] = roles.program_model(g, trained_steps=K, tsp=tsp,
+                                             memory_points=tuple(same))
+  m = config.model
+  layers = int(m.num_layers) + (int(m.num_single_layers) if m.family == 'flux' else 0)
+  lora = s['finetune'] == 'lora'
+  return RunModel(
+      name=name, source='xla', prompts=int(config.rl.prompts_per_step),
+      group_size=int(config.rl.group_size), T=T, K=K, image_tokens=int(s['image_tokens']),
+      latent_channels=int(m.in_channels), layers=layers, trainable_bytes=c.trainable_bytes,
+      optimizer_state_bytes=c.optimizer_state_bytes, frozen_base_bytes=c.frozen_base_bytes,
+      published_bytes=c.published_bytes, rollout_param_bytes=c.rollout_param_bytes,
+      gathered_bytes=c.gathered_bytes, rollout=rollout, grads=grads,
+      apply=roles.program_model(c.programs['apply']),
+      ref_bytes=c.trainable_bytes if config.rl.kl_beta > 0 and not lora else 0,
+      finetune=s['finetune'], tcss_fraction=float(config.schedule.tcss_fraction),
+      notes=list(notes or []))

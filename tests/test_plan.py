@@ -1,0 +1,253 @@
+"""python -m digen_jax.plan: the CLI on a toy config and on a cached real one, bad input as one
+line, the split search, heterogeneous role assignment, and the prediction's response to costs.
+Nothing here compiles a real-size program: the costs come from benchmarks/costs/."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import qwenimage
+from digen_jax.sim import analytic
+from digen_jax.sim import cache
+from digen_jax.sim import hardware
+from digen_jax.sim import planner as planning
+from digen_jax.sim import roles
+from digen_jax.sim import runmodel as rm
+from digen_jax.sim import search
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_plan(*args, timeout=300):
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  return subprocess.run([sys.executable, '-m', 'digen_jax.plan', *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def qwen():
+  """Qwen-Image-20B LoRA from the committed costs cache (XLA's figures of the real programs)."""
+  config = qwenimage.get_config('')
+  entries = cache.matching('configs/qwenimage.py', cache.config_digest(config), 'lora', 64)
+  assert entries, 'benchmarks/costs/ has no Qwen-Image LoRA entry'
+  return rm.from_cache('configs/qwenimage.py', config, entries)
+
+
+def plan(run, spec, **kw):
+  settings = planning.Settings(**{'steps': 4, 'simulate_top': 4, **kw.pop('settings', {})})
+  parts, fixed = planning.validate(spec, kw.pop('trainer', None), settings)
+  return planning.plan(run, parts, settings, trainer=fixed, cluster=spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+
+def test_cli_end_to_end_on_the_toy_config(tmp_path):
+  proc = run_plan('--config=configs/shapes.py', '--cluster=4xH100', f'--out={tmp_path}',
+                  '--timelines=best')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  doc = json.loads((tmp_path / 'plan.json').read_text())
+  for key in search.MODES:                  # the ladder's keys, every one predicted
+    assert key in doc['modes'] and doc['modes'][key]['samples_per_s'] > 0, key
+  assert doc['modes']['colocated']['x_colocated'] == pytest.approx(1.0)
+  assert doc['best'] in doc['modes'] and doc['best_split']
+  assert (tmp_path / 'timeline.png').stat().st_size > 1000
+  trace = json.loads((tmp_path / 'trace.json').read_text())
+  assert trace['traceEvents']
+  assert 'samples/s' in proc.stdout and 'memory per device' in proc.stdout
+
+
+def test_cli_on_the_cached_real_config():
+  """The real Qwen-Image-20B config plans from the committed cache in seconds (no compile)."""
+  proc = run_plan('--config=configs/qwenimage.py', '--cluster=8xH100+8xH20')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'computing costs' not in proc.stderr
+  assert 'qwenimage_lora64_remat-on_d16' in proc.stdout
+  assert 'trainer 8xH100 SXM | rollout 8xH20' in proc.stdout
+
+
+@pytest.mark.parametrize('args,words', [
+    (['--cluster=8xB300'], 'unknown accelerator'),
+    (['--cluster=8xH100+'], 'empty part'),
+    (['--cluster=16xH100', '--trainer=16'], 'leaves the rollout 0'),
+])
+def test_cli_bad_input_is_one_line(args, words):
+  proc = run_plan('--config=configs/shapes.py', *args)
+  assert proc.returncode != 0
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('digen_jax.plan: '), proc.stderr[-2000:]
+  assert words in lines[0]
+
+
+@pytest.mark.parametrize('cluster,trainer,words', [
+    ('8xH100', '0', 'leaves the trainer 0 devices'),
+    ('8xH100', '9', 'asks for 9xH100 SXM but the cluster 8xH100 has 8'),
+    ('8xH100+8xH20', '8', 'ambiguous on the mixed cluster'),
+    ('8xH100+8xH20', '4xA100', 'asks for 4xA100 80GB but the cluster'),
+    ('0xH100', None, 'needs at least 1'),
+    ('8 H100', None, 'is not COUNTxKIND'),
+])
+def test_bad_input_errors_name_the_fix(cluster, trainer, words):
+  with pytest.raises(planning.PlanError) as e:
+    planning.validate(cluster, trainer, planning.Settings())
+  assert words in str(e.value) and '\n' not in str(e.value)
+
+
+def test_bad_settings():
+  for settings, words in ((planning.Settings(mfu=1.5), 'mfu'),
+                          (planning.Settings(steps=1), 'need >= 2'),
+                          (planning.Settings(memory_fraction=0), 'memory_fraction')):
+    with pytest.raises(planning.PlanError, match=words):
+      planning.validate('8xH100', None, settings)
+
+
+def test_a_model_that_fits_nowhere_says_what_would_fit(qwen):
+  hardware.register(hardware.Accelerator(
+      'Tiny8', peak_bf16_flops=1e14, hbm_bw=1e12, memory_bytes=8 * 10 ** 9,
+      intra_node_bw=1e11, inter_node_bw=1e10, host_bw=1e10, source='test'), replace=True)
+  with pytest.raises(planning.PlanError) as e:
+    plan(qwen, '4xTiny8')
+  msg = str(e.value)
+  assert 'does not fit 4xTiny8' in msg and 'GiB' in msg and '\n' not in msg
+  assert 'would fit' in msg or 'needs an accelerator with' in msg
+
+
+def test_pretraining_config_is_refused():
+  from configs import shapes_pretrain   # pylint: disable=g-import-not-at-top
+  with pytest.raises(planning.PlanError, match='pretraining config'):
+    planning.run_model('configs/shapes_pretrain.py', shapes_pretrain.get_config(), [],
+                       planning.Settings())
+
+
+# ---------------------------------------------------------------------------------------------
+# The search.
+
+
+def test_split_search_returns_the_best_split_it_tried(qwen):
+  p = search.Planner(qwen, hardware.parse_cluster('16xH100'), steps=4, simulate_top=3,
+                     pad=True)
+  found = p.search()
+  for mode, tried in found['tried'].items():
+    best = found['modes'][mode]
+    assert best is not None and tried
+    assert best.samples_per_s == max(c.samples_per_s for c in tried), mode
+  # Simulating every candidate of one mode finds nothing better than the search's pick by
+  # more than the bound's blind spot allows.
+  everything = [c for s in search.splits(p.parts) for m in (2, 4, 8)
+                if (c := p.disagg('gap', s, m)) is not None]
+  top = max(p.simulate(c).samples_per_s for c in everything)
+  assert found['modes']['gap'].samples_per_s >= 0.95 * top
+
+
+def test_heterogeneous_cluster_assigns_roles(qwen):
+  """8 H100 + 8 H20: the runnable split that trains on the H100s (FLOP-heavy gradients) and
+  samples on the H20s wins; a mixed role runs at its slowest kind."""
+  p = plan(qwen, '8xH100+8xH20')
+  for mode in ('gap', 'gap_tag'):
+    m = p['modes'][mode]
+    assert m['trainer'] == '8xH100 SXM' and m['rollout'] == '8xH20', m['split']
+  g = roles.Group(hardware.parse_cluster('4xH100+4xH20'))
+  h20 = roles.Group(hardware.parse_cluster('8xH20'))
+  assert g.seconds(1e15, 0, rm.Knobs().eff) == h20.seconds(1e15, 0, rm.Knobs().eff)
+
+
+def test_slower_rollout_accelerator_lowers_samples_per_s(qwen):
+  fast = plan(qwen, '16xH100', trainer='8xH100')
+  slow = plan(qwen, '8xH100+8xH20', trainer='8xH100')
+  for mode in ('disagg', 'gap', 'gap_tag'):
+    assert slow['modes'][mode]['samples_per_s'] < fast['modes'][mode]['samples_per_s'], mode
+
+
+def test_tag_helps_when_the_rollout_is_the_bottleneck(qwen):
+  p = plan(qwen, '8xH100+8xH20', trainer='8xH100')     # H20s sample ~7x slower
+  gap, tag = p['modes']['gap'], p['modes']['gap_tag']
+  assert tag['samples_per_s'] > 1.3 * gap['samples_per_s']
+  assert tag['bts_inserts'] > 0
+  # Trainer-bound (the trainer on the slow kind): BTS declines, TAG changes little.
+  q = plan(qwen, '8xH100+8xH20', trainer='8xH20')
+  assert q['modes']['gap_tag']['samples_per_s'] < 1.1 * q['modes']['gap']['samples_per_s']
+
+
+def test_memory_report_per_role(qwen):
+  p = plan(qwen, '16xH100')
+  for mode in ('colocated', 'gap'):
+    for what in ('rollout_option', 'grad_option'):
+      o = p['modes'][mode][what]
+      assert o['fits'] and 0 < o['memory_gib']['total'] <= 0.9 * 80e9 / 2 ** 30
+  # Full fine-tuning's FSDP state is larger per device than LoRA's.
+  full = qwenimage.get_config('full')
+  entries = cache.matching('configs/qwenimage.py', cache.config_digest(full), 'full', 0)
+  run_full = rm.from_cache('full', full, entries)
+  assert run_full.trainer_persistent(8) > 5 * qwen.trainer_persistent(8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model.
+
+
+def test_program_model_reproduces_xla_and_scales(qwen):
+  """At the compile's own devices and batch the model returns XLA's figures; the per-sample
+  work halves with twice the devices; the temp fit passes through both memory points."""
+  entry = next(e for e in cache.matching('configs/qwenimage.py',
+                                         cache.config_digest(qwenimage.get_config('')),
+                                         'lora', 64)
+               if e.key.method == 'extrapolate' and e.key.remat and 'rollout' in e.key.programs)
+  xla = entry.costs.programs
+  r = qwen.rollout
+  assert r.flops(16, 8, 128) == pytest.approx(xla['rollout'].flops, rel=1e-9)
+  assert r.temp(8, accelerator=False) == pytest.approx(xla['rollout'].memory.temp_bytes,
+                                                       rel=1e-6)
+  g = qwen.grads[True]
+  assert g.flops(16, 5, 16) == pytest.approx(xla['grad'].flops, rel=1e-9)
+  assert r.flops(32, 4, 128) < r.flops(16, 8, 128)
+  per_unit = r.flops(16, 8, 128) - r.flops(16, 4, 128)
+  assert per_unit == pytest.approx(4 * r.per_unit)
+  assert 'affine' in r.temp_fit and 'affine' in g.temp_fit
+  # XLA:CPU's f32 copy of the bf16 base dominates the rollout's temp; an accelerator has none.
+  assert r.temp(2) < 0.1 * r.temp(2, accelerator=False)
+
+
+def test_tsp_pads_the_timestep_axis(qwen):
+  """TSP lays K over the trainer mesh: K = 5 on 8 devices computes 8 padded steps."""
+  g8 = roles.Group(hardware.parse_cluster('8xH100'))
+  knobs = rm.Knobs()
+  plain = rm.best(rm.grad_options(qwen, g8, 16, knobs, tsp=False))
+  tsp = rm.best(rm.grad_options(qwen, g8, 16, knobs, tsp=True))
+  assert tsp.detail['compute_s'] == pytest.approx(plain.detail['compute_s'] * 8 / 5, rel=0.02)
+
+
+def test_cache_key_and_roundtrip(tmp_path):
+  config = qwenimage.get_config('full')
+  # ':full' and '--full' reach the same programs: one digest.
+  flag = qwenimage.get_config('')
+  flag.model.lora.rank = 0
+  assert cache.config_digest(config) == cache.config_digest(flag)
+  flag.sampler.num_steps = 12
+  assert cache.config_digest(config) != cache.config_digest(flag)
+  e = cache.matching('configs/qwenimage.py', cache.config_digest(config), 'full', 0)[0]
+  doc = json.load(open(e.path))
+  back = cache.costs_from_json(doc)
+  assert back.programs.keys() == e.costs.programs.keys()
+  assert back.to_json()['programs'] == doc['programs']
+  path = cache.save(doc, e.key, e.digest, str(tmp_path))
+  assert os.path.basename(path) == e.key.filename() and cache.load(path).key == e.key
+
+
+def test_analytic_video_families():
+  h, w = analytic.HUNYUAN_VIDEO, analytic.WAN21_14B
+  assert 12e9 < h.params() < 13.5e9 and 13.5e9 < w.params() < 14.5e9   # published 13B, 14B
+  assert h.tokens == 33 * 34 * 60 and w.tokens == 21 * 30 * 52
+  run = analytic.run_model(w)
+  assert run.source == 'analytic' and run.K == 9 and run.batch == 32
+  p = plan(run, '8xH100+8xH20', trainer='8xH100')
+  assert p['modes']['gap_tag']['samples_per_s'] > p['modes']['disagg']['samples_per_s']
+  assert any('analytic' in n for n in p['notes'])
+
+
+def test_scaled_batch_keeps_the_model(qwen):
+  twice = dataclasses.replace(qwen, prompts=2 * qwen.prompts)
+  assert twice.batch == 2 * qwen.batch and twice.rollout is qwen.rollout
