@@ -134,3 +134,27 @@ def test_rungs_turn_on_one_technique_each():
   assert [(x.fragments, x.tsp, x.tag, x.tcss_fraction) for x in s[2:]] == [
       (16, False, False, 0.0), (16, True, False, 0.0), (16, True, True, 0.0),
       (16, True, True, 0.5)]
+
+
+def test_programs_that_use_one_core_of_a_shared_host_overlap_for_free():
+  c = dict(rollout=1.0, grad=1.0, apply=0.1, publish=0.1)
+  separate = run(engine.StepCosts(**c), engine.Schedule(fragments=4)).summary()
+  one_core = run(engine.StepCosts(**c, cores={'rollout': 1.0, 'grad': 1.0}),
+                 engine.Schedule(fragments=4), engine.Layout(shared=True, cores=2)).summary()
+  fills = run(engine.StepCosts(**c, cores={'rollout': 2.0, 'grad': 2.0}),
+              engine.Schedule(fragments=4), engine.Layout(shared=True, cores=2)).summary()
+  old = run(engine.StepCosts(**c), engine.Schedule(fragments=4),
+            engine.Layout(shared=True)).summary()
+  assert one_core['wall_s'] == pytest.approx(separate['wall_s'])
+  assert fills['wall_s'] == pytest.approx(old['wall_s'])
+  # 1.5 + 1.5 cores on 2: each runs at 2/3 of its speed while both are in flight.
+  mid = run(engine.StepCosts(**c, cores={'rollout': 1.5, 'grad': 1.5}),
+            engine.Schedule(fragments=4), engine.Layout(shared=True, cores=2)).summary()
+  assert separate['wall_s'] < mid['wall_s'] < fills['wall_s']
+
+
+def test_bad_core_counts_name_the_field():
+  with pytest.raises(ValueError, match=r"StepCosts.cores\['grad'\]"):
+    engine.StepCosts(rollout=1.0, grad=1.0, cores={'grad': 0.0})
+  with pytest.raises(ValueError, match='Layout.cores'):
+    engine.Layout(shared=True, cores=-1)

@@ -10,9 +10,12 @@ the simulated spans, as in a real run.
 
 Devices and host cores. Each role's programs run on its devices; `Layout.shared` says whether
 the two roles' programs compete for the same compute (one process with both meshes on one
-host's cores, or colocated): then concurrent programs share it (processor sharing: k programs
-in flight each progress at 1/k of their speed alone). With `colocated` the roles are the same
-devices. Hand-overs (a fragment's delivery, a policy pull) and host bookkeeping are latencies
+host's cores, or colocated): then concurrent programs share it. Without a core count every
+program fills the pool alone (k programs in flight each progress at 1/k of their speed); with
+`Layout.cores` = C and the cores each program keeps busy alone (`StepCosts.cores`, d_j <= C),
+they all run at full speed while sum(d) <= C, else at C / sum(d) of it: small programs that use
+one core of two overlap for free, a program that fills the host halves its neighbour's speed.
+With `colocated` the roles are the same devices. Hand-overs (a fragment's delivery, a policy pull) and host bookkeeping are latencies
 that occupy no device.
 
 M = 1 is colocated or naive disaggregation: the schedule then samples the whole batch as one
@@ -61,9 +64,17 @@ class StepCosts:
   deliver: float = 0.0
   gap: float = 0.0
   trainer_host: float = 0.0
+  # program ('rollout', 'grad', 'update', 'apply', 'tag_rollout', 'publish') -> cores it keeps
+  # busy alone on a shared pool (Layout.cores); a program not named fills the pool.
+  cores: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
+    for name, c in self.cores.items():
+      if not (c > 0 and c < float('inf')):
+        raise ValueError(f'StepCosts.cores[{name!r}]={c!r}: cores must be finite and > 0')
     for f in dataclasses.fields(self):
+      if f.name == 'cores':
+        continue
       v = getattr(self, f.name)
       if v is not None and not (v >= 0 and v < float('inf')):
         raise ValueError(f'StepCosts.{f.name}={v!r}: seconds must be finite and >= 0')
@@ -79,8 +90,11 @@ class Layout:
   rollout_devices: int = 1
   shared: bool = False
   colocated: bool = False
+  cores: float = 0.0          # a shared pool's cores (0: each program alone fills it)
 
   def __post_init__(self):
+    if self.cores < 0:
+      raise ValueError(f'Layout.cores={self.cores} must be >= 0')
     if self.trainer_devices < 1 or self.rollout_devices < 1:
       raise ValueError(f'Layout: device counts must be >= 1, got trainer={self.trainer_devices} '
                        f'rollout={self.rollout_devices}')
@@ -175,10 +189,18 @@ class Simulation:
                           **where))
 
   def _rates(self) -> dict[int, float]:
-    per_pool: dict[str, int] = {}
+    """Each job's speed (1 = as profiled alone) given what shares its pool now."""
+    cap = self.layout.cores
+    demand: dict[str, float] = {}
     for j in self.jobs:
-      per_pool[j.pool] = per_pool.get(j.pool, 0) + 1
-    return {id(j): 1.0 / per_pool[j.pool] for j in self.jobs}
+      demand[j.pool] = demand.get(j.pool, 0.0) + self._demand(j)
+    return {id(j): (min(1.0, cap / demand[j.pool]) if cap else 1.0 / demand[j.pool])
+            for j in self.jobs}
+
+  def _demand(self, job: _Job) -> float:
+    """Cores `job` keeps busy alone (without a core count: 1, a whole pool)."""
+    cap = self.layout.cores
+    return min(self.costs.cores.get(job.program, cap), cap) if cap else 1.0
 
   def _advance(self) -> bool:
     """Moves the clock to the next event and handles it. False when nothing is pending."""

@@ -44,31 +44,49 @@ def _get(seconds: dict, key: str, layout: str) -> float:
   return float(seconds[key])
 
 
-def step_costs(prof: dict, layout_name: str, schedule: engine.Schedule) -> engine.StepCosts:
-  """A profiled layout's seconds -> the StepCosts of `schedule` (see the module docstring)."""
+def step_costs(prof: dict, layout_name: str, schedule: engine.Schedule,
+               single_core: dict | None = None) -> engine.StepCosts:
+  """A profiled layout's seconds -> the StepCosts of `schedule` (see the module docstring).
+
+  single_core: the seconds of the same programs on one core (the mp2 profile), which give
+  each program's core use on a shared layout (seconds on one core / seconds alone there)."""
   s = prof['seconds']
   B, n = prof['batch'], prof['fragment']
   g = lambda key: _get(s, key, layout_name)
+
+  def cores(pairs):
+    if not single_core or not prof.get('shared') or prof.get('colocated'):
+      return {}
+    return {prog: max(1.0, single_core[key] / s[key]) for prog, key in pairs
+            if key in single_core and key in s}
   if schedule.synchronous:
     return engine.StepCosts(rollout=g(f'rollout+reward/{B}'), grad=g(f'update/{B}'),
-                            publish=g('publish'), pull=g('pull'), deliver=g(f'move/{B}'))
+                            publish=g('publish'), pull=g('pull'), deliver=g(f'move/{B}'),
+                            cores=cores([('rollout', f'rollout+reward/{B}'),
+                                         ('update', f'update/{B}')]))
   if schedule.fragments != prof['fragments']:
     raise ValueError(f'the profile holds M={prof["fragments"]} fragment programs, the rung '
                      f'asks for M={schedule.fragments}')
   hand = g(f'reward/{n}') + g(f'handover/{n}')
+  grad = f'grad_tsp/{n}' if schedule.tsp else f'grad/{n}'
   return engine.StepCosts(
       rollout=g(f'rollout/{n}'),
-      grad=g(f'adv/{n}') + g(f'grad_tsp/{n}' if schedule.tsp else f'grad/{n}'),
+      grad=g(f'adv/{n}') + g(grad),
       apply=g('apply'),
       tag_rollout=g(f'encode/{n}') + g(f'tag_rollout/{n}') + g(f'tag_reward/{n}'),
       publish=g('publish'), pull=g('pull'), deliver=hand, gap=hand + g(f'encode/{n}'),
-      trainer_host=schedule.fragments * g(f'encode/{n}') + g('begin'))
+      trainer_host=schedule.fragments * g(f'encode/{n}') + g('begin'),
+      cores=cores([('rollout', f'rollout/{n}'), ('grad', grad), ('apply', 'apply'),
+                   ('tag_rollout', f'tag_rollout/{n}')]))
 
 
-def layout_of(prof: dict) -> engine.Layout:
+def layout_of(prof: dict, cores: int = 0) -> engine.Layout:
+  """The profiled layout; a shared one with the host's `cores` when the programs' core use is
+  known (0: each program fills the host)."""
+  shared = prof['shared'] and not prof['colocated']
   return engine.Layout(trainer_devices=prof['trainer_devices'],
                        rollout_devices=prof['rollout_devices'], shared=prof['shared'],
-                       colocated=prof['colocated'])
+                       colocated=prof['colocated'], cores=cores if shared else 0)
 
 
 def predict_ladder(profile: dict, *, rungs=RUNGS, variants=VARIANTS, steps: int = 8,
@@ -86,8 +104,12 @@ def predict_ladder(profile: dict, *, rungs=RUNGS, variants=VARIANTS, steps: int 
       prof = layouts[name]
       schedule = rung_schedule(rung, fragments, unit, tcss_fraction)
       B, gs = prof['batch'], prof['group_size']
-      result = engine.simulate(step_costs(prof, name, schedule), layout_of(prof), schedule,
-                               groups=B // gs, group_size=gs, steps=steps)
+      # Core use on a shared host: from the same programs timed on one core (mp2's profile).
+      single = layouts['mp2']['seconds'] if 'mp2' in layouts and name == 'sp' else None
+      cores = len(profile.get('machine', {}).get('cores', ())) if single else 0
+      result = engine.simulate(step_costs(prof, name, schedule, single),
+                               layout_of(prof, cores), schedule, groups=B // gs,
+                               group_size=gs, steps=steps)
       row = {'name': rung if rung == 'colocated' else f'{variant}-{rung}', 'rung': rung,
              'variant': variant, 'status': 'ok', **result.summary(), 'result': result}
       rows.append(row)
