@@ -14,6 +14,7 @@ from absl import app
 from absl import logging
 
 from digen_jax import cli
+from digen_jax import faults
 
 
 def main(argv):
@@ -25,7 +26,10 @@ def main(argv):
   except ValueError as e:
     cli.fail(str(e))
   try:
-    _run(info)
+    try:
+      _run(info)
+    except faults.RunError as e:   # a fault with its own explanation: one line, no traceback
+      cli.fail(str(e))
   except SystemExit as e:
     if info.num_processes > 1 and e.code not in (None, 0):
       # A normal exit would wait in jax.distributed's shutdown for peers that may be waiting

@@ -199,12 +199,13 @@ class TrainerWorker:
     self.ref_params = (jax.tree.map(jnp.copy, self.params)
                        if c.rl.kl_beta > 0 and exp.weights.lora is None else None)
     base_key = jax.random.key(c.seed)
-    self.start = checkpointer.latest_step() or 0
-    self.data_position = 0
-    if self.start:
-      state, meta = checkpointer.restore(self.start, {
-          'params': self.params, 'opt_state': self.opt_state,
-          'rng': ckpt_lib.key_to_data(base_key)})
+    self.start, self.data_position = 0, 0
+    # The newest readable step (a corrupt newer one is set aside with a warning).
+    restored = checkpointer.restore_latest({
+        'params': self.params, 'opt_state': self.opt_state,
+        'rng': ckpt_lib.key_to_data(base_key)})
+    if restored is not None:
+      self.start, state, meta = restored
       self.params, self.opt_state = state['params'], state['opt_state']
       base_key = ckpt_lib.data_to_key(state['rng'])
       self.data_position = int(meta['data_position'])
