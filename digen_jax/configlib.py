@@ -131,6 +131,10 @@ def base_config() -> ml_collections.ConfigDict:
   # 'name=/path/to/file.py:function'. Each function takes (uint8 images [B, H, W, 3], prompts)
   # and returns [B] scores; `name` can then be used in reward.weights.
   c.reward.callables = ''
+  # A reward call (one batch) that takes longer is abandoned: its samples score NaN and the update
+  # is skipped (0 = no limit). A reward that raises or returns NaN is treated the same way, with
+  # the prompt that caused it in the log (rewards/registry.py: guarded).
+  c.reward.timeout_s = 600.0
 
   # --- optimizer -----------------------------------------------------------------------------
   c.optim = ml_collections.ConfigDict()
@@ -153,6 +157,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.runtime.mode = 'colocated'      # 'colocated' (one mesh) | 'disagg' (rollout and trainer meshes)
   c.runtime.num_devices = 0         # colocated: 0 = all local devices (disagg: see cluster)
   c.runtime.transfer_guard = 'disallow'  # jax.transfer_guard around the hot loop: no implicit copies
+  # An update whose rewards, advantages, loss, gradient or new weights hold NaN/inf is skipped
+  # (weights and optimizer state unchanged, counted in metrics.jsonl); this many in a row stop
+  # the run with an error, the last checkpoint holding the last good weights.
+  c.runtime.max_consecutive_skips = 3
 
   # --- cluster: roles and meshes of runtime.mode='disagg' (colocated ignores it) -------------
   # layout 'auto': 2 processes -> process 0 trains, process 1 rolls out; 1 process -> the first
@@ -352,6 +360,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ValueError(f'config.optim: lr={o.lr} must be > 0, warmup_steps={o.warmup_steps} in '
                      f'[0, total_steps * rl.inner_epochs = {config.total_steps * config.rl.inner_epochs}) '
                      f'and final_lr_frac={o.final_lr_frac} in [0, 1]')
+  k = config.runtime.max_consecutive_skips
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f'config.runtime.max_consecutive_skips={k!r} must be an int >= 1 (updates '
+                     'skipped in a row for NaN/inf before the run stops; default 3)')
+  t = config.reward.timeout_s
+  if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float('inf')):
+    raise ValueError(f'config.reward.timeout_s={t!r} must be a finite number of seconds >= 0 '
+                     '(0 = no limit)')
   if config.eval.samples_per_prompt < 1:
     raise ValueError(f'config.eval.samples_per_prompt={config.eval.samples_per_prompt} must be >= 1')
   reward_registry.register_callables(config.reward.callables)    # errors name the field

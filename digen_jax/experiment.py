@@ -221,7 +221,9 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   img_shape = (lat.frames, lat.height // p, lat.width // p)
   num_tokens = int(np.prod(img_shape))
   # Cheap parts first so their errors come before the (possibly large) model build.
-  reward_fn = reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights))
+  reward_fn = reward_registry.guarded(
+      reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights)),
+      config.reward.timeout_s)
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
