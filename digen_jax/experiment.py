@@ -213,6 +213,15 @@ def build_optimizer(config) -> optax.GradientTransformation:
                   weight_decay=o.weight_decay))
 
 
+def _prompts(config, split: str, split_field: str, data_dir: str):
+  """load_prompts with the config fields named in its errors."""
+  try:
+    return prompt_data.load_prompts(config.data.prompts, split, data_dir)
+  except ValueError as e:
+    raise ValueError(f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): '
+                     f'{e}') from None
+
+
 def build(config, workdir: str, num_devices: int) -> Experiment:
   """Validates the config (before anything compiles) and builds the run's parts."""
   configlib.validate(config, num_devices)
@@ -227,9 +236,9 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
-  source = prompt_data.load_prompts(config.data.prompts, config.data.split, data_dir)
-  eval_source = (prompt_data.load_prompts(config.data.prompts, config.eval.split, data_dir)
-                 if config.eval.every > 0 and config.text.encoder != 'word' else [])
+  source = _prompts(config, config.data.split, 'config.data.split', data_dir)
+  eval_source = (_prompts(config, config.eval.split, 'config.eval.split', data_dir)
+                 if config.eval.every > 0 else [])   # a bad eval split fails now, not mid-run
   check_prompt_cache(config, text_encoder, [list(source), list(eval_source)])
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
   sigmas = build_schedule(config, num_tokens)

@@ -76,6 +76,7 @@ def _run(info):
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import colocated  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import disagg  # pylint: disable=g-import-not-at-top
+  from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
 
   config, workdir, n = cli.setup()
   tiny_pipeline = config.model.get('build_tiny_pipeline', False)
@@ -98,6 +99,7 @@ def _run(info):
     cluster = cluster_lib.resolve(config)
   except ValueError as e:
     cli.fail(str(e))
+  transfer.set_host(config.cluster.transfer_host)    # checked by configlib.validate
   writer = info.process_id == cluster.writer_process
   # experiment.build checks that the batch splits over a device count; resolve() checked each
   # role's, so their lcm divides it too.

@@ -170,10 +170,13 @@ def parse_run(spec: str, where: str = '--run') -> tuple[str, tuple[str, ...]]:
 
 def read_runs_file(path: str) -> list[tuple[str, tuple[str, ...]]]:
   try:
-    with open(path) as f:
+    with open(path, encoding='utf-8') as f:
       lines = f.read().splitlines()
   except OSError as e:
     raise SweepError(f'--runs_file {path!r}: {e.strerror}') from None
+  except UnicodeDecodeError as e:
+    raise SweepError(f'--runs_file {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); '
+                     'give lines "NAME: --config.K=V ..."') from None
   runs = []
   for i, line in enumerate(lines, 1):
     line = line.split('#', 1)[0].strip()
@@ -622,6 +625,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     raise SweepError(f'--num_processes={a.num_processes} must be >= 1')
   if a.devices_per_process is not None and a.devices_per_process < 1:
     raise SweepError(f'--devices_per_process={a.devices_per_process} must be >= 1')
+  if not 0 <= a.timeout_s < float('inf'):      # also NaN
+    raise SweepError(f'--timeout_s={a.timeout_s} must be a finite number >= 0 (0 = none)')
   return a
 
 
