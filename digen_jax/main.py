@@ -99,7 +99,6 @@ def _run(info):
     cluster = cluster_lib.resolve(config)
   except ValueError as e:
     cli.fail(str(e))
-  transfer.set_host(config.cluster.transfer_host)    # checked by configlib.validate
   writer = info.process_id == cluster.writer_process
   # experiment.build checks that the batch splits over a device count; resolve() checked each
   # role's, so their lcm divides it too.
@@ -109,6 +108,7 @@ def _run(info):
   elif tiny_pipeline:
     prepare_tiny_pipeline(config, workdir)
   exp = cli.build_experiment(config, workdir, n_check)
+  transfer.set_host(config.cluster.transfer_host)    # checked by configlib.validate above
   if info.num_processes > 1 and writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)
   if writer:

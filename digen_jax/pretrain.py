@@ -121,6 +121,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      'the training process)')
   if p.warmup < 0 or p.warmup >= p.steps:
     raise ValueError(f'config.pretrain.warmup={p.warmup} must be in [0, steps={p.steps})')
+  if not (math.isfinite(p.lr) and 0 < p.lr <= 1):   # NaN/inf would only show as a NaN loss
+    raise ValueError(f'config.pretrain.lr={p.lr!r} must be a finite number in (0, 1] '
+                     '(e.g. 2e-3)')
+  if not (math.isfinite(p.final_lr_frac) and 0 <= p.final_lr_frac <= 1):
+    raise ValueError(f'config.pretrain.final_lr_frac={p.final_lr_frac!r} must be in [0, 1]')
 
 
 def batch_spec(config: ml_collections.ConfigDict) -> training_data.BatchSpec:
@@ -534,7 +539,10 @@ def main(argv):
     validate(config)
   except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, before compiling
     sys.exit(f'digen_jax.pretrain: {e}')
-  summary = train(config, workdir)
+  try:
+    summary = train(config, workdir)
+  except FloatingPointError as e:   # diverged: its message names the step and the fix
+    sys.exit(f'digen_jax.pretrain: {e}')
   ev = summary['final_eval']
   print(f"pretrain: {summary['steps']} steps in {summary['train_wall_s']:.0f}s, final loss "
         f"{summary['final_loss']:.4f}; strict accuracy eval {ev['eval/strict_accuracy']:.3f} "

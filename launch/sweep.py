@@ -38,6 +38,7 @@ Summary, per run (printed, and written to ROOT/sweep_summary.{csv,json} unless -
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import dataclasses
 import importlib.util
@@ -243,7 +244,9 @@ def missing_keys(config, run: Run) -> list[str]:
 
 
 def check_keys(config_spec: str, runs: Sequence[Run]) -> dict[str, str]:
-  """{run name: one-line problem} for the runs that set fields the config does not have."""
+  """{run name: one-line problem} for the runs that set fields the config does not have, or
+  values that do not parse (ml_collections' own parser) or do not validate (configlib.validate
+  on one device: device counts are checked by each run itself)."""
   config = load_config(config_spec)
   problems = {}
   for run in runs:
@@ -251,7 +254,30 @@ def check_keys(config_spec: str, runs: Sequence[Run]) -> dict[str, str]:
     if bad:
       problems[run.name] = (f'{config_spec} has no field ' +
                             ', '.join(f'config.{k}' for k in bad) + ' (unknown key)')
+      continue
+    bad_value = value_problem(config, run)
+    if bad_value:
+      problems[run.name] = bad_value
   return problems
+
+
+def value_problem(config, run: Run) -> str | None:
+  """Why `run`'s overrides give a config digen_jax.main would reject at start, or None."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from digen_jax import configlib  # pylint: disable=g-import-not-at-top
+  if not hasattr(config, 'runtime'):      # not a digen_jax.main config tree: leave it to the run
+    return None
+  values = flags.FlagValues()
+  argv = ['sweep', *run.overrides]
+  config_flags.DEFINE_config_dict('config', copy.deepcopy(config), flag_values=values,
+                                  sys_argv=argv)
+  try:
+    values(argv)
+    configlib.validate(values.config, 1)
+  except (flags.Error, ValueError, TypeError, AttributeError, KeyError) as e:
+    return ' '.join(str(e).split())
+  return None
 
 
 # --------------------------------------------------------------------------------- launching
