@@ -14,6 +14,7 @@ previous step is used.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -139,9 +140,12 @@ class Checkpointer:
     self._undigested = []
 
   def _save_error(self, step, e: BaseException) -> faults.CheckpointError:
-    text = faults.short(e, 400)
-    if 'No space left on device' in text or 'os_error_code=\'28\'' in text:
+    full = str(e)       # tensorstore's message: the errno may come after pages of spec
+    if (getattr(e, 'errno', None) == errno.ENOSPC or 'No space left on device' in full
+        or "os_error_code='28'" in full):
       text = 'the disk is full (No space left on device)'
+    else:
+      text = faults.short(e, 400)
     # From the disk: after a failed save orbax's own list may already lack the step it meant to
     # delete once the new one committed (max_to_keep), which is still there.
     committed = [int(n) for n in os.listdir(self.directory) if n.isdigit() and int(n) != step]

@@ -152,9 +152,10 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
 
   A step whose advantages, loss, gradient or resulting params/optimizer state are not all
   finite is skipped (params and optimizer state unchanged) and reported as
-  metrics['nonfinite'] = 1: NaN/inf never enters the weights or the optimizer moments. `frozen`: the frozen
-  weights on `mesh` (default: loaded FSDP-sharded, without the decoder); params are the
-  trainable tree (the MMDiT, or LoRA adapters merged into the frozen base inside)."""
+  metrics['nonfinite'] = 1: NaN/inf never enters the weights or the optimizer moments.
+  `frozen`: the frozen weights on `mesh` (default: loaded FSDP-sharded, without the decoder);
+  params are the trainable tree (the MMDiT, or LoRA adapters merged into the frozen base
+  inside)."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = velocity_fn_of(exp)

@@ -102,7 +102,8 @@ def test_no_readable_checkpoint_is_one_clear_error(tmp_path):
 
 def test_intact_checkpoint_of_another_model_is_not_taken_for_corruption(tmp_path):
   d = _saved(tmp_path / 'ck')
-  other = {'params': {'w': jnp.zeros((64, 128)), 'b': jnp.zeros(5)}, 'rng': jnp.zeros(2, jnp.uint32)}
+  other = {'params': {'w': jnp.zeros((64, 128)), 'b': jnp.zeros(5)},
+           'rng': jnp.zeros(2, jnp.uint32)}
   ck = ckpt_lib.Checkpointer(d)
   with pytest.raises(faults.CheckpointError, match='intact but does not fit this run'):
     ck.restore_latest(other)
@@ -166,7 +167,8 @@ _FSIZE_SCRIPT = textwrap.dedent('''
     ck.save(1, st(1.0), {'step': 1, 'data_position': 2}); ck.wait()
     # Any file write past 16 KB now fails (EFBIG) instead of killing us with SIGXFSZ.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16_000, hard))
     try:
       ck.save(2, st(2.0), {'step': 2, 'data_position': 4}); ck.close()
     except faults.CheckpointError as e:

@@ -191,7 +191,8 @@ def test_gap_fragments_skip_a_batch_whose_reward_raises(tmp_path, caplog):
   """The pipelined schedule (GAP, 2 fragments on one mesh) accumulates per-fragment gradients:
   a reward that raises on one prompt of step 2 makes that fragment's advantages NaN, and the
   one optimizer step of the batch is skipped; the error names the prompt."""
-  _PLAN.update(nan_at=set(), raise_at={3}, calls=0, prompts={}, bad=None)   # fragment calls: 2 per step
+  # Two reward calls per step (one per fragment): call 3 is step 2's first fragment.
+  _PLAN.update(nan_at=set(), raise_at={3}, calls=0, prompts={}, bad=None)
   wd = str(tmp_path / 'run')
   config = _config(tmp_path, 3, **{'schedule.fragments': 2, 'schedule.trace': False})
   exp = experiment.build(config, wd, 2)

@@ -101,7 +101,8 @@ CASES = [
     ('fraction_above_one', MAIN, [TINY, '--config.rl.timesteps=random_fraction',
                                   '--config.rl.timestep_fraction=1.5'],
      ['config.rl.timestep_fraction=1.5']),
-    ('indivisible_batch', MAIN, [TINY, '--config.rl.prompts_per_step=3', '--config.rl.group_size=3'],
+    ('indivisible_batch', MAIN, [TINY, '--config.rl.prompts_per_step=3',
+                                 '--config.rl.group_size=3'],
      ['not divisible', 'rl.prompts_per_step']),
     # unknown keys, bad choices, broken config files
     ('unknown_key', MAIN, [TINY, '--config.rl.grup_size=3'], ['no field', 'grup_size']),

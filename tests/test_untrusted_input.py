@@ -4,6 +4,7 @@ server listens on the configured interface only (127.0.0.1 by default)."""
 import ast
 import os
 import socket
+import time
 
 import pytest
 
@@ -24,7 +25,8 @@ def pickle_uses(source: str, path: str = '<src>') -> list[str]:
     if isinstance(node, ast.Import):
       found += [f'{path}:{node.lineno}: import {a.name}' for a in node.names
                 if a.name.split('.')[0] in _PICKLING_MODULES]
-    elif isinstance(node, ast.ImportFrom) and (node.module or '').split('.')[0] in _PICKLING_MODULES:
+    elif (isinstance(node, ast.ImportFrom)
+          and (node.module or '').split('.')[0] in _PICKLING_MODULES):
       found.append(f'{path}:{node.lineno}: from {node.module} import')
     elif isinstance(node, ast.Call):
       f = node.func
@@ -44,7 +46,8 @@ def pickle_uses(source: str, path: str = '<src>') -> list[str]:
 
 def test_the_scanner_finds_pickle():
   src = ('import pickle\nfrom dill import loads\nimport torch\nimport numpy as np\n'
-         'torch.load("w.bin")\nnp.load("a.npy", allow_pickle=True)\nm.from_pretrained(p, use_safetensors=False)\n'
+         'torch.load("w.bin")\nnp.load("a.npy", allow_pickle=True)\n'
+         'm.from_pretrained(p, use_safetensors=False)\n'
          's = "pickle is not allowed"  # pickle\n')
   assert len(pickle_uses(src)) == 5
 
@@ -69,7 +72,7 @@ def test_text_encoder_weights_load_from_safetensors_only():
     tree = ast.parse(f.read())
   models = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
             and getattr(n.func, 'attr', '') == 'from_pretrained'
-            and any(k.arg == 'dtype' for k in n.keywords)]             # the encoder, not its tokenizer
+            and any(k.arg == 'dtype' for k in n.keywords)]     # the encoder, not its tokenizer
   assert models and all(any(k.arg == 'use_safetensors' and k.value.value is True
                             for k in n.keywords) for n in models)
 
@@ -94,6 +97,17 @@ def _listening() -> set[str]:
   return out
 
 
+def _new_listeners(before: set[str]) -> set[str]:
+  """Listening sockets opened since `before` (the server's threads may open them a moment
+  after start returns)."""
+  deadline = time.monotonic() + 5.0
+  while True:
+    new = _listening() - before
+    if new or time.monotonic() > deadline:
+      return new
+    time.sleep(0.05)
+
+
 def _hex_ipv4(addr: str) -> str:
   return socket.inet_aton(addr)[::-1].hex().upper()
 
@@ -104,7 +118,7 @@ def test_transfer_server_listens_on_the_configured_interface_only():
   transfer.set_host(configlib.base_config().cluster.transfer_host)
   before = _listening()
   server = transfer.start_server(transfer._transfer_host())   # pylint: disable=protected-access
-  new = _listening() - before
+  new = _new_listeners(before)
   # Its socket address and transport addresses, all on loopback.
   assert new, 'no listening socket found'
   assert all(a.startswith(_hex_ipv4('127.0.0.1') + ':') for a in new), new
@@ -114,11 +128,12 @@ def test_transfer_server_listens_on_the_configured_interface_only():
   before = _listening()
   transfer.set_host('127.0.0.2')
   try:
-    transfer.start_server(transfer._transfer_host())            # pylint: disable=protected-access
+    second = transfer.start_server(transfer._transfer_host())   # pylint: disable=protected-access
   finally:
     transfer.set_host('127.0.0.1')
-  new = _listening() - before
+  new = _new_listeners(before)       # (`second` held: a collected server closes its sockets)
   assert new and all(a.startswith(_hex_ipv4('127.0.0.2') + ':') for a in new), new
+  assert second.address().startswith('127.0.0.2:')
 
 
 @pytest.mark.parametrize('host', ['0.0.0.0', '::', 'localhost:80', 'eth0', ''])
