@@ -216,10 +216,24 @@ def build_optimizer(config) -> optax.GradientTransformation:
 def _prompts(config, split: str, split_field: str, data_dir: str):
   """load_prompts with the config fields named in its errors."""
   try:
-    return prompt_data.load_prompts(config.data.prompts, split, data_dir)
+    seq = prompt_data.load_prompts(config.data.prompts, split, data_dir)
   except ValueError as e:
     raise ValueError(f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): '
                      f'{e}') from None
+  # Every record once: a damaged array_record file raises, or (cut short) reads as None, here
+  # rather than mid-run.
+  try:
+    bad = next((i for i, p in enumerate(seq[:]) if not isinstance(p, str) or not p), None)
+    why = None if bad is None else f'record {bad} is not a prompt'
+  except (RuntimeError, OSError, ValueError) as e:
+    why = ' '.join(str(e).split())[:200]
+  if why is not None:
+    raise ValueError(
+        f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): the prepared '
+        f'prompt dataset under {data_dir} is unreadable ({why}); delete its folder there and '
+        'rerun (shapes and prompt files given by path rebuild themselves; a prompt_file/<name> '
+        'dataset needs build_prompt_file_dataset again)')
+  return seq
 
 
 def build(config, workdir: str, num_devices: int) -> Experiment:

@@ -49,6 +49,15 @@ def _files(d):
         f.truncate(100_000)
     else:
       w(os.path.join(name, 'config.json'), b'{"format": ')
+  # A prepared prompt dataset (tfds array_record) whose records file lost its second half.
+  from digen_jax.data import prompts as prompt_data   # pylint: disable=g-import-not-at-top
+  w('twelve.txt', ''.join(f'a red circle number {i}\n' for i in range(12)).encode())
+  prompt_data.build_prompt_file_dataset('twelve', {'train': os.path.join(d, 'twelve.txt')},
+                                        os.path.join(d, 'pdata'))
+  (records,) = glob.glob(os.path.join(d, 'pdata', 'prompt_file', 'twelve', '*',
+                                      '*train.array_record*'))
+  with open(records, 'r+b') as f:
+    f.truncate(os.path.getsize(records) // 2)
   os.makedirs(os.path.join(d, 'cache_no_index'))
   cache = os.path.join(d, 'cache_bad_index')
   os.makedirs(cache)
@@ -179,6 +188,9 @@ CASES = [
      ['blank_line.txt:2: empty line']),
     ('prompts_missing', MAIN, [TINY, '--config.data.prompts={d}/nope.txt'],
      ['config.data.prompts', 'not found']),
+    ('prompt_dataset_corrupt', MAIN, [TINY, '--config.data.prompts=prompt_file/twelve',
+                                      '--config.data.data_dir={d}/pdata'],
+     ['config.data.prompts', 'unreadable', 'delete its folder']),
     ('eval_split_missing', MAIN, [TINY, '--config.eval.every=1', '--config.eval.split=nosuch'],
      ['config.eval.split', "no split 'nosuch'"]),
     # corrupt model checkpoints and embedding caches
