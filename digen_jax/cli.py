@@ -23,12 +23,18 @@ def parse_flags(argv):
   """absl's parser, but a bad config file/override is one clear line, not a traceback."""
   try:
     return flags.FLAGS(argv)
-  except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
+  except Exception as e:  # pylint: disable=broad-except  (anything a config file raises is input)
     text = str(e).strip('\'"').replace("\\'", "'").replace('\\n', '\n')
+    if not isinstance(e, (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError,
+                          SyntaxError)):
+      text = f'{type(e).__name__}: {text}'     # raised by the config file's own code
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     if 'Traceback (most recent call last):' in lines:   # error raised inside a config file
       lines = [lines[0], lines[-1]]
     wrapped = e.args[0] if e.args else None
+    if isinstance(e, SyntaxError) or isinstance(wrapped, SyntaxError):  # not a Python file
+      path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), '?')
+      fail(f'cannot load --config={path}: {" ".join(lines)} (not a Python config file?)')
     if isinstance(e, KeyError) or isinstance(wrapped, KeyError):
       # An override of a field the config does not have (config_flags raises AttributeError(KeyError)).
       lines = ['the config has no field ' + ' '.join(lines).replace("\\'", "'")]
@@ -48,8 +54,12 @@ def config_and_workdir():
   try:
     config = CONFIG.value
     config.runtime  # pylint: disable=pointless-statement  (a failed load raises on first use)
-  except OSError as e:  # config_flags defers a failed file load to the first access
-    fail('cannot load --config: ' + ' '.join(str(e.__cause__ or e).split()))
+  except Exception as e:  # pylint: disable=broad-except  (a deferred file load fails here)
+    cause = e.__cause__ or e
+    text = ' '.join(str(cause).split())
+    if not isinstance(cause, OSError):
+      text = f'{type(cause).__name__}: {text}'
+    fail('cannot load --config: ' + text)
   return config, WORKDIR.value
 
 

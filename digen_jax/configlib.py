@@ -6,6 +6,9 @@ time. `validate(config, num_devices)` checks cross-field consistency before anyt
 """
 from __future__ import annotations
 
+import ipaddress
+import math
+
 import ml_collections
 
 from digen_jax.rewards import registry as reward_registry
@@ -131,6 +134,10 @@ def base_config() -> ml_collections.ConfigDict:
   # 'name=/path/to/file.py:function'. Each function takes (uint8 images [B, H, W, 3], prompts)
   # and returns [B] scores; `name` can then be used in reward.weights.
   c.reward.callables = ''
+  # A reward call (one batch) that takes longer is abandoned: its samples score NaN and the update
+  # is skipped (0 = no limit). A reward that raises or returns NaN is treated the same way, with
+  # the prompt that caused it in the log (rewards/registry.py: guarded).
+  c.reward.timeout_s = 600.0
 
   # --- optimizer -----------------------------------------------------------------------------
   c.optim = ml_collections.ConfigDict()
@@ -153,6 +160,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.runtime.mode = 'colocated'      # 'colocated' (one mesh) | 'disagg' (rollout and trainer meshes)
   c.runtime.num_devices = 0         # colocated: 0 = all local devices (disagg: see cluster)
   c.runtime.transfer_guard = 'disallow'  # jax.transfer_guard around the hot loop: no implicit copies
+  # An update whose rewards, advantages, loss, gradient or new weights hold NaN/inf is skipped
+  # (weights and optimizer state unchanged, counted in metrics.jsonl); this many in a row stop
+  # the run with an error, the last checkpoint holding the last good weights.
+  c.runtime.max_consecutive_skips = 3
 
   # --- cluster: roles and meshes of runtime.mode='disagg' (colocated ignores it) -------------
   # layout 'auto': 2 processes -> process 0 trains, process 1 rolls out; 1 process -> the first
@@ -167,6 +178,10 @@ def base_config() -> ml_collections.ConfigDict:
     r.mesh_shape = ()               # () = 1-D over the role's devices; else e.g. (2, 2)
     r.axis_names = ('data',)        # one name per mesh axis ('data,fsdp' on the command line)
     r.speed = 1.0                   # relative device speed label (heterogeneous clusters)
+  # The one interface each process's transfer server (weights and batches across processes)
+  # listens on: an IP address, or 'hostname' (the address this machine's name resolves to) for a
+  # job over several machines. The default keeps it off every network.
+  c.cluster.transfer_host = '127.0.0.1'
   c.cluster.rollout.param_dtype = 'float32'         # 'bfloat16': lower-precision rollout copy
   c.cluster.rollout.param_sharding = 'replicated'   # 'replicated' (data-parallel) | 'fsdp'
 
@@ -274,6 +289,91 @@ _CHOICES = {
 }
 
 
+# Every numeric field's type and range (checked first, so nothing downstream divides by zero,
+# builds an empty array or traces a NaN into a program): ints >= a minimum; floats finite within
+# [lo or (lo, hi] or hi). A fix hint follows where the range alone does not say it.
+_INT_MIN = {
+    'seed': 0, 'total_steps': 1, 'rl.prompts_per_step': 1, 'rl.group_size': 2,
+    'rl.inner_epochs': 1, 'rl.window_start': 0, 'rl.window_size': 1, 'rl.slide_every': 1,
+    'sampler.num_steps': 2, 'latent.height': 1, 'latent.width': 1, 'latent.frames': 1,
+    'latent.channels': 1, 'latent.vae_batch_chunk': 0, 'latent.vae_tile': 0,
+    'model.patch_size': 1, 'model.in_channels': 1, 'model.out_channels': 1, 'model.num_layers': 0,
+    'model.num_single_layers': 0, 'model.num_attention_heads': 1, 'model.attention_head_dim': 1,
+    'model.joint_attention_dim': 1, 'model.pooled_projection_dim': 1, 'model.lora.rank': 0,
+    'text.max_length': 2, 'eval.every': 0, 'eval.num_prompts': 0, 'eval.samples_per_prompt': 1,
+    'eval.batch_size': 1, 'eval.seed': 0, 'optim.warmup_steps': 0, 'runtime.num_devices': 0,
+    'runtime.max_consecutive_skips': 1, 'schedule.fragments': 1, 'log_every': 1,
+    'checkpoint_every': 1, 'keep_checkpoints': 1, 'sample_grid_every': 0,
+}
+_INT_HINTS = {
+    'rl.group_size': 'GRPO needs at least 2 samples per prompt',
+    'runtime.num_devices': '0 = all local devices',
+    'eval.num_prompts': '0 = the whole split', 'eval.every': '0 = off',
+    'sample_grid_every': '0 = off', 'model.lora.rank': '0 = full fine-tuning',
+    'runtime.max_consecutive_skips': 'updates skipped in a row for NaN/inf before the run stops',
+}
+_INF = float('inf')
+_FLOAT_RANGES = {   # field: (lo, lo_inclusive, hi, hi_inclusive, hint)
+    'optim.lr': (0.0, False, 1.0, True, 'Adam moves each weight by about lr per step; 1e-4 is '
+                 'typical for fine-tuning'),
+    'optim.b1': (0.0, True, 1.0, False, ''), 'optim.b2': (0.0, True, 1.0, False, ''),
+    'optim.eps': (0.0, False, _INF, False, ''),
+    'optim.weight_decay': (0.0, True, _INF, False, ''),
+    'optim.grad_clip': (0.0, False, _INF, False, 'the global-norm clip'),
+    'optim.final_lr_frac': (0.0, True, 1.0, True, ''),
+    'rl.adv_eps': (0.0, True, _INF, False, ''), 'rl.adv_clip': (0.0, False, _INF, False, ''),
+    'rl.clip_range': (0.0, False, _INF, False, 'the PPO epsilon'),
+    'rl.kl_beta': (0.0, True, _INF, False, '0 = no KL'),
+    'rl.timestep_fraction': (0.0, False, 1.0, True, ''),
+    'sampler.noise_level': (0.0, True, _INF, False, ''),
+    'sampler.shift': (0.0, True, _INF, False, '0 = the scheduler\'s dynamic shift'),
+    'sampler.guidance_scale': (0.0, True, _INF, False, '<= 1 = no CFG'),
+    'sampler.distilled_guidance': (0.0, True, _INF, False, ''),
+    'model.rope_theta': (0.0, False, _INF, False, 'diffusers: 10000.0'),
+    'model.lora.alpha': (0.0, True, _INF, False, '0 = rank'),
+    'reward.timeout_s': (0.0, True, _INF, False, '0 = no limit'),
+    'schedule.tcss_fraction': (0.0, True, 1.0, True, ''),
+    'cluster.trainer.speed': (0.0, False, _INF, False, ''),
+    'cluster.rollout.speed': (0.0, False, _INF, False, ''),
+}
+
+
+def _check_numbers(config) -> None:
+  """ValueError naming the first numeric field of a wrong type or out of its range."""
+  for field, lo in _INT_MIN.items():
+    v = _get(config, field)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+      hint = _INT_HINTS.get(field)
+      raise ValueError(f'config.{field}={v!r} must be an int >= {lo}' +
+                       (f' ({hint})' if hint else ''))
+  for field, (lo, lo_in, hi, hi_in, hint) in _FLOAT_RANGES.items():
+    v = _get(config, field)
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+          and (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi))
+    if not ok:
+      span = (('[' if lo_in else '(') + f'{lo:g}, ' + ('inf)' if hi == _INF else
+                                                      f'{hi:g}' + (']' if hi_in else ')')))
+      raise ValueError(f'config.{field}={v!r} must be a finite number in {span}' +
+                       (f' ({hint})' if hint else ''))
+
+
+def check_transfer_host(host, field: str = 'config.cluster.transfer_host') -> str:
+  """`host` if it names one interface: an IP address (not a wildcard such as 0.0.0.0, which
+  would listen on every interface) or 'hostname'; else ValueError naming `field`."""
+  if host == 'hostname':
+    return host
+  try:
+    ip = ipaddress.ip_address(host)
+  except ValueError:
+    raise ValueError(f"{field}={host!r} must be one interface's IP address (default "
+                     "127.0.0.1: this machine only) or 'hostname' (the address this machine's "
+                     'name resolves to, for jobs over several machines)') from None
+  if ip.is_unspecified:
+    raise ValueError(f'{field}={host!r} would listen on every interface; give the one peers '
+                     "reach this machine on, or 'hostname'")
+  return host
+
+
 def _get(config, dotted):
   node = config
   for part in dotted.split('.'):
@@ -286,6 +386,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   for field, choices in _CHOICES.items():
     if _get(config, field) not in choices:
       raise ValueError(f'config.{field}={_get(config, field)!r} is not one of {choices}')
+  _check_numbers(config)
   m, lat = config.model, config.latent
   p = m.patch_size
   if lat.height % p or lat.width % p:
@@ -302,6 +403,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
                      f'config.model.attention_head_dim={m.attention_head_dim}')
   if not m.rope_theta > 0:
     raise ValueError(f'config.model.rope_theta={m.rope_theta!r} must be > 0 (diffusers: 10000.0)')
+  if m.family != 'flux' and m.num_layers < 1:
+    raise ValueError(f'config.model.num_layers={m.num_layers} must be >= 1')
   if m.family == 'flux':
     if m.num_single_layers < 0 or m.num_layers + m.num_single_layers < 1:
       raise ValueError(f'config.model.num_layers={m.num_layers}, num_single_layers='
@@ -352,8 +455,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ValueError(f'config.optim: lr={o.lr} must be > 0, warmup_steps={o.warmup_steps} in '
                      f'[0, total_steps * rl.inner_epochs = {config.total_steps * config.rl.inner_epochs}) '
                      f'and final_lr_frac={o.final_lr_frac} in [0, 1]')
+  k = config.runtime.max_consecutive_skips
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f'config.runtime.max_consecutive_skips={k!r} must be an int >= 1 (updates '
+                     'skipped in a row for NaN/inf before the run stops; default 3)')
+  t = config.reward.timeout_s
+  if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < float('inf')):
+    raise ValueError(f'config.reward.timeout_s={t!r} must be a finite number of seconds >= 0 '
+                     '(0 = no limit)')
   if config.eval.samples_per_prompt < 1:
     raise ValueError(f'config.eval.samples_per_prompt={config.eval.samples_per_prompt} must be >= 1')
+  check_transfer_host(config.cluster.transfer_host)
   reward_registry.register_callables(config.reward.callables)    # errors name the field
   try:
     reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights))

@@ -74,8 +74,10 @@ def _load(folder: str, encoder: str, tokenizer: str, classes: tuple[str, str], d
 
   tok = _transformers_class(folder, tokenizer, classes[1]).from_pretrained(
       os.path.join(folder, tokenizer))
+  # use_safetensors: never fall back to pickled .bin weights (torch.load runs code).
   model = _transformers_class(folder, encoder, classes[0]).from_pretrained(
-      os.path.join(folder, encoder), dtype=getattr(torch, dtype)).to(device).eval()
+      os.path.join(folder, encoder), dtype=getattr(torch, dtype),
+      use_safetensors=True).to(device).eval()
   return tok, model
 
 

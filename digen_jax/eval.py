@@ -12,6 +12,7 @@ from absl import app
 from absl import logging
 
 from digen_jax import cli
+from digen_jax import faults
 
 
 def main(argv):
@@ -30,11 +31,15 @@ def main(argv):
   ckpt_dir = os.path.join(workdir, 'checkpoints')
   if os.path.isdir(ckpt_dir):
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir)
-    step = checkpointer.latest_step() or 0
-    if step:
-      template = {'params': params, 'opt_state': jax.eval_shape(exp.optimizer.init, params),
-                  'rng': ckpt_lib.key_to_data(jax.random.key(0))}
-      state, _ = checkpointer.restore(step, template)
+    template = {'params': params, 'opt_state': jax.eval_shape(exp.optimizer.init, params),
+                'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+    try:
+      # The newest readable step; eval only reads, so a corrupt one stays where it is.
+      restored = checkpointer.restore_latest(template, move_aside=False)
+    except faults.RunError as e:
+      cli.fail(str(e))
+    if restored is not None:
+      step, state, _ = restored
       params = state['params']
     checkpointer.close()
   logging.info('evaluating %s at step %d', 'checkpoint' if step else 'the initial model', step)

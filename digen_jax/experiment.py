@@ -213,6 +213,29 @@ def build_optimizer(config) -> optax.GradientTransformation:
                   weight_decay=o.weight_decay))
 
 
+def _prompts(config, split: str, split_field: str, data_dir: str):
+  """load_prompts with the config fields named in its errors."""
+  try:
+    seq = prompt_data.load_prompts(config.data.prompts, split, data_dir)
+  except ValueError as e:
+    raise ValueError(f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): '
+                     f'{e}') from None
+  # Every record once: a damaged array_record file raises, or (cut short) reads as None, here
+  # rather than mid-run.
+  try:
+    bad = next((i for i, p in enumerate(seq[:]) if not isinstance(p, str) or not p), None)
+    why = None if bad is None else f'record {bad} is not a prompt'
+  except (RuntimeError, OSError, ValueError) as e:
+    why = ' '.join(str(e).split())[:200]
+  if why is not None:
+    raise ValueError(
+        f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): the prepared '
+        f'prompt dataset under {data_dir} is unreadable ({why}); delete its folder there and '
+        'rerun (shapes and prompt files given by path rebuild themselves; a prompt_file/<name> '
+        'dataset needs build_prompt_file_dataset again)')
+  return seq
+
+
 def build(config, workdir: str, num_devices: int) -> Experiment:
   """Validates the config (before anything compiles) and builds the run's parts."""
   configlib.validate(config, num_devices)
@@ -221,13 +244,15 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   img_shape = (lat.frames, lat.height // p, lat.width // p)
   num_tokens = int(np.prod(img_shape))
   # Cheap parts first so their errors come before the (possibly large) model build.
-  reward_fn = reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights))
+  reward_fn = reward_registry.guarded(
+      reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights)),
+      config.reward.timeout_s)
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
-  source = prompt_data.load_prompts(config.data.prompts, config.data.split, data_dir)
-  eval_source = (prompt_data.load_prompts(config.data.prompts, config.eval.split, data_dir)
-                 if config.eval.every > 0 and config.text.encoder != 'word' else [])
+  source = _prompts(config, config.data.split, 'config.data.split', data_dir)
+  eval_source = (_prompts(config, config.eval.split, 'config.eval.split', data_dir)
+                 if config.eval.every > 0 else [])   # a bad eval split fails now, not mid-run
   check_prompt_cache(config, text_encoder, [list(source), list(eval_source)])
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
   sigmas = build_schedule(config, num_tokens)

@@ -14,6 +14,7 @@ from absl import app
 from absl import logging
 
 from digen_jax import cli
+from digen_jax import faults
 
 
 def main(argv):
@@ -25,7 +26,10 @@ def main(argv):
   except ValueError as e:
     cli.fail(str(e))
   try:
-    _run(info)
+    try:
+      _run(info)
+    except faults.RunError as e:   # a fault with its own explanation: one line, no traceback
+      cli.fail(str(e))
   except SystemExit as e:
     if info.num_processes > 1 and e.code not in (None, 0):
       # A normal exit would wait in jax.distributed's shutdown for peers that may be waiting
@@ -72,6 +76,7 @@ def _run(info):
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import colocated  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import disagg  # pylint: disable=g-import-not-at-top
+  from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
 
   config, workdir, n = cli.setup()
   tiny_pipeline = config.model.get('build_tiny_pipeline', False)
@@ -103,6 +108,7 @@ def _run(info):
   elif tiny_pipeline:
     prepare_tiny_pipeline(config, workdir)
   exp = cli.build_experiment(config, workdir, n_check)
+  transfer.set_host(config.cluster.transfer_host)    # checked by configlib.validate above
   if info.num_processes > 1 and writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)
   if writer:

@@ -37,16 +37,15 @@ import time
 from typing import Any, Callable, Sequence
 
 from absl import app
-from absl import flags
 from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
-from ml_collections import config_flags
 import numpy as np
 import optax
 
+from digen_jax import cli
 from digen_jax import configlib
 from digen_jax import experiment
 from digen_jax import metrics as metrics_lib
@@ -122,6 +121,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      'the training process)')
   if p.warmup < 0 or p.warmup >= p.steps:
     raise ValueError(f'config.pretrain.warmup={p.warmup} must be in [0, steps={p.steps})')
+  if not (math.isfinite(p.lr) and 0 < p.lr <= 1):   # NaN/inf would only show as a NaN loss
+    raise ValueError(f'config.pretrain.lr={p.lr!r} must be a finite number in (0, 1] '
+                     '(e.g. 2e-3)')
+  if not (math.isfinite(p.final_lr_frac) and 0 <= p.final_lr_frac <= 1):
+    raise ValueError(f'config.pretrain.final_lr_frac={p.final_lr_frac!r} must be in [0, 1]')
 
 
 def batch_spec(config: ml_collections.ConfigDict) -> training_data.BatchSpec:
@@ -527,24 +531,24 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   return summary
 
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/shapes_pretrain.py[:test]')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (metrics.jsonl, params/, summary.json).')
-
-
 def main(argv):
   del argv
+  # cli's --config/--workdir and flag parser: a bad file or override is one line, as in main.
+  config, workdir = cli.config_and_workdir()
   try:
-    validate(_CONFIG.value)
-  except ValueError as e:  # bad input: one clear line, before anything compiles
+    validate(config)
+  except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, before compiling
     sys.exit(f'digen_jax.pretrain: {e}')
-  summary = train(_CONFIG.value, _WORKDIR.value)
+  try:
+    summary = train(config, workdir)
+  except FloatingPointError as e:   # diverged: its message names the step and the fix
+    sys.exit(f'digen_jax.pretrain: {e}')
   ev = summary['final_eval']
   print(f"pretrain: {summary['steps']} steps in {summary['train_wall_s']:.0f}s, final loss "
         f"{summary['final_loss']:.4f}; strict accuracy eval {ev['eval/strict_accuracy']:.3f} "
         f"train {ev['train/strict_accuracy']:.3f} (ODE); params -> "
-        f"{os.path.join(_WORKDIR.value, 'params')}")
+        f"{os.path.join(workdir, 'params')}")
 
 
 if __name__ == '__main__':
-  flags.mark_flags_as_required(['config', 'workdir'])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -150,10 +150,12 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
   ref_params: the frozen reference (FSDP-sharded like params) when rl.kl_beta > 0, else None.
   traj_shardings: the layout the trajectory arrives in (None: whatever it has).
 
-  A step whose gradient is not finite is skipped (params and optimizer state unchanged) and
-  reported as metrics['nonfinite'] = 1: NaN/inf never enters the weights. `frozen`: the frozen
-  weights on `mesh` (default: loaded FSDP-sharded, without the decoder); params are the
-  trainable tree (the MMDiT, or LoRA adapters merged into the frozen base inside)."""
+  A step whose advantages, loss, gradient or resulting params/optimizer state are not all
+  finite is skipped (params and optimizer state unchanged) and reported as
+  metrics['nonfinite'] = 1: NaN/inf never enters the weights or the optimizer moments.
+  `frozen`: the frozen weights on `mesh` (default: loaded FSDP-sharded, without the decoder);
+  params are the trainable tree (the MMDiT, or LoRA adapters merged into the frozen base
+  inside)."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = velocity_fn_of(exp)
@@ -178,9 +180,10 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
       p, o = carry
       (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(p)
       grad_norm = optax.tree.norm(grads)
-      finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
       updates, new_o = optimizer.update(grads, o, p)
       new_p = optax.apply_updates(p, updates)
+      finite = (jnp.isfinite(grad_norm) & jnp.isfinite(loss) & all_finite(adv)
+                & all_finite(new_p) & all_finite(new_o))
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
       metrics = dict(metrics, loss=loss, grad_norm=grad_norm,
                      nonfinite=(~finite).astype(jnp.float32))
@@ -203,6 +206,14 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
                     frozen_shardings(frozen)),
       out_shardings=(param_shardings, opt_shardings, rep),
       donate_argnums=(0, 1)), frozen)
+
+
+def all_finite(tree) -> jax.Array:
+  """Whether every float in `tree` is finite (a bool scalar). Checked on the new params and
+  moments too: a finite gradient times an extreme learning rate can still overflow them."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 def ref_shardings(exp, param_shardings):
@@ -294,8 +305,9 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
     (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
     w = m['weight_sum']
     sums = dict(acc['sums'])
-    # policy_loss / loss are already sums (denominator 1); the others are weighted means.
-    sums['loss'] = sums['loss'] + loss
+    # policy_loss / loss are already sums (denominator 1); the others are weighted means. A
+    # non-finite advantage poisons the loss sum, so `apply` skips the whole logical batch.
+    sums['loss'] = sums['loss'] + loss + jnp.where(all_finite(adv), 0.0, jnp.nan)
     sums['policy_loss'] = sums['policy_loss'] + m['policy_loss']
     for k in ('approx_kl', 'clip_frac', 'ratio_mean', 'kl'):
       sums[k] = sums[k] + m[k] * w
@@ -320,7 +332,8 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
 def make_apply(exp, mesh, param_shardings, opt_shardings):
   """apply(params, opt_state, acc) -> (params, opt_state, metrics): one optimizer step with the
   accumulated gradient divided by the batch's total pair weight; skipped (state unchanged,
-  metrics['nonfinite'] = 1) when the gradient or loss is not finite. Donates params, state."""
+  metrics['nonfinite'] = 1) when the gradient, loss (which a non-finite advantage poisons, see
+  make_fragment_grad) or the new params/state are not finite. Donates params, state."""
   optimizer = exp.optimizer
   rep = mesh_lib.replicated(mesh)
 
@@ -331,9 +344,10 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
     grads = jax.tree.map(lambda g: g * inv, acc['grads'])
     loss = s['loss'] * inv
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
     updates, new_o = optimizer.update(grads, opt_state, params)
     new_p = optax.apply_updates(params, updates)
+    finite = (jnp.isfinite(grad_norm) & jnp.isfinite(loss) & all_finite(new_p)
+              & all_finite(new_o))
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     metrics = {'loss': loss, 'policy_loss': s['policy_loss'] * inv,
                'approx_kl': s['approx_kl'] * inv, 'clip_frac': s['clip_frac'] * inv,

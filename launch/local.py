@@ -65,6 +65,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.error(f'--num_processes={args.num_processes} must be >= 1')
   if args.devices_per_process is not None and args.devices_per_process < 1:
     p.error(f'--devices_per_process={args.devices_per_process} must be >= 1')
+  if not 0 <= args.port <= 65535:
+    p.error(f'--port={args.port} must be in [0, 65535] (0: pick a free one)')
+  for name in ('timeout_s', 'grace_s'):
+    value = getattr(args, name)
+    if not 0 <= value < float('inf'):           # also NaN
+      p.error(f'--{name}={value} must be a finite number >= 0')
   if not cmd:
     p.error('no command after "--"')
   return args, cmd

@@ -11,6 +11,8 @@
 #   DIGEN_COORDINATOR_ADDRESS=<first host>:<port>   DIGEN_NUM_PROCESSES=$SLURM_NTASKS
 #   DIGEN_PROCESS_ID=$SLURM_PROCID                  DIGEN_LOCAL_DEVICE_IDS=$SLURM_LOCALID (per GPU)
 # Port: $DIGEN_COORDINATOR_PORT, else derived from the job id. JAX_PLATFORMS is left alone.
+# Over several nodes, give digen_jax.main --config.cluster.transfer_host=hostname: the transfer
+# servers listen on 127.0.0.1 only by default.
 set -euo pipefail
 
 if [[ $# -eq 0 ]]; then

@@ -38,6 +38,7 @@ Summary, per run (printed, and written to ROOT/sweep_summary.{csv,json} unless -
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import dataclasses
 import importlib.util
@@ -170,10 +171,13 @@ def parse_run(spec: str, where: str = '--run') -> tuple[str, tuple[str, ...]]:
 
 def read_runs_file(path: str) -> list[tuple[str, tuple[str, ...]]]:
   try:
-    with open(path) as f:
+    with open(path, encoding='utf-8') as f:
       lines = f.read().splitlines()
   except OSError as e:
     raise SweepError(f'--runs_file {path!r}: {e.strerror}') from None
+  except UnicodeDecodeError as e:
+    raise SweepError(f'--runs_file {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); '
+                     'give lines "NAME: --config.K=V ..."') from None
   runs = []
   for i, line in enumerate(lines, 1):
     line = line.split('#', 1)[0].strip()
@@ -240,7 +244,9 @@ def missing_keys(config, run: Run) -> list[str]:
 
 
 def check_keys(config_spec: str, runs: Sequence[Run]) -> dict[str, str]:
-  """{run name: one-line problem} for the runs that set fields the config does not have."""
+  """{run name: one-line problem} for the runs that set fields the config does not have, or
+  values that do not parse (ml_collections' own parser) or do not validate (configlib.validate
+  on one device: device counts are checked by each run itself)."""
   config = load_config(config_spec)
   problems = {}
   for run in runs:
@@ -248,7 +254,30 @@ def check_keys(config_spec: str, runs: Sequence[Run]) -> dict[str, str]:
     if bad:
       problems[run.name] = (f'{config_spec} has no field ' +
                             ', '.join(f'config.{k}' for k in bad) + ' (unknown key)')
+      continue
+    bad_value = value_problem(config, run)
+    if bad_value:
+      problems[run.name] = bad_value
   return problems
+
+
+def value_problem(config, run: Run) -> str | None:
+  """Why `run`'s overrides give a config digen_jax.main would reject at start, or None."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from digen_jax import configlib  # pylint: disable=g-import-not-at-top
+  if not hasattr(config, 'runtime'):      # not a digen_jax.main config tree: leave it to the run
+    return None
+  values = flags.FlagValues()
+  argv = ['sweep', *run.overrides]
+  config_flags.DEFINE_config_dict('config', copy.deepcopy(config), flag_values=values,
+                                  sys_argv=argv)
+  try:
+    values(argv)
+    configlib.validate(values.config, 1)
+  except (flags.Error, ValueError, TypeError, AttributeError, KeyError) as e:
+    return ' '.join(str(e).split())
+  return None
 
 
 # --------------------------------------------------------------------------------- launching
@@ -622,6 +651,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     raise SweepError(f'--num_processes={a.num_processes} must be >= 1')
   if a.devices_per_process is not None and a.devices_per_process < 1:
     raise SweepError(f'--devices_per_process={a.devices_per_process} must be >= 1')
+  if not 0 <= a.timeout_s < float('inf'):      # also NaN
+    raise SweepError(f'--timeout_s={a.timeout_s} must be a finite number >= 0 (0 = none)')
   return a
 
 

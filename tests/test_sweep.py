@@ -208,10 +208,11 @@ def _sweep(root, *args):
 
 
 def test_sweep_reports_metrics_and_failures(tmp_path, capsys):
-  """One 2-step tiny run and one that fails validation: both in the table; the sweep exits 1."""
+  """One 2-step tiny run and one that fails at its start (more devices than its process has:
+  values the sweep cannot check itself): both in the table; the sweep exits 1."""
   root = tmp_path / 'sw'
   code = _sweep(root, '--set', '--config.total_steps=2', '--run', 'ok:--config.optim.lr=3e-4',
-                '--run', 'bad:--config.sampler.sde=bogus')
+                '--run', 'bad:--config.runtime.num_devices=64')
   out = capsys.readouterr().out
   assert code == 1
   rows = {r['name']: r for r in json.load(open(root / 'sweep_summary.json'))['runs']}
@@ -222,7 +223,7 @@ def test_sweep_reports_metrics_and_failures(tmp_path, capsys):
   assert ok['utilization'] == metrics[1]['utilization'] and ok['reward_mean'] == metrics[1]['reward_mean']
   assert ok['wall_s'] > 0 and ok['overrides'] == '--config.total_steps=2 --config.optim.lr=3e-4'
   assert bad['status'] == 'failed' and bad['exit_code'] == 1 and bad['steps'] == 0
-  assert "digen_jax: config.sampler.sde='bogus' is not one of" in bad['log_tail'][-1]
+  assert 'digen_jax: config.runtime.num_devices=64 but only 2 local devices' in bad['log_tail'][-1]
   assert 'bad (failed), log tail:' in out
   table = list(csv.DictReader(open(root / 'sweep_summary.csv')))
   assert [r['name'] for r in table] == ['ok', 'bad'] and table[1]['status'] == 'failed'

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import tempfile
+import unicodedata
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -173,8 +174,9 @@ def _is_prepared(path) -> bool:
 def read_prompt_file(path: str, max_chars: int = DEFAULT_MAX_CHARS) -> list[tuple[int, str]]:
     """[(1-based line, prompt)] of a UTF-8 text file with one prompt per line.
 
-    Surrounding whitespace is stripped. ValueError naming the file and line for an empty line
-    or a prompt longer than max_chars; for an empty or undecodable file.
+    Surrounding whitespace is stripped. ValueError naming the file and line for an empty line,
+    a control character (a binary file) or a prompt longer than max_chars; for an empty or
+    undecodable file.
     """
     if not isinstance(max_chars, int) or max_chars < 1:
         raise ValueError(f"max_chars={max_chars!r} must be a positive int")
@@ -193,6 +195,13 @@ def read_prompt_file(path: str, max_chars: int = DEFAULT_MAX_CHARS) -> list[tupl
         prompt = raw.strip()
         if not prompt:
             raise ValueError(f"{path}:{i}: empty line; remove it (one prompt per line)")
+        # NUL and other control bytes decode as UTF-8 but are no prompt: a binary file that
+        # happens to decode would otherwise train on garbage.
+        bad = next((c for c in prompt if unicodedata.category(c) == "Cc" and c != "\t"), None)
+        if bad is not None:
+            raise ValueError(f"{path}:{i}: control character {bad!r} at column "
+                             f"{prompt.index(bad) + 1}; a prompt file is UTF-8 text, one prompt "
+                             "per line (is this a binary file?)")
         if len(prompt) > max_chars:
             raise ValueError(f"{path}:{i}: prompt has {len(prompt)} characters, more than "
                              f"max_chars={max_chars}; shorten it or raise max_chars")

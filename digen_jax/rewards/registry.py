@@ -11,8 +11,10 @@ score; bad *shapes* (wrong rank, batch/prompt mismatch) are caller bugs and rais
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable, Mapping, Sequence
 
+from absl import logging
 import numpy as np
 
 RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
@@ -197,3 +199,116 @@ def register_callables(spec: str, field: str = "config.reward.callables") -> lis
         _USER_TARGETS[name] = target
         names.append(name)
     return names
+
+
+# ------------------------------------------------------------------------------------------------
+# Faults of a reward at run time (issue 18): a reward that raises, hangs or returns NaN must not
+# end a days-long run on the first bad batch, nor slip garbage into the update.
+
+
+class RewardTimeout(RuntimeError):
+    """A reward call did not return within its time limit."""
+
+
+def _short(prompt: str, limit: int = 120) -> str:
+    return prompt if len(prompt) <= limit else prompt[:limit - 3] + "..."
+
+
+def _prompt_list(prompts: Sequence[str], limit: int = 4) -> str:
+    uniq = list(dict.fromkeys(prompts))
+    shown = ", ".join(repr(_short(p)) for p in uniq[:limit])
+    return shown + (f" and {len(uniq) - limit} more" if len(uniq) > limit else "")
+
+
+class _TimedCaller:
+    """fn(*args) in a daemon thread, abandoned after timeout_s (Python cannot stop a thread: a
+    hung call keeps its thread, and calls made while it still runs fail at once instead of
+    piling up more threads)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = float(timeout_s)
+        self._hung: threading.Thread | None = None
+
+    def __call__(self, fn, *args):
+        if self.timeout_s <= 0:
+            return fn(*args)
+        if self._hung is not None and self._hung.is_alive():
+            raise RewardTimeout("an earlier call that timed out is still running")
+        box = {}
+
+        def target():
+            try:
+                box["out"] = fn(*args)
+            except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
+                box["err"] = e
+
+        t = threading.Thread(target=target, name="reward", daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            self._hung = t
+            raise RewardTimeout(f"no result within {self.timeout_s:g} s")
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+
+def guarded(fn: RewardFn, timeout_s: float = 0.0,
+            field: str = "config.reward.timeout_s") -> RewardFn:
+    """`fn` whose faults become NaN scores, logged as errors with the prompts that caused them.
+
+    A NaN score makes its group's advantages NaN, and the update programs skip a batch with a
+    non-finite advantage and count it (metrics.jsonl: nonfinite, skipped_updates); too many
+    consecutive skips stop the run (config.runtime.max_consecutive_skips). So:
+      - a call that raises is retried one sample at a time to find the prompt(s) that raise
+        (a non-finite score counts as raising); those samples score NaN, the others keep the
+        scores they get alone (a reward scores each image on its own);
+      - a call that returns nothing within timeout_s (> 0; `field` names the setting) scores
+        the whole batch NaN.
+    The returned function keeps fn's attributes (.weights, .components) and adds .faults, the
+    messages of its last call."""
+    call = _TimedCaller(timeout_s)
+
+    def scored(images, prompts) -> np.ndarray:
+        prompts = list(prompts)
+        n = len(prompts)
+        faults: list[str] = []
+        try:
+            out = np.asarray(call(fn, images, prompts), np.float32)
+            if out.shape != (n,):
+                raise ValueError(f"returned shape {out.shape}; expected ({n},)")
+            if not np.all(np.isfinite(out)):
+                raise ValueError(f"returned non-finite values {out[~np.isfinite(out)][:4]}")
+        except RewardTimeout as e:
+            out = np.full((n,), np.nan, np.float32)
+            faults.append(f"reward timed out ({e}; {field}) on a batch of {n} samples with "
+                          f"prompts {_prompt_list(prompts)}")
+        except Exception as batch_error:  # pylint: disable=broad-except  (user code)
+            out = np.full((n,), np.nan, np.float32)
+            for i in range(n):
+                try:
+                    one = np.asarray(call(fn, images[i:i + 1], prompts[i:i + 1]), np.float32)
+                    if one.shape != (1,) or not np.isfinite(one[0]):
+                        raise ValueError(f"returned {one!r} for one sample")
+                    out[i] = one[0]
+                except RewardTimeout as e:
+                    faults.append(f"reward timed out ({e}; {field}) on prompt "
+                                  f"{_short(prompts[i])!r}")
+                    break
+                except Exception as e:  # pylint: disable=broad-except
+                    faults.append(f"reward raised {type(e).__name__}: {_short(str(e), 200)} "
+                                  f"on prompt {_short(prompts[i])!r} (sample {i} of {n})")
+            if not faults:   # every sample scores alone: keep those scores (one per image)
+                logging.warning("reward raised %s: %s on a batch of %d samples, but scored each "
+                                "alone; using those scores", type(batch_error).__name__,
+                                _short(str(batch_error), 200), n)
+        for f in faults:
+            logging.error("%s; these samples score NaN and the update is skipped", f)
+        scored.faults = faults
+        return out
+
+    scored.faults = []
+    for attr in ("weights", "components"):
+        if hasattr(fn, attr):
+            setattr(scored, attr, getattr(fn, attr))
+    return scored

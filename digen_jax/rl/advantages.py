@@ -32,6 +32,9 @@ def grpo_advantages(
     Returns:
       (adv float32 [B], valid bool [B]). Groups whose rewards are all equal (max == min, an exact
       test) get adv 0 and valid False: they carry no learning signal and the loss leaves them out.
+      A group with a NaN/inf reward keeps non-finite advantages (valid False): zeroing them would
+      train on the rest as if nothing happened, while the update programs skip a batch with any
+      non-finite advantage and count it (programs.make_update).
     """
     if std_mode not in STD_MODES:
         raise ValueError(f"grpo_advantages: std_mode={std_mode!r}: use one of {STD_MODES}.")
@@ -53,7 +56,8 @@ def grpo_advantages(
         std = jnp.std(r)
     adv = (g - mean) / (std + eps)
     valid = jnp.max(g, axis=1, keepdims=True) > jnp.min(g, axis=1, keepdims=True)
-    adv = jnp.where(valid, adv, 0.0)
+    broken = ~jnp.all(jnp.isfinite(g), axis=1, keepdims=True)
+    adv = jnp.where(valid | broken, adv, 0.0)
     if clip is not None:
         adv = jnp.clip(adv, -clip, clip)
     valid = jnp.broadcast_to(valid, g.shape)

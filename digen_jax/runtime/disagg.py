@@ -94,7 +94,8 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
     wall = time.perf_counter() - t0
     t_end = time.time()
     run.end_step(
-        step, data_position=info['data_position'], policy_version=info['policy_version'],
+        step, data_position=info['data_position'], prompts=info['batch_prompts'],
+        policy_version=info['policy_version'],
         rewards=np.asarray(info['rewards'], np.float32), valid_frac=info['valid_frac'],
         metrics=m, wall_s=wall, rollout_s=info['rollout_s'], reward_s=info['reward_s'],
         update_s=update_s, publish_s=send_s + info['publish_pull_s'], batch_move_s=t_move,

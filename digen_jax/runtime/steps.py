@@ -14,12 +14,28 @@ import time
 from typing import Any, Callable
 
 from absl import logging
+import numpy as np
 
 from digen_jax import checkpoint as ckpt_lib
+from digen_jax import faults
 from digen_jax import metrics as metrics_lib
 from digen_jax.runtime import publish
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.runtime import workers
+
+
+def _skip_reason(rewards, prompts: list[str] | None) -> str:
+  """Why an update was skipped: the samples with non-finite rewards (named by prompt), else
+  the loss or gradient."""
+  bad = np.flatnonzero(~np.isfinite(np.asarray(rewards, np.float32)))
+  if not bad.size:
+    return 'non-finite loss, gradient or new weights'
+  what = f'{bad.size} non-finite reward(s)'
+  if prompts is not None:
+    names = list(dict.fromkeys(prompts[i] for i in bad))
+    what += ' for prompt(s) ' + ', '.join(repr(p[:80]) for p in names[:3])
+    what += f' and {len(names) - 3} more' if len(names) > 3 else ''
+  return what + ' (the reward\'s error is in the log of the process that scored them)'
 
 
 def checkpointer(config, workdir: str, multi_process: bool) -> ckpt_lib.Checkpointer:
@@ -47,6 +63,8 @@ class TrainerRun:
     self.writer = metrics_lib.MetricsWriter(workdir)
     self.progress = metrics_lib.Progress(self.start, self.total)
     self.published_at: dict[int, float] = {}   # policy version -> wall clock after its publish
+    self.max_skips = config.runtime.max_consecutive_skips
+    self.skips: list[str] = []                 # why each update of the current run of skips was
 
   def publish(self, send: Callable[[Any, int], Any], version: int,
               devices=None) -> tuple[Any, float]:
@@ -69,18 +87,40 @@ class TrainerRun:
       self.writer.write(row)
 
   def end_step(self, step: int, *, data_position: int, extra: dict | None = None,
-               **row_fields) -> dict:
-    """Step `step` is applied: its metrics row (workers.step_row(**row_fields) + extra),
-    progress, checkpoint. Returns the row."""
-    if row_fields['metrics']['nonfinite'] > 0:
-      logging.error('step %d: non-finite loss/gradient; the update was skipped (weights '
-                    'unchanged)', step + 1)
+               prompts: list[str] | None = None, **row_fields) -> dict:
+    """Step `step` is applied (or skipped, if its update was not finite): its metrics row
+    (workers.step_row(**row_fields) + extra), progress, checkpoint. `prompts`: one per sample,
+    to name the ones with non-finite rewards. Returns the row.
+
+    The runtime.max_consecutive_skips-th skipped update in a row raises NonFiniteError before
+    this step is checkpointed: the newest checkpoint keeps the last good weights (a skipped
+    step's weights are unchanged, so the steps saved in between are good too)."""
+    skipped = row_fields['metrics']['nonfinite'] > 0
+    if skipped:
+      self.trainer.skipped_updates += 1
+      why = _skip_reason(row_fields['rewards'], prompts)
+      self.skips.append(f'step {step + 1}: {why}')
+      logging.error('step %d: update skipped (weights and optimizer state unchanged): %s; '
+                    '%d in a row, the run stops at %d (config.runtime.max_consecutive_skips)',
+                    step + 1, why, len(self.skips), self.max_skips)
+    else:
+      self.skips = []
     row = workers.step_row(step=step + 1, cluster=self.cluster, publish_mb=self.publish_mb,
                            **row_fields)
+    row['skipped_updates'] = self.trainer.skipped_updates
     row.update(extra or {})
     self.writer.write(row)
     if (step + 1) % self.exp.config.log_every == 0 or step + 1 == self.total:
       self.progress.log(step + 1, row)
+    if len(self.skips) >= self.max_skips:
+      self.trainer.checkpointer.wait()
+      last = self.trainer.checkpointer.latest_step()
+      self.writer.close()
+      raise faults.NonFiniteError(
+          f'{len(self.skips)} consecutive updates skipped for non-finite values '
+          f'({"; ".join(self.skips)}); the last checkpoint (step {last or 0}) holds the last '
+          'good weights. Fix the reward, or lower config.optim.lr, then rerun to resume (or '
+          'raise config.runtime.max_consecutive_skips)')
     self.trainer.save(step + 1, data_position, force=step + 1 == self.total)
     return row
 

@@ -76,7 +76,8 @@ def train(exp, workdir: str, cluster) -> dict:
     if config.sample_grid_every and (step + 1) % config.sample_grid_every == 0:
       write_samples(run.writer, workdir, out, step + 1, G)
     run.end_step(
-        step, data_position=exp.prompts.position, policy_version=out.policy_version,
+        step, data_position=exp.prompts.position, prompts=out.batch_prompts,
+        policy_version=out.policy_version,
         rewards=out.rewards, valid_frac=out.valid_frac, metrics=m, wall_s=wall,
         rollout_s=out.rollout_s, reward_s=out.reward_s, update_s=update_s, publish_s=publish_s,
         batch_move_s=t_move, utilization=tracer.utilization(t_start, t_end, cluster.num_devices))

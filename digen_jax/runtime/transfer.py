@@ -38,13 +38,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import ipaddress
 import itertools
 import json
-import os
 import socket
 import time
 from typing import Any
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,10 +53,11 @@ from jax import lax
 from jax.experimental import transfer as jax_transfer
 from jax.sharding import Sharding, SingleDeviceSharding
 
+from digen_jax import configlib
 from digen_jax.runtime import distributed
 
 _KV_PREFIX = 'digen/xfer'
-ENV_TRANSFER_HOST = 'DIGEN_TRANSFER_HOST'
+DEFAULT_HOST = '127.0.0.1'
 
 
 # ------------------------------------------------------------------------------------------
@@ -139,16 +141,36 @@ def abstract(tree, shardings=None, dtype=None):
 _server = None
 _connections: dict[int, Any] = {}
 _pull_ids = itertools.count(1)
+_host = DEFAULT_HOST     # config.cluster.transfer_host (set_host)
+
+
+def set_host(host: str) -> None:
+  """The interface this process's transfer server binds (before it starts: the first Channel).
+  """
+  global _host
+  _host = configlib.check_transfer_host(host)
 
 
 def _transfer_host() -> str:
-  """The address peers can reach this process's transfer server on."""
-  if os.environ.get(ENV_TRANSFER_HOST):
-    return os.environ[ENV_TRANSFER_HOST]
+  """The one interface this process's transfer server binds, and peers reach it on."""
+  host = socket.gethostbyname(socket.gethostname()) if _host == 'hostname' else _host
   coordinator = distributed.process_info().coordinator_address or ''
-  if coordinator.rpartition(':')[0] in ('127.0.0.1', 'localhost', '[::1]'):
-    return '127.0.0.1'  # single-machine job: stay on loopback
-  return socket.gethostbyname(socket.gethostname())
+  if (ipaddress.ip_address(host).is_loopback and coordinator
+      and coordinator.rpartition(':')[0] not in ('127.0.0.1', 'localhost', '[::1]')):
+    logging.warning('the transfer server listens on %s only, but the coordinator is at %s: '
+                    'peers on other machines cannot reach it; set '
+                    "--config.cluster.transfer_host=hostname (or this machine's address)",
+                    host, coordinator)
+  return host
+
+
+def start_server(host: str):
+  """A transfer server bound to `host` only: its socket address and one transport address per
+  local device. Both must be explicit: with the defaults ('[::]:0', none) pulls fail on CPU
+  ("SocketServer: Connection closed"), and '[::]' would listen on every interface."""
+  local = jax.local_devices()
+  return jax_transfer.start_transfer_server(local[0].client, f'{host}:0',
+                                            [f'{host}:0'] * len(local))
 
 
 def _addr_key(process_id: int) -> str:
@@ -164,12 +186,7 @@ def transfer_server():
       raise RuntimeError('Cross-process transfer needs jax.distributed: launch with '
                          'launch/local.py and call distributed.maybe_initialize(); inside one '
                          'process use publish_local instead.')
-    host = _transfer_host()
-    local = jax.local_devices()
-    # Both the socket address and one transport address per local device must be explicit:
-    # with the defaults pulls fail on CPU ("SocketServer: Connection closed").
-    server = jax_transfer.start_transfer_server(local[0].client, f'{host}:0',
-                                                [f'{host}:0'] * len(local))
+    server = start_server(_transfer_host())
     distributed.kv_set(_addr_key(info.process_id), server.address(), overwrite=True)
     _server = server
   return _server

@@ -199,15 +199,18 @@ class TrainerWorker:
     self.ref_params = (jax.tree.map(jnp.copy, self.params)
                        if c.rl.kl_beta > 0 and exp.weights.lora is None else None)
     base_key = jax.random.key(c.seed)
-    self.start = checkpointer.latest_step() or 0
-    self.data_position = 0
-    if self.start:
-      state, meta = checkpointer.restore(self.start, {
-          'params': self.params, 'opt_state': self.opt_state,
-          'rng': ckpt_lib.key_to_data(base_key)})
+    self.start, self.data_position = 0, 0
+    self.skipped_updates = 0      # over the whole run, resumes included (checkpoint meta)
+    # The newest readable step (a corrupt newer one is set aside with a warning).
+    restored = checkpointer.restore_latest({
+        'params': self.params, 'opt_state': self.opt_state,
+        'rng': ckpt_lib.key_to_data(base_key)})
+    if restored is not None:
+      self.start, state, meta = restored
       self.params, self.opt_state = state['params'], state['opt_state']
       base_key = ckpt_lib.data_to_key(state['rng'])
       self.data_position = int(meta['data_position'])
+      self.skipped_updates = int(meta.get('skipped_updates', 0))
       logging.info('resumed from %s at step %d (data position %d)', checkpointer.directory,
                    self.start, self.data_position)
     self._rng_data = ckpt_lib.key_to_data(base_key)
@@ -238,7 +241,7 @@ class TrainerWorker:
     self.checkpointer.save(step, {'params': self.params, 'opt_state': self.opt_state,
                                   'rng': self._rng_data},
                            {'step': step, 'data_position': int(data_position),
-                            'policy_version': step},
+                            'policy_version': step, 'skipped_updates': self.skipped_updates},
                            force=force)
     if force and self.exp.weights.lora is not None:
       # The run's adapters as diffusers' own LoRA loader reads them (README "Real models").
@@ -263,9 +266,13 @@ def step_row(*, step: int, policy_version: int, rewards: np.ndarray, valid_frac:
   if utilization is None:
     utilization = busy / (cluster.num_devices * wall_s)
   batch = int(np.size(rewards))
+  rewards = np.asarray(rewards, np.float32)
+  finite = rewards[np.isfinite(rewards)]        # a faulty reward's NaN must not hide the others
   return {
       'step': step, 'policy_version': policy_version,
-      'reward_mean': float(np.mean(rewards)), 'reward_std': float(np.std(rewards)),
+      'reward_mean': float(np.mean(finite)) if finite.size else float('nan'),
+      'reward_std': float(np.std(finite)) if finite.size else float('nan'),
+      'nonfinite_rewards': batch - int(finite.size),
       'samples': batch, 'samples_per_s': batch / wall_s, 'wall_s': wall_s,
       'rollout_s': rollout_s, 'reward_s': reward_s, 'update_s': update_s,
       'publish_s': publish_s, 'publish_mb': publish_mb, 'batch_move_s': batch_move_s,

@@ -1,0 +1,212 @@
+"""Numerical faults (issue 18, part 4): a NaN/inf reward, advantage, loss or gradient skips its
+update (counted in metrics.jsonl) and never reaches the weights or the optimizer state; K skips
+in a row stop the run with a clear error and the last good checkpoint intact; a reward that
+raises or hangs is reported with the prompt that caused it."""
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import qwenimage
+from digen_jax import checkpoint as ckpt_lib
+from digen_jax import configlib
+from digen_jax import experiment
+from digen_jax import faults
+from digen_jax.rewards import registry
+from digen_jax.rl import advantages
+from digen_jax.runtime import colocated
+
+
+# ------------------------------------------------------------------------------------- units
+
+def test_a_nan_reward_poisons_only_its_group_and_is_not_zeroed():
+  r = jnp.array([0.1, 0.9, 0.3, 0.5, np.nan, 0.2, 0.4, 0.4])
+  adv, valid = advantages.grpo_advantages(r, 2)
+  adv, valid = np.asarray(adv), np.asarray(valid)
+  assert np.all(np.isnan(adv[4:6])) and not valid[4:6].any()
+  ref, _ = advantages.grpo_advantages(r[:4], 2)
+  np.testing.assert_array_equal(adv[:4], np.asarray(ref))          # other groups untouched
+  assert np.all(adv[6:] == 0) and not valid[6:].any()               # zero spread: still 0
+  adv_g, _ = advantages.grpo_advantages(r.at[4].set(np.inf), 2, std_mode='global')
+  assert np.isnan(np.asarray(adv_g)[:6]).all()          # global std: every group with spread
+
+
+def _images(n):
+  return np.zeros((n, 4, 4, 3), np.float32)
+
+
+def test_guarded_reward_names_the_prompt_that_raises(caplog):
+  def fn(images, prompts):
+    if any('bad' in p for p in prompts):
+      raise ValueError('cannot parse')
+    return np.arange(len(prompts), dtype=np.float32) + 1
+
+  prompts = ['a red circle', 'a bad prompt', 'two blue squares', 'a red circle']
+  with caplog.at_level(logging.ERROR):
+    out = registry.guarded(fn)(_images(4), prompts)
+  assert np.isnan(out[1]) and list(out[[0, 2, 3]]) == [1, 1, 1]    # each scored alone
+  msgs = ' '.join(r.getMessage() for r in caplog.records)
+  assert "ValueError: cannot parse on prompt 'a bad prompt' (sample 1 of 4)" in msgs
+
+
+def test_guarded_reward_turns_nan_scores_into_named_faults(caplog):
+  def fn(images, prompts):
+    return np.array([np.nan if p == 'x' else 0.5 for p in prompts], np.float32)
+
+  g = registry.guarded(fn)
+  with caplog.at_level(logging.ERROR):
+    out = g(_images(3), ['y', 'x', 'y'])
+  assert np.isnan(out[1]) and out[0] == out[2] == 0.5
+  assert len(g.faults) == 1 and "on prompt 'x'" in g.faults[0]
+  assert list(g(_images(2), ['y', 'y'])) == [0.5, 0.5] and g.faults == []
+
+
+def test_guarded_reward_times_out_and_does_not_pile_up_threads():
+  gate = {'sleep': 5.0}
+
+  def slow(images, prompts):
+    time.sleep(gate['sleep'])
+    return np.zeros(len(prompts), np.float32)
+
+  g = registry.guarded(slow, timeout_s=0.2)
+  t = time.perf_counter()
+  out = g(_images(2), ['p', 'q'])
+  assert time.perf_counter() - t < 2.0 and np.isnan(out).all()
+  assert 'timed out' in g.faults[0] and "'p', 'q'" in g.faults[0]
+  assert 'config.reward.timeout_s' in g.faults[0]
+  gate['sleep'] = 0.0
+  out = g(_images(2), ['p', 'q'])                 # the hung call still runs: fail at once
+  assert np.isnan(out).all() and 'still running' in g.faults[0]
+
+
+def test_guarded_reward_batch_level_failure_fails_the_batch():
+  def only_singles(images, prompts):
+    if len(prompts) > 1:
+      raise RuntimeError('batch too large')
+    return np.ones(1, np.float32)
+
+  g = registry.guarded(only_singles)
+  out = g(_images(3), ['a', 'b', 'c'])
+  assert list(out) == [1, 1, 1] and g.faults == []   # scored one at a time: no fault remains
+
+
+@pytest.mark.parametrize('field, value, match', [
+    ('runtime.max_consecutive_skips', 0, 'max_consecutive_skips=0 must be an int >= 1'),
+    ('reward.timeout_s', -1.0, 'timeout_s=-1.0 must be a finite number'),
+    ('reward.timeout_s', float('inf'), 'timeout_s=inf must be a finite number'),
+])
+def test_fault_settings_are_validated(field, value, match):
+  config = configlib.apply_overrides(qwenimage.get_config('tiny'), {field: value})
+  with pytest.raises(ValueError, match=match):
+    configlib.validate(config, 2)
+
+
+# --------------------------------------------------------------------------------- end to end
+
+_PLAN = {'nan_at': set(), 'raise_at': set(), 'calls': 0, 'prompts': {}, 'bad': None}
+
+
+@registry.register('test_faults_scripted')
+def _scripted_reward(images, prompts):
+  """Mean brightness, except at the scripted calls (1-based batch calls: one per step, or one
+  per fragment): the first prompt of that call scores NaN (nan_at) or raises (raise_at), also
+  when the guard retries its samples one at a time."""
+  if len(prompts) > 1:                         # a batch call, not the guard's one-sample retry
+    _PLAN['calls'] += 1
+    call = _PLAN['calls']
+    _PLAN['prompts'][call] = list(prompts)
+    hit = call in _PLAN['nan_at'] | _PLAN['raise_at']
+    _PLAN['bad'] = (prompts[0], 'nan' if call in _PLAN['nan_at'] else 'raise') if hit else None
+  bad = _PLAN['bad']
+  if bad and bad[1] == 'raise' and bad[0] in prompts:
+    raise KeyError('scripted failure')
+  r = np.asarray(images, np.float32).mean(axis=(1, 2, 3))
+  if bad and bad[1] == 'nan':
+    r[[i for i, p in enumerate(prompts) if p == bad[0]]] = np.nan
+  return r
+
+
+def _config(tmp_path, total_steps, **overrides):
+  return configlib.apply_overrides(qwenimage.get_config('tiny'), {
+      'total_steps': total_steps, 'reward.weights': 'test_faults_scripted',
+      'data.data_dir': str(tmp_path / 'data'), 'keep_checkpoints': 10, **overrides})
+
+
+def _restore(wd, step, exp_state):
+  ck = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))
+  state, _ = ck.restore(step, exp_state)
+  ck.close()
+  return jax.device_get(state)
+
+
+def _assert_same(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def _moved(a, b) -> bool:
+  return any(np.any(x != y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.slow
+def test_nan_rewards_skip_updates_and_k_in_a_row_stop_the_run(tmp_path):
+  """Steps 2, 4 and 5 get a NaN reward; with max_consecutive_skips=2 the run stops at step 5.
+  Skipped steps leave params and optimizer state bitwise unchanged; checkpoint 4 is the last."""
+  _PLAN.update(nan_at={2, 4, 5}, raise_at=set(), calls=0, prompts={}, bad=None)
+  wd = str(tmp_path / 'run')
+  config = _config(tmp_path, 6, **{'runtime.max_consecutive_skips': 2})
+  exp = experiment.build(config, wd, 2)
+  with pytest.raises(faults.NonFiniteError) as e:
+    colocated.train(exp, wd, devices=jax.local_devices()[:2])
+  msg = str(e.value)
+  assert msg.startswith('2 consecutive updates skipped') and 'last checkpoint (step 4)' in msg
+  assert repr(_PLAN['prompts'][5][0]) in msg and 'step 4:' in msg and 'step 5:' in msg
+  rows = [json.loads(l) for l in open(os.path.join(wd, 'metrics.jsonl'))]
+  assert [r['step'] for r in rows] == [1, 2, 3, 4, 5]
+  assert [r['nonfinite'] for r in rows] == [0, 1, 0, 1, 1]
+  assert [r['skipped_updates'] for r in rows] == [0, 1, 1, 2, 3]
+  assert [r['nonfinite_rewards'] for r in rows] == [0, 4, 0, 4, 4]   # a group each
+  assert all(np.isfinite(r['reward_mean']) for r in rows)     # over the finite rewards
+  ck = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))
+  assert ck.all_steps() == [1, 2, 3, 4]
+  ck.close()
+  template = {'params': exp.params, 'opt_state': exp.optimizer.init(exp.params),
+              'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+  s = {k: _restore(wd, k, template) for k in (1, 2, 3, 4)}
+  _assert_same(s[1]['params'], s[2]['params'])
+  _assert_same(s[1]['opt_state'], s[2]['opt_state'])
+  assert _moved(s[2]['params'], s[3]['params'])                # a good step trains
+  _assert_same(s[3]['params'], s[4]['params'])
+  _assert_same(s[3]['opt_state'], s[4]['opt_state'])
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(s[4]))
+
+
+@pytest.mark.slow
+def test_gap_fragments_skip_a_batch_whose_reward_raises(tmp_path, caplog):
+  """The pipelined schedule (GAP, 2 fragments on one mesh) accumulates per-fragment gradients:
+  a reward that raises on one prompt of step 2 makes that fragment's advantages NaN, and the
+  one optimizer step of the batch is skipped; the error names the prompt."""
+  # Two reward calls per step (one per fragment): call 3 is step 2's first fragment.
+  _PLAN.update(nan_at=set(), raise_at={3}, calls=0, prompts={}, bad=None)
+  wd = str(tmp_path / 'run')
+  config = _config(tmp_path, 3, **{'schedule.fragments': 2, 'schedule.trace': False})
+  exp = experiment.build(config, wd, 2)
+  with caplog.at_level(logging.ERROR):
+    colocated.train(exp, wd, devices=jax.local_devices()[:2])
+  rows = [json.loads(l) for l in open(os.path.join(wd, 'metrics.jsonl'))]
+  assert [r['nonfinite'] for r in rows] == [0, 1, 0]
+  assert [r['skipped_updates'] for r in rows] == [0, 1, 1]
+  bad = _PLAN['prompts'][3][0]
+  logged = ' '.join(r.getMessage() for r in caplog.records)
+  assert f"KeyError: 'scripted failure' on prompt {bad!r}" in logged, logged
+  template = {'params': exp.params, 'opt_state': exp.optimizer.init(exp.params),
+              'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+  s = {k: _restore(wd, k, template) for k in (1, 2, 3)}
+  _assert_same(s[1]['params'], s[2]['params'])
+  _assert_same(s[1]['opt_state'], s[2]['opt_state'])
+  assert _moved(s[2]['params'], s[3]['params'])
