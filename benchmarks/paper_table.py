@@ -14,6 +14,7 @@ is the planner's (digen_jax/sim/search.py): the best split and fragment count it
 simulated by sim/engine.py. Splits whose device counts do not divide a fragment are costed
 padded (--pad: the paper picks its splits freely; our runtime needs the batch divisible).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,14 @@ from digen_jax.sim import hardware
 from digen_jax.sim import planner as planning
 from digen_jax.sim import runmodel as rm
 from digen_jax.sim import search
+
 # pylint: enable=wrong-import-position
 
-PAPER = '1.56-2.10x over colocated (16-32 GPUs; the paper\'s headline range)'
+PAPER = "1.56-2.10x over colocated (16-32 GPUs; the paper's headline range)"
 CLUSTERS = ('16xH100', '32xH100', '8xH100+8xH20', '16xH100+16xH20')
 SCALING = (16, 32, 64, 128, 256, 512, 1024)
 LADDER = search.MODES
-SHOWN = ('disagg', 'gap', 'gap_tsp', 'gap_tsp_tag', 'gap_tsp_tag_tcss', 'gap_tag',
-         'gap_tag_tcss')
+SHOWN = ('disagg', 'gap', 'gap_tsp', 'gap_tsp_tag', 'gap_tsp_tag_tcss', 'gap_tag', 'gap_tag_tcss')
 
 
 def cached_run(module, path: str, finetune: str) -> rm.RunModel | None:
@@ -59,8 +60,10 @@ def cached_run(module, path: str, finetune: str) -> rm.RunModel | None:
 
 def families() -> dict[str, rm.RunModel]:
   out = {}
-  for label, module, path in (('Qwen-Image-20B', qwenimage, 'configs/qwenimage.py'),
-                              ('FLUX.1-dev-12B', flux_config, 'configs/flux.py')):
+  for label, module, path in (
+      ('Qwen-Image-20B', qwenimage, 'configs/qwenimage.py'),
+      ('FLUX.1-dev-12B', flux_config, 'configs/flux.py'),
+  ):
     run = cached_run(module, path, 'full') or cached_run(module, path, 'lora')
     out[f'{label} ({run.finetune}, XLA)'] = run
   out['HunyuanVideo-13B (full, analytic)'] = analytic.run_model(analytic.HUNYUAN_VIDEO)
@@ -84,7 +87,7 @@ def fmt(x, digits=2):
   return '-' if x is None else f'{x:.{digits}f}'
 
 
-DIGENRL = ('gap', 'gap_tsp', 'gap_tsp_tag', 'gap_tag')     # on-policy DigenRL modes
+DIGENRL = ('gap', 'gap_tsp', 'gap_tsp_tag', 'gap_tag')  # on-policy DigenRL modes
 
 
 def best_digenrl(modes: dict) -> str | None:
@@ -93,9 +96,12 @@ def best_digenrl(modes: dict) -> str | None:
 
 
 def table(rows: list[dict]) -> str:
-  head = ('| model | cluster | batch | colocated samples/s | ' + ' | '.join(
-      f'{m} x coloc' for m in SHOWN) + ' | best on-policy DigenRL mode: x coloc / x disagg | '
-      'its busy trainer / rollout | its split, M |')
+  head = (
+      '| model | cluster | batch | colocated samples/s | '
+      + ' | '.join(f'{m} x coloc' for m in SHOWN)
+      + ' | best on-policy DigenRL mode: x coloc / x disagg | '
+      'its busy trainer / rollout | its split, M |'
+  )
   lines = [head, '|' + '---|' * (head.count('|') - 1)]
   for r in rows:
     p = r['plan']
@@ -107,11 +113,14 @@ def table(rows: list[dict]) -> str:
       cells.append(fmt(x) if x is not None else 'no fit')
     k = best_digenrl(modes)
     b = modes[k] if k else None
-    best = (f'{k}: {fmt(b["x_colocated"])} / {fmt(b["x_disagg"])}' if b else '-')
+    best = f'{k}: {fmt(b["x_colocated"])} / {fmt(b["x_disagg"])}' if b else '-'
     busy = f'{b["trainer_busy"]:.2f} / {b["rollout_busy"]:.2f}' if b else '-'
     split = f'{b["split"]}, {b["fragments"]}' if b else '-'
-    lines.append(f'| {r["model"]} | {r["cluster"]} | {p["run"]["batch"]} | {fmt(col, 4)} | '
-                 + ' | '.join(cells) + f' | {best} | {busy} | {split} |')
+    lines.append(
+        f'| {r["model"]} | {r["cluster"]} | {p["run"]["batch"]} | {fmt(col, 4)} | '
+        + ' | '.join(cells)
+        + f' | {best} | {busy} | {split} |'
+    )
   return '\n'.join(lines)
 
 
@@ -127,52 +136,79 @@ def scaling(runs: dict[str, rm.RunModel], settings: planning.Settings) -> dict:
         t0 = time.time()
         p = plan_one(run, spec, settings)
         k = best_digenrl(p['modes'])
-        pts.append({'devices': n, 'cluster': spec, 'batch': p['run']['batch'],
-                    'colocated': p['modes']['colocated']['samples_per_s'],
-                    'disagg': p['modes']['disagg']['samples_per_s'],
-                    'best_mode': k, 'best': p['modes'][k]['samples_per_s'] if k else None,
-                    'best_split': p['modes'][k]['split'] if k else None,
-                    'seconds': round(time.time() - t0, 1)})
+        pts.append(
+            {
+                'devices': n,
+                'cluster': spec,
+                'batch': p['run']['batch'],
+                'colocated': p['modes']['colocated']['samples_per_s'],
+                'disagg': p['modes']['disagg']['samples_per_s'],
+                'best_mode': k,
+                'best': p['modes'][k]['samples_per_s'] if k else None,
+                'best_split': p['modes'][k]['split'] if k else None,
+                'seconds': round(time.time() - t0, 1),
+            }
+        )
         print(f'[scaling] {name} {spec}: {pts[-1]}', file=sys.stderr, flush=True)
   return out
 
 
 def plot(curves: dict, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   names = list(dict.fromkeys(k.split('|')[0] for k in curves))
   kinds = list(dict.fromkeys(k.split('|')[1] for k in curves))
-  fig, axes = plt.subplots(len(kinds), len(names), figsize=(4.2 * len(names),
-                                                            3.3 * len(kinds)), squeeze=False)
+  fig, axes = plt.subplots(
+      len(kinds), len(names), figsize=(4.2 * len(names), 3.3 * len(kinds)), squeeze=False
+  )
   for i, kind in enumerate(kinds):
     for j, name in enumerate(names):
       ax, pts = axes[i, j], curves[f'{name}|{kind}']
       n = [p['devices'] for p in pts]
-      for key, style, label in (('colocated', 'o-', 'colocated'),
-                                ('disagg', 's--', 'naive disaggregation'),
-                                ('best', '^-', 'best on-policy DigenRL mode')):
-        ax.plot(n, [p[key] / p['devices'] if p[key] else float('nan') for p in pts], style,
-                label=label)
+      for key, style, label in (
+          ('colocated', 'o-', 'colocated'),
+          ('disagg', 's--', 'naive disaggregation'),
+          ('best', '^-', 'best on-policy DigenRL mode'),
+      ):
+        ax.plot(
+            n, [p[key] / p['devices'] if p[key] else float('nan') for p in pts], style, label=label
+        )
       ax.set_xscale('log', base=2)
       ax.set_yscale('log')
-      ax.set_title(f'{name}\n{"H100s" if kind == "H100" else "half H100s, half H20s"}',
-                   fontsize=8)
+      ax.set_title(f'{name}\n{"H100s" if kind == "H100" else "half H100s, half H20s"}', fontsize=8)
       ax.grid(alpha=0.3, which='both')
       if i == len(kinds) - 1:
         ax.set_xlabel('accelerators (batch grows with them)')
       if j == 0:
         ax.set_ylabel('samples/s per accelerator')
   axes[0, 0].legend(fontsize=7)
-  fig.suptitle('python -m digen_jax.plan, simulated: throughput per accelerator from 16 to 1024 '
-               'accelerators (benchmarks/paper_table.py)', fontsize=9)
+  fig.suptitle(
+      'python -m digen_jax.plan, simulated: throughput per accelerator from 16 to 1024 '
+      'accelerators (benchmarks/paper_table.py)',
+      fontsize=9,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
 
 
-KEPT = ('samples_per_s', 'utilization', 'x_colocated', 'x_disagg', 'trainer_busy',
-        'rollout_busy', 'wall_s', 'fragments', 'split', 'bts_inserts', 'step_costs', 'why')
+KEPT = (
+    'samples_per_s',
+    'utilization',
+    'x_colocated',
+    'x_disagg',
+    'trainer_busy',
+    'rollout_busy',
+    'wall_s',
+    'fragments',
+    'split',
+    'bts_inserts',
+    'step_costs',
+    'why',
+)
 
 
 def compact(m: dict) -> dict:
@@ -181,10 +217,12 @@ def compact(m: dict) -> dict:
   for what in ('rollout', 'grad', 'tag'):
     o = m.get(f'{what}_option')
     if o:
-      out[f'{what}_option'] = {'label': o['label'], 'seconds': o['seconds'],
-                               'memory_gib': o['memory_gib']['total'],
-                               **{k: o[k] for k in ('fsdp_s', 'compute_s', 'gather_s')
-                                  if k in o}}
+      out[f'{what}_option'] = {
+          'label': o['label'],
+          'seconds': o['seconds'],
+          'memory_gib': o['memory_gib']['total'],
+          **{k: o[k] for k in ('fsdp_s', 'compute_s', 'gather_s') if k in o},
+      }
   return out
 
 
@@ -215,20 +253,27 @@ def main(argv=None) -> int:
     rows = []
     for name, run in runs.items():
       if roofline == 'bytes' and run.source == 'analytic':
-        continue   # analytic bytes are an estimate of ours, not XLA's counts
+        continue  # analytic bytes are an estimate of ours, not XLA's counts
       for spec in CLUSTERS:
         rows.append({'model': name, 'cluster': spec, 'plan': plan_one(run, spec, settings)})
         print(f'[table] {roofline} {name} {spec}', file=sys.stderr, flush=True)
     out_md.append(f'Roofline: {roofline}\n\n{table(rows)}')
-    doc['tables'][roofline] = [{'model': r['model'], 'cluster': r['cluster'],
-                                'batch': r['plan']['run']['batch'],
-                                'modes': {k: compact(m) for k, m in r['plan']['modes'].items()},
-                                'best': r['plan']['best'],
-                                'best_on_policy': r['plan']['best_on_policy'],
-                                'notes': r['plan']['notes']} for r in rows]
+    doc['tables'][roofline] = [
+        {
+            'model': r['model'],
+            'cluster': r['cluster'],
+            'batch': r['plan']['run']['batch'],
+            'modes': {k: compact(m) for k, m in r['plan']['modes'].items()},
+            'best': r['plan']['best'],
+            'best_on_policy': r['plan']['best_on_policy'],
+            'notes': r['plan']['notes'],
+        }
+        for r in rows
+    ]
   if not a.no_scaling:
-    settings = planning.Settings(roofline='compute', pad=True, sharded_decode=True,
-                                 simulate_top=3, grid=8)
+    settings = planning.Settings(
+        roofline='compute', pad=True, sharded_decode=True, simulate_top=3, grid=8
+    )
     doc['scaling'] = scaling(runs, settings)
     plot(doc['scaling'], a.png)
     out_md.append(f'Scaling curve: {a.png}')

@@ -14,6 +14,7 @@ Two measurements, both with fixed noise (seconds on the CPU, no training):
     |image(square prompt) − image(circle prompt)| for the same noise.
 --png saves the generated grid (rows = prompts, columns = noises).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,7 +73,13 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
 
   def x0_hat(x_t, sigma, prompts):
     emb, mask = encoder.encode(prompts)
-    v = velocity(params, x_t, jnp.full((len(prompts),), sigma, jnp.float32), jnp.asarray(emb), jnp.asarray(mask))
+    v = velocity(
+        params,
+        x_t,
+        jnp.full((len(prompts),), sigma, jnp.float32),
+        jnp.asarray(emb),
+        jnp.asarray(mask),
+    )
     return x_t - sigma * v
 
   # Denoising of ground truth, and sensitivity of x̂0 to the shape word and to the colour word.
@@ -80,26 +87,42 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
   gt_prompts = [_prompt(col, s) for col in COLORS for s in ('square', 'circle')] * 4
   gt = np.stack([render.render(p, size, rng) for p in gt_prompts])
   x0 = to_tokens(jnp.asarray(gt))
-  shape_swapped = [p.replace('square', 'X').replace('circle', 'square').replace('X', 'circle') for p in gt_prompts]
-  color_swapped = [p.replace('red', 'X').replace('blue', 'red').replace('X', 'blue') for p in gt_prompts]
+  shape_swapped = [
+      p.replace('square', 'X').replace('circle', 'square').replace('X', 'circle')
+      for p in gt_prompts
+  ]
+  color_swapped = [
+      p.replace('red', 'X').replace('blue', 'red').replace('X', 'blue') for p in gt_prompts
+  ]
   rows = []
   for i, s in enumerate(SIGMAS):
     eps = jax.random.normal(jax.random.key(seed + 1 + i), x0.shape, jnp.float32)
     x_t = (1.0 - s) * x0 + s * eps
     ref = x0_hat(x_t, s, gt_prompts)
-    rows.append({'sigma': s, 'x0_mse': float(jnp.mean((ref - x0) ** 2)),
-                 'shape_swap_abs': float(jnp.mean(jnp.abs(x0_hat(x_t, s, shape_swapped) - ref))),
-                 'color_swap_abs': float(jnp.mean(jnp.abs(x0_hat(x_t, s, color_swapped) - ref)))})
+    rows.append(
+        {
+            'sigma': s,
+            'x0_mse': float(jnp.mean((ref - x0) ** 2)),
+            'shape_swap_abs': float(jnp.mean(jnp.abs(x0_hat(x_t, s, shape_swapped) - ref))),
+            'color_swap_abs': float(jnp.mean(jnp.abs(x0_hat(x_t, s, color_swapped) - ref))),
+        }
+    )
   report['denoising'] = rows
   # How much the shape word moves x̂0 relative to the colour word (1 = as much; ~0 = ignored).
   report['shape_to_color_sensitivity'] = float(
-      np.mean([r['shape_swap_abs'] for r in rows]) / max(np.mean([r['color_swap_abs'] for r in rows]), 1e-12))
+      np.mean([r['shape_swap_abs'] for r in rows])
+      / max(np.mean([r['color_swap_abs'] for r in rows]), 1e-12)
+  )
 
   # Generation with the config's ODE; the same noises for every prompt.
-  sample = pretrain.make_sampler(graphdef, experiment.build_schedule(c, shape[1] * shape[2]), shape, to_images)
+  sample = pretrain.make_sampler(
+      graphdef, experiment.build_schedule(c, shape[1] * shape[2]), shape, to_images
+  )
   prompts = [_prompt(col, s) for col in COLORS for s in SHAPES]
   texts = [p for p in prompts for _ in range(noises)]
-  x1 = jax.random.normal(jax.random.key(seed + 100), (noises, shape[1] * shape[2], mcfg.in_channels))
+  x1 = jax.random.normal(
+      jax.random.key(seed + 100), (noises, shape[1] * shape[2], mcfg.in_channels)
+  )
   x1 = jnp.tile(x1, (len(prompts), 1, 1))
   emb, mask = encoder.encode(texts)
   imgs = np.asarray(sample(params, x1, jnp.asarray(emb), jnp.asarray(mask), jax.random.key(0)))
@@ -107,11 +130,13 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
   for i, p in enumerate(prompts):
     col, want = p.split()[1], p.split()[2]
     seen = {k: 0 for k in SHAPES + ('none',)}
-    for img in imgs[i * noises:(i + 1) * noises]:
+    for img in imgs[i * noises : (i + 1) * noises]:
       scene = shapes_checker.analyze(img)
       blobs = scene.blobs.get(col, []) if scene is not None else []
       seen[blobs[0].shape if blobs else 'none'] += 1
-    strict = shapes_checker.shapes_strict(imgs[i * noises:(i + 1) * noises], texts[i * noises:(i + 1) * noises])
+    strict = shapes_checker.shapes_strict(
+        imgs[i * noises : (i + 1) * noises], texts[i * noises : (i + 1) * noises]
+    )
     g = gen.setdefault(want, {'seen': {k: 0 for k in seen}, 'strict': []})
     for k, n in seen.items():
       g['seen'][k] += n
@@ -126,7 +151,9 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
 
 
 def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(
+      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   ap.add_argument('--params', default=shapes_pretrain.SHAPES_BASE_CHECKPOINT, help='params folder')
   ap.add_argument('--noises', type=int, default=8, help='generated samples per prompt')
   ap.add_argument('--png', default='', help='save the generated grid here')

@@ -21,6 +21,7 @@ Scenarios (configs/shapes.py:disagg, B = prompts x 8 samples):
 Output: OUT/<scenario>/{profile.json, ladder.json, sim.json} and OUT/validation.json with
 every line, the mean absolute and largest relative error of samples/s per scenario and overall.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ CONFIG = 'configs/shapes.py:disagg'
 @dataclasses.dataclass(frozen=True)
 class Scenario:
   name: str
-  sets: tuple[str, ...]                 # --config.k=v of every run
+  sets: tuple[str, ...]  # --config.k=v of every run
   fragments: int
   rungs: tuple[str, ...]
   variants: tuple[str, ...]
@@ -50,24 +51,48 @@ class Scenario:
   hog_rollout_core: bool = False
 
 
-BALANCED = ('--config.rl.timestep_fraction=0.25', '--config.sampler.num_steps=11',
-            '--config.rl.prompts_per_step=16')
+BALANCED = (
+    '--config.rl.timestep_fraction=0.25',
+    '--config.sampler.num_steps=11',
+    '--config.rl.prompts_per_step=16',
+)
 SCENARIOS = {
     'balanced': Scenario('balanced', BALANCED, 16, predict.RUNGS, ('mp2', 'sp')),
-    'rollout_bound': Scenario('rollout_bound', ('--config.rl.timestep_fraction=0.12',
-                                                '--config.sampler.num_steps=11',
-                                                '--config.rl.prompts_per_step=16'),
-                              16, predict.RUNGS[1:], ('mp2',)),
-    'trainer_bound': Scenario('trainer_bound', ('--config.rl.timestep_fraction=0.5',
-                                                '--config.sampler.num_steps=11',
-                                                '--config.rl.prompts_per_step=16'),
-                              16, predict.RUNGS[1:], ('mp2',)),
-    'hetero': Scenario('hetero', BALANCED, 16, predict.RUNGS[1:], ('mp2',),
-                       hog_rollout_core=True),
-    'small': Scenario('small', ('--config.rl.timestep_fraction=0.25',
-                                '--config.sampler.num_steps=8',
-                                '--config.rl.prompts_per_step=8'),
-                      8, ('disagg', 'tag'), ('mp2',), steps=8),
+    'rollout_bound': Scenario(
+        'rollout_bound',
+        (
+            '--config.rl.timestep_fraction=0.12',
+            '--config.sampler.num_steps=11',
+            '--config.rl.prompts_per_step=16',
+        ),
+        16,
+        predict.RUNGS[1:],
+        ('mp2',),
+    ),
+    'trainer_bound': Scenario(
+        'trainer_bound',
+        (
+            '--config.rl.timestep_fraction=0.5',
+            '--config.sampler.num_steps=11',
+            '--config.rl.prompts_per_step=16',
+        ),
+        16,
+        predict.RUNGS[1:],
+        ('mp2',),
+    ),
+    'hetero': Scenario('hetero', BALANCED, 16, predict.RUNGS[1:], ('mp2',), hog_rollout_core=True),
+    'small': Scenario(
+        'small',
+        (
+            '--config.rl.timestep_fraction=0.25',
+            '--config.sampler.num_steps=8',
+            '--config.rl.prompts_per_step=8',
+        ),
+        8,
+        ('disagg', 'tag'),
+        ('mp2',),
+        steps=8,
+    ),
 }
 
 
@@ -77,8 +102,9 @@ def cpu_hog(core: int | None):
   if core is None:
     yield
     return
-  proc = subprocess.Popen([sys.executable, '-c', 'while True: pass'],
-                          preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+  proc = subprocess.Popen(
+      [sys.executable, '-c', 'while True: pass'], preexec_fn=lambda: os.sched_setaffinity(0, {core})
+  )
   try:
     yield
   finally:
@@ -87,11 +113,11 @@ def cpu_hog(core: int | None):
 
 
 def _run(cmd: list[str], log: str) -> None:
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      p for p in (REPO, os.environ.get('PYTHONPATH')) if p))
+  env = dict(
+      os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get('PYTHONPATH')) if p)
+  )
   with open(log, 'w') as f:
-    done = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                          check=False)
+    done = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, check=False)
   if done.returncode:
     with open(log) as f:
       tail = f.read()[-3000:]
@@ -107,25 +133,70 @@ def run_scenario(s: Scenario, out: str, *, python: str = sys.executable) -> dict
   d = os.path.join(out, s.name)
   os.makedirs(d, exist_ok=True)
   cores = sorted(os.sched_getaffinity(0))
-  hog = cores[1 % len(cores)] if s.hog_rollout_core else None   # mp2 pins the rollout there
+  hog = cores[1 % len(cores)] if s.hog_rollout_core else None  # mp2 pins the rollout there
   t0 = time.time()
   with cpu_hog(hog):
-    _run([python, '-m', 'digen_jax.sim.profile', f'--config={CONFIG}', *s.sets,
-          f'--out={d}/profile.json', f'--layouts={",".join(layouts_of(s))}',
-          f'--fragments={s.fragments}', '--fragment_unit=group'], f'{d}/profile.log')
+    _run(
+        [
+            python,
+            '-m',
+            'digen_jax.sim.profile',
+            f'--config={CONFIG}',
+            *s.sets,
+            f'--out={d}/profile.json',
+            f'--layouts={",".join(layouts_of(s))}',
+            f'--fragments={s.fragments}',
+            '--fragment_unit=group',
+        ],
+        f'{d}/profile.log',
+    )
     t_profile = time.time() - t0
-    ladder = [python, 'benchmarks/ladder.py', '--config', CONFIG, '--out', f'{d}/ladder.json',
-              '--steps', str(s.steps), '--fragments', str(s.fragments), '--fragment_unit',
-              'group', '--rungs', ','.join(s.rungs), '--variants', ','.join(s.variants),
-              '--eval_prompts', '0']
+    ladder = [
+        python,
+        'benchmarks/ladder.py',
+        '--config',
+        CONFIG,
+        '--out',
+        f'{d}/ladder.json',
+        '--steps',
+        str(s.steps),
+        '--fragments',
+        str(s.fragments),
+        '--fragment_unit',
+        'group',
+        '--rungs',
+        ','.join(s.rungs),
+        '--variants',
+        ','.join(s.variants),
+        '--eval_prompts',
+        '0',
+    ]
     for word in s.sets:
       ladder += ['--set', word]
     _run(ladder, f'{d}/ladder.log')
   t_ladder = time.time() - t0 - t_profile
-  _run([python, '-m', 'digen_jax.sim', f'--profile={d}/profile.json', f'--json={d}/sim.json',
-        '--steps', str(s.steps), '--rungs', ','.join(s.rungs), '--variants',
-        ','.join(s.variants), '--fragments', str(s.fragments), '--measured',
-        f'{d}/ladder.json', '--timelines', f'{d}/timelines'], f'{d}/sim.log')
+  _run(
+      [
+          python,
+          '-m',
+          'digen_jax.sim',
+          f'--profile={d}/profile.json',
+          f'--json={d}/sim.json',
+          '--steps',
+          str(s.steps),
+          '--rungs',
+          ','.join(s.rungs),
+          '--variants',
+          ','.join(s.variants),
+          '--fragments',
+          str(s.fragments),
+          '--measured',
+          f'{d}/ladder.json',
+          '--timelines',
+          f'{d}/timelines',
+      ],
+      f'{d}/sim.log',
+  )
   with open(f'{d}/sim.json') as f:
     cmp = json.load(f)['comparison']
   cmp.update(scenario=s.name, profile_s=t_profile, ladder_s=t_ladder)
@@ -135,21 +206,35 @@ def run_scenario(s: Scenario, out: str, *, python: str = sys.executable) -> dict
 def summarize(results: list[dict]) -> dict:
   lines = [dict(x, scenario=r['scenario']) for r in results for x in r['lines']]
   errs = [abs(x['sps_error']) for x in lines]
-  return {'lines': lines, 'sps_mae': sum(errs) / len(errs), 'sps_max': max(errs),
-          'scenarios': {r['scenario']: {k: r[k] for k in ('sps_mae', 'sps_max', 'util_mae',
-                                                          'profile_s', 'ladder_s')}
-                        for r in results}}
+  return {
+      'lines': lines,
+      'sps_mae': sum(errs) / len(errs),
+      'sps_max': max(errs),
+      'scenarios': {
+          r['scenario']: {
+              k: r[k] for k in ('sps_mae', 'sps_max', 'util_mae', 'profile_s', 'ladder_s')
+          }
+          for r in results
+      },
+  }
 
 
 def markdown(summary: dict) -> str:
-  out = ['| scenario | variant | mode | measured samples/s | predicted | error | util measured '
-         '| util predicted |', '|---|---|---|---|---|---|---|---|']
+  out = [
+      '| scenario | variant | mode | measured samples/s | predicted | error | util measured '
+      '| util predicted |',
+      '|---|---|---|---|---|---|---|---|',
+  ]
   for x in summary['lines']:
-    out.append(f'| {x["scenario"]} | {x["variant"]} | {x["mode"]} | {x["measured_sps"]:.2f} | '
-               f'{x["predicted_sps"]:.2f} | {100 * x["sps_error"]:+.1f}% | '
-               f'{x["measured_util"]:.3f} | {x["predicted_util"]:.3f} |')
-  out.append(f'\nsamples/s: mean |error| {100 * summary["sps_mae"]:.1f}%, largest '
-             f'{100 * summary["sps_max"]:.1f}%')
+    out.append(
+        f'| {x["scenario"]} | {x["variant"]} | {x["mode"]} | {x["measured_sps"]:.2f} | '
+        f'{x["predicted_sps"]:.2f} | {100 * x["sps_error"]:+.1f}% | '
+        f'{x["measured_util"]:.3f} | {x["predicted_util"]:.3f} |'
+    )
+  out.append(
+      f'\nsamples/s: mean |error| {100 * summary["sps_mae"]:.1f}%, largest '
+      f'{100 * summary["sps_max"]:.1f}%'
+  )
   return '\n'.join(out)
 
 
@@ -168,12 +253,16 @@ def main(argv=None) -> int:
     print(f'[validation] {n} ...', flush=True)
     results.append(run_scenario(SCENARIOS[n], a.out))
     r = results[-1]
-    print(f'[validation] {n}: mean |error| {100 * r["sps_mae"]:.1f}%, largest '
-          f'{100 * r["sps_max"]:.1f}% (profile {r["profile_s"]:.0f}s, ladder '
-          f'{r["ladder_s"]:.0f}s)', flush=True)
+    print(
+        f'[validation] {n}: mean |error| {100 * r["sps_mae"]:.1f}%, largest '
+        f'{100 * r["sps_max"]:.1f}% (profile {r["profile_s"]:.0f}s, ladder '
+        f'{r["ladder_s"]:.0f}s)',
+        flush=True,
+    )
   summary = summarize(results)
-  summary['command'] = ' '.join(['python benchmarks/sim_validation.py'] + (
-      sys.argv[1:] if argv is None else list(argv)))
+  summary['command'] = ' '.join(
+      ['python benchmarks/sim_validation.py'] + (sys.argv[1:] if argv is None else list(argv))
+  )
   summary['date'] = time.strftime('%Y-%m-%d %H:%M:%S %Z')
   with open(os.path.join(a.out, 'validation.json'), 'w') as f:
     json.dump(summary, f, indent=1)

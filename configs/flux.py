@@ -27,6 +27,7 @@ Variants (comma-separated, e.g. `:full,disagg`):
            training), then T5 + pooled CLIP embeddings -> FLUX sampling with distilled guidance
            -> VAE decode -> JPEG + ShapesBench rewards -> GRPO (LoRA; add `full` for all weights)
 """
+
 import os
 import tempfile
 
@@ -43,7 +44,7 @@ def get_config(arg: str | None = None):
   c = configlib.base_config()
   # The real architecture: black-forest-labs/FLUX.1-dev transformer/config.json.
   c.model.family = 'flux'
-  c.model.patch_size = 2            # the pipeline's 2x2 latent packing (the transformer's own is 1)
+  c.model.patch_size = 2  # the pipeline's 2x2 latent packing (the transformer's own is 1)
   c.model.in_channels = 64
   c.model.out_channels = 16
   c.model.num_layers = 19
@@ -60,11 +61,11 @@ def get_config(arg: str | None = None):
   c.latent.height = c.latent.width = 64
   c.latent.vae_batch_chunk = 4
   c.text.encoder = 't5-clip'
-  c.text.max_length = 512           # FluxPipeline's max_sequence_length for -dev
+  c.text.max_length = 512  # FluxPipeline's max_sequence_length for -dev
   c.sampler.scheduler = 'flux'
-  c.sampler.shift = 0.0             # dynamic shift from the image token count (FluxPipeline)
+  c.sampler.shift = 0.0  # dynamic shift from the image token count (FluxPipeline)
   c.sampler.num_steps = 16
-  c.sampler.guidance_scale = 0.0    # no CFG: FLUX.1 is guidance-distilled
+  c.sampler.guidance_scale = 0.0  # no CFG: FLUX.1 is guidance-distilled
   c.sampler.distilled_guidance = 3.5
   c.sampler.sde = 'flow_grpo'
   c.sampler.noise_level = 0.7
@@ -74,24 +75,26 @@ def get_config(arg: str | None = None):
   c.model.lora.rank = 32
   c.model.lora.alpha = 64.0
   # FLUX's attention projections, double-stream (both streams) and single-stream blocks.
-  c.model.lora.targets = r'attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$'
+  c.model.lora.targets = (
+      r'attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$'
+  )
   c.optim.lr = 3e-4
   c.rl.group_size = 16
   c.rl.prompts_per_step = 8
   c.rl.timesteps = 'random_fraction'
   c.rl.timestep_fraction = 0.6
-  c.data.prompts = ''               # a prompt file (one per line) or tfds name: set it
+  c.data.prompts = ''  # a prompt file (one per line) or tfds name: set it
   c.eval.every = 0
 
   if 'schnell' in variants:
     c.model.guidance_embeds = False
-    c.text.max_length = 256         # FluxPipeline's max_sequence_length for -schnell
+    c.text.max_length = 256  # FluxPipeline's max_sequence_length for -schnell
     c.sampler.num_steps = 4
-    c.sampler.shift = 1.0           # FLUX.1-schnell's scheduler: no shifting
+    c.sampler.shift = 1.0  # FLUX.1-schnell's scheduler: no shifting
   if 'dance' in variants:
     c.sampler.sde = 'dance'
     c.sampler.noise_level = 0.3
-    c.latent.height = c.latent.width = 90   # 720 px
+    c.latent.height = c.latent.width = 90  # 720 px
     c.sampler.num_steps = 16
     c.sampler.shift = 3.0
     c.rl.group_size = 12
@@ -150,10 +153,10 @@ def get_config(arg: str | None = None):
     c.model.lora.rank = 4 if 'full' not in variants else 0
     c.model.lora.alpha = 8.0
     c.latent.channels = 4
-    c.latent.height = c.latent.width = 16    # 32x32 images (the toy VAE compresses 2x)
+    c.latent.height = c.latent.width = 16  # 32x32 images (the toy VAE compresses 2x)
     c.latent.vae_batch_chunk = 4
     c.text.cache = os.path.join(c.model.checkpoint, 'text_cache')
-    c.text.max_length = 32                   # the T5 sequence length (FLUX attends to the pads)
+    c.text.max_length = 32  # the T5 sequence length (FLUX attends to the pads)
     c.sampler.num_steps = 4
     c.optim.compute_dtype = 'float32'
     c.model.frozen_dtype = 'float32'

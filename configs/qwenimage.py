@@ -18,6 +18,7 @@ Variants (comma-separated, e.g. `:full,disagg`):
                   then cached embeddings -> MMDiT sampling with true CFG -> VAE decode ->
                   JPEG + ShapesBench rewards -> GRPO (LoRA; add `full` for all weights)
 """
+
 import os
 import tempfile
 
@@ -47,14 +48,14 @@ def get_config(arg: str | None = None):
   c.latent.space = 'vae'
   c.latent.channels = 16
   c.latent.height = c.latent.width = 64
-  c.latent.vae_batch_chunk = 4      # decode 4 images at a time: bounded decoder activations
+  c.latent.vae_batch_chunk = 4  # decode 4 images at a time: bounded decoder activations
   c.text.encoder = 'qwen2.5-vl'
   # Prompt tokens after the template is dropped (diffusers caps at 512); RL prompt sets are
   # short, and every text token costs attention. A longer prompt is a clear error at start.
   c.text.max_length = 128
   c.sampler.scheduler = 'qwenimage'
-  c.sampler.num_steps = 10          # Flow-GRPO-style training rollouts (inference uses 50)
-  c.sampler.guidance_scale = 4.0    # QwenImage pipeline true_cfg_scale, negative prompt ' '
+  c.sampler.num_steps = 10  # Flow-GRPO-style training rollouts (inference uses 50)
+  c.sampler.guidance_scale = 4.0  # QwenImage pipeline true_cfg_scale, negative prompt ' '
   c.sampler.noise_level = 0.7
   # Real-model numerics: bf16 compute everywhere, float32 trainable masters, bf16 frozen copies.
   c.optim.compute_dtype = 'bfloat16'
@@ -70,7 +71,7 @@ def get_config(arg: str | None = None):
   c.rl.prompts_per_step = 8
   c.rl.timesteps = 'random_fraction'
   c.rl.timestep_fraction = 0.6
-  c.data.prompts = ''               # a prompt file (one per line) or tfds name: set it
+  c.data.prompts = ''  # a prompt file (one per line) or tfds name: set it
   c.eval.every = 0
 
   if 'full' in variants:
@@ -123,7 +124,7 @@ def get_config(arg: str | None = None):
     c.model.lora.rank = 4 if 'full' not in variants else 0
     c.model.lora.alpha = 8.0
     c.latent.channels = 4
-    c.latent.height = c.latent.width = 8     # 64x64 images
+    c.latent.height = c.latent.width = 8  # 64x64 images
     c.latent.vae_batch_chunk = 4
     c.text.cache = os.path.join(c.model.checkpoint, 'text_cache')
     c.text.max_length = 32

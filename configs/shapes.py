@@ -9,13 +9,14 @@ The base model (assets/shapes_base, made by configs/shapes_pretrain.py) follows 
 partly; the reward is the pure-code checker's partial credit; eval is strict accuracy on the
 held-out eval compositions with deterministic ODE sampling.
 """
+
 from digen_jax import configlib
 
 
 def get_config(arg: str | None = None):
   c = configlib.base_config()
   configlib.shapes_base(c)
-  c.total_steps = 600                 # ~1.6 s a step on 2 cores: ~17 min with the evals
+  c.total_steps = 600  # ~1.6 s a step on 2 cores: ~17 min with the evals
   c.rl.prompts_per_step = 8
   c.rl.group_size = 8
   c.rl.adv_std = 'group'
@@ -26,9 +27,9 @@ def get_config(arg: str | None = None):
   # gradient (benchmarks/RESULTS.md: 'shapes' plateaus lower; 'shapes_dense' at a constant 1e-4
   # collapses after ~200 steps, the cosine decay keeps it stable).
   c.reward.weights = 'shapes_dense'
-  c.optim.lr = 1e-4                   # 2e-4 is unstable, 3e-4 collapses within 20 steps
+  c.optim.lr = 1e-4  # 2e-4 is unstable, 3e-4 collapses within 20 steps
   c.optim.schedule = 'cosine'
-  c.model.remat = True                # with rl.step_loop 'auto' = scan on 1 device: fastest on a CPU
+  c.model.remat = True  # with rl.step_loop 'auto' = scan on 1 device: fastest on a CPU
   c.optim.weight_decay = 0.0
   c.optim.grad_clip = 1.0
   c.eval.every = 50
@@ -48,6 +49,8 @@ def get_config(arg: str | None = None):
       # 1 process -> half of its devices each); same math as the colocated default.
       configlib.set_disagg(c)
     else:
-      raise ValueError(f'configs/shapes.py: unknown variant {v!r}; known: jpeg, disagg '
-                       '(comma-separated, e.g. :jpeg,disagg)')
+      raise ValueError(
+          f'configs/shapes.py: unknown variant {v!r}; known: jpeg, disagg '
+          '(comma-separated, e.g. :jpeg,disagg)'
+      )
   return c

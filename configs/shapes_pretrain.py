@@ -20,6 +20,7 @@ Design (measured on the 2-core CPU, see assets/shapes_base/README.md):
     text seed at its peril; the checkpoint records a digest of the table to catch that.
   * No CFG: trained without text dropout; RL samples with guidance_scale=0.
 """
+
 import ml_collections
 
 from digen_jax import configlib
@@ -42,31 +43,31 @@ def get_config(arg: str | None = None):
   p.batch = 32
   p.lr = 2e-3
   p.warmup = 200
-  p.final_lr_frac = 0.1             # cosine decay to lr * final_lr_frac
+  p.final_lr_frac = 0.1  # cosine decay to lr * final_lr_frac
   p.weight_decay = 0.0
   p.grad_clip = 1.0
-  p.ema = 0.999                     # 0 = no EMA; eval and saves use the EMA weights when > 0
-  p.sigma_sampling = 'uniform'      # 'logit_normal' (SD3) | 'uniform'
+  p.ema = 0.999  # 0 = no EMA; eval and saves use the EMA weights when > 0
+  p.sigma_sampling = 'uniform'  # 'logit_normal' (SD3) | 'uniform'
   p.logit_mean = 0.0
   p.logit_std = 1.0
-  p.sigma_shift = 3.0               # static shift of training sigmas; = sampler.shift
-  p.zero_init = True                # adaLN-Zero init of modulations and output (DiT)
-  p.init_from = ''                  # a params folder to warm-start from (e.g. assets/shapes_base)
-  p.text_dropout = 0.0              # > 0 trains the empty prompt too (enables CFG); off: RL uses no CFG
-  p.single_fraction = 0.5           # share of single-object prompts per batch (train split is ~7%
-                                    # singles); < 0 = uniform over the split's prompts
-  p.image_size = 16                 # must equal latent.height == latent.width
-  p.caption_noise = 0.0             # share of pairs whose caption is wrong in one attribute
+  p.sigma_shift = 3.0  # static shift of training sigmas; = sampler.shift
+  p.zero_init = True  # adaLN-Zero init of modulations and output (DiT)
+  p.init_from = ''  # a params folder to warm-start from (e.g. assets/shapes_base)
+  p.text_dropout = 0.0  # > 0 trains the empty prompt too (enables CFG); off: RL uses no CFG
+  p.single_fraction = 0.5  # share of single-object prompts per batch (train split is ~7%
+  # singles); < 0 = uniform over the split's prompts
+  p.image_size = 16  # must equal latent.height == latent.width
+  p.caption_noise = 0.0  # share of pairs whose caption is wrong in one attribute
   p.caption_noise_kinds = 'count,relation,binding'  # grammar.MISCAPTION_KINDS to draw from
-  p.data_workers = 0                # processes rendering batches ahead (0 = in the training process)
+  p.data_workers = 0  # processes rendering batches ahead (0 = in the training process)
   p.log_every = 50
-  p.eval_every = 500                # 0 = only at the end
-  p.eval_prompts = 100              # prompts per split in periodic evals (eval split has 100)
-  p.eval_samples = 2                # samples per prompt in periodic evals
+  p.eval_every = 500  # 0 = only at the end
+  p.eval_prompts = 100  # prompts per split in periodic evals (eval split has 100)
+  p.eval_samples = 2  # samples per prompt in periodic evals
   p.final_eval_prompts = 100
   p.final_eval_samples = 8
-  p.eval_batch = 200                # images per jitted sampling call
-  p.save_every = 500                # 0 = only at the end
+  p.eval_batch = 200  # images per jitted sampling call
+  p.save_every = 500  # 0 = only at the end
 
   if arg == 'test':
     # A few seconds on a CPU: tiny model on 16x16 images, loss must still fall.

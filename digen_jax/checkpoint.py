@@ -12,6 +12,7 @@ later (a flipped bit in a chunk restores silently), so once a step is committed 
 fails the check or orbax's own reads is moved to <directory>.corrupt/ with a warning and the
 previous step is used.
 """
+
 from __future__ import annotations
 
 import errno
@@ -52,8 +53,10 @@ def write_digest(step_dir: str) -> None:
   """<step_dir>/digest.json: {relative path: [size, crc32]} of the committed step's files.
   CRC32, not a cryptographic hash: it guards against corruption (it runs at GB/s), not tampering
   (orbax and safetensors never execute what they read)."""
-  files = {f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))]
-           for f in _files(step_dir)}
+  files = {
+      f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))]
+      for f in _files(step_dir)
+  }
   tmp = os.path.join(step_dir, DIGEST_FILE + '.tmp')
   with open(tmp, 'w') as fh:
     json.dump({'algorithm': 'crc32', 'files': files}, fh)
@@ -89,14 +92,18 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                             save_interval_steps=max(1, save_every),
-                                             create=True, cleanup_tmp_directories=True))
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            save_interval_steps=max(1, save_every),
+            create=True,
+            cleanup_tmp_directories=True,
+        ),
+    )
     self._init_bookkeeping()
 
   def _init_bookkeeping(self):
-    self._undigested: list[int] = []     # committed (or committing) steps without digest.json
-    self._saving: int | None = None      # the step of the save in flight
+    self._undigested: list[int] = []  # committed (or committing) steps without digest.json
+    self._saving: int | None = None  # the step of the save in flight
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -113,8 +120,11 @@ class Checkpointer:
     CheckpointError; the steps committed before it stay readable."""
     self._finish_saves()
     try:
-      saved = self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
+      saved = self._manager.save(
+          step,
+          args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+          force=force,
+      )
     except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore raise anything)
       raise self._save_error(step, e) from e
     if saved:
@@ -131,39 +141,55 @@ class Checkpointer:
       raise self._save_error(failed, e) from e
     self._saving = None
     for s in self._undigested:
-      if os.path.isdir(self.step_dir(s)):   # else deleted by max_to_keep, or never committed
+      if os.path.isdir(self.step_dir(s)):  # else deleted by max_to_keep, or never committed
         try:
           write_digest(self.step_dir(s))
-        except OSError as e:    # e.g. a full disk: the step stays valid, just unguarded
-          logging.warning('checkpoint step %d: cannot write %s (%s); it is kept without one',
-                          s, DIGEST_FILE, faults.short(e, 200))
+        except OSError as e:  # e.g. a full disk: the step stays valid, just unguarded
+          logging.warning(
+              'checkpoint step %d: cannot write %s (%s); it is kept without one',
+              s,
+              DIGEST_FILE,
+              faults.short(e, 200),
+          )
     self._undigested = []
 
   def _save_error(self, step, e: BaseException) -> faults.CheckpointError:
-    full = str(e)       # tensorstore's message: the errno may come after pages of spec
-    if (getattr(e, 'errno', None) == errno.ENOSPC or 'No space left on device' in full
-        or "os_error_code='28'" in full):
+    full = str(e)  # tensorstore's message: the errno may come after pages of spec
+    if (
+        getattr(e, 'errno', None) == errno.ENOSPC
+        or 'No space left on device' in full
+        or "os_error_code='28'" in full
+    ):
       text = 'the disk is full (No space left on device)'
     else:
       text = faults.short(e, 400)
     # From the disk: after a failed save orbax's own list may already lack the step it meant to
     # delete once the new one committed (max_to_keep), which is still there.
     committed = [int(n) for n in os.listdir(self.directory) if n.isdigit() and int(n) != step]
-    prev = (f'the previous checkpoint (step {max(committed)}) is intact' if committed else
-            'no earlier checkpoint exists')
+    prev = (
+        f'the previous checkpoint (step {max(committed)}) is intact'
+        if committed
+        else 'no earlier checkpoint exists'
+    )
     return faults.CheckpointError(
         f'saving checkpoint step {step} in {self.directory} failed: {text}; {prev}: free space '
-        '(or fix the cause) and rerun the same command to resume from it')
+        '(or fix the cause) and rerun the same command to resume from it'
+    )
 
   def restore(self, step: int, template: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Restores onto the shapes/dtypes/shardings of `template` (a pytree of jax arrays)."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        ),
+    )
     return restored['state'], restored['meta']
 
-  def restore_latest(self, template: dict[str, Any], *, move_aside: bool = True
-                     ) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+  def restore_latest(
+      self, template: dict[str, Any], *, move_aside: bool = True
+  ) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
     """(step, state, meta) of the newest readable checkpoint, or None when there is none.
 
     A step whose files fail its digest, or that orbax cannot read although it has no digest,
@@ -184,19 +210,25 @@ class Checkpointer:
             raise faults.CheckpointError(
                 f'checkpoint step {step} in {self.directory} is intact but does not fit this '
                 f'run ({faults.short(e, 200)}): was the model, optimizer or config changed? '
-                'Resume with the config it was saved with, or use a new --workdir') from e
+                'Resume with the config it was saved with, or use a new --workdir'
+            ) from e
           bad = f'orbax cannot read it ({faults.short(e, 200)})'
         else:
           self._set_aside(corrupt, move_aside)
           return step, state, meta
-      logging.warning('checkpoint step %d in %s is corrupt: %s; trying the previous one',
-                      step, self.directory, bad)
+      logging.warning(
+          'checkpoint step %d in %s is corrupt: %s; trying the previous one',
+          step,
+          self.directory,
+          bad,
+      )
       corrupt.append((step, bad))
     if corrupt:
       listed = '; '.join(f'step {s}: {why}' for s, why in corrupt)
       raise faults.CheckpointError(
           f'no readable checkpoint in {self.directory} ({listed}): restore it from a backup, or '
-          'move that directory away to start the run from step 0')
+          'move that directory away to start the run from step 0'
+      )
     return None
 
   def _set_aside(self, corrupt: list[tuple[int, str]], move: bool):
@@ -233,19 +265,27 @@ class ProcessCheckpointer(Checkpointer):
   def __init__(self, directory: str, *, max_to_keep: int = 2, save_every: int = 1):
     pid = jax.process_index()
     if pid != 0:
-      raise ValueError(f'ProcessCheckpointer runs in process 0 (this is process {pid}): make the '
-                       'trainer process 0 (config.cluster.trainer.processes=(0,))')
+      raise ValueError(
+          f'ProcessCheckpointer runs in process 0 (this is process {pid}): make the '
+          'trainer process 0 (config.cluster.trainer.processes=(0,))'
+      )
     self.directory = os.path.abspath(directory)
-    os.makedirs(self.directory, exist_ok=True)   # orbax cannot create it with active_processes
+    os.makedirs(self.directory, exist_ok=True)  # orbax cannot create it with active_processes
     mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid})
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                             save_interval_steps=max(1, save_every),
-                                             create=False, multiprocessing_options=mp,
-                                             cleanup_tmp_directories=True),
-        item_handlers={'state': ocp.StandardCheckpointHandler(multiprocessing_options=mp),
-                       'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            save_interval_steps=max(1, save_every),
+            create=False,
+            multiprocessing_options=mp,
+            cleanup_tmp_directories=True,
+        ),
+        item_handlers={
+            'state': ocp.StandardCheckpointHandler(multiprocessing_options=mp),
+            'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp),
+        },
+    )
     self._init_bookkeeping()
 
   def save(self, step, state, meta, *, force=False):
@@ -254,10 +294,13 @@ class ProcessCheckpointer(Checkpointer):
 
   def restore(self, step, template):
     host = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), template)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(host), meta=ocp.args.JsonRestore()))
-    state = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding),
-                         restored['state'], template)
+    restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(host), meta=ocp.args.JsonRestore()),
+    )
+    state = jax.tree.map(
+        lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), restored['state'], template
+    )
     return state, restored['meta']
 
 
@@ -267,5 +310,6 @@ def key_to_data(key: jax.Array) -> jax.Array:
 
 
 def data_to_key(data) -> jax.Array:
-  return jax.random.wrap_key_data(np.asarray(data, dtype=np.uint32) if not isinstance(data, jax.Array)
-                                  else data)
+  return jax.random.wrap_key_data(
+      np.asarray(data, dtype=np.uint32) if not isinstance(data, jax.Array) else data
+  )

@@ -1,5 +1,6 @@
 """What every entry point (main, eval, pretrain) shares: the --config/--workdir flags, a flag parser
 that turns bad input into one clear line, quiet library logs, and the experiment build."""
+
 from __future__ import annotations
 
 import logging as logging_std
@@ -10,7 +11,9 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/qwenimage.py:tiny.')
+CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Config file, e.g. configs/qwenimage.py:tiny.'
+)
 WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (metrics, checkpoints, samples).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
@@ -25,11 +28,12 @@ def parse_flags(argv):
     return flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except  (anything a config file raises is input)
     text = str(e).strip('\'"').replace("\\'", "'").replace('\\n', '\n')
-    if not isinstance(e, (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError,
-                          SyntaxError)):
-      text = f'{type(e).__name__}: {text}'     # raised by the config file's own code
+    if not isinstance(
+        e, (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, SyntaxError)
+    ):
+      text = f'{type(e).__name__}: {text}'  # raised by the config file's own code
     lines = [l.strip() for l in text.splitlines() if l.strip()]
-    if 'Traceback (most recent call last):' in lines:   # error raised inside a config file
+    if 'Traceback (most recent call last):' in lines:  # error raised inside a config file
       lines = [lines[0], lines[-1]]
     wrapped = e.args[0] if e.args else None
     if isinstance(e, SyntaxError) or isinstance(wrapped, SyntaxError):  # not a Python file
@@ -43,9 +47,12 @@ def parse_flags(argv):
 
 def quiet_library_logs():
   """orbax logs every checkpoint phase at INFO through absl; keep our progress lines readable."""
+
   class _DropOrbaxInfo(logging_std.Filter):
+
     def filter(self, record):
       return record.levelno >= logging_std.WARNING or '/orbax/' not in record.pathname
+
   logging.get_absl_handler().addFilter(_DropOrbaxInfo())
 
 
@@ -67,6 +74,7 @@ def setup():
   """Common start of every entry point: logs, compilation cache, config. -> (config, workdir, n_dev)."""
   import jax  # pylint: disable=g-import-not-at-top
   from digen_jax import compile_cache  # pylint: disable=g-import-not-at-top
+
   quiet_library_logs()
   compile_cache.enable()
   config, workdir = config_and_workdir()
@@ -79,6 +87,7 @@ def setup():
 def build_experiment(config, workdir: str, num_devices: int):
   """experiment.build with bad input reported as one line before anything compiles or is written."""
   from digen_jax import experiment  # pylint: disable=g-import-not-at-top
+
   try:
     return experiment.build(config, workdir, num_devices)
   except (ValueError, FileNotFoundError) as e:

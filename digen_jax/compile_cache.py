@@ -1,4 +1,5 @@
 """JAX's persistent compilation cache, so a restarted run does not recompile its programs."""
+
 from __future__ import annotations
 
 import os

@@ -29,6 +29,7 @@ a different encoder is an error. One shard is written at a time and the index re
 atomically after each, so an interrupted run keeps every completed shard and the next run carries
 on. Torch runs in this process only.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,6 @@ from typing import Any, Optional, Sequence, Union
 from absl import app
 from absl import flags
 from absl import logging
-import numpy as np
 
 from digen_jax.models import text_cache
 
@@ -62,22 +62,31 @@ def _transformers_class(folder: str, part: str, qualified: str):
 
   library, name = qualified.split('.', 1)
   if library != 'transformers' or not hasattr(transformers, name):
-    raise ValueError(f"{os.path.join(folder, 'model_index.json')}: {part} class "
-                     f'{library}.{name} is not a transformers class')
+    raise ValueError(
+        f"{os.path.join(folder, 'model_index.json')}: {part} class "
+        f'{library}.{name} is not a transformers class'
+    )
   return getattr(transformers, name)
 
 
-def _load(folder: str, encoder: str, tokenizer: str, classes: tuple[str, str], dtype: str,
-          device: str):
+def _load(
+    folder: str, encoder: str, tokenizer: str, classes: tuple[str, str], dtype: str, device: str
+):
   """(tokenizer, text encoder in eval mode on device, in dtype) of a pipeline folder's parts."""
   import torch  # pylint: disable=g-import-not-at-top
 
   tok = _transformers_class(folder, tokenizer, classes[1]).from_pretrained(
-      os.path.join(folder, tokenizer))
+      os.path.join(folder, tokenizer)
+  )
   # use_safetensors: never fall back to pickled .bin weights (torch.load runs code).
-  model = _transformers_class(folder, encoder, classes[0]).from_pretrained(
-      os.path.join(folder, encoder), dtype=getattr(torch, dtype),
-      use_safetensors=True).to(device).eval()
+  model = (
+      _transformers_class(folder, encoder, classes[0])
+      .from_pretrained(
+          os.path.join(folder, encoder), dtype=getattr(torch, dtype), use_safetensors=True
+      )
+      .to(device)
+      .eval()
+  )
   return tok, model
 
 
@@ -93,7 +102,8 @@ class QwenPromptEncoder:
   folder: the diffusers pipeline folder. device: torch device ('' = cuda if available, else cpu).
   dtype: compute dtype name ('' = the dtype the folder's weights are stored in).
   """
-  pooled_dim = None                   # Qwen-Image conditions on the sequence alone
+
+  pooled_dim = None  # Qwen-Image conditions on the sequence alone
 
   def __init__(self, folder: str, device: str = '', dtype: str = ''):
     import torch  # pylint: disable=g-import-not-at-top
@@ -104,8 +114,13 @@ class QwenPromptEncoder:
     self.identity['compute_dtype'] = self.dtype
     self.device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     self.tokenizer, self.model = _load(
-        folder, 'text_encoder', 'tokenizer',
-        (self.identity['class'], self.identity['tokenizer_class']), self.dtype, self.device)
+        folder,
+        'text_encoder',
+        'tokenizer',
+        (self.identity['class'], self.identity['tokenizer_class']),
+        self.dtype,
+        self.device,
+    )
     self.name = self.identity['class']
     self.dim = self.identity['dim']
     self.template = self.identity['template']
@@ -127,20 +142,30 @@ class QwenPromptEncoder:
     """Per prompt its [len_i, dim] float32 embeddings: diffusers' _get_qwen_prompt_embeds,
     unpadded."""
     torch = self.torch
-    tokens = self.tokenizer([self.template.format(p) for p in prompts],
-                            max_length=self.max_sequence_length + self.drop_idx, padding=True,
-                            truncation=True, return_tensors='pt').to(self.device)
+    tokens = self.tokenizer(
+        [self.template.format(p) for p in prompts],
+        max_length=self.max_sequence_length + self.drop_idx,
+        padding=True,
+        truncation=True,
+        return_tensors='pt',
+    ).to(self.device)
     with torch.inference_mode():
       # The language model alone: hidden_states[-1] of the full model is this model's last
       # hidden state, and skipping the lm_head saves a [B, T, vocab] logits tensor (5 GB for
       # 16 long prompts with Qwen's 152k vocabulary) that diffusers computes and discards.
-      out = self.model.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                             output_hidden_states=True, use_cache=False)
+      out = self.model.model(
+          input_ids=tokens.input_ids,
+          attention_mask=tokens.attention_mask,
+          output_hidden_states=True,
+          use_cache=False,
+      )
       hidden = out.hidden_states[-1]
       mask = tokens.attention_mask.bool()
       split = torch.split(hidden[mask], mask.sum(dim=1).tolist(), dim=0)
-      return [text_cache.Entry(p, e[self.drop_idx:][:self.max_sequence_length].float().cpu()
-                               .numpy()) for p, e in zip(prompts, split)]
+      return [
+          text_cache.Entry(p, e[self.drop_idx :][: self.max_sequence_length].float().cpu().numpy())
+          for p, e in zip(prompts, split)
+      ]
 
 
 class FluxPromptEncoder:
@@ -152,8 +177,13 @@ class FluxPromptEncoder:
   runs them). max_sequence_length: the T5 length (None: diffusers' default 512).
   """
 
-  def __init__(self, folder: str, device: str = '', dtype: str = '',
-               max_sequence_length: Optional[int] = None):
+  def __init__(
+      self,
+      folder: str,
+      device: str = '',
+      dtype: str = '',
+      max_sequence_length: Optional[int] = None,
+  ):
     import torch  # pylint: disable=g-import-not-at-top
 
     self.torch = torch
@@ -162,25 +192,36 @@ class FluxPromptEncoder:
     if not dtype:
       stored = {k: folder_dtype(e['config']) for k, e in encoders.items()}
       if len(set(stored.values())) > 1:
-        raise ValueError(f'{folder}: the text encoders are stored in different dtypes {stored}; '
-                         'give --dtype')
+        raise ValueError(
+            f'{folder}: the text encoders are stored in different dtypes {stored}; ' 'give --dtype'
+        )
       dtype = stored['text_encoder_2']
     self.dtype = _check_dtype(dtype)
     self.identity['compute_dtype'] = self.dtype
     self.device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     self.clip_tokenizer, self.clip = _load(
-        folder, 'text_encoder', 'tokenizer', (encoders['text_encoder']['class'],
-                                              encoders['text_encoder']['tokenizer_class']),
-        self.dtype, self.device)
+        folder,
+        'text_encoder',
+        'tokenizer',
+        (encoders['text_encoder']['class'], encoders['text_encoder']['tokenizer_class']),
+        self.dtype,
+        self.device,
+    )
     self.t5_tokenizer, self.t5 = _load(
-        folder, 'text_encoder_2', 'tokenizer_2', (encoders['text_encoder_2']['class'],
-                                                  encoders['text_encoder_2']['tokenizer_class']),
-        self.dtype, self.device)
+        folder,
+        'text_encoder_2',
+        'tokenizer_2',
+        (encoders['text_encoder_2']['class'], encoders['text_encoder_2']['tokenizer_class']),
+        self.dtype,
+        self.device,
+    )
     self.clip_length = encoders['text_encoder']['max_length']
-    if self.clip_tokenizer.model_max_length != self.clip_length:    # diffusers pads to the former
-      raise ValueError(f'{folder}/tokenizer loads with model_max_length '
-                       f'{self.clip_tokenizer.model_max_length}, its tokenizer_config.json says '
-                       f'{self.clip_length}')
+    if self.clip_tokenizer.model_max_length != self.clip_length:  # diffusers pads to the former
+      raise ValueError(
+          f'{folder}/tokenizer loads with model_max_length '
+          f'{self.clip_tokenizer.model_max_length}, its tokenizer_config.json says '
+          f'{self.clip_length}'
+      )
     self.name = f"{encoders['text_encoder_2']['class']} + {encoders['text_encoder']['class']}"
     self.dim = self.identity['dim']
     self.pooled_dim = self.identity['pooled_dim']
@@ -198,9 +239,11 @@ class FluxPromptEncoder:
 
   def truncated(self, prompts: Sequence[str]) -> list[str]:
     """The prompts that CLIP's 77 or T5's max_sequence_length tokens cut (diffusers truncates)."""
-    return [p for p, n in zip(prompts, self.tokens(prompts))
-            if n['text_encoder'] > self.clip_length
-            or n['text_encoder_2'] > self.max_sequence_length]
+    return [
+        p
+        for p, n in zip(prompts, self.tokens(prompts))
+        if n['text_encoder'] > self.clip_length or n['text_encoder_2'] > self.max_sequence_length
+    ]
 
   def embed(self, prompts: Sequence[str]) -> list[text_cache.Entry]:
     """Per prompt its [max_sequence_length, dim] T5 embeddings (pads included), [pooled_dim] CLIP
@@ -208,23 +251,36 @@ class FluxPromptEncoder:
     _get_clip_prompt_embeds (tokenizer padding='max_length', truncation, no attention mask)."""
     torch = self.torch
     prompts = list(prompts)
-    clip_ids = self.clip_tokenizer(prompts, padding='max_length', max_length=self.clip_length,
-                                   truncation=True, return_tensors='pt').input_ids
-    t5_ids = self.t5_tokenizer(prompts, padding='max_length', max_length=self.max_sequence_length,
-                               truncation=True, return_tensors='pt').input_ids
+    clip_ids = self.clip_tokenizer(
+        prompts,
+        padding='max_length',
+        max_length=self.clip_length,
+        truncation=True,
+        return_tensors='pt',
+    ).input_ids
+    t5_ids = self.t5_tokenizer(
+        prompts,
+        padding='max_length',
+        max_length=self.max_sequence_length,
+        truncation=True,
+        return_tensors='pt',
+    ).input_ids
     with torch.inference_mode():
       pooled = self.clip(clip_ids.to(self.device), output_hidden_states=False).pooler_output
       seq = self.t5(t5_ids.to(self.device), output_hidden_states=False)[0]
       pooled, seq = pooled.float().cpu().numpy(), seq.float().cpu().numpy()
-    return [text_cache.Entry(p, s, q, n)
-            for p, s, q, n in zip(prompts, seq, pooled, self.tokens(prompts))]
+    return [
+        text_cache.Entry(p, s, q, n)
+        for p, s, q, n in zip(prompts, seq, pooled, self.tokens(prompts))
+    ]
 
 
 PromptEncoder = Union[QwenPromptEncoder, FluxPromptEncoder]
 
 
-def prompt_encoder(folder: str, device: str = '', dtype: str = '',
-                   max_sequence_length: Optional[int] = None) -> PromptEncoder:
+def prompt_encoder(
+    folder: str, device: str = '', dtype: str = '', max_sequence_length: Optional[int] = None
+) -> PromptEncoder:
   """The encoder of a pipeline folder's class (model_index.json): QwenPromptEncoder or
   FluxPromptEncoder. max_sequence_length: FLUX's T5 length; not used by Qwen-Image."""
   if text_cache.is_flux(text_cache.pipeline_class(folder)):
@@ -251,8 +307,9 @@ def gather_prompts(config, prompts: str = '', split: str = '', data_dir: str = '
   else:
     if not data_dir:
       raise ValueError('data_dir is required for a tfds prompt dataset')
-    wanted = split.split(',') if split else list(dict.fromkeys([config.data.split,
-                                                                 config.eval.split]))
+    wanted = (
+        split.split(',') if split else list(dict.fromkeys([config.data.split, config.eval.split]))
+    )
     for i, s in enumerate(wanted):
       try:
         seq = prompt_data.load_prompts(source, s, data_dir)
@@ -265,9 +322,14 @@ def gather_prompts(config, prompts: str = '', split: str = '', data_dir: str = '
   return list(dict.fromkeys(out))
 
 
-def encode_to_cache(encoder: PromptEncoder, prompts: Sequence[str], out: str,
-                    batch_size: int = 16, shard_bytes: int = 512 << 20,
-                    max_length: Optional[int] = None) -> dict[str, Any]:
+def encode_to_cache(
+    encoder: PromptEncoder,
+    prompts: Sequence[str],
+    out: str,
+    batch_size: int = 16,
+    shard_bytes: int = 512 << 20,
+    max_length: Optional[int] = None,
+) -> dict[str, Any]:
   """Adds the prompts `out` lacks; returns {new, cached, total, truncated, too_long, shards}.
 
   max_length: config.text.max_length, only to warn about prompts a run could not read.
@@ -280,13 +342,18 @@ def encode_to_cache(encoder: PromptEncoder, prompts: Sequence[str], out: str,
     counts = encoder.token_counts(todo) if todo else []
     truncated = encoder.truncated(todo) if todo else []
     if truncated:
-      logging.warning('%d prompts exceed a tokenizer limit (%s) and are truncated as diffusers '
-                      'does, e.g. %r', len(truncated), _limits(encoder), truncated[0][:80])
+      logging.warning(
+          '%d prompts exceed a tokenizer limit (%s) and are truncated as diffusers '
+          'does, e.g. %r',
+          len(truncated),
+          _limits(encoder),
+          truncated[0][:80],
+      )
     order = sorted(range(len(todo)), key=lambda i: counts[i])
     pending, pending_bytes, shards, too_long = [], 0, [], []
     t0 = time.time()
     for start in range(0, len(order), batch_size):
-      batch = [todo[i] for i in order[start:start + batch_size]]
+      batch = [todo[i] for i in order[start : start + batch_size]]
       for entry in encoder.embed(batch):
         pending.append(entry)
         pending_bytes += entry.embeddings.nbytes
@@ -295,16 +362,30 @@ def encode_to_cache(encoder: PromptEncoder, prompts: Sequence[str], out: str,
       if pending_bytes >= shard_bytes:
         shards.append(writer.add(pending))
         pending, pending_bytes = [], 0
-        logging.info('encoded %d/%d prompts (%.1f/s)', start + len(batch), len(todo),
-                     (start + len(batch)) / (time.time() - t0))
+        logging.info(
+            'encoded %d/%d prompts (%.1f/s)',
+            start + len(batch),
+            len(todo),
+            (start + len(batch)) / (time.time() - t0),
+        )
     if pending:
       shards.append(writer.add(pending))
     if too_long:
-      logging.warning('%d prompts have more than config.text.max_length=%d tokens, e.g. %r; a '
-                      'run with this config will refuse them', len(too_long), max_length,
-                      too_long[0][:80])
-    return {'new': len(todo), 'cached': cached, 'total': len(writer), 'truncated': len(truncated),
-            'too_long': len(too_long), 'shards': shards}
+      logging.warning(
+          '%d prompts have more than config.text.max_length=%d tokens, e.g. %r; a '
+          'run with this config will refuse them',
+          len(too_long),
+          max_length,
+          too_long[0][:80],
+      )
+    return {
+        'new': len(todo),
+        'cached': cached,
+        'total': len(writer),
+        'truncated': len(truncated),
+        'too_long': len(too_long),
+        'shards': shards,
+    }
 
 
 def _limits(encoder: PromptEncoder) -> str:
@@ -317,12 +398,20 @@ def _define_flags():
   from digen_jax import cli  # pylint: disable=g-import-not-at-top  (defines --config, --workdir)
   # encode_prompts writes no run directory: --workdir only roots tfds prompt data (as in training).
   flags.FLAGS.set_default('workdir', '')
-  flags.DEFINE_string('prompts', '', 'Prompt file or tfds dataset name; default '
-                      'config.data.prompts.')
-  flags.DEFINE_string('split', '', 'Dataset splits, comma-separated; default config.data.split and '
-                      'config.eval.split.')
-  flags.DEFINE_string('data_dir', '', 'tfds data_dir of prompt datasets; default '
-                      'config.data.data_dir, else <--workdir>/data, else a temporary folder.')
+  flags.DEFINE_string(
+      'prompts', '', 'Prompt file or tfds dataset name; default ' 'config.data.prompts.'
+  )
+  flags.DEFINE_string(
+      'split',
+      '',
+      'Dataset splits, comma-separated; default config.data.split and ' 'config.eval.split.',
+  )
+  flags.DEFINE_string(
+      'data_dir',
+      '',
+      'tfds data_dir of prompt datasets; default '
+      'config.data.data_dir, else <--workdir>/data, else a temporary folder.',
+  )
   flags.DEFINE_string('out', '', 'Cache folder; default config.text.cache.')
   flags.DEFINE_integer('batch_size', 16, 'Prompts per text-encoder forward.')
   flags.DEFINE_integer('shard_mb', 512, 'Write a shard (and update the index) every this many MB.')
@@ -341,30 +430,50 @@ def main(argv, cli):
   if not out:
     cli.fail('encode_prompts: give --out=DIR (or set config.text.cache)')
   if not config.model.checkpoint:
-    cli.fail('encode_prompts: config.model.checkpoint is empty; set '
-             '--config.model.checkpoint=/path/to/diffusers/pipeline (the folder with '
-             'model_index.json)')
+    cli.fail(
+        'encode_prompts: config.model.checkpoint is empty; set '
+        '--config.model.checkpoint=/path/to/diffusers/pipeline (the folder with '
+        'model_index.json)'
+    )
   if config.text.encoder == 'word':
     cli.fail("encode_prompts: config.text.encoder='word' is computed in training; no cache needed")
   try:
     with tempfile.TemporaryDirectory() as tmp:
-      data_dir = (f.data_dir or config.data.data_dir
-                  or (os.path.join(workdir, 'data') if workdir else tmp))
+      data_dir = (
+          f.data_dir or config.data.data_dir or (os.path.join(workdir, 'data') if workdir else tmp)
+      )
       prompts = gather_prompts(config, f.prompts, f.split, data_dir)
     # FLUX's T5 sequence is what training reads, padded to config.text.max_length: one length.
-    encoder = prompt_encoder(config.model.checkpoint, device=f.device, dtype=f.dtype,
-                             max_sequence_length=config.text.max_length)
-    logging.info('text encoder %s (%s on %s), %d prompts (with the negative and empty prompt)',
-                 encoder.name, encoder.dtype, encoder.device, len(prompts))
-    stats = encode_to_cache(encoder, prompts, out, batch_size=f.batch_size,
-                            shard_bytes=f.shard_mb << 20, max_length=config.text.max_length)
+    encoder = prompt_encoder(
+        config.model.checkpoint,
+        device=f.device,
+        dtype=f.dtype,
+        max_sequence_length=config.text.max_length,
+    )
+    logging.info(
+        'text encoder %s (%s on %s), %d prompts (with the negative and empty prompt)',
+        encoder.name,
+        encoder.dtype,
+        encoder.device,
+        len(prompts),
+    )
+    stats = encode_to_cache(
+        encoder,
+        prompts,
+        out,
+        batch_size=f.batch_size,
+        shard_bytes=f.shard_mb << 20,
+        max_length=config.text.max_length,
+    )
   except (ValueError, FileNotFoundError) as e:
     cli.fail(f'encode_prompts: {e}')
   pooled = f', pooled dim {encoder.pooled_dim}' if encoder.pooled_dim else ''
   truncated = f", {stats['truncated']} truncated" if stats['truncated'] else ''
-  print(f"encode_prompts: {stats['new']} prompts encoded{truncated}, {stats['cached']} already "
-        f"cached -> {out} ({stats['total']} prompts, dim {encoder.dim}{pooled}, {encoder.dtype})",
-        flush=True)
+  print(
+      f"encode_prompts: {stats['new']} prompts encoded{truncated}, {stats['cached']} already "
+      f"cached -> {out} ({stats['total']} prompts, dim {encoder.dim}{pooled}, {encoder.dtype})",
+      flush=True,
+  )
 
 
 if __name__ == '__main__':

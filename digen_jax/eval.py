@@ -4,6 +4,7 @@ Evaluates the latest checkpoint in DIR/checkpoints (or the config's initial mode
 none) on the eval split: strict accuracy and mean reward with deterministic ODE sampling and
 eval.samples_per_prompt samples per prompt. Appends a row to metrics.jsonl and writes
 DIR/eval/eval_<step>.json and .png."""
+
 from __future__ import annotations
 
 import os
@@ -27,12 +28,16 @@ def main(argv):
   exp = cli.build_experiment(config, workdir, n)
   mesh = mesh_lib.make_mesh(jax.local_devices()[:n])
   from digen_jax import weights as weights_lib  # pylint: disable=g-import-not-at-top
+
   params, step = weights_lib.host_params(exp.weights), 0
   ckpt_dir = os.path.join(workdir, 'checkpoints')
   if os.path.isdir(ckpt_dir):
     checkpointer = ckpt_lib.Checkpointer(ckpt_dir)
-    template = {'params': params, 'opt_state': jax.eval_shape(exp.optimizer.init, params),
-                'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+    template = {
+        'params': params,
+        'opt_state': jax.eval_shape(exp.optimizer.init, params),
+        'rng': ckpt_lib.key_to_data(jax.random.key(0)),
+    }
     try:
       # The newest readable step; eval only reads, so a corrupt one stays where it is.
       restored = checkpointer.restore_latest(template, move_aside=False)

@@ -2,6 +2,7 @@
 (for ShapesBench prompts) the strict checker; a JSON report and a PNG grid with pass/fail marks.
 
 Used by `python -m digen_jax.eval` and periodically inside training."""
+
 from __future__ import annotations
 
 import json
@@ -58,18 +59,36 @@ class Evaluator:
 
     def ode_sample(params, cond, uncond, keys, frozen):
       traj = sampler_lib.sample(
-          velocity_fn, exp.weights.effective(params, frozen), cond, sigmas, keys,
-          latent_shape=latent_shape, sde_cfg=exp.sde_cfg, sde_steps=jnp.zeros((T,), bool),
-          guidance_scale=guidance, uncond=uncond if guidance is not None else None,
-          norm_rescale=norm_rescale)
+          velocity_fn,
+          exp.weights.effective(params, frozen),
+          cond,
+          sigmas,
+          keys,
+          latent_shape=latent_shape,
+          sde_cfg=exp.sde_cfg,
+          sde_steps=jnp.zeros((T,), bool),
+          guidance_scale=guidance,
+          uncond=uncond if guidance is not None else None,
+          norm_rescale=norm_rescale,
+      )
       return exp.weights.decode(frozen, traj.latents[-1])
 
     rep = mesh_lib.replicated(mesh)
     cond_sh = programs.cond_shardings(mesh, exp.cond_abstract(1))
     frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)
-    self._sample = programs.Bound(jax.jit(ode_sample, in_shardings=(
-        rep, cond_sh, cond_sh, mesh_lib.batch_sharding(mesh, 1),
-        programs.frozen_shardings(frozen))), frozen)
+    self._sample = programs.Bound(
+        jax.jit(
+            ode_sample,
+            in_shardings=(
+                rep,
+                cond_sh,
+                cond_sh,
+                mesh_lib.batch_sharding(mesh, 1),
+                programs.frozen_shardings(frozen),
+            ),
+        ),
+        frozen,
+    )
     self.shapes = _is_shapes(prompts)
     self._uncond = self._encode([c.sampler.negative_prompt] * self.batch)
 
@@ -83,28 +102,37 @@ class Evaluator:
     images = []
     base = jax.random.key(seed)
     for start in range(0, len(all_prompts), self.batch):
-      chunk = all_prompts[start:start + self.batch]
+      chunk = all_prompts[start : start + self.batch]
       padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
       keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(start + jnp.arange(self.batch))
       out = self._sample(params, self._encode(padded), self._uncond, keys)
-      images.append(np.asarray(out)[:len(chunk)])
+      images.append(np.asarray(out)[: len(chunk)])
     images = np.concatenate(images)
     rewards = np.asarray(self.exp.reward_fn(images, all_prompts), np.float32)
-    metrics = {'eval/reward_mean': float(rewards.mean()), 'eval/num_prompts': len(self.prompts),
-               'eval/samples_per_prompt': self.n_per}
+    metrics = {
+        'eval/reward_mean': float(rewards.mean()),
+        'eval/num_prompts': len(self.prompts),
+        'eval/samples_per_prompt': self.n_per,
+    }
     passed = None
     if self.shapes:
       checked = shapes_checker.check_all(images, all_prompts)
       passed = np.array([r.strict for r in checked], bool)
       metrics['eval/strict_accuracy'] = float(passed.mean())
-      metrics.update({f'eval/atom_{kind}': rate
-                      for kind, rate in shapes_checker.atom_rates(checked).items()})
+      metrics.update(
+          {f'eval/atom_{kind}': rate for kind, rate in shapes_checker.atom_rates(checked).items()}
+      )
       # A second scoring path that shares none of the reward's margin code (plain thresholds):
       # a policy that games the smoothed reward shows up as a gap between the two accuracies.
       hard = shapes_checker.strict_atoms_all(images, all_prompts)
       metrics['eval/strict_accuracy_hard'] = float(np.mean([all(h.values()) for h in hard]))
-    return {'metrics': metrics, 'images': images, 'prompts': all_prompts, 'rewards': rewards,
-            'passed': passed}
+    return {
+        'metrics': metrics,
+        'images': images,
+        'prompts': all_prompts,
+        'rewards': rewards,
+        'passed': passed,
+    }
 
 
 def write_report(result: dict[str, Any], out_dir: str, step: int, *, grid_prompts: int = 16) -> str:
@@ -118,32 +146,56 @@ def write_report(result: dict[str, Any], out_dir: str, step: int, *, grid_prompt
     d['reward_sum'] += float(rewards[i])
     d['passed'] += int(passed[i]) if passed is not None else 0
     d['n'] += 1
-  report = {'step': step, **result['metrics'],
-            'per_prompt': {p: {'reward_mean': d['reward_sum'] / d['n'],
-                               **({'pass_rate': d['passed'] / d['n']} if passed is not None else {})}
-                           for p, d in per_prompt.items()}}
+  report = {
+      'step': step,
+      **result['metrics'],
+      'per_prompt': {
+          p: {
+              'reward_mean': d['reward_sum'] / d['n'],
+              **({'pass_rate': d['passed'] / d['n']} if passed is not None else {}),
+          }
+          for p, d in per_prompt.items()
+      },
+  }
   with open(os.path.join(out_dir, f'eval_{step:06d}.json'), 'w') as f:
     json.dump(report, f, indent=1)
   # Grid: the first samples of the first `grid_prompts` prompts.
   n_per = result['metrics']['eval/samples_per_prompt']
   idx = [i for i in range(len(prompts)) if i // n_per < grid_prompts]
-  caps = [('PASS ' if passed is not None and passed[i] else 'FAIL ' if passed is not None else '')
-          + f'{prompts[i]} r={rewards[i]:.2f}' for i in idx]
-  grid = visualize.image_grid(result['images'][idx], caps, cols=n_per,
-                              passed=None if passed is None else [bool(passed[i]) for i in idx])
+  caps = [
+      ('PASS ' if passed is not None and passed[i] else 'FAIL ' if passed is not None else '')
+      + f'{prompts[i]} r={rewards[i]:.2f}'
+      for i in idx
+  ]
+  grid = visualize.image_grid(
+      result['images'][idx],
+      caps,
+      cols=n_per,
+      passed=None if passed is None else [bool(passed[i]) for i in idx],
+  )
   path = os.path.join(out_dir, f'eval_{step:06d}.png')
   Image.fromarray(grid).save(path)
   # Every sample as uint8, for the end-of-run before/after grid (same prompts and noise at every
   # eval, so sample i of two evals is the same prompt and seed under two policies).
-  np.savez_compressed(os.path.join(out_dir, f'eval_{step:06d}.npz'),
-                      images=visualize.to_uint8(result['images']), prompts=np.asarray(prompts),
-                      passed=(np.zeros(len(prompts), bool) if passed is None else passed),
-                      rewards=rewards)
+  np.savez_compressed(
+      os.path.join(out_dir, f'eval_{step:06d}.npz'),
+      images=visualize.to_uint8(result['images']),
+      prompts=np.asarray(prompts),
+      passed=(np.zeros(len(prompts), bool) if passed is None else passed),
+      rewards=rewards,
+  )
   return path
 
 
-def before_after_grid(first_npz: str, last_npz: str, out_path: str, *, num_prompts: int = 12,
-                      samples: int = 2, labels=('base', 'final')) -> str:
+def before_after_grid(
+    first_npz: str,
+    last_npz: str,
+    out_path: str,
+    *,
+    num_prompts: int = 12,
+    samples: int = 2,
+    labels=('base', 'final'),
+) -> str:
   """A PNG with one row per prompt: `samples` eval samples of the first report, then the same
   prompts and noise from the last report, with PASS/FAIL frames. Prompts are picked evenly over
   the eval split (so single-object and relation prompts both show). Returns out_path."""

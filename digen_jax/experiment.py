@@ -1,5 +1,6 @@
 """Builds every part of a run from its config: model, text encoder, prompts, reward, schedule,
 optimizer. Pure construction: nothing here compiles or runs the hot loop."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +8,6 @@ import os
 import sys
 from typing import Any, Callable
 
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -30,17 +30,17 @@ from digen_jax.rl import timesteps as timesteps_lib
 @dataclasses.dataclass
 class Experiment:
   config: ml_collections.ConfigDict
-  model_config: Any                 # the family's architecture config (MMDiTConfig, FluxConfig)
-  weights: weights_lib.Weights      # trainable params (full or LoRA), frozen weights, decode
-  text_encoder: Any                 # prompts -> (emb [B, L, D], mask [B, L])
-  prompts: Any                      # PromptIterator: next_batch(), position, restore()
+  model_config: Any  # the family's architecture config (MMDiTConfig, FluxConfig)
+  weights: weights_lib.Weights  # trainable params (full or LoRA), frozen weights, decode
+  text_encoder: Any  # prompts -> (emb [B, L, D], mask [B, L])
+  prompts: Any  # PromptIterator: next_batch(), position, restore()
   reward_fn: Callable[[np.ndarray, list[str]], np.ndarray]
-  sigmas: np.ndarray                # [T+1]
+  sigmas: np.ndarray  # [T+1]
   sde_cfg: sde_lib.SDEConfig
   selection: timesteps_lib.TimestepSelection
   optimizer: optax.GradientTransformation
-  img_shape: tuple[int, int, int]   # (frames, h_tokens, w_tokens)
-  latent_shape: tuple[int, int]     # (tokens, packed channels)
+  img_shape: tuple[int, int, int]  # (frames, h_tokens, w_tokens)
+  latent_shape: tuple[int, int]  # (tokens, packed channels)
 
   @property
   def compute_dtype(self):
@@ -77,12 +77,17 @@ class Experiment:
   def cond_abstract(self, batch: int, sharding_fn: Callable[[int], Any] | None = None) -> dict:
     """ShapeDtypeStructs of `conditioning` for `batch` prompts; sharding_fn(ndim) places each."""
     c = self.config
-    shapes = {'text': ((batch, c.text.max_length, c.model.joint_attention_dim), jnp.float32),
-              'text_mask': ((batch, c.text.max_length), jnp.int32),
-              'pooled': ((batch, c.model.pooled_projection_dim), jnp.float32)}
-    return {k: jax.ShapeDtypeStruct(*shapes[k], sharding=sharding_fn(len(shapes[k][0]))
-                                    if sharding_fn else None)
-            for k in self.family.cond_keys}
+    shapes = {
+        'text': ((batch, c.text.max_length, c.model.joint_attention_dim), jnp.float32),
+        'text_mask': ((batch, c.text.max_length), jnp.int32),
+        'pooled': ((batch, c.model.pooled_projection_dim), jnp.float32),
+    }
+    return {
+        k: jax.ShapeDtypeStruct(
+            *shapes[k], sharding=sharding_fn(len(shapes[k][0])) if sharding_fn else None
+        )
+        for k in self.family.cond_keys
+    }
 
 
 def model_config_from(config):
@@ -92,7 +97,9 @@ def model_config_from(config):
 
 def same_architecture(a, b) -> bool:
   """Equal up to the execution options (remat, scan_layers), which change neither math nor params."""
-  return type(a) is type(b) and dataclasses.replace(a, remat=b.remat, scan_layers=b.scan_layers) == b
+  return (
+      type(a) is type(b) and dataclasses.replace(a, remat=b.remat, scan_layers=b.scan_layers) == b
+  )
 
 
 def checkpoint_folder(path: str, field: str = 'config.model.checkpoint') -> str:
@@ -102,9 +109,11 @@ def checkpoint_folder(path: str, field: str = 'config.model.checkpoint') -> str:
   if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(repo_relative):
     path = repo_relative
   if not os.path.isdir(path):
-    raise ValueError(f'{field}={path!r} is not a readable folder; give a params '
-                     'folder (params.safetensors + config.json, from digen_jax.pretrain), a diffusers '
-                     'QwenImage folder (config.json + *.safetensors), or run configs/qwenimage.py:tiny')
+    raise ValueError(
+        f'{field}={path!r} is not a readable folder; give a params '
+        'folder (params.safetensors + config.json, from digen_jax.pretrain), a diffusers '
+        'QwenImage folder (config.json + *.safetensors), or run configs/qwenimage.py:tiny'
+    )
   return path
 
 
@@ -116,7 +125,7 @@ def check_text_encoder(config, text_encoder) -> None:
     return
   path = checkpoint_folder(config.model.checkpoint)
   if not os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
-    return                          # diffusers folder: its text encoder is not ours to check
+    return  # diffusers folder: its text encoder is not ours to check
   recorded = params_io.read_config(path).get('extra', {}).get('text_encoder', {})
   want = recorded.get('table_sha256')
   if want and want != text_lib.table_digest(text_encoder):
@@ -126,7 +135,8 @@ def check_text_encoder(config, text_encoder) -> None:
         f'dim={recorded.get("dim")}, max_length={recorded.get("max_length")}; this run has '
         f'config.seed={config.seed}, config.model.joint_attention_dim='
         f'{config.model.joint_attention_dim}, config.text.max_length={config.text.max_length}. '
-        f'Set config.seed={recorded.get("seed")} (the table is seeded by it)')
+        f'Set config.seed={recorded.get("seed")} (the table is seeded by it)'
+    )
 
 
 def build_weights(config) -> tuple[Any, weights_lib.Weights]:
@@ -146,23 +156,33 @@ def build_model(config) -> tuple[Any, Any, Any]:
 def build_text_encoder(config):
   """The frozen word encoder, or the embedding cache of a real encoder (no torch here)."""
   if config.text.encoder == 'word':
-    enc = text_lib.WordEncoder(text_lib.shapes_vocab(), dim=config.model.joint_attention_dim,
-                               max_length=config.text.max_length, seed=config.seed)
+    enc = text_lib.WordEncoder(
+        text_lib.shapes_vocab(),
+        dim=config.model.joint_attention_dim,
+        max_length=config.text.max_length,
+        seed=config.seed,
+    )
     return text_lib.CachedEncoder(enc)
   cache = text_cache.EmbeddingCache(config.text.cache, config.text.max_length)
   if cache.dim != config.model.joint_attention_dim:
-    raise ValueError(f'config.text.cache={config.text.cache!r} holds {cache.dim}-dim embeddings but '
-                     f'config.model.joint_attention_dim={config.model.joint_attention_dim}')
+    raise ValueError(
+        f'config.text.cache={config.text.cache!r} holds {cache.dim}-dim embeddings but '
+        f'config.model.joint_attention_dim={config.model.joint_attention_dim}'
+    )
   wants_pooled = config.text.encoder == 't5-clip'
   if wants_pooled and cache.pooled_dim != config.model.pooled_projection_dim:
-    raise ValueError(f'config.text.cache={config.text.cache!r} holds pooled vectors of dim '
-                     f'{cache.pooled_dim} (None: a cache without them, e.g. Qwen-Image\'s) but '
-                     f'config.model.pooled_projection_dim={config.model.pooled_projection_dim}; '
-                     'encode the prompts with the FLUX pipeline folder (digen_jax.encode_prompts)')
+    raise ValueError(
+        f'config.text.cache={config.text.cache!r} holds pooled vectors of dim '
+        f"{cache.pooled_dim} (None: a cache without them, e.g. Qwen-Image's) but "
+        f'config.model.pooled_projection_dim={config.model.pooled_projection_dim}; '
+        'encode the prompts with the FLUX pipeline folder (digen_jax.encode_prompts)'
+    )
   if not wants_pooled and cache.pooled_dim is not None:
-    raise ValueError(f'config.text.cache={config.text.cache!r} was made by a FLUX pipeline (T5 + '
-                     f'CLIP) but config.text.encoder={config.text.encoder!r}; use configs/flux.py '
-                     "or set config.text.encoder='t5-clip'")
+    raise ValueError(
+        f'config.text.cache={config.text.cache!r} was made by a FLUX pipeline (T5 + '
+        f'CLIP) but config.text.encoder={config.text.encoder!r}; use configs/flux.py '
+        "or set config.text.encoder='t5-clip'"
+    )
   return cache
 
 
@@ -176,19 +196,27 @@ def check_prompt_cache(config, text_encoder, prompt_lists) -> None:
   expected = None
   if config.model.checkpoint and weights_lib.is_pipeline_folder(config.model.checkpoint):
     # A FLUX cache's T5 sequences are padded to the run's text length (unused for Qwen-Image).
-    expected = text_cache.encoder_fingerprint(config.model.checkpoint,
-                                              max_sequence_length=config.text.max_length)
-  text_encoder.check(list(dict.fromkeys(prompts)), expected,
-                     command=text_cache.encode_command(sys.argv[1:], config.text.cache))
+    expected = text_cache.encoder_fingerprint(
+        config.model.checkpoint, max_sequence_length=config.text.max_length
+    )
+  text_encoder.check(
+      list(dict.fromkeys(prompts)),
+      expected,
+      command=text_cache.encode_command(sys.argv[1:], config.text.cache),
+  )
 
 
 def build_schedule(config, num_tokens: int) -> np.ndarray:
   s = config.sampler
-  base = (schedule_lib.qwenimage_scheduler_config() if s.scheduler == 'qwenimage'
-          else schedule_lib.flux_scheduler_config())
+  base = (
+      schedule_lib.qwenimage_scheduler_config()
+      if s.scheduler == 'qwenimage'
+      else schedule_lib.flux_scheduler_config()
+  )
   shift = s.shift if s.shift > 0 else None
-  return np.asarray(schedule_lib.sigmas(base, s.num_steps, image_seq_len=num_tokens, shift=shift),
-                    np.float32)
+  return np.asarray(
+      schedule_lib.sigmas(base, s.num_steps, image_seq_len=num_tokens, shift=shift), np.float32
+  )
 
 
 def learning_rate(config) -> optax.Schedule:
@@ -196,10 +224,11 @@ def learning_rate(config) -> optax.Schedule:
   o = config.optim
   updates = config.total_steps * config.rl.inner_epochs
   warmup, end = int(o.warmup_steps), o.lr * o.final_lr_frac
-  decay = {'constant': lambda n: optax.constant_schedule(o.lr),
-           'cosine': lambda n: optax.cosine_decay_schedule(o.lr, n, alpha=o.final_lr_frac),
-           'linear': lambda n: optax.linear_schedule(o.lr, end, n)}[o.schedule](
-               max(updates - warmup, 1))
+  decay = {
+      'constant': lambda n: optax.constant_schedule(o.lr),
+      'cosine': lambda n: optax.cosine_decay_schedule(o.lr, n, alpha=o.final_lr_frac),
+      'linear': lambda n: optax.linear_schedule(o.lr, end, n),
+  }[o.schedule](max(updates - warmup, 1))
   if not warmup:
     return decay
   return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warmup), decay], [warmup])
@@ -209,8 +238,8 @@ def build_optimizer(config) -> optax.GradientTransformation:
   o = config.optim
   return optax.chain(
       optax.clip_by_global_norm(o.grad_clip),
-      optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, eps=o.eps,
-                  weight_decay=o.weight_decay))
+      optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
+  )
 
 
 def _prompts(config, split: str, split_field: str, data_dir: str):
@@ -218,8 +247,9 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
   try:
     seq = prompt_data.load_prompts(config.data.prompts, split, data_dir)
   except ValueError as e:
-    raise ValueError(f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): '
-                     f'{e}') from None
+    raise ValueError(
+        f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): ' f'{e}'
+    ) from None
   # Every record once: a damaged array_record file raises, or (cut short) reads as None, here
   # rather than mid-run.
   try:
@@ -232,7 +262,8 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
         f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): the prepared '
         f'prompt dataset under {data_dir} is unreadable ({why}); delete its folder there and '
         'rerun (shapes and prompt files given by path rebuild themselves; a prompt_file/<name> '
-        'dataset needs build_prompt_file_dataset again)')
+        'dataset needs build_prompt_file_dataset again)'
+    )
   return seq
 
 
@@ -246,25 +277,45 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   # Cheap parts first so their errors come before the (possibly large) model build.
   reward_fn = reward_registry.guarded(
       reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights)),
-      config.reward.timeout_s)
+      config.reward.timeout_s,
+  )
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
   source = _prompts(config, config.data.split, 'config.data.split', data_dir)
-  eval_source = (_prompts(config, config.eval.split, 'config.eval.split', data_dir)
-                 if config.eval.every > 0 else [])   # a bad eval split fails now, not mid-run
+  eval_source = (
+      _prompts(config, config.eval.split, 'config.eval.split', data_dir)
+      if config.eval.every > 0
+      else []
+  )  # a bad eval split fails now, not mid-run
   check_prompt_cache(config, text_encoder, [list(source), list(eval_source)])
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
   sigmas = build_schedule(config, num_tokens)
-  sde_cfg = sde_lib.SDEConfig(kind=config.sampler.sde, noise_level=config.sampler.noise_level,
-                              logprob_reduce=config.sampler.logprob_reduce)
+  sde_cfg = sde_lib.SDEConfig(
+      kind=config.sampler.sde,
+      noise_level=config.sampler.noise_level,
+      logprob_reduce=config.sampler.logprob_reduce,
+  )
   r = config.rl
   selection = timesteps_lib.TimestepSelection(
-      kind=r.timesteps, fraction=r.timestep_fraction, window_start=r.window_start,
-      window_size=r.window_size, slide_every=r.slide_every)
+      kind=r.timesteps,
+      fraction=r.timestep_fraction,
+      window_start=r.window_start,
+      window_size=r.window_size,
+      slide_every=r.slide_every,
+  )
   mcfg, weights = build_weights(config)
   return Experiment(
-      config=config, model_config=mcfg, weights=weights,
-      text_encoder=text_encoder, prompts=prompts, reward_fn=reward_fn, sigmas=sigmas,
-      sde_cfg=sde_cfg, selection=selection, optimizer=build_optimizer(config),
-      img_shape=img_shape, latent_shape=(num_tokens, config.model.in_channels))
+      config=config,
+      model_config=mcfg,
+      weights=weights,
+      text_encoder=text_encoder,
+      prompts=prompts,
+      reward_fn=reward_fn,
+      sigmas=sigmas,
+      sde_cfg=sde_cfg,
+      selection=selection,
+      optimizer=build_optimizer(config),
+      img_shape=img_shape,
+      latent_shape=(num_tokens, config.model.in_channels),
+  )

@@ -3,6 +3,7 @@
 The entry points (main, eval) print a RunError's message as their last line and exit non-zero;
 anything else is a bug and keeps its traceback.
 """
+
 from __future__ import annotations
 
 
@@ -21,4 +22,4 @@ class NonFiniteError(RunError):
 def short(e: BaseException, limit: int = 300) -> str:
   """An exception as one line of at most `limit` characters (tensorstore's are pages long)."""
   text = ' '.join(str(e).split()) or type(e).__name__
-  return text if len(text) <= limit else text[:limit - 3] + '...'
+  return text if len(text) <= limit else text[: limit - 3] + '...'

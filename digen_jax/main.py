@@ -4,6 +4,7 @@ runtime.mode='colocated' runs in one process. runtime.mode='disagg' runs in one 
 per role over its devices) or in two (python launch/local.py --num_processes=2 -- python -m
 digen_jax.main ...: process 0 trains, process 1 rolls out); see runtime/disagg.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,6 +22,7 @@ def main(argv):
   del argv
   # Before anything touches a JAX backend: joins the launcher's jax.distributed job, if any.
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
+
   try:
     info = distributed.maybe_initialize()
   except ValueError as e:
@@ -28,7 +30,7 @@ def main(argv):
   try:
     try:
       _run(info)
-    except faults.RunError as e:   # a fault with its own explanation: one line, no traceback
+    except faults.RunError as e:  # a fault with its own explanation: one line, no traceback
       cli.fail(str(e))
   except SystemExit as e:
     if info.num_processes > 1 and e.code not in (None, 0):
@@ -62,11 +64,20 @@ def prepare_tiny_pipeline(config, workdir: str):
   for split in dict.fromkeys((config.data.split, config.eval.split)):
     prompts = list(prompt_data.load_prompts(config.data.prompts, split, data_dir))
     # verify=False: only the index is read here (the run's own open hashes every shard).
-    if (os.path.isdir(config.text.cache) and not text_cache.EmbeddingCache(
-        config.text.cache, config.text.max_length, verify=False).missing(prompts)):
+    if os.path.isdir(config.text.cache) and not text_cache.EmbeddingCache(
+        config.text.cache, config.text.max_length, verify=False
+    ).missing(prompts):
       continue
-    child(['digen_jax.encode_prompts', *config_flags, f'--prompts={config.data.prompts}',
-           f'--split={split}', f'--data_dir={data_dir}', f'--out={config.text.cache}'])
+    child(
+        [
+            'digen_jax.encode_prompts',
+            *config_flags,
+            f'--prompts={config.data.prompts}',
+            f'--split={split}',
+            f'--data_dir={data_dir}',
+            f'--out={config.text.cache}',
+        ]
+    )
 
 
 def _run(info):
@@ -82,15 +93,18 @@ def _run(info):
   tiny_pipeline = config.model.get('build_tiny_pipeline', False)
   if config.runtime.mode != 'disagg':
     if info.num_processes > 1:
-      cli.fail(f'config.runtime.mode={config.runtime.mode!r} runs in one process, but this job has '
-               f'{info.num_processes}; use --config.runtime.mode=disagg (e.g. '
-               'configs/qwenimage.py:tiny_disagg) or launch one process')
+      cli.fail(
+          f'config.runtime.mode={config.runtime.mode!r} runs in one process, but this job has '
+          f'{info.num_processes}; use --config.runtime.mode=disagg (e.g. '
+          'configs/qwenimage.py:tiny_disagg) or launch one process'
+      )
     if tiny_pipeline:
       prepare_tiny_pipeline(config, workdir)
-    exp = cli.build_experiment(config, workdir, n)       # also rejects unknown modes
+    exp = cli.build_experiment(config, workdir, n)  # also rejects unknown modes
     cli.write_config(config, workdir)
-    logging.info('workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n,
-                 exp.batch_size)
+    logging.info(
+        'workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n, exp.batch_size
+    )
     colocated.train(exp, workdir, devices=jax.local_devices()[:n])
     report.finish(workdir)
     return
@@ -108,14 +122,20 @@ def _run(info):
   elif tiny_pipeline:
     prepare_tiny_pipeline(config, workdir)
   exp = cli.build_experiment(config, workdir, n_check)
-  transfer.set_host(config.cluster.transfer_host)    # checked by configlib.validate above
+  transfer.set_host(config.cluster.transfer_host)  # checked by configlib.validate above
   if info.num_processes > 1 and writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)
   if writer:
     cli.write_config(config, workdir)
-  logging.info('workdir %s  mode disagg  process %d/%d (%s)  batch %d  %s', workdir,
-               info.process_id, info.num_processes, cluster.role_of(info.process_id),
-               exp.batch_size, cluster.describe())
+  logging.info(
+      'workdir %s  mode disagg  process %d/%d (%s)  batch %d  %s',
+      workdir,
+      info.process_id,
+      info.num_processes,
+      cluster.role_of(info.process_id),
+      exp.batch_size,
+      cluster.describe(),
+  )
   disagg.train(exp, workdir, cluster)
   if writer:
     report.finish(workdir)

@@ -1,4 +1,5 @@
 """Run outputs: metrics.jsonl (one JSON object per step / eval), TensorBoard scalars, progress logs."""
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+
       self._tb = SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
   def write(self, row: dict[str, Any]):
@@ -69,4 +71,6 @@ class Progress:
     rate = done / elapsed if elapsed > 0 else 0.0
     eta = (self.total_steps - step) / rate if rate > 0 else float('nan')
     shown = ' '.join(f'{k}={row[k]:.4g}' for k in keys if isinstance(row.get(k), (int, float)))
-    logging.info('step %d/%d  %.3f steps/s  ETA %.0fs  %s', step, self.total_steps, rate, eta, shown)
+    logging.info(
+        'step %d/%d  %.3f steps/s  ETA %.0fs  %s', step, self.total_steps, rate, eta, shown
+    )

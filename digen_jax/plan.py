@@ -13,6 +13,7 @@ the runtime's own schedule on a virtual clock) over the splits of the cluster, a
 validates the input, prints the figures and writes DIR/plan.json, DIR/timeline.png (the best
 mode's simulated spans, drawn like a real run's), DIR/trace.json and DIR/timelines/<mode>.png.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,40 +24,72 @@ from absl import flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file[:variant].')
-_CLUSTER = flags.DEFINE_string('cluster', None, "Devices, e.g. '16xH100' or '8xH100+8xH20' "
-                               '(kinds: sim/hardware.py).')
+_CLUSTER = flags.DEFINE_string(
+    'cluster', None, "Devices, e.g. '16xH100' or '8xH100+8xH20' " '(kinds: sim/hardware.py).'
+)
 _OUT = flags.DEFINE_string('out', None, 'Directory for plan.json, timeline.png, trace.json.')
-_TRAINER = flags.DEFINE_string('trainer', None, "Fix the trainer's devices instead of "
-                               "searching, e.g. '8xH100' or '12' (one-kind clusters); the rest "
-                               'roll out.')
-_RECOMPUTE = flags.DEFINE_bool('recompute', False, 'Compile the programs again even if the '
-                               'costs cache has them.')
-_COST_DEVICES = flags.DEFINE_integer('cost_devices', 0, 'Fake devices to compile for when the '
-                                     'cache has no entry (0: 16, or the largest power of two '
-                                     'dividing the batches).', lower_bound=0)
-_ROOFLINE = flags.DEFINE_enum('roofline', 'compute', ['compute', 'bytes'],
-                              "'compute': seconds = FLOPs / (peak x MFU); 'bytes': the max with "
-                              "XLA's bytes accessed / HBM bandwidth (XLA:CPU's counts: an upper "
-                              'bound on an accelerator).')
+_TRAINER = flags.DEFINE_string(
+    'trainer',
+    None,
+    "Fix the trainer's devices instead of "
+    "searching, e.g. '8xH100' or '12' (one-kind clusters); the rest "
+    'roll out.',
+)
+_RECOMPUTE = flags.DEFINE_bool(
+    'recompute', False, 'Compile the programs again even if the ' 'costs cache has them.'
+)
+_COST_DEVICES = flags.DEFINE_integer(
+    'cost_devices',
+    0,
+    'Fake devices to compile for when the '
+    'cache has no entry (0: 16, or the largest power of two '
+    'dividing the batches).',
+    lower_bound=0,
+)
+_ROOFLINE = flags.DEFINE_enum(
+    'roofline',
+    'compute',
+    ['compute', 'bytes'],
+    "'compute': seconds = FLOPs / (peak x MFU); 'bytes': the max with "
+    "XLA's bytes accessed / HBM bandwidth (XLA:CPU's counts: an upper "
+    'bound on an accelerator).',
+)
 _MFU = flags.DEFINE_float('mfu', 0.4, 'Achieved fraction of peak bf16 FLOP/s.')
 _HBM = flags.DEFINE_float('hbm_efficiency', 0.8, 'Achieved fraction of HBM bandwidth.')
 _LINK = flags.DEFINE_float('link_efficiency', 0.8, 'Achieved fraction of link bandwidth.')
 _PER_NODE = flags.DEFINE_integer('devices_per_node', 8, 'Accelerators per node.', lower_bound=1)
 _MEM_FRACTION = flags.DEFINE_float('memory_fraction', 0.9, 'Usable fraction of device memory.')
-_SHARDED_DECODE = flags.DEFINE_bool('sharded_decode', False, 'Model the rollout\'s VAE decode '
-                                    'sharded over devices (the compiled program replicates it).')
+_SHARDED_DECODE = flags.DEFINE_bool(
+    'sharded_decode',
+    False,
+    "Model the rollout's VAE decode " 'sharded over devices (the compiled program replicates it).',
+)
 _STEPS = flags.DEFINE_integer('steps', 6, 'Simulated optimizer steps per candidate (>= 2).')
-_TOP = flags.DEFINE_integer('simulate_top', 6, 'Candidates simulated per mode (best bounds).',
-                            lower_bound=1)
-_GRID = flags.DEFINE_integer('grid', 16, 'Trainer counts tried per part: all up to GRID, '
-                             'else a GRID-step grid plus powers of two.', lower_bound=1)
+_TOP = flags.DEFINE_integer(
+    'simulate_top', 6, 'Candidates simulated per mode (best bounds).', lower_bound=1
+)
+_GRID = flags.DEFINE_integer(
+    'grid',
+    16,
+    'Trainer counts tried per part: all up to GRID, ' 'else a GRID-step grid plus powers of two.',
+    lower_bound=1,
+)
 _TCSS = flags.DEFINE_float('tcss_fraction', 0.0, "TCSS phi (0: the config's, else 0.5).")
-_PAD = flags.DEFINE_bool('pad', False, 'Also cost splits whose device counts do not divide the '
-                         'batch (padded; the runtime needs them divisible).')
-_TIMELINES = flags.DEFINE_enum('timelines', 'all', ['all', 'best'], "With --out: every mode's "
-                               "timeline (timelines/<mode>.png) or the best mode's only.")
-_ACCELERATORS = flags.DEFINE_string('accelerators', None, 'JSON file of more accelerator kinds '
-                                    '(sim/hardware.load_json).')
+_PAD = flags.DEFINE_bool(
+    'pad',
+    False,
+    'Also cost splits whose device counts do not divide the '
+    'batch (padded; the runtime needs them divisible).',
+)
+_TIMELINES = flags.DEFINE_enum(
+    'timelines',
+    'all',
+    ['all', 'best'],
+    "With --out: every mode's " "timeline (timelines/<mode>.png) or the best mode's only.",
+)
+_ACCELERATORS = flags.DEFINE_string(
+    'accelerators', None, 'JSON file of more accelerator kinds ' '(sim/hardware.load_json).'
+)
 
 
 def fail(message: str):
@@ -73,28 +106,40 @@ def _overrides(argv) -> list[str]:
 
 def main(argv):
   del argv
-  from digen_jax.sim import planner as planning   # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
+
   t0 = time.time()
   if _CONFIG.value is None or _CLUSTER.value is None:
-    fail('--config and --cluster are required, e.g. --config=configs/qwenimage.py '
-         '--cluster=8xH100+8xH20')
+    fail(
+        '--config and --cluster are required, e.g. --config=configs/qwenimage.py '
+        '--cluster=8xH100+8xH20'
+    )
   try:
     config = _CONFIG.value
     config.model  # pylint: disable=pointless-statement  (a failed load raises on first use)
   except OSError as e:
     fail('cannot load --config: ' + ' '.join(str(e.__cause__ or e).split()))
   settings = planning.Settings(
-      roofline=_ROOFLINE.value, mfu=_MFU.value, hbm_efficiency=_HBM.value,
-      link_efficiency=_LINK.value, devices_per_node=_PER_NODE.value,
-      memory_fraction=_MEM_FRACTION.value, sharded_decode=_SHARDED_DECODE.value,
-      steps=_STEPS.value, simulate_top=_TOP.value, grid=_GRID.value,
-      tcss_fraction=_TCSS.value, recompute=_RECOMPUTE.value, cost_devices=_COST_DEVICES.value,
-      pad=_PAD.value)
+      roofline=_ROOFLINE.value,
+      mfu=_MFU.value,
+      hbm_efficiency=_HBM.value,
+      link_efficiency=_LINK.value,
+      devices_per_node=_PER_NODE.value,
+      memory_fraction=_MEM_FRACTION.value,
+      sharded_decode=_SHARDED_DECODE.value,
+      steps=_STEPS.value,
+      simulate_top=_TOP.value,
+      grid=_GRID.value,
+      tcss_fraction=_TCSS.value,
+      recompute=_RECOMPUTE.value,
+      cost_devices=_COST_DEVICES.value,
+      pad=_PAD.value,
+  )
   try:
-    parts, trainer = planning.validate(_CLUSTER.value, _TRAINER.value, settings,
-                                       accelerators=_ACCELERATORS.value)
-    run = planning.run_model(_config_arg(sys.argv[1:]), config, _overrides(sys.argv[1:]),
-                             settings)
+    parts, trainer = planning.validate(
+        _CLUSTER.value, _TRAINER.value, settings, accelerators=_ACCELERATORS.value
+    )
+    run = planning.run_model(_config_arg(sys.argv[1:]), config, _overrides(sys.argv[1:]), settings)
     plan = planning.plan(run, parts, settings, trainer=trainer, cluster=_CLUSTER.value)
   except planning.PlanError as e:
     fail(str(e))

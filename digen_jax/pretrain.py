@@ -26,6 +26,7 @@ Writes under --workdir: metrics.jsonl (one row per logged step and per eval), pa
 folder: params.safetensors + config.json, refreshed every save_every steps and at the end),
 samples_final.png (a grid of eval-split samples), summary.json.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,31 +76,53 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError('config has no `pretrain` section; use configs/shapes_pretrain.py')
   p, lat = config.pretrain, config.latent
   if lat.space not in ('pixel', 'ae'):
-    raise ValueError(f"config.latent.space={lat.space!r}: pretraining renders pixels; use 'pixel' or "
-                     "'ae' (a digen_jax.pretrain_ae autoencoder at config.latent.ae)")
+    raise ValueError(
+        f"config.latent.space={lat.space!r}: pretraining renders pixels; use 'pixel' or "
+        "'ae' (a digen_jax.pretrain_ae autoencoder at config.latent.ae)"
+    )
   if lat.frames != 1 or lat.height != lat.width:
-    raise ValueError(f'config.latent: frames={lat.frames}, {lat.height}x{lat.width}: ShapesBench '
-                     'images are square stills; use frames=1 and height == width')
+    raise ValueError(
+        f'config.latent: frames={lat.frames}, {lat.height}x{lat.width}: ShapesBench '
+        'images are square stills; use frames=1 and height == width'
+    )
   if lat.space == 'pixel':
     if lat.channels != 3:
       raise ValueError(f'config.latent.channels={lat.channels}: pixel space is RGB; use 3')
     if p.image_size != lat.height:
-      raise ValueError(f'config.pretrain.image_size={p.image_size} must equal latent.height='
-                       f'{lat.height} in pixel space')
+      raise ValueError(
+          f'config.pretrain.image_size={p.image_size} must equal latent.height='
+          f'{lat.height} in pixel space'
+      )
   else:
     acfg = shapes_ae.read_vae_config(experiment.checkpoint_folder(lat.ae, 'config.latent.ae'))
     if lat.channels != acfg.latent_channels:
-      raise ValueError(f'config.latent.channels={lat.channels} but the autoencoder at '
-                       f'config.latent.ae has {acfg.latent_channels}')
+      raise ValueError(
+          f'config.latent.channels={lat.channels} but the autoencoder at '
+          f'config.latent.ae has {acfg.latent_channels}'
+      )
     if p.image_size != lat.height * acfg.spatial_compression:
-      raise ValueError(f'config.pretrain.image_size={p.image_size} must equal latent.height '
-                       f'{lat.height} x the autoencoder compression {acfg.spatial_compression}')
+      raise ValueError(
+          f'config.pretrain.image_size={p.image_size} must equal latent.height '
+          f'{lat.height} x the autoencoder compression {acfg.spatial_compression}'
+      )
   if config.text.encoder != 'word':
-    raise ValueError(f"config.text.encoder={config.text.encoder!r}: pretraining uses the 'word' encoder")
+    raise ValueError(
+        f"config.text.encoder={config.text.encoder!r}: pretraining uses the 'word' encoder"
+    )
   if p.sigma_sampling not in _SIGMA_SAMPLING:
-    raise ValueError(f'config.pretrain.sigma_sampling={p.sigma_sampling!r} must be one of {_SIGMA_SAMPLING}')
-  for name in ('steps', 'batch', 'eval_prompts', 'eval_samples', 'final_eval_prompts',
-               'final_eval_samples', 'eval_batch', 'log_every'):
+    raise ValueError(
+        f'config.pretrain.sigma_sampling={p.sigma_sampling!r} must be one of {_SIGMA_SAMPLING}'
+    )
+  for name in (
+      'steps',
+      'batch',
+      'eval_prompts',
+      'eval_samples',
+      'final_eval_prompts',
+      'final_eval_samples',
+      'eval_batch',
+      'log_every',
+  ):
     if int(p[name]) < 1:
       raise ValueError(f'config.pretrain.{name}={p[name]} must be >= 1')
   if not 0.0 <= p.ema < 1.0:
@@ -107,7 +130,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if not 0.0 <= p.text_dropout < 1.0:
     raise ValueError(f'config.pretrain.text_dropout={p.text_dropout} must be in [0, 1)')
   if p.single_fraction > 1.0:
-    raise ValueError(f'config.pretrain.single_fraction={p.single_fraction} must be <= 1 (< 0 = uniform)')
+    raise ValueError(
+        f'config.pretrain.single_fraction={p.single_fraction} must be <= 1 (< 0 = uniform)'
+    )
   if not p.sigma_shift > 0:
     raise ValueError(f'config.pretrain.sigma_shift={p.sigma_shift} must be > 0 (1 = no shift)')
   if p.get('init_from'):
@@ -117,13 +142,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
   except ValueError as e:
     raise ValueError(f'config.pretrain: {e}') from None
   if int(p.data_workers) < 0:
-    raise ValueError(f'config.pretrain.data_workers={p.data_workers} must be >= 0 (0 = render in '
-                     'the training process)')
+    raise ValueError(
+        f'config.pretrain.data_workers={p.data_workers} must be >= 0 (0 = render in '
+        'the training process)'
+    )
   if p.warmup < 0 or p.warmup >= p.steps:
     raise ValueError(f'config.pretrain.warmup={p.warmup} must be in [0, steps={p.steps})')
-  if not (math.isfinite(p.lr) and 0 < p.lr <= 1):   # NaN/inf would only show as a NaN loss
-    raise ValueError(f'config.pretrain.lr={p.lr!r} must be a finite number in (0, 1] '
-                     '(e.g. 2e-3)')
+  if not (math.isfinite(p.lr) and 0 < p.lr <= 1):  # NaN/inf would only show as a NaN loss
+    raise ValueError(
+        f'config.pretrain.lr={p.lr!r} must be a finite number in (0, 1] ' '(e.g. 2e-3)'
+    )
   if not (math.isfinite(p.final_lr_frac) and 0 <= p.final_lr_frac <= 1):
     raise ValueError(f'config.pretrain.final_lr_frac={p.final_lr_frac!r} must be in [0, 1]')
 
@@ -132,9 +160,14 @@ def batch_spec(config: ml_collections.ConfigDict) -> training_data.BatchSpec:
   """The training-pair stream config.pretrain describes."""
   p = config.pretrain
   kinds = tuple(k.strip() for k in str(p.caption_noise_kinds).split(',') if k.strip())
-  return training_data.BatchSpec(batch=int(p.batch), size=int(p.image_size), seed=int(config.seed),
-                                 single_fraction=float(p.single_fraction),
-                                 caption_noise=float(p.caption_noise), noise_kinds=kinds)
+  return training_data.BatchSpec(
+      batch=int(p.batch),
+      size=int(p.image_size),
+      seed=int(config.seed),
+      single_fraction=float(p.single_fraction),
+      caption_noise=float(p.caption_noise),
+      noise_kinds=kinds,
+  )
 
 
 def eval_prompt_set(split: str, n: int, seed: int = 0) -> list[str]:
@@ -150,8 +183,9 @@ def eval_prompt_set(split: str, n: int, seed: int = 0) -> list[str]:
 # Pure math (jit-able).
 
 
-def sample_train_sigmas(key: jax.Array, batch: int, kind: str, mean: float = 0.0,
-                        std: float = 1.0, shift: float = 1.0) -> jax.Array:
+def sample_train_sigmas(
+    key: jax.Array, batch: int, kind: str, mean: float = 0.0, std: float = 1.0, shift: float = 1.0
+) -> jax.Array:
   """[batch] float32 σ in (0, 1): u ~ logit-normal (sigmoid(mean + std·z)) or uniform, then the
   static shift σ = s·u / (1 + (s − 1)·u) — the sampler's, so training covers the high-noise steps
   where a shifted schedule spends most of its steps (and where the layout is decided)."""
@@ -176,7 +210,13 @@ def zero_init_modulation(params: nnx.State) -> nnx.State:
   learns spatially coherent images much sooner than the default (random-gate) init. Returns a new
   State; the others' params are untouched.
   """
-  zero = {('blocks', 'img_mod'), ('blocks', 'txt_mod'), ('norm_out',), ('proj_out',), POOLED_TEXT_OUTPUT}
+  zero = {
+      ('blocks', 'img_mod'),
+      ('blocks', 'txt_mod'),
+      ('norm_out',),
+      ('proj_out',),
+      POOLED_TEXT_OUTPUT,
+  }
   flat = []
   for path, var in nnx.to_flat_state(params):
     if path[:-1] in zero:
@@ -185,8 +225,15 @@ def zero_init_modulation(params: nnx.State) -> nnx.State:
   return nnx.from_flat_state(flat)
 
 
-def flow_matching_loss(model: mmdit.MMDiT, x0: jax.Array, noise: jax.Array, sigma: jax.Array,
-                       text: jax.Array, mask: jax.Array, img_shape: tuple[int, int, int]) -> jax.Array:
+def flow_matching_loss(
+    model: mmdit.MMDiT,
+    x0: jax.Array,
+    noise: jax.Array,
+    sigma: jax.Array,
+    text: jax.Array,
+    mask: jax.Array,
+    img_shape: tuple[int, int, int],
+) -> jax.Array:
   """Scalar mean squared error of v_θ(x_σ) against ε − x0.
 
   x0, noise: [B, N, C] packed tokens; sigma [B]; text [B, L, D]; mask [B, L].
@@ -197,8 +244,9 @@ def flow_matching_loss(model: mmdit.MMDiT, x0: jax.Array, noise: jax.Array, sigm
   return jnp.mean(jnp.square(v - (noise - x0)))
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, pcfg,
-                    img_shape: tuple[int, int, int]) -> Callable:
+def make_train_step(
+    graphdef, optimizer: optax.GradientTransformation, pcfg, img_shape: tuple[int, int, int]
+) -> Callable:
   """jitted (params, opt_state, ema, step, x0 [B,N,C], text, mask, uncond (text [1,L,D], mask [1,L]),
   key) -> (params, opt_state, ema, loss). `ema` is None when pcfg.ema == 0."""
   kind, mean, std = pcfg.sigma_sampling, float(pcfg.logit_mean), float(pcfg.logit_std)
@@ -239,16 +287,25 @@ def latent_codec(config: ml_collections.ConfigDict) -> tuple[Callable, Callable]
   lat, patch = config.latent, int(config.model.patch_size)
   if lat.space == 'pixel':
     size = int(lat.height)
-    return (lambda im: latents_lib.pack(im, patch),
-            lambda tok: latents_lib.decode_pixels(tok, size, size, patch))
+    return (
+        lambda im: latents_lib.pack(im, patch),
+        lambda tok: latents_lib.decode_pixels(tok, size, size, patch),
+    )
   ae = params_io.load_model(experiment.checkpoint_folder(lat.ae, 'config.latent.ae'))
   hw = (int(lat.height), int(lat.width))
-  return (lambda im: vae_lib.encode_packed(ae, im, patch),
-          lambda tok: vae_lib.decode_packed(ae, tok, hw, patch))
+  return (
+      lambda im: vae_lib.encode_packed(ae, im, patch),
+      lambda tok: vae_lib.decode_packed(ae, tok, hw, patch),
+  )
 
 
-def make_sampler(graphdef, sigmas: np.ndarray, img_shape: tuple[int, int, int],
-                 to_images: Callable, sde_cfg: sde_lib.SDEConfig | None = None) -> Callable:
+def make_sampler(
+    graphdef,
+    sigmas: np.ndarray,
+    img_shape: tuple[int, int, int],
+    to_images: Callable,
+    sde_cfg: sde_lib.SDEConfig | None = None,
+) -> Callable:
   """jitted (params, x1 [B,N,C] initial noise, text, mask, key) -> images [B, S, S, 3]
   (to_images: latent_codec's decoder).
 
@@ -284,8 +341,16 @@ def make_sampler(graphdef, sigmas: np.ndarray, img_shape: tuple[int, int, int],
 # Evaluation.
 
 
-def evaluate(sample_fn: Callable, params, encoder, prompts: Sequence[str], samples_per_prompt: int,
-             batch: int, latent_shape: tuple[int, int], seed: int) -> tuple[dict[str, float], np.ndarray]:
+def evaluate(
+    sample_fn: Callable,
+    params,
+    encoder,
+    prompts: Sequence[str],
+    samples_per_prompt: int,
+    batch: int,
+    latent_shape: tuple[int, int],
+    seed: int,
+) -> tuple[dict[str, float], np.ndarray]:
   """Samples `samples_per_prompt` images per prompt and checks them.
 
   Noise is a fixed function of (seed, image index), so repeated evals of the same params agree.
@@ -297,20 +362,30 @@ def evaluate(sample_fn: Callable, params, encoder, prompts: Sequence[str], sampl
   init_key, step_key = jax.random.split(jax.random.key(seed))
   images = []
   for start in range(0, n, batch):
-    chunk = texts[start:start + batch]
+    chunk = texts[start : start + batch]
     pad = batch - len(chunk)  # pad the last chunk so every call has the same (compiled) shape
     emb, mask = encoder.encode(chunk + [chunk[-1]] * pad)
     keys = jax.random.split(jax.random.fold_in(init_key, start // batch), batch)
     x1 = jax.vmap(lambda k: jax.random.normal(k, latent_shape, jnp.float32))(keys)
-    out = sample_fn(params, x1, jnp.asarray(emb), jnp.asarray(mask), jax.random.fold_in(step_key, start // batch))
-    images.append(np.asarray(out)[:len(chunk)])
+    out = sample_fn(
+        params,
+        x1,
+        jnp.asarray(emb),
+        jnp.asarray(mask),
+        jax.random.fold_in(step_key, start // batch),
+    )
+    images.append(np.asarray(out)[: len(chunk)])
   images = np.concatenate(images, axis=0)
   strict = shapes_checker.shapes_strict(images, texts)
   partial = shapes_checker.shapes_reward(images, texts)
   is_rel = np.array([grammar.parse(t).is_relation for t in texts])
-  res = {'strict_accuracy': float(strict.mean()), 'reward_mean': float(partial.mean()),
-         'reward_std': float(partial.std()),
-         'num_prompts': len(prompts), 'samples_per_prompt': samples_per_prompt}
+  res = {
+      'strict_accuracy': float(strict.mean()),
+      'reward_mean': float(partial.mean()),
+      'reward_std': float(partial.std()),
+      'num_prompts': len(prompts),
+      'samples_per_prompt': samples_per_prompt,
+  }
   if (~is_rel).any():
     res['strict_accuracy_single'] = float(strict[~is_rel].mean())
   if is_rel.any():
@@ -358,10 +433,13 @@ def warm_start_params(config: ml_collections.ConfigDict, mcfg: mmdit.MMDiTConfig
   path = experiment.checkpoint_folder(config.pretrain.init_from, 'config.pretrain.init_from')
   ckpt_cfg, params, _ = params_io.load_params(path)
   adds_pool = mcfg.pooled_text and not ckpt_cfg.pooled_text
-  if not experiment.same_architecture(dataclasses.replace(ckpt_cfg, pooled_text=mcfg.pooled_text)
-                                      if adds_pool else ckpt_cfg, mcfg):
-    raise ValueError(f'config.pretrain.init_from={config.pretrain.init_from!r} holds {ckpt_cfg}, but '
-                     f'config.model asks for {mcfg}; warm-start from a checkpoint of the same architecture')
+  if not experiment.same_architecture(
+      dataclasses.replace(ckpt_cfg, pooled_text=mcfg.pooled_text) if adds_pool else ckpt_cfg, mcfg
+  ):
+    raise ValueError(
+        f'config.pretrain.init_from={config.pretrain.init_from!r} holds {ckpt_cfg}, but '
+        f'config.model asks for {mcfg}; warm-start from a checkpoint of the same architecture'
+    )
   if not adds_pool:
     return params
   _, fresh = nnx.split(mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed)))
@@ -387,15 +465,18 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
   mcfg = experiment.model_config_from(config)
   size, patch = int(p.image_size), int(config.model.patch_size)
-  grid = int(config.latent.height)                 # pixels ('pixel') or latents ('ae') per side
+  grid = int(config.latent.height)  # pixels ('pixel') or latents ('ae') per side
   img_shape = (1, grid // patch, grid // patch)
   to_tokens, to_images = latent_codec(config)
   to_tokens = jax.jit(to_tokens)
   latent_shape = (img_shape[1] * img_shape[2], int(config.model.in_channels))
   encoder = experiment.build_text_encoder(config)  # the exact encoder RL will build
   sigmas = experiment.build_schedule(config, latent_shape[0])
-  sde_cfg = sde_lib.SDEConfig(kind=config.sampler.sde, noise_level=config.sampler.noise_level,
-                              logprob_reduce=config.sampler.logprob_reduce)
+  sde_cfg = sde_lib.SDEConfig(
+      kind=config.sampler.sde,
+      noise_level=config.sampler.noise_level,
+      logprob_reduce=config.sampler.logprob_reduce,
+  )
 
   model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
   graphdef, params = nnx.split(model)
@@ -406,11 +487,19 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   elif p.zero_init:
     params = zero_init_modulation(params)
   num_params = mmdit.count_params(mcfg)
-  lr = optax.warmup_cosine_decay_schedule(0.0, p.lr, max(int(p.warmup), 1), int(p.steps),
-                                          end_value=p.lr * p.final_lr_frac)
-  optimizer = optax.chain(optax.clip_by_global_norm(p.grad_clip),
-                          optax.adamw(lr, b1=config.optim.b1, b2=config.optim.b2,
-                                      eps=config.optim.eps, weight_decay=p.weight_decay))
+  lr = optax.warmup_cosine_decay_schedule(
+      0.0, p.lr, max(int(p.warmup), 1), int(p.steps), end_value=p.lr * p.final_lr_frac
+  )
+  optimizer = optax.chain(
+      optax.clip_by_global_norm(p.grad_clip),
+      optax.adamw(
+          lr,
+          b1=config.optim.b1,
+          b2=config.optim.b2,
+          eps=config.optim.eps,
+          weight_decay=p.weight_decay,
+      ),
+  )
   opt_state = optimizer.init(params)
   ema = jax.tree.map(jnp.copy, params) if p.ema > 0 else None
   train_step = make_train_step(graphdef, optimizer, p, img_shape)
@@ -421,11 +510,18 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   key = jax.random.key(config.seed + 2)
   # Periodic evals watch val (held-out relations, where settings are chosen) and train; the eval
   # split is scored once, at the end, for the report.
-  eval_sets = {'val': eval_prompt_set('val', int(p.eval_prompts)),
-               'train': eval_prompt_set('train', int(p.eval_prompts))}
+  eval_sets = {
+      'val': eval_prompt_set('val', int(p.eval_prompts)),
+      'train': eval_prompt_set('train', int(p.eval_prompts)),
+  }
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=False)
-  logging.info('pretrain: %s  params %d  tokens %s  sigmas %s', mcfg, num_params, latent_shape,
-               np.round(sigmas, 3).tolist())
+  logging.info(
+      'pretrain: %s  params %d  tokens %s  sigmas %s',
+      mcfg,
+      num_params,
+      latent_shape,
+      np.round(sigmas, 3).tolist(),
+  )
 
   def eval_params():
     return ema if ema is not None else params
@@ -434,31 +530,49 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     row = {'step': step}
     grids = {}
     for split, plist in sets.items():
-      res, imgs = evaluate(ode, eval_params(), encoder, plist, samples, int(p.eval_batch),
-                           latent_shape, seed=1000)
+      res, imgs = evaluate(
+          ode, eval_params(), encoder, plist, samples, int(p.eval_batch), latent_shape, seed=1000
+      )
       row.update({f'{split}/{k}': v for k, v in res.items()})
       grids[split] = (imgs, plist, samples)
       if final:
-        res, _ = evaluate(sde, eval_params(), encoder, plist, samples, int(p.eval_batch),
-                          latent_shape, seed=2000)
+        res, _ = evaluate(
+            sde, eval_params(), encoder, plist, samples, int(p.eval_batch), latent_shape, seed=2000
+        )
         row.update({f'{split}_sde/{k}': v for k, v in res.items()})
     row['wall_s'] = time.time() - t_start
     writer.write(row)
-    logging.info('eval step %d: %s', step, {k: (round(v, 4) if isinstance(v, float) else v)
-                                              for k, v in row.items()})
+    logging.info(
+        'eval step %d: %s',
+        step,
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+    )
     return row, grids
 
   def save(step, extra):
     params_io.save_params(os.path.join(workdir, 'params'), eval_params(), mcfg, extra)
 
   common_extra = {
-      'text_encoder': {'kind': 'word', 'dim': int(config.model.joint_attention_dim),
-                       'max_length': int(config.text.max_length), 'seed': int(config.seed),
-                       'table_sha256': text_lib.table_digest(encoder)},
-      'latent': {'space': config.latent.space, 'ae': config.latent.ae, 'image_size': size,
-                 'height': grid, 'width': grid, 'channels': int(config.latent.channels)},
-      'sampler': {'scheduler': config.sampler.scheduler, 'shift': float(config.sampler.shift),
-                  'num_steps': int(config.sampler.num_steps)},
+      'text_encoder': {
+          'kind': 'word',
+          'dim': int(config.model.joint_attention_dim),
+          'max_length': int(config.text.max_length),
+          'seed': int(config.seed),
+          'table_sha256': text_lib.table_digest(encoder),
+      },
+      'latent': {
+          'space': config.latent.space,
+          'ae': config.latent.ae,
+          'image_size': size,
+          'height': grid,
+          'width': grid,
+          'channels': int(config.latent.channels),
+      },
+      'sampler': {
+          'scheduler': config.sampler.scheduler,
+          'shift': float(config.sampler.shift),
+          'num_steps': int(config.sampler.num_steps),
+      },
       'cfg_trained': bool(p.text_dropout > 0),
       'weights': 'ema' if p.ema > 0 else 'raw',
   }
@@ -473,8 +587,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       x0 = to_tokens(jnp.asarray(batch.images))
       emb, mask = encoder.encode(texts)
       key, sub = jax.random.split(key)
-      params, opt_state, ema, loss = train_step(params, opt_state, ema, jnp.float32(step), x0,
-                                                jnp.asarray(emb), jnp.asarray(mask), uncond, sub)
+      params, opt_state, ema, loss = train_step(
+          params,
+          opt_state,
+          ema,
+          jnp.float32(step),
+          x0,
+          jnp.asarray(emb),
+          jnp.asarray(mask),
+          uncond,
+          sub,
+      )
       seen += len(texts)
       window.append(loss)
       if step % int(p.log_every) == 0 or step == int(p.steps):
@@ -482,15 +605,26 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         window = []
         losses.extend(vals)
         if not all(math.isfinite(v) for v in vals):
-          raise FloatingPointError(f'pretrain: non-finite loss at step {step}: {vals[-5:]}; lower '
-                                   'config.pretrain.lr')
+          raise FloatingPointError(
+              f'pretrain: non-finite loss at step {step}: {vals[-5:]}; lower ' 'config.pretrain.lr'
+          )
         loss_ema = float(np.mean(vals))
         now = time.time()
-        row = {'step': step, 'loss': loss_ema, 'lr': float(lr(step)),
-               'samples_per_s': seen / max(now - t_log, 1e-9), 'wall_s': now - t_start}
+        row = {
+            'step': step,
+            'loss': loss_ema,
+            'lr': float(lr(step)),
+            'samples_per_s': seen / max(now - t_log, 1e-9),
+            'wall_s': now - t_start,
+        }
         writer.write(row)
-        logging.info('step %d  loss %.4f  lr %.2e  %.1f samples/s', step, loss_ema, row['lr'],
-                     row['samples_per_s'])
+        logging.info(
+            'step %d  loss %.4f  lr %.2e  %.1f samples/s',
+            step,
+            loss_ema,
+            row['lr'],
+            row['samples_per_s'],
+        )
         t_log, seen = now, 0
       if p.eval_every and step % int(p.eval_every) == 0 and step != int(p.steps):
         run_evals(step, eval_sets, int(p.eval_samples))
@@ -498,35 +632,64 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         save(step, {**common_extra, 'step': step, 'loss': loss_ema})
 
   train_wall = time.time() - t_start
-  final_sets = {'eval': eval_prompt_set('eval', int(p.final_eval_prompts)),
-                'val': eval_prompt_set('val', int(p.final_eval_prompts)),
-                'train': eval_prompt_set('train', int(p.final_eval_prompts)),
-                # The capability gate: every single-object prompt of the train split.
-                'singles': [q.to_text() for q in grammar.split_prompts()['train'] if not q.is_relation]}
+  final_sets = {
+      'eval': eval_prompt_set('eval', int(p.final_eval_prompts)),
+      'val': eval_prompt_set('val', int(p.final_eval_prompts)),
+      'train': eval_prompt_set('train', int(p.final_eval_prompts)),
+      # The capability gate: every single-object prompt of the train split.
+      'singles': [q.to_text() for q in grammar.split_prompts()['train'] if not q.is_relation],
+  }
   row, grids = run_evals(int(p.steps), final_sets, int(p.final_eval_samples), final=True)
   imgs, plist, s = grids['eval']
   pick = list(range(0, min(len(plist), 24) * s, s))  # the first sample of the first 24 prompts
-  visualize.save_grid(os.path.join(workdir, 'samples_final.png'), imgs[pick],
-                      [plist[i // s] for i in pick], cols=6)
+  visualize.save_grid(
+      os.path.join(workdir, 'samples_final.png'), imgs[pick], [plist[i // s] for i in pick], cols=6
+  )
   k = max(1, min(len(losses) // 10, 20))
   summary = {
-      'steps': int(p.steps), 'batch': int(p.batch), 'num_params': num_params,
-      'train_wall_s': train_wall, 'total_wall_s': time.time() - t_start,
-      'final_loss': float(np.mean(losses[-k:])), 'first_loss': float(np.mean(losses[:k])),
-      'losses': losses, 'final_eval': {k2: v for k2, v in row.items() if k2 not in ('step', 'wall_s')},
-      'model_config': {f: getattr(mcfg, f) for f in ('patch_size', 'in_channels', 'out_channels',
-                                                     'num_layers', 'attention_head_dim',
-                                                     'num_attention_heads', 'joint_attention_dim',
-                                                     'axes_dims_rope')},
-      'command': ' '.join([os.path.basename(sys.executable), '-m', 'digen_jax.pretrain'] + sys.argv[1:]),
+      'steps': int(p.steps),
+      'batch': int(p.batch),
+      'num_params': num_params,
+      'train_wall_s': train_wall,
+      'total_wall_s': time.time() - t_start,
+      'final_loss': float(np.mean(losses[-k:])),
+      'first_loss': float(np.mean(losses[:k])),
+      'losses': losses,
+      'final_eval': {k2: v for k2, v in row.items() if k2 not in ('step', 'wall_s')},
+      'model_config': {
+          f: getattr(mcfg, f)
+          for f in (
+              'patch_size',
+              'in_channels',
+              'out_channels',
+              'num_layers',
+              'attention_head_dim',
+              'num_attention_heads',
+              'joint_attention_dim',
+              'axes_dims_rope',
+          )
+      },
+      'command': ' '.join(
+          [os.path.basename(sys.executable), '-m', 'digen_jax.pretrain'] + sys.argv[1:]
+      ),
   }
-  save(int(p.steps), {**common_extra, 'step': int(p.steps), 'loss': summary['final_loss'],
-                      'train_wall_s': train_wall, 'final_eval': summary['final_eval']})
+  save(
+      int(p.steps),
+      {
+          **common_extra,
+          'step': int(p.steps),
+          'loss': summary['final_loss'],
+          'train_wall_s': train_wall,
+          'final_eval': summary['final_eval'],
+      },
+  )
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
     json.dump({k2: v for k2, v in summary.items() if k2 != 'losses'}, f, indent=2, default=str)
   writer.close()
-  logging.info('pretrain done: %s', json.dumps({k2: v for k2, v in summary.items() if k2 != 'losses'},
-                                               default=str))
+  logging.info(
+      'pretrain done: %s',
+      json.dumps({k2: v for k2, v in summary.items() if k2 != 'losses'}, default=str),
+  )
   summary['params'] = eval_params()
   return summary
 
@@ -541,13 +704,15 @@ def main(argv):
     sys.exit(f'digen_jax.pretrain: {e}')
   try:
     summary = train(config, workdir)
-  except FloatingPointError as e:   # diverged: its message names the step and the fix
+  except FloatingPointError as e:  # diverged: its message names the step and the fix
     sys.exit(f'digen_jax.pretrain: {e}')
   ev = summary['final_eval']
-  print(f"pretrain: {summary['steps']} steps in {summary['train_wall_s']:.0f}s, final loss "
-        f"{summary['final_loss']:.4f}; strict accuracy eval {ev['eval/strict_accuracy']:.3f} "
-        f"train {ev['train/strict_accuracy']:.3f} (ODE); params -> "
-        f"{os.path.join(workdir, 'params')}")
+  print(
+      f"pretrain: {summary['steps']} steps in {summary['train_wall_s']:.0f}s, final loss "
+      f"{summary['final_loss']:.4f}; strict accuracy eval {ev['eval/strict_accuracy']:.3f} "
+      f"train {ev['train/strict_accuracy']:.3f} (ODE); params -> "
+      f"{os.path.join(workdir, 'params')}"
+  )
 
 
 if __name__ == '__main__':

@@ -16,6 +16,7 @@ are scored by the ShapesBench checker against their prompts: the strict accuracy
 ground truth must be near the renderer's own (100%), or the autoencoder would cap what any
 generator on top of it can score. Writes DIR/params (params_io, AE_FORMAT) and DIR/summary.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,15 +37,23 @@ from digen_jax.models import params_io
 from digen_jax.models import shapes_ae
 from digen_jax.rewards import shapes_checker
 
-def ae_loss(model: shapes_ae.ShapesAE, x: jax.Array, maps: jax.Array, key: jax.Array,
-            perturb: float, shape_weight: float) -> jax.Array:
+
+def ae_loss(
+    model: shapes_ae.ShapesAE,
+    x: jax.Array,
+    maps: jax.Array,
+    key: jax.Array,
+    perturb: float,
+    shape_weight: float,
+) -> jax.Array:
   """The training loss of the module docstring. x [B, S, S, 3]; maps [B, S, S, len(SHAPES)]
   (render.shape_coverage; ignored, and may have 0 channels, without shape channels)."""
   z = model.encode(x)
   std = jax.lax.stop_gradient(jnp.std(z, axis=(0, 1, 2), keepdims=True))
   z_off = z + perturb * std * jax.random.normal(key, z.shape)
-  loss = (jnp.mean(jnp.square(model.decode_raw(z) - x))
-          + jnp.mean(jnp.square(model.decode_raw(z_off) - x)))
+  loss = jnp.mean(jnp.square(model.decode_raw(z) - x)) + jnp.mean(
+      jnp.square(model.decode_raw(z_off) - x)
+  )
   k = model.config.shape_channels
   if k:
     loss += shape_weight * jnp.mean(jnp.square(z[..., :k] - model.shape_targets(maps)))
@@ -60,15 +69,29 @@ def make_step(graphdef, optimizer, perturb: float, shape_weight: float):
     loss, grads = jax.value_and_grad(loss_fn)(params, x, maps, key)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
+
   return step
 
 
-def train(workdir: str, *, steps: int, batch: int, size: int, lr: float, latent_channels: int,
-          width: int, perturb: float, seed: int, eval_images: int, shape_channels: int = 0,
-          shape_weight: float = 1.0) -> dict:
+def train(
+    workdir: str,
+    *,
+    steps: int,
+    batch: int,
+    size: int,
+    lr: float,
+    latent_channels: int,
+    width: int,
+    perturb: float,
+    seed: int,
+    eval_images: int,
+    shape_channels: int = 0,
+    shape_weight: float = 1.0,
+) -> dict:
   t0 = time.time()
-  cfg = shapes_ae.ShapesAEConfig(latent_channels=latent_channels, width=width,
-                                 shape_channels=shape_channels)
+  cfg = shapes_ae.ShapesAEConfig(
+      latent_channels=latent_channels, width=width, shape_channels=shape_channels
+  )
   graphdef, params = nnx.split(shapes_ae.ShapesAE(cfg, rngs=nnx.Rngs(seed)))
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, steps // 10 + 1), steps, lr * 0.1)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
@@ -82,7 +105,9 @@ def train(workdir: str, *, steps: int, batch: int, size: int, lr: float, latent_
       key, sub = jax.random.split(key)
       b = next(stream)
       maps = b.shape_maps if shape_channels else np.zeros(b.images.shape[:3] + (0,), np.float32)
-      params, opt_state, loss = step(params, opt_state, jnp.asarray(b.images), jnp.asarray(maps), sub)
+      params, opt_state, loss = step(
+          params, opt_state, jnp.asarray(b.images), jnp.asarray(maps), sub
+      )
       if i % 200 == 0 or i == steps:
         losses.append(float(loss))
         if not np.isfinite(losses[-1]):
@@ -92,32 +117,69 @@ def train(workdir: str, *, steps: int, batch: int, size: int, lr: float, latent_
   # Latent statistics and the checks, on images the training never drew (another seed).
   model = nnx.merge(graphdef, params)
   fresh = training_data.training_batch(
-      training_data.BatchSpec(batch=eval_images, size=size, seed=seed + 1000, shape_maps=True), 1)
+      training_data.BatchSpec(batch=eval_images, size=size, seed=seed + 1000, shape_maps=True), 1
+  )
   encode = jax.jit(lambda p, x: nnx.merge(graphdef, p).encode(x))
   decode = jax.jit(lambda p, z: nnx.merge(graphdef, p).decode(z))
   z = np.asarray(encode(params, jnp.asarray(fresh.images)))
   mean, std = z.mean(axis=(0, 1, 2)), z.std(axis=(0, 1, 2))
-  cfg = shapes_ae.ShapesAEConfig(latent_channels=latent_channels, width=width,
-                                 shape_channels=shape_channels,
-                                 latent_mean=tuple(mean.tolist()), latent_std=tuple(std.tolist()))
-  shape_err = (float(np.sqrt(np.mean(np.square(
-      z[..., :shape_channels] - np.asarray(model.shape_targets(jnp.asarray(fresh.shape_maps)))))))
-      if shape_channels else None)
+  cfg = shapes_ae.ShapesAEConfig(
+      latent_channels=latent_channels,
+      width=width,
+      shape_channels=shape_channels,
+      latent_mean=tuple(mean.tolist()),
+      latent_std=tuple(std.tolist()),
+  )
+  shape_err = (
+      float(
+          np.sqrt(
+              np.mean(
+                  np.square(
+                      z[..., :shape_channels]
+                      - np.asarray(model.shape_targets(jnp.asarray(fresh.shape_maps)))
+                  )
+              )
+          )
+      )
+      if shape_channels
+      else None
+  )
   recon = np.asarray(decode(params, jnp.asarray(z)))
-  noisy = np.asarray(decode(params, jnp.asarray(
-      z + perturb * std * np.random.default_rng(seed).standard_normal(z.shape).astype(np.float32))))
+  noisy = np.asarray(
+      decode(
+          params,
+          jnp.asarray(
+              z
+              + perturb
+              * std
+              * np.random.default_rng(seed).standard_normal(z.shape).astype(np.float32)
+          ),
+      )
+  )
   summary = {
-      'steps': steps, 'batch': batch, 'size': size, 'lr': lr, 'perturb': perturb, 'seed': seed,
-      'config': {'latent_channels': latent_channels, 'width': width,
-                 'shape_channels': shape_channels, 'shape_weight': shape_weight},
+      'steps': steps,
+      'batch': batch,
+      'size': size,
+      'lr': lr,
+      'perturb': perturb,
+      'seed': seed,
+      'config': {
+          'latent_channels': latent_channels,
+          'width': width,
+          'shape_channels': shape_channels,
+          'shape_weight': shape_weight,
+      },
       'shape_channel_rmse': shape_err,
       'num_params': int(sum(x.size for x in jax.tree.leaves(params))),
       'final_loss': losses[-1] if losses else None,
       'recon_mse': float(np.mean((recon - fresh.images) ** 2)),
       'strict_ground_truth': float(shapes_checker.shapes_strict(fresh.images, fresh.truths).mean()),
       'strict_reconstructed': float(shapes_checker.shapes_strict(recon, fresh.truths).mean()),
-      'strict_reconstructed_perturbed': float(shapes_checker.shapes_strict(noisy, fresh.truths).mean()),
-      'latent_mean': mean.tolist(), 'latent_std': std.tolist(),
+      'strict_reconstructed_perturbed': float(
+          shapes_checker.shapes_strict(noisy, fresh.truths).mean()
+      ),
+      'latent_mean': mean.tolist(),
+      'latent_std': std.tolist(),
       'wall_s': time.time() - t0,
   }
   params_io.save_params(os.path.join(workdir, 'params'), params, cfg, extra=summary)
@@ -135,12 +197,17 @@ def define_flags() -> None:
   flags.DEFINE_integer('size', 32, 'Image size (pixels).')
   flags.DEFINE_float('lr', 2e-3, 'Peak AdamW learning rate (cosine decay to 10%).')
   flags.DEFINE_integer('latent_channels', 8, 'Latent channels.')
-  flags.DEFINE_integer('shape_channels', 3, 'Leading latent channels that hold per-cell shape '
-                       'coverage (0 = a purely reconstructive latent).')
+  flags.DEFINE_integer(
+      'shape_channels',
+      3,
+      'Leading latent channels that hold per-cell shape '
+      'coverage (0 = a purely reconstructive latent).',
+  )
   flags.DEFINE_float('shape_weight', 1.0, 'Weight of the shape-channel term.')
   flags.DEFINE_integer('width', 64, 'Channels of the inner stages.')
-  flags.DEFINE_float('perturb', 0.2, 'Latent perturbation (in latent std units) the decoder '
-                     'learns to ignore.')
+  flags.DEFINE_float(
+      'perturb', 0.2, 'Latent perturbation (in latent std units) the decoder ' 'learns to ignore.'
+  )
   flags.DEFINE_integer('seed', 0, 'Seed of the init and the data.')
   flags.DEFINE_integer('eval_images', 512, 'Fresh images for the final checks.')
   flags.mark_flags_as_required(['workdir'])
@@ -156,12 +223,25 @@ def main(argv):
   if f.size % 4 or f.size < 16:
     raise SystemExit(f'digen_jax.pretrain_ae: --size={f.size} must be a multiple of 4, >= 16')
   os.makedirs(f.workdir, exist_ok=True)
-  s = train(f.workdir, steps=f.steps, batch=f.batch, size=f.size, lr=f.lr,
-            latent_channels=f.latent_channels, width=f.width, perturb=f.perturb, seed=f.seed,
-            eval_images=f.eval_images, shape_channels=f.shape_channels, shape_weight=f.shape_weight)
-  print(f"pretrain_ae: {s['steps']} steps in {s['wall_s']:.0f}s; strict accuracy of ground truth "
-        f"{s['strict_ground_truth']:.3f}, reconstructed {s['strict_reconstructed']:.3f}, with "
-        f"perturbed latents {s['strict_reconstructed_perturbed']:.3f}; recon mse {s['recon_mse']:.5f}")
+  s = train(
+      f.workdir,
+      steps=f.steps,
+      batch=f.batch,
+      size=f.size,
+      lr=f.lr,
+      latent_channels=f.latent_channels,
+      width=f.width,
+      perturb=f.perturb,
+      seed=f.seed,
+      eval_images=f.eval_images,
+      shape_channels=f.shape_channels,
+      shape_weight=f.shape_weight,
+  )
+  print(
+      f"pretrain_ae: {s['steps']} steps in {s['wall_s']:.0f}s; strict accuracy of ground truth "
+      f"{s['strict_ground_truth']:.3f}, reconstructed {s['strict_reconstructed']:.3f}, with "
+      f"perturbed latents {s['strict_reconstructed_perturbed']:.3f}; recon mse {s['recon_mse']:.5f}"
+  )
 
 
 if __name__ == '__main__':

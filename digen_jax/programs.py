@@ -1,9 +1,9 @@
 """The two jitted programs of every execution mode: rollout (the whole sampling scan) and the
 GRPO update. Each is compiled for a mesh with explicit in/out shardings; the update donates the
 params and optimizer state it replaces."""
+
 from __future__ import annotations
 
-from typing import Any
 
 from flax import nnx
 import jax
@@ -32,13 +32,19 @@ def make_velocity_fn(graphdef, img_shape, compute_dtype, family=None, guidance: 
     cond = dict(cond, text=cond['text'].astype(compute_dtype))
     v = forward(model, latents.astype(compute_dtype), sigma, cond, img_shape, guidance)
     return v.astype(jnp.float32)
+
   return velocity_fn
 
 
 def velocity_fn_of(exp):
   """make_velocity_fn for an Experiment's model, family and sampler settings."""
-  return make_velocity_fn(exp.graphdef, exp.img_shape, exp.compute_dtype, exp.family,
-                          float(exp.config.sampler.distilled_guidance))
+  return make_velocity_fn(
+      exp.graphdef,
+      exp.img_shape,
+      exp.compute_dtype,
+      exp.family,
+      float(exp.config.sampler.distilled_guidance),
+  )
 
 
 def cond_shardings(mesh, cond):
@@ -81,8 +87,9 @@ def frozen_shardings(frozen):
   return jax.tree.map(lambda x: x.sharding, frozen)
 
 
-def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_offset=False,
-                 frozen=None):
+def make_rollout(
+    exp, mesh, param_shardings=None, traj_shardings=None, *, with_offset=False, frozen=None
+):
   """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3]),
   data-parallel over `mesh`: the sampling scan, then the decode (VAE or identity) in the same
   program, so latents never leave the devices before the reward sees pixels.
@@ -108,23 +115,39 @@ def make_rollout(exp, mesh, param_shardings=None, traj_shardings=None, *, with_o
     # One noise key per sample: a sample's trajectory does not depend on how the batch is cut.
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b) + offset)
     traj = sampler_lib.sample(
-        velocity_fn, exp.weights.effective(params, frozen), cond, sigmas, keys,
-        latent_shape=(b, *exp.latent_shape), sde_cfg=exp.sde_cfg, sde_steps=sde_steps,
-        guidance_scale=guidance, uncond=uncond if guidance is not None else None,
-        norm_rescale=norm_rescale)
+        velocity_fn,
+        exp.weights.effective(params, frozen),
+        cond,
+        sigmas,
+        keys,
+        latent_shape=(b, *exp.latent_shape),
+        sde_cfg=exp.sde_cfg,
+        sde_steps=sde_steps,
+        guidance_scale=guidance,
+        uncond=uncond if guidance is not None else None,
+        norm_rescale=norm_rescale,
+    )
     return traj, exp.weights.decode(frozen, traj.latents[-1])
 
   rep = mesh_lib.replicated(mesh)
   cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
-  in_sh = (rep if param_shardings is None else param_shardings, cond_sharding, cond_sharding,
-           rep, rep)
+  in_sh = (
+      rep if param_shardings is None else param_shardings,
+      cond_sharding,
+      cond_sharding,
+      rep,
+      rep,
+  )
   out_sh = (traj_shardings, mesh_lib.batch_sharding(mesh, 4))
   frozen_sh = frozen_shardings(frozen)
   if with_offset:
     program = jax.jit(rollout, in_shardings=in_sh + (rep, frozen_sh), out_shardings=out_sh)
   else:
-    program = jax.jit(lambda p, c, u, k, s, fr: rollout(p, c, u, k, s, 0, fr),
-                      in_shardings=in_sh + (frozen_sh,), out_shardings=out_sh)
+    program = jax.jit(
+        lambda p, c, u, k, s, fr: rollout(p, c, u, k, s, 0, fr),
+        in_shardings=in_sh + (frozen_sh,),
+        out_shardings=out_sh,
+    )
   return Bound(program, frozen)
 
 
@@ -169,12 +192,23 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
 
     def loss_fn(p):
       return objective_lib.grpo_objective(
-          velocity_fn, exp.weights.effective(p, frozen), traj, cond, adv, valid, indices,
-          sde_cfg=exp.sde_cfg, clip_range=r.clip_range, kl_beta=r.kl_beta,
+          velocity_fn,
+          exp.weights.effective(p, frozen),
+          traj,
+          cond,
+          adv,
+          valid,
+          indices,
+          sde_cfg=exp.sde_cfg,
+          clip_range=r.clip_range,
+          kl_beta=r.kl_beta,
           ref_params=exp.weights.reference(ref_params, frozen) if r.kl_beta > 0 else None,
-          guidance_scale=guidance, uncond=uncond if guidance is not None else None,
-          norm_rescale=norm_rescale, step_loop=step_loop_for(r.step_loop, mesh),
-          behaviour=behaviour_of(exp))
+          guidance_scale=guidance,
+          uncond=uncond if guidance is not None else None,
+          norm_rescale=norm_rescale,
+          step_loop=step_loop_for(r.step_loop, mesh),
+          behaviour=behaviour_of(exp),
+      )
 
     def epoch(carry, _):
       p, o = carry
@@ -182,15 +216,22 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
       grad_norm = optax.tree.norm(grads)
       updates, new_o = optimizer.update(grads, o, p)
       new_p = optax.apply_updates(p, updates)
-      finite = (jnp.isfinite(grad_norm) & jnp.isfinite(loss) & all_finite(adv)
-                & all_finite(new_p) & all_finite(new_o))
+      finite = (
+          jnp.isfinite(grad_norm)
+          & jnp.isfinite(loss)
+          & all_finite(adv)
+          & all_finite(new_p)
+          & all_finite(new_o)
+      )
       keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-      metrics = dict(metrics, loss=loss, grad_norm=grad_norm,
-                     nonfinite=(~finite).astype(jnp.float32))
+      metrics = dict(
+          metrics, loss=loss, grad_norm=grad_norm, nonfinite=(~finite).astype(jnp.float32)
+      )
       return (keep(new_p, p), keep(new_o, o)), metrics
 
-    (params, opt_state), per_epoch = jax.lax.scan(epoch, (params, opt_state), None,
-                                                  length=r.inner_epochs)
+    (params, opt_state), per_epoch = jax.lax.scan(
+        epoch, (params, opt_state), None, length=r.inner_epochs
+    )
     # Report the first epoch's statistics (ratio == 1 there, on-policy) and the last loss.
     metrics = jax.tree.map(lambda m: m[0], per_epoch)
     metrics['nonfinite'] = per_epoch['nonfinite'].max()
@@ -199,20 +240,37 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
   rep = mesh_lib.replicated(mesh)
   data = lambda nd, axis=0: mesh_lib.batch_sharding(mesh, nd, axis)
   cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
-  return Bound(jax.jit(
-      update,
-      in_shardings=(param_shardings, opt_shardings, traj_shardings, cond_sharding, cond_sharding,
-                    data(1), data(1), rep, rep, ref_shardings(exp, param_shardings),
-                    frozen_shardings(frozen)),
-      out_shardings=(param_shardings, opt_shardings, rep),
-      donate_argnums=(0, 1)), frozen)
+  return Bound(
+      jax.jit(
+          update,
+          in_shardings=(
+              param_shardings,
+              opt_shardings,
+              traj_shardings,
+              cond_sharding,
+              cond_sharding,
+              data(1),
+              data(1),
+              rep,
+              rep,
+              ref_shardings(exp, param_shardings),
+              frozen_shardings(frozen),
+          ),
+          out_shardings=(param_shardings, opt_shardings, rep),
+          donate_argnums=(0, 1),
+      ),
+      frozen,
+  )
 
 
 def all_finite(tree) -> jax.Array:
   """Whether every float in `tree` is finite (a bool scalar). Checked on the new params and
   moments too: a finite gradient times an extreme learning rate can still overflow them."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  leaves = [
+      jnp.all(jnp.isfinite(x))
+      for x in jax.tree.leaves(tree)
+      if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
@@ -245,8 +303,11 @@ def make_select(exp, mesh):
   """select(key, step) -> int32 [K] trained step indices (replicated)."""
   T = len(exp.sigmas) - 1
   rep = mesh_lib.replicated(mesh)
-  return jax.jit(lambda key, step: timesteps_lib.select_timesteps(exp.selection, T, key, step),
-                 in_shardings=(rep, rep), out_shardings=rep)
+  return jax.jit(
+      lambda key, step: timesteps_lib.select_timesteps(exp.selection, T, key, step),
+      in_shardings=(rep, rep),
+      out_shardings=rep,
+  )
 
 
 def make_zero_acc(param_shardings, mesh):
@@ -256,13 +317,18 @@ def make_zero_acc(param_shardings, mesh):
   def zero(params):
     sums = {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}
     return {'grads': jax.tree.map(jnp.zeros_like, params), 'sums': sums}
+
   sums_sh = {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}
-  return jax.jit(zero, in_shardings=(param_shardings,),
-                 out_shardings={'grads': param_shardings, 'sums': sums_sh})
+  return jax.jit(
+      zero,
+      in_shardings=(param_shardings,),
+      out_shardings={'grads': param_shardings, 'sums': sums_sh},
+  )
 
 
-def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: bool = False,
-                       frozen=None):
+def make_fragment_grad(
+    exp, mesh, param_shardings, traj_shardings=None, *, tsp: bool = False, frozen=None
+):
   """grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params) -> acc + this
   fragment's gradient of sum(w * l) and its metric sums (acc donated).
 
@@ -279,28 +345,46 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
   axes = mesh_lib.data_axes(mesh)
 
   def on_steps(tree):
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
-        a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-            axes, *([None] * (a.ndim - 1))))), tree)
+    return jax.tree.map(
+        lambda a: jax.lax.with_sharding_constraint(
+            a,
+            jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(axes, *([None] * (a.ndim - 1)))
+            ),
+        ),
+        tree,
+    )
 
   def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params, frozen):
     step_weights, constraint = None, None
     if tsp:
-      if K_pad > K:    # repeat the first selected step; weight 0 keeps it out of everything
+      if K_pad > K:  # repeat the first selected step; weight 0 keeps it out of everything
         indices = jnp.concatenate([indices, jnp.broadcast_to(indices[:1], (K_pad - K,))])
         step_weights = (jnp.arange(K_pad) < K).astype(jnp.float32)
       constraint = on_steps
 
     def loss_fn(p):
       return objective_lib.grpo_objective(
-          velocity_fn, exp.weights.effective(p, frozen), traj, cond, adv, valid, indices,
-          sde_cfg=exp.sde_cfg, clip_range=r.clip_range, kl_beta=r.kl_beta,
+          velocity_fn,
+          exp.weights.effective(p, frozen),
+          traj,
+          cond,
+          adv,
+          valid,
+          indices,
+          sde_cfg=exp.sde_cfg,
+          clip_range=r.clip_range,
+          kl_beta=r.kl_beta,
           ref_params=exp.weights.reference(ref_params, frozen) if r.kl_beta > 0 else None,
-          guidance_scale=guidance, uncond=uncond if guidance is not None else None,
-          norm_rescale=norm_rescale, denominator=1.0, step_weights=step_weights,
+          guidance_scale=guidance,
+          uncond=uncond if guidance is not None else None,
+          norm_rescale=norm_rescale,
+          denominator=1.0,
+          step_weights=step_weights,
           step_constraint=constraint,
           step_loop='vmap' if tsp else step_loop_for(r.step_loop, mesh),
-          behaviour=behaviour_of(exp))
+          behaviour=behaviour_of(exp),
+      )
 
     (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
     w = m['weight_sum']
@@ -319,14 +403,30 @@ def make_fragment_grad(exp, mesh, param_shardings, traj_shardings=None, *, tsp: 
   rep = mesh_lib.replicated(mesh)
   data = lambda nd: mesh_lib.batch_sharding(mesh, nd)
   cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
-  acc_sh = {'grads': param_shardings,
-            'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}}
-  return Bound(jax.jit(
-      grad,
-      in_shardings=(param_shardings, acc_sh, traj_shardings, cond_sharding, cond_sharding,
-                    data(1), data(1), rep, ref_shardings(exp, param_shardings),
-                    frozen_shardings(frozen)),
-      out_shardings=acc_sh, donate_argnums=(1,)), frozen)
+  acc_sh = {
+      'grads': param_shardings,
+      'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)},
+  }
+  return Bound(
+      jax.jit(
+          grad,
+          in_shardings=(
+              param_shardings,
+              acc_sh,
+              traj_shardings,
+              cond_sharding,
+              cond_sharding,
+              data(1),
+              data(1),
+              rep,
+              ref_shardings(exp, param_shardings),
+              frozen_shardings(frozen),
+          ),
+          out_shardings=acc_sh,
+          donate_argnums=(1,),
+      ),
+      frozen,
+  )
 
 
 def make_apply(exp, mesh, param_shardings, opt_shardings):
@@ -346,18 +446,30 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
     grad_norm = optax.tree.norm(grads)
     updates, new_o = optimizer.update(grads, opt_state, params)
     new_p = optax.apply_updates(params, updates)
-    finite = (jnp.isfinite(grad_norm) & jnp.isfinite(loss) & all_finite(new_p)
-              & all_finite(new_o))
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss) & all_finite(new_p) & all_finite(new_o)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-    metrics = {'loss': loss, 'policy_loss': s['policy_loss'] * inv,
-               'approx_kl': s['approx_kl'] * inv, 'clip_frac': s['clip_frac'] * inv,
-               'ratio_mean': s['ratio_mean'] * inv, 'kl': s['kl'] * inv,
-               'ratio_max_dev': s['ratio_max_dev'],
-               'rollout_ratio_max_dev': s['rollout_ratio_max_dev'], 'weight_sum': den,
-               'grad_norm': grad_norm, 'nonfinite': (~finite).astype(jnp.float32)}
+    metrics = {
+        'loss': loss,
+        'policy_loss': s['policy_loss'] * inv,
+        'approx_kl': s['approx_kl'] * inv,
+        'clip_frac': s['clip_frac'] * inv,
+        'ratio_mean': s['ratio_mean'] * inv,
+        'kl': s['kl'] * inv,
+        'ratio_max_dev': s['ratio_max_dev'],
+        'rollout_ratio_max_dev': s['rollout_ratio_max_dev'],
+        'weight_sum': den,
+        'grad_norm': grad_norm,
+        'nonfinite': (~finite).astype(jnp.float32),
+    }
     return keep(new_p, params), keep(new_o, opt_state), metrics
 
-  acc_sh = {'grads': param_shardings,
-            'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}}
-  return jax.jit(apply, in_shardings=(param_shardings, opt_shardings, acc_sh),
-                 out_shardings=(param_shardings, opt_shardings, rep), donate_argnums=(0, 1))
+  acc_sh = {
+      'grads': param_shardings,
+      'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)},
+  }
+  return jax.jit(
+      apply,
+      in_shardings=(param_shardings, opt_shardings, acc_sh),
+      out_shardings=(param_shardings, opt_shardings, rep),
+      donate_argnums=(0, 1),
+  )

@@ -1,4 +1,5 @@
 """End-of-run report: reward.png (reward and eval accuracy against step) and a short summary."""
+
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ import os
 
 from absl import logging
 import matplotlib
+
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -18,9 +20,11 @@ ACC = 'eval/strict_accuracy'
 def summarize(rows: list[dict]) -> dict:
   train = [r for r in rows if 'reward_mean' in r]
   evals = [r for r in rows if ACC in r or 'eval/reward_mean' in r]
-  out = {'steps': train[-1]['step'] if train else 0,
-         'wall_s': (rows[-1]['time'] - rows[0]['time']) if len(rows) > 1 else 0.0,
-         'train_s': sum(r.get('wall_s', 0.0) for r in train)}
+  out = {
+      'steps': train[-1]['step'] if train else 0,
+      'wall_s': (rows[-1]['time'] - rows[0]['time']) if len(rows) > 1 else 0.0,
+      'train_s': sum(r.get('wall_s', 0.0) for r in train),
+  }
   if train:
     out.update(first_reward_mean=train[0]['reward_mean'], last_reward_mean=train[-1]['reward_mean'])
   if evals:
@@ -37,14 +41,24 @@ def plot(rows: list[dict], path: str):
   evals = [r for r in rows if ACC in r]
   fig, ax = plt.subplots(figsize=(7, 4))
   if train:
-    ax.plot([r['step'] for r in train], [r['reward_mean'] for r in train], color='tab:blue',
-            alpha=0.8, label='rollout reward (mean)')
+    ax.plot(
+        [r['step'] for r in train],
+        [r['reward_mean'] for r in train],
+        color='tab:blue',
+        alpha=0.8,
+        label='rollout reward (mean)',
+    )
   ax.set_xlabel('optimizer step')
   ax.set_ylabel('reward', color='tab:blue')
   if evals:
     ax2 = ax.twinx()
-    ax2.plot([r['step'] for r in evals], [r[ACC] for r in evals], 'o-', color='tab:red',
-             label='eval strict accuracy')
+    ax2.plot(
+        [r['step'] for r in evals],
+        [r[ACC] for r in evals],
+        'o-',
+        color='tab:red',
+        label='eval strict accuracy',
+    )
     ax2.set_ylabel('eval strict accuracy', color='tab:red')
     ax2.set_ylim(0, 1)
   fig.suptitle('GRPO progress')
@@ -57,13 +71,17 @@ def write_before_after(workdir: str, summary: dict) -> str | None:
   """eval/before_after.png from the first and last eval reports of the run, if both exist."""
   if 'base_eval_step' not in summary or summary['base_eval_step'] == summary['final_eval_step']:
     return None
-  paths = [os.path.join(workdir, 'eval', f'eval_{summary[k]:06d}.npz')
-           for k in ('base_eval_step', 'final_eval_step')]
+  paths = [
+      os.path.join(workdir, 'eval', f'eval_{summary[k]:06d}.npz')
+      for k in ('base_eval_step', 'final_eval_step')
+  ]
   if not all(os.path.exists(p) for p in paths):
     return None
   return evaluation.before_after_grid(
-      *paths, os.path.join(workdir, 'eval', 'before_after.png'),
-      labels=(f'step {summary["base_eval_step"]}', f'step {summary["final_eval_step"]}'))
+      *paths,
+      os.path.join(workdir, 'eval', 'before_after.png'),
+      labels=(f'step {summary["base_eval_step"]}', f'step {summary["final_eval_step"]}'),
+  )
 
 
 def finish(workdir: str) -> dict:
@@ -75,7 +93,9 @@ def finish(workdir: str) -> dict:
     summary['before_after'] = grid
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=1)
-  line = ', '.join(f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in summary.items())
+  line = ', '.join(
+      f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in summary.items()
+  )
   logging.info('summary: %s', line)
   print(f'digen_jax summary: {line}', flush=True)
   return summary

@@ -17,6 +17,7 @@ single-stream blocks, 2 heads x 16), a random AutoencoderKL (4 latent channels, 
 FLUX's scaling and shift factors), a random CLIPTextModel with a locally trained byte-level BPE
 CLIPTokenizer, and a random T5EncoderModel with a locally trained Unigram T5 tokenizer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,20 +35,38 @@ from digen_jax.models import text_cache
 # Toy sizes. The transformer's attention_head_dim is sum(axes_dims_rope); in_channels is
 # z_dim * patch_size**2 (packed 2x2 latent patches).
 Z_DIM = 4
-TRANSFORMER = dict(patch_size=2, in_channels=Z_DIM * 4, out_channels=Z_DIM, num_layers=2,
-                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                   axes_dims_rope=(4, 6, 6))
-VAE = dict(base_dim=16, z_dim=Z_DIM, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
-           temperal_downsample=[False, True, True],
-           latents_mean=[0.31, -0.52, 0.17, -0.08], latents_std=[1.7, 0.6, 2.3, 1.1])
+TRANSFORMER = dict(
+    patch_size=2,
+    in_channels=Z_DIM * 4,
+    out_channels=Z_DIM,
+    num_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    axes_dims_rope=(4, 6, 6),
+)
+VAE = dict(
+    base_dim=16,
+    z_dim=Z_DIM,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    latents_mean=[0.31, -0.52, 0.17, -0.08],
+    latents_std=[1.7, 0.6, 2.3, 1.1],
+)
 VAE_SCALE_FACTOR = 2 ** len(VAE['temperal_downsample'])
 # Text model: 2 layers, 2 heads of 16 (mrope sections sum to head_dim / 2), 1 KV head.
-TEXT = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-            mrope_section=[2, 3, 3])
+TEXT = dict(
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    mrope_section=[2, 3, 3],
+)
 SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
 # Qwen2.5-VL's vision placeholders: ids exist in the vocabulary but are never in a prompt.
 VISION_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>')
-
 
 
 def _tokenizer():
@@ -57,7 +76,7 @@ def _tokenizer():
   exactly QWENIMAGE_DROP_IDX = 34 tokens, as with the real tokenizer); other text falls back to
   smaller pieces down to single bytes.
   """
-  from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+  from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
   from tokenizers import trainers
   from tokenizers.models import BPE
   from transformers import Qwen2Tokenizer
@@ -66,23 +85,38 @@ def _tokenizer():
   from digen_jax.data.shapes.grammar import grammar_words
 
   # The same pipeline Qwen2Tokenizer builds around its BPE, so training splits text as it will.
-  bpe = Tokenizer(BPE(unk_token=None, continuing_subword_prefix='', end_of_word_suffix='',
-                      fuse_unk=False, byte_fallback=False))
+  bpe = Tokenizer(
+      BPE(
+          unk_token=None,
+          continuing_subword_prefix='',
+          end_of_word_suffix='',
+          fuse_unk=False,
+          byte_fallback=False,
+      )
+  )
   bpe.normalizer = normalizers.NFC()
-  bpe.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior='isolated', invert=False),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  bpe.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+          pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior='isolated', invert=False),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+      ]
+  )
   words = grammar_words()
   corpus = [text_cache.QWENIMAGE_TEMPLATE.format(' '.join(words))]
-  corpus += [f' {w}' for w in words] + words   # each word both inside and at the start of a prompt
+  corpus += [f' {w}' for w in words] + words  # each word both inside and at the start of a prompt
   trainer = trainers.BpeTrainer(
-      vocab_size=4096, min_frequency=1, special_tokens=list(SPECIAL_TOKENS + VISION_TOKENS),
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+      vocab_size=4096,
+      min_frequency=1,
+      special_tokens=list(SPECIAL_TOKENS + VISION_TOKENS),
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False,
+  )
   bpe.train_from_iterator(corpus, trainer)
   model = json.loads(bpe.to_str())['model']
   tok = Qwen2Tokenizer(vocab=model['vocab'], merges=[tuple(m) for m in model['merges']])
-  tok.add_tokens([AddedToken(t, special=True, normalized=False)
-                  for t in SPECIAL_TOKENS[1:] + VISION_TOKENS])
+  tok.add_tokens(
+      [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[1:] + VISION_TOKENS]
+  )
   return tok
 
 
@@ -112,21 +146,40 @@ def _text_encoder(vocab: dict[str, int], hidden_size: int, seed: int):
   eot = vocab['<|endoftext|>']
   config = Qwen2_5_VLConfig(
       text_config=dict(
-          vocab_size=len(vocab), hidden_size=hidden_size,
+          vocab_size=len(vocab),
+          hidden_size=hidden_size,
           intermediate_size=TEXT['intermediate_size'],
           num_hidden_layers=TEXT['num_hidden_layers'],
           num_attention_heads=TEXT['num_attention_heads'],
-          num_key_value_heads=TEXT['num_key_value_heads'], max_position_embeddings=2048,
-          rope_parameters={'rope_type': 'default', 'mrope_section': TEXT['mrope_section'],
-                           'rope_theta': 1000000.0},
-          bos_token_id=eot, eos_token_id=vocab['<|im_end|>'], pad_token_id=eot),
+          num_key_value_heads=TEXT['num_key_value_heads'],
+          max_position_embeddings=2048,
+          rope_parameters={
+              'rope_type': 'default',
+              'mrope_section': TEXT['mrope_section'],
+              'rope_theta': 1000000.0,
+          },
+          bos_token_id=eot,
+          eos_token_id=vocab['<|im_end|>'],
+          pad_token_id=eot,
+      ),
       # The smallest vision tower the config allows; text-only prompts never run it.
-      vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
-                         out_hidden_size=hidden_size, patch_size=2, spatial_merge_size=1,
-                         temporal_patch_size=1, window_size=4, fullatt_block_indexes=[0]),
-      image_token_id=vocab['<|image_pad|>'], video_token_id=vocab['<|video_pad|>'],
+      vision_config=dict(
+          depth=1,
+          hidden_size=16,
+          intermediate_size=16,
+          num_heads=2,
+          out_hidden_size=hidden_size,
+          patch_size=2,
+          spatial_merge_size=1,
+          temporal_patch_size=1,
+          window_size=4,
+          fullatt_block_indexes=[0],
+      ),
+      image_token_id=vocab['<|image_pad|>'],
+      video_token_id=vocab['<|video_pad|>'],
       vision_start_token_id=vocab['<|vision_start|>'],
-      vision_end_token_id=vocab['<|vision_end|>'])
+      vision_end_token_id=vocab['<|vision_end|>'],
+  )
   model = Qwen2_5_VLForConditionalGeneration(config)
   _randomize(model, seed)
   return model.eval()
@@ -146,18 +199,25 @@ def build(folder: str, seed: int = 0) -> dict[str, Any]:
 
   folder = _new_folder(folder, seed)
   sub = _streams(seed)
-  torch.manual_seed(sub('construct'))   # the libraries' own init, overwritten by _randomize
+  torch.manual_seed(sub('construct'))  # the libraries' own init, overwritten by _randomize
   tokenizer = _tokenizer()
   transformer = QwenImageTransformer2DModel(**TRANSFORMER)
   _randomize(transformer, sub('transformer'))
   vae = AutoencoderKLQwenImage(**VAE)
   _randomize(vae, sub('vae'))
-  text_encoder = _text_encoder(tokenizer.get_vocab(), TRANSFORMER['joint_attention_dim'],
-                               sub('text_encoder'))
+  text_encoder = _text_encoder(
+      tokenizer.get_vocab(), TRANSFORMER['joint_attention_dim'], sub('text_encoder')
+  )
   scheduler = FlowMatchEulerDiscreteScheduler(
-      **dataclasses.asdict(schedule.qwenimage_scheduler_config()))
-  pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
-                           tokenizer=tokenizer, transformer=transformer.eval())
+      **dataclasses.asdict(schedule.qwenimage_scheduler_config())
+  )
+  pipe = QwenImagePipeline(
+      scheduler=scheduler,
+      vae=vae,
+      text_encoder=text_encoder,
+      tokenizer=tokenizer,
+      transformer=transformer.eval(),
+  )
   pipe.save_pretrained(folder, safe_serialization=True)
   return {
       'transformer': {k: list(v) if isinstance(v, tuple) else v for k, v in TRANSFORMER.items()},
@@ -172,19 +232,37 @@ def build(folder: str, seed: int = 0) -> dict[str, Any]:
 
 # FLUX toy sizes (configs/flux.py:tiny_pipeline reads the same numbers).
 FLUX_Z_DIM = 4
-FLUX_TRANSFORMER = dict(patch_size=1, in_channels=FLUX_Z_DIM * 4, num_layers=1, num_single_layers=2,
-                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
-                        pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
-FLUX_VAE = dict(block_out_channels=(8, 16), down_block_types=('DownEncoderBlock2D',) * 2,
-                up_block_types=('UpDecoderBlock2D',) * 2, latent_channels=FLUX_Z_DIM,
-                norm_num_groups=4, layers_per_block=1, use_quant_conv=False,
-                use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)
+FLUX_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=FLUX_Z_DIM * 4,
+    num_layers=1,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=48,
+    pooled_projection_dim=32,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)
+FLUX_VAE = dict(
+    block_out_channels=(8, 16),
+    down_block_types=('DownEncoderBlock2D',) * 2,
+    up_block_types=('UpDecoderBlock2D',) * 2,
+    latent_channels=FLUX_Z_DIM,
+    norm_num_groups=4,
+    layers_per_block=1,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+)
 FLUX_VAE_SCALE_FACTOR = 2 ** (len(FLUX_VAE['block_out_channels']) - 1)
 FLUX_CLIP_MAX_LENGTH = 77
 
 
 def _flux_words() -> list[str]:
   from digen_jax.data.shapes.grammar import grammar_words  # pylint: disable=g-import-not-at-top
+
   return grammar_words() + 'and cat photo astronaut riding horse moon'.split()
 
 
@@ -195,21 +273,36 @@ def _clip_tokenizer():
   from tokenizers.models import BPE  # pylint: disable=g-import-not-at-top
   from transformers import CLIPTokenizer  # pylint: disable=g-import-not-at-top
 
-  backend = CLIPTokenizer().backend_tokenizer          # CLIP's own normalizer and pre-tokenizer
-  bpe = Tokenizer(BPE(unk_token='<|endoftext|>', continuing_subword_prefix='',
-                      end_of_word_suffix='</w>', fuse_unk=False))
+  backend = CLIPTokenizer().backend_tokenizer  # CLIP's own normalizer and pre-tokenizer
+  bpe = Tokenizer(
+      BPE(
+          unk_token='<|endoftext|>',
+          continuing_subword_prefix='',
+          end_of_word_suffix='</w>',
+          fuse_unk=False,
+      )
+  )
   bpe.normalizer, bpe.pre_tokenizer = backend.normalizer, backend.pre_tokenizer
   words = _flux_words()
-  corpus = words + [' '.join(words), ' '.join(string.digits + string.ascii_letters
-                                              + string.punctuation)]
+  corpus = words + [
+      ' '.join(words),
+      ' '.join(string.digits + string.ascii_letters + string.punctuation),
+  ]
   trainer = trainers.BpeTrainer(
-      vocab_size=1000, min_frequency=1, special_tokens=['<|startoftext|>', '<|endoftext|>'],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), end_of_word_suffix='</w>',
-      show_progress=False)
+      vocab_size=1000,
+      min_frequency=1,
+      special_tokens=['<|startoftext|>', '<|endoftext|>'],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      end_of_word_suffix='</w>',
+      show_progress=False,
+  )
   bpe.train_from_iterator(corpus, trainer)
   model = json.loads(bpe.to_str())['model']
-  return CLIPTokenizer(vocab=model['vocab'], merges=[tuple(m) for m in model['merges']],
-                       model_max_length=FLUX_CLIP_MAX_LENGTH)
+  return CLIPTokenizer(
+      vocab=model['vocab'],
+      merges=[tuple(m) for m in model['merges']],
+      model_max_length=FLUX_CLIP_MAX_LENGTH,
+  )
 
 
 def _t5_tokenizer():
@@ -221,9 +314,12 @@ def _t5_tokenizer():
   uni = Tokenizer(Unigram())
   uni.pre_tokenizer = T5TokenizerFast(extra_ids=0).backend_tokenizer.pre_tokenizer
   trainer = trainers.UnigramTrainer(
-      vocab_size=200, special_tokens=['<pad>', '</s>', '<unk>'], unk_token='<unk>',
+      vocab_size=200,
+      special_tokens=['<pad>', '</s>', '<unk>'],
+      unk_token='<unk>',
       initial_alphabet=list(string.ascii_letters + string.digits + string.punctuation),
-      show_progress=False)
+      show_progress=False,
+  )
   words = _flux_words()
   uni.train_from_iterator(words + [' '.join(words)], trainer)
   vocab = [tuple(v) for v in json.loads(uni.to_str())['model']['vocab']]
@@ -247,30 +343,62 @@ def build_flux(folder: str, seed: int = 0) -> dict[str, Any]:
   torch.manual_seed(sub('construct'))
   clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
   t = FLUX_TRANSFORMER
-  clip = CLIPTextModel(CLIPTextConfig(
-      vocab_size=len(clip_tok), hidden_size=t['pooled_projection_dim'], intermediate_size=64,
-      num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=FLUX_CLIP_MAX_LENGTH,
-      projection_dim=t['pooled_projection_dim'], bos_token_id=clip_tok.bos_token_id,
-      eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id))
-  t5 = T5EncoderModel(T5Config(
-      vocab_size=len(t5_tok), d_model=t['joint_attention_dim'], d_kv=16, d_ff=64, num_layers=2,
-      num_heads=3, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-      feed_forward_proj='gated-gelu', pad_token_id=t5_tok.pad_token_id,
-      eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=t5_tok.pad_token_id))
+  clip = CLIPTextModel(
+      CLIPTextConfig(
+          vocab_size=len(clip_tok),
+          hidden_size=t['pooled_projection_dim'],
+          intermediate_size=64,
+          num_hidden_layers=2,
+          num_attention_heads=2,
+          max_position_embeddings=FLUX_CLIP_MAX_LENGTH,
+          projection_dim=t['pooled_projection_dim'],
+          bos_token_id=clip_tok.bos_token_id,
+          eos_token_id=clip_tok.eos_token_id,
+          pad_token_id=clip_tok.pad_token_id,
+      )
+  )
+  t5 = T5EncoderModel(
+      T5Config(
+          vocab_size=len(t5_tok),
+          d_model=t['joint_attention_dim'],
+          d_kv=16,
+          d_ff=64,
+          num_layers=2,
+          num_heads=3,
+          relative_attention_num_buckets=8,
+          relative_attention_max_distance=32,
+          feed_forward_proj='gated-gelu',
+          pad_token_id=t5_tok.pad_token_id,
+          eos_token_id=t5_tok.eos_token_id,
+          decoder_start_token_id=t5_tok.pad_token_id,
+      )
+  )
   transformer = FluxTransformer2DModel(**t)
   vae = AutoencoderKL(**FLUX_VAE)
   for name, module in (('clip', clip), ('t5', t5), ('transformer', transformer), ('vae', vae)):
     _randomize(module, sub(name))
-  scheduler = FlowMatchEulerDiscreteScheduler(**dataclasses.asdict(schedule.flux_scheduler_config()))
-  pipe = FluxPipeline(scheduler=scheduler, vae=vae.eval(), text_encoder=clip.eval(),
-                      tokenizer=clip_tok, text_encoder_2=t5.eval(), tokenizer_2=t5_tok,
-                      transformer=transformer.eval())
+  scheduler = FlowMatchEulerDiscreteScheduler(
+      **dataclasses.asdict(schedule.flux_scheduler_config())
+  )
+  pipe = FluxPipeline(
+      scheduler=scheduler,
+      vae=vae.eval(),
+      text_encoder=clip.eval(),
+      tokenizer=clip_tok,
+      text_encoder_2=t5.eval(),
+      tokenizer_2=t5_tok,
+      transformer=transformer.eval(),
+  )
   pipe.save_pretrained(folder, safe_serialization=True)
-  return {'family': 'flux',
-          'transformer': {k: list(v) if isinstance(v, tuple) else v for k, v in t.items()},
-          'vae_scale_factor': FLUX_VAE_SCALE_FACTOR, 'latent_channels': FLUX_Z_DIM,
-          'text_dim': t['joint_attention_dim'], 'pooled_dim': t['pooled_projection_dim'],
-          'seed': seed}
+  return {
+      'family': 'flux',
+      'transformer': {k: list(v) if isinstance(v, tuple) else v for k, v in t.items()},
+      'vae_scale_factor': FLUX_VAE_SCALE_FACTOR,
+      'latent_channels': FLUX_Z_DIM,
+      'text_dim': t['joint_attention_dim'],
+      'pooled_dim': t['pooled_projection_dim'],
+      'seed': seed,
+  }
 
 
 def _new_folder(folder, seed) -> str:

@@ -1,4 +1,5 @@
 """PNG grids of generated images with their prompts and scores (pure PIL, no display needed)."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,15 @@ def to_uint8(images: np.ndarray) -> np.ndarray:
 PASS_COLOR, FAIL_COLOR = (0, 170, 0), (210, 0, 0)
 
 
-def image_grid(images: np.ndarray, captions: list[str], *, cols: int = 4, scale: int = 4,
-               caption_lines: int = 4, passed: list[bool] | None = None) -> np.ndarray:
+def image_grid(
+    images: np.ndarray,
+    captions: list[str],
+    *,
+    cols: int = 4,
+    scale: int = 4,
+    caption_lines: int = 4,
+    passed: list[bool] | None = None,
+) -> np.ndarray:
   """Tiles images (upscaled `scale`x, nearest) with a wrapped caption under each; with `passed`,
   a green (pass) or red (fail) frame around each tile. -> [H, W, 3] uint8."""
   imgs = to_uint8(images)
@@ -34,8 +42,11 @@ def image_grid(images: np.ndarray, captions: list[str], *, cols: int = 4, scale:
     tx = x0 + (cell_w - w * scale) // 2
     canvas.paste(tile, (tx, y0))
     if passed is not None:
-      draw.rectangle([tx, y0, tx + w * scale - 1, y0 + h * scale - 1],
-                     outline=PASS_COLOR if passed[i] else FAIL_COLOR, width=2)
+      draw.rectangle(
+          [tx, y0, tx + w * scale - 1, y0 + h * scale - 1],
+          outline=PASS_COLOR if passed[i] else FAIL_COLOR,
+          width=2,
+      )
     lines = textwrap.wrap(captions[i], width=max(8, cell_w // 6))[:caption_lines]
     for j, line in enumerate(lines):
       draw.text((x0 + 2, y0 + h * scale + 2 + 11 * j), line, fill=(0, 0, 0))

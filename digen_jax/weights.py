@@ -13,6 +13,7 @@ merge W + alpha/rank * A @ B, else the params themselves) and `decode(frozen, to
 final packed latents into images in [-1, 1] (identity for pixel-space configs, the VAE for
 'vae' space), so latents never leave the device before the reward sees pixels.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,23 +47,26 @@ def is_pipeline_folder(path: str) -> bool:
 
 @dataclasses.dataclass
 class VAESource:
-  config: Any                       # vae.VAEConfig / flux_vae.FluxVAEConfig
-  lib: Any                          # the module reading it (family.vae)
+  config: Any  # vae.VAEConfig / flux_vae.FluxVAEConfig
+  lib: Any  # the module reading it (family.vae)
   graphdef: Any
-  abstract: Any                     # nnx.State of ShapeDtypeStructs
-  folder: str                       # the vae/ folder (safetensors)
+  abstract: Any  # nnx.State of ShapeDtypeStructs
+  folder: str  # the vae/ folder (safetensors)
 
 
 @dataclasses.dataclass
 class Weights:
   """See the module docstring. `params` holds the initial trainable values (concrete) or their
   ShapeDtypeStructs when they stream from `checkpoint` (a large full fine-tuning model)."""
-  graphdef: Any                     # MMDiT graphdef (the forward's structure)
-  params: Any                       # trainable: MMDiT state or LoRA adapters
+
+  graphdef: Any  # MMDiT graphdef (the forward's structure)
+  params: Any  # trainable: MMDiT state or LoRA adapters
   frozen_dtype: Any
   lora: lora_lib.LoraConfig | None = None
-  load_transformer: Callable | None = None  # (shardings, dtype) -> transformer state on those shardings
-  base_abstract: Any = None         # LoRA: the frozen base's ShapeDtypeStructs
+  load_transformer: Callable | None = (
+      None  # (shardings, dtype) -> transformer state on those shardings
+  )
+  base_abstract: Any = None  # LoRA: the frozen base's ShapeDtypeStructs
   vae: VAESource | None = None
   latent_hw: tuple[int, int] = (0, 0)
   patch: int = 2
@@ -79,8 +83,10 @@ class Weights:
     return jax.device_put(self.params, shardings)
 
   def frozen_abstract(self, decode: bool = True) -> dict:
-    return {'base': self.base_abstract if self.lora is not None else None,
-            'vae': self.vae.abstract if (decode and self.vae is not None) else None}
+    return {
+        'base': self.base_abstract if self.lora is not None else None,
+        'vae': self.vae.abstract if (decode and self.vae is not None) else None,
+    }
 
   def frozen(self, mesh, *, fsdp: bool, decode: bool) -> dict:
     """The frozen weights on `mesh`, each loaded once per mesh and layout (roles sharing a mesh
@@ -91,8 +97,11 @@ class Weights:
     base = None
     if self.lora is not None:
       if (devices, fsdp) not in cache:
-        sh = (mesh_lib.fsdp_shardings(self.base_abstract, mesh) if fsdp else
-              jax.tree.map(lambda _: mesh_lib.replicated(mesh), self.base_abstract))
+        sh = (
+            mesh_lib.fsdp_shardings(self.base_abstract, mesh)
+            if fsdp
+            else jax.tree.map(lambda _: mesh_lib.replicated(mesh), self.base_abstract)
+        )
         cache[(devices, fsdp)] = self.load_transformer(sh, self.frozen_dtype)
       base = cache[(devices, fsdp)]
     vae = None
@@ -100,8 +109,12 @@ class Weights:
       if (devices, 'vae') not in cache:
         rep = mesh_lib.replicated(mesh)
         cache[(devices, 'vae')] = streaming.load(
-            streaming.open_checkpoint(self.vae.folder), self.vae.lib.vae_key_table(self.vae.config),
-            self.vae.abstract, jax.tree.map(lambda _: rep, self.vae.abstract), self.frozen_dtype)
+            streaming.open_checkpoint(self.vae.folder),
+            self.vae.lib.vae_key_table(self.vae.config),
+            self.vae.abstract,
+            jax.tree.map(lambda _: rep, self.vae.abstract),
+            self.frozen_dtype,
+        )
       vae = cache[(devices, 'vae')]
     return {'base': base, 'vae': vae}
 
@@ -125,12 +138,18 @@ class Weights:
       return latents_lib.decode_pixels(tokens, h, w, self.patch)
     model = nnx.merge(self.vae.graphdef, frozen['vae'])
     tile = None
-    if self.vae_tile:                 # diffusers' proportions: tiles overlap by a quarter
+    if self.vae_tile:  # diffusers' proportions: tiles overlap by a quarter
       step = self.vae.config.spatial_compression
       stride = max(step, (self.vae_tile * 3 // 4) // step * step)
       tile = vae_lib.TileConfig(self.vae_tile, self.vae_tile, stride, stride)
-    return vae_lib.decode_packed(model, tokens, latent_hw=(h, w), patch=self.patch,
-                                 batch_chunk=self.vae_batch_chunk, tile=tile)
+    return vae_lib.decode_packed(
+        model,
+        tokens,
+        latent_hw=(h, w),
+        patch=self.patch,
+        batch_chunk=self.vae_batch_chunk,
+        tile=tile,
+    )
 
 
 # --------------------------------------------------------------------------- building
@@ -145,21 +164,27 @@ def _transformer_source(config, family, mcfg, same_architecture):
   path = m.checkpoint
   if os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
     if family.name != 'qwenimage':
-      raise ValueError(f'config.model.checkpoint={path!r} is a digen_jax params folder (an MMDiT); '
-                       f'config.model.family={family.name!r} loads a diffusers folder')
+      raise ValueError(
+          f'config.model.checkpoint={path!r} is a digen_jax params folder (an MMDiT); '
+          f'config.model.family={family.name!r} loads a diffusers folder'
+      )
     # Our own params folder (pretrain output): small, read whole as before.
     model = params_io.load_model(path)
     if not same_architecture(model.config, mcfg):
-      raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
-                       f'{model.config}, config asks for {mcfg}')
-    model.config = mcfg             # the run's execution options (remat, scan_layers)
+      raise ValueError(
+          f'config.model does not match the checkpoint at {path}: checkpoint has '
+          f'{model.config}, config asks for {mcfg}'
+      )
+    model.config = mcfg  # the run's execution options (remat, scan_layers)
     graphdef, params = nnx.split(model)
     return graphdef, params, None
   ckpt_cfg = family.read_config(path)
   loader = lambda sh, dtype: family.load_sharded(path, lambda _: sh, dtype)[2]
   if not same_architecture(ckpt_cfg, mcfg):
-    raise ValueError(f'config.model does not match the checkpoint at {path}: checkpoint has '
-                     f'{ckpt_cfg}, config asks for {mcfg}')
+    raise ValueError(
+        f'config.model does not match the checkpoint at {path}: checkpoint has '
+        f'{ckpt_cfg}, config asks for {mcfg}'
+    )
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: family.new(mcfg, 0)))
   return graphdef, abstract_of(abstract), loader
 
@@ -167,7 +192,9 @@ def _transformer_source(config, family, mcfg, same_architecture):
 def _repo_path(path: str) -> str:
   """A repo-relative path (e.g. the shipped assets/...) resolved from any working directory."""
   here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
-  return here if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(here) else path
+  return (
+      here if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(here) else path
+  )
 
 
 def _cast(tree, dtype):
@@ -178,35 +205,52 @@ def _vae_source(config, family) -> VAESource | None:
   if config.latent.space == 'ae':
     folder = config.latent.ae
     if not folder:
-      raise ValueError("config.latent.space='ae' decodes with a ShapesBench autoencoder: set "
-                       'config.latent.ae to a params folder made by python -m digen_jax.pretrain_ae')
+      raise ValueError(
+          "config.latent.space='ae' decodes with a ShapesBench autoencoder: set "
+          'config.latent.ae to a params folder made by python -m digen_jax.pretrain_ae'
+      )
     folder = _repo_path(folder)
     acfg = shapes_ae.read_vae_config(folder)
     if acfg.latent_channels != config.latent.channels:
-      raise ValueError(f'config.latent.channels={config.latent.channels} but the autoencoder in '
-                       f'{folder} has {acfg.latent_channels}; set --config.latent.channels='
-                       f'{acfg.latent_channels}')
+      raise ValueError(
+          f'config.latent.channels={config.latent.channels} but the autoencoder in '
+          f'{folder} has {acfg.latent_channels}; set --config.latent.channels='
+          f'{acfg.latent_channels}'
+      )
     graphdef, abstract = shapes_ae.abstract_vae(acfg)
-    return VAESource(acfg, shapes_ae, graphdef, abstract_of(abstract),
-                     os.path.join(folder, params_io.WEIGHTS_FILE))
+    return VAESource(
+        acfg,
+        shapes_ae,
+        graphdef,
+        abstract_of(abstract),
+        os.path.join(folder, params_io.WEIGHTS_FILE),
+    )
   if config.latent.space != 'vae':
     return None
   path = config.model.checkpoint
   folder = os.path.join(path, 'vae') if path else ''
-  if not (path and is_pipeline_folder(path) and os.path.isfile(os.path.join(folder, 'config.json'))):
-    raise ValueError(f"config.latent.space='vae' decodes with the VAE of a diffusers pipeline "
-                     f"folder: config.model.checkpoint={path!r} has no {PIPELINE_INDEX} and vae/; "
-                     "point it at a pipeline folder (e.g. Qwen/Qwen-Image) or use a pixel-space "
-                     'config such as configs/qwenimage.py:tiny')
+  if not (
+      path and is_pipeline_folder(path) and os.path.isfile(os.path.join(folder, 'config.json'))
+  ):
+    raise ValueError(
+        f"config.latent.space='vae' decodes with the VAE of a diffusers pipeline "
+        f'folder: config.model.checkpoint={path!r} has no {PIPELINE_INDEX} and vae/; '
+        'point it at a pipeline folder (e.g. Qwen/Qwen-Image) or use a pixel-space '
+        'config such as configs/qwenimage.py:tiny'
+    )
   vcfg = family.vae.read_vae_config(folder)
   if vcfg.latent_channels != config.latent.channels:
-    raise ValueError(f'config.latent.channels={config.latent.channels} but the VAE in {folder} has '
-                     f'{vcfg.latent_channels} latent channels; set '
-                     f'--config.latent.channels={vcfg.latent_channels}')
+    raise ValueError(
+        f'config.latent.channels={config.latent.channels} but the VAE in {folder} has '
+        f'{vcfg.latent_channels} latent channels; set '
+        f'--config.latent.channels={vcfg.latent_channels}'
+    )
   tile, step = config.latent.vae_tile, vcfg.spatial_compression
   if tile and (tile % step or tile < 2 * step):
-    raise ValueError(f'config.latent.vae_tile={tile} must be a multiple of the VAE compression '
-                     f'{step} and at least {2 * step} pixels (0 = no tiling)')
+    raise ValueError(
+        f'config.latent.vae_tile={tile} must be a multiple of the VAE compression '
+        f'{step} and at least {2 * step} pixels (0 = no tiling)'
+    )
   graphdef, abstract = family.vae.abstract_vae(vcfg, jnp.float32)
   return VAESource(vcfg, family.vae, graphdef, abstract_of(abstract), folder)
 
@@ -218,21 +262,29 @@ def build(config, family, mcfg, same_architecture) -> Weights:
   lo = config.model.lora
   lora_cfg, base_abstract = None, None
   if lo.rank > 0:
-    lora_cfg = lora_lib.LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha or lo.rank),
-                                   targets=lo.targets)
+    lora_cfg = lora_lib.LoraConfig(
+        rank=int(lo.rank), alpha=float(lo.alpha or lo.rank), targets=lo.targets
+    )
     base_abstract = abstract_of(params)
-    if loader is None:              # a random base (tiny configs): frozen, held like a checkpoint
+    if loader is None:  # a random base (tiny configs): frozen, held like a checkpoint
       base = params
       loader = lambda sh, dtype: jax.device_put(_cast(base, dtype), sh)
     paths = lora_lib.target_paths(base_abstract, family.key_table(mcfg), lora_cfg)
-    params = lora_lib.init_adapters(base_abstract, paths, lora_cfg,
-                                    jax.random.key(config.seed + 1))
+    params = lora_lib.init_adapters(base_abstract, paths, lora_cfg, jax.random.key(config.seed + 1))
   lat = config.latent
   return Weights(
-      graphdef=graphdef, params=params, frozen_dtype=_DTYPES[config.model.frozen_dtype],
-      lora=lora_cfg, load_transformer=loader, base_abstract=base_abstract,
-      vae=_vae_source(config, family), latent_hw=(lat.height, lat.width), patch=config.model.patch_size,
-      vae_batch_chunk=int(lat.vae_batch_chunk), vae_tile=int(lat.vae_tile))
+      graphdef=graphdef,
+      params=params,
+      frozen_dtype=_DTYPES[config.model.frozen_dtype],
+      lora=lora_cfg,
+      load_transformer=loader,
+      base_abstract=base_abstract,
+      vae=_vae_source(config, family),
+      latent_hw=(lat.height, lat.width),
+      patch=config.model.patch_size,
+      vae_batch_chunk=int(lat.vae_batch_chunk),
+      vae_tile=int(lat.vae_tile),
+  )
 
 
 def host_params(weights: Weights):
@@ -241,4 +293,3 @@ def host_params(weights: Weights):
     dev = mesh_lib.replicated(mesh_lib.make_mesh(jax.local_devices()[:1]))
     return weights.init_params(jax.tree.map(lambda _: dev, weights.params))
   return weights.params
-

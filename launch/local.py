@@ -28,6 +28,7 @@ started themselves could then outlive them.
 Note: jax.distributed catches SIGTERM in its children (preemption notifier), so stopping a
 jax copy takes --grace_s before the SIGKILL.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,15 +51,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   if '--' not in argv:
     raise SystemExit('usage: local.py --num_processes=N [flags] -- CMD [ARGS...] (missing "--")')
   split = argv.index('--')
-  flags, cmd = argv[:split], argv[split + 1:]
+  flags, cmd = argv[:split], argv[split + 1 :]
   p = argparse.ArgumentParser(prog='launch/local.py', description=__doc__.split('\n')[0])
   p.add_argument('--num_processes', type=int, required=True, help='copies to start (>= 1)')
-  p.add_argument('--devices_per_process', type=int, default=None,
-                 help='fake host-platform (CPU) devices per copy')
+  p.add_argument(
+      '--devices_per_process',
+      type=int,
+      default=None,
+      help='fake host-platform (CPU) devices per copy',
+  )
   p.add_argument('--cpu_pinning', action='store_true', help='pin copy i to core i % ncores')
   p.add_argument('--port', type=int, default=0, help='coordinator port (0: pick a free one)')
   p.add_argument('--platforms', default='cpu', help="JAX_PLATFORMS for the copies ('' = inherit)")
-  p.add_argument('--timeout_s', type=float, default=0.0, help='kill everything after this (0=never)')
+  p.add_argument(
+      '--timeout_s', type=float, default=0.0, help='kill everything after this (0=never)'
+  )
   p.add_argument('--grace_s', type=float, default=5.0, help='SIGTERM -> SIGKILL delay')
   args = p.parse_args(flags)
   if args.num_processes < 1:
@@ -69,7 +76,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.error(f'--port={args.port} must be in [0, 65535] (0: pick a free one)')
   for name in ('timeout_s', 'grace_s'):
     value = getattr(args, name)
-    if not 0 <= value < float('inf'):           # also NaN
+    if not 0 <= value < float('inf'):  # also NaN
       p.error(f'--{name}={value} must be a finite number >= 0')
   if not cmd:
     p.error('no command after "--"')
@@ -91,8 +98,11 @@ def child_env(base: dict, rank: int, args: argparse.Namespace, port: int) -> dic
   if args.platforms:
     env['JAX_PLATFORMS'] = args.platforms
   if args.devices_per_process is not None:
-    flags = [f for f in env.get('XLA_FLAGS', '').split()
-             if not f.startswith('--xla_force_host_platform_device_count')]
+    flags = [
+        f
+        for f in env.get('XLA_FLAGS', '').split()
+        if not f.startswith('--xla_force_host_platform_device_count')
+    ]
     flags.append(f'--xla_force_host_platform_device_count={args.devices_per_process}')
     env['XLA_FLAGS'] = ' '.join(flags)
   env['PYTHONPATH'] = os.pathsep.join(p for p in (REPO_ROOT, env.get('PYTHONPATH')) if p)
@@ -129,10 +139,15 @@ class Launcher:
         cmd = [taskset, '-c', str(core)] + cmd
       # All children are spawned before any reader thread starts, so preexec_fn runs while the
       # launcher is single-threaded (it is unsafe otherwise).
-      proc = subprocess.Popen(cmd, env=child_env(os.environ, rank, self.args, port),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, start_new_session=True,
-                              preexec_fn=_die_with_parent)
+      proc = subprocess.Popen(
+          cmd,
+          env=child_env(os.environ, rank, self.args, port),
+          stdin=subprocess.DEVNULL,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          start_new_session=True,
+          preexec_fn=_die_with_parent,
+      )
       if core is not None and not taskset:
         os.sched_setaffinity(proc.pid, {core})
       self.procs.append(proc)
@@ -212,6 +227,7 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 class _Interrupted(Exception):
+
   def __init__(self, signum: int):
     self.signum = signum
 

@@ -35,6 +35,7 @@ Summary, per run (printed, and written to ROOT/sweep_summary.{csv,json} unless -
   eval/reward_mean when the run evaluated; wall time of this invocation; the overrides. A failed run
   keeps its place in the table with the tail of its log; the sweep goes on, and exits 1 at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,15 +59,28 @@ from typing import Any, Iterable, Sequence
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL_LAUNCHER = os.path.join(REPO_ROOT, 'launch', 'local.py')
-GRACE_S = 10.0       # SIGTERM -> SIGKILL; longer than local.py's own grace (5 s) for its copies
+GRACE_S = 10.0  # SIGTERM -> SIGKILL; longer than local.py's own grace (5 s) for its copies
 POLL_S = 0.1
-STATE_FILE = 'sweep_run.json'   # per workdir: the first step of each invocation (they compile)
+STATE_FILE = 'sweep_run.json'  # per workdir: the first step of each invocation (they compile)
 LOG_FILE = 'sweep.log'
 _OVERRIDE = re.compile(r'^--config\.([A-Za-z_]\w*(?:\.\w+)*)=(.*)$', re.S)
 _GRID = re.compile(r'^(?:--)?config\.([A-Za-z_]\w*(?:\.\w+)*)=(.*)$', re.S)
 _NAME = re.compile(r'^[A-Za-z0-9_.,=+\-]+$')
-COLUMNS = ('name', 'status', 'exit_code', 'steps', 'samples_per_s', 'utilization', 'reward_mean',
-           'eval_strict_accuracy', 'eval_reward_mean', 'wall_s', 'overrides', 'workdir', 'log_tail')
+COLUMNS = (
+    'name',
+    'status',
+    'exit_code',
+    'steps',
+    'samples_per_s',
+    'utilization',
+    'reward_mean',
+    'eval_strict_accuracy',
+    'eval_reward_mean',
+    'wall_s',
+    'overrides',
+    'workdir',
+    'log_tail',
+)
 
 
 class SweepError(ValueError):
@@ -76,11 +90,12 @@ class SweepError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Run:
   """One run of the sweep: its name (= workdir under the root) and how to launch it."""
+
   name: str
-  overrides: tuple[str, ...]          # '--config.KEY=VALUE' words
-  num_processes: int = 1              # > 1: behind launch/local.py
+  overrides: tuple[str, ...]  # '--config.KEY=VALUE' words
+  num_processes: int = 1  # > 1: behind launch/local.py
   devices_per_process: int | None = None  # forced host-platform devices (None: leave XLA_FLAGS)
-  pin: bool = False                   # confine to the slot's cores; local.py copies one per core
+  pin: bool = False  # confine to the slot's cores; local.py copies one per core
 
 
 # ------------------------------------------------------------------------------------- parsing
@@ -90,8 +105,9 @@ def parse_override(word: str) -> tuple[str, str]:
   """'--config.a.b=v' -> ('a.b', 'v'); anything else is a SweepError naming the word."""
   m = _OVERRIDE.match(word)
   if not m:
-    raise SweepError(f'{word!r} is not an override; write --config.KEY=VALUE '
-                     '(e.g. --config.optim.lr=3e-4)')
+    raise SweepError(
+        f'{word!r} is not an override; write --config.KEY=VALUE ' '(e.g. --config.optim.lr=3e-4)'
+    )
   return m.group(1), m.group(2)
 
 
@@ -117,7 +133,9 @@ def parse_grid(specs: Sequence[str]) -> list[tuple[str, list[str]]]:
   for spec in specs:
     m = _GRID.match(spec)
     if not m:
-      raise SweepError(f'--grid {spec!r}: write config.KEY=V1,V2,... (e.g. config.optim.lr=1e-4,3e-4)')
+      raise SweepError(
+          f'--grid {spec!r}: write config.KEY=V1,V2,... (e.g. config.optim.lr=1e-4,3e-4)'
+      )
     key, rhs = m.groups()
     if not rhs.strip():
       raise SweepError(f'--grid {spec!r}: empty grid; give at least one value after "="')
@@ -176,8 +194,10 @@ def read_runs_file(path: str) -> list[tuple[str, tuple[str, ...]]]:
   except OSError as e:
     raise SweepError(f'--runs_file {path!r}: {e.strerror}') from None
   except UnicodeDecodeError as e:
-    raise SweepError(f'--runs_file {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); '
-                     'give lines "NAME: --config.K=V ..."') from None
+    raise SweepError(
+        f'--runs_file {path!r} is not UTF-8 text ({e.reason} at byte {e.start}); '
+        'give lines "NAME: --config.K=V ..."'
+    ) from None
   runs = []
   for i, line in enumerate(lines, 1):
     line = line.split('#', 1)[0].strip()
@@ -186,8 +206,13 @@ def read_runs_file(path: str) -> list[tuple[str, tuple[str, ...]]]:
   return runs
 
 
-def build_runs(*, grid: Sequence[str] = (), runs: Sequence[tuple[str, Sequence[str]]] = (),
-               common: Sequence[str] = (), **launch: Any) -> list[Run]:
+def build_runs(
+    *,
+    grid: Sequence[str] = (),
+    runs: Sequence[tuple[str, Sequence[str]]] = (),
+    common: Sequence[str] = (),
+    **launch: Any,
+) -> list[Run]:
   """The run list: explicit runs x grid points (either alone: itself), each with the common
   overrides underneath. `launch`: Run's launch fields, the same for every run."""
   axes = parse_grid(grid)
@@ -252,8 +277,9 @@ def check_keys(config_spec: str, runs: Sequence[Run]) -> dict[str, str]:
   for run in runs:
     bad = missing_keys(config, run)
     if bad:
-      problems[run.name] = (f'{config_spec} has no field ' +
-                            ', '.join(f'config.{k}' for k in bad) + ' (unknown key)')
+      problems[run.name] = (
+          f'{config_spec} has no field ' + ', '.join(f'config.{k}' for k in bad) + ' (unknown key)'
+      )
       continue
     bad_value = value_problem(config, run)
     if bad_value:
@@ -266,12 +292,14 @@ def value_problem(config, run: Run) -> str | None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   from digen_jax import configlib  # pylint: disable=g-import-not-at-top
-  if not hasattr(config, 'runtime'):      # not a digen_jax.main config tree: leave it to the run
+
+  if not hasattr(config, 'runtime'):  # not a digen_jax.main config tree: leave it to the run
     return None
   values = flags.FlagValues()
   argv = ['sweep', *run.overrides]
-  config_flags.DEFINE_config_dict('config', copy.deepcopy(config), flag_values=values,
-                                  sys_argv=argv)
+  config_flags.DEFINE_config_dict(
+      'config', copy.deepcopy(config), flag_values=values, sys_argv=argv
+  )
   try:
     values(argv)
     configlib.validate(values.config, 1)
@@ -283,11 +311,22 @@ def value_problem(config, run: Run) -> str | None:
 # --------------------------------------------------------------------------------- launching
 
 
-def run_command(run: Run, config: str, workdir: str, cores: Sequence[int] | None = None,
-                python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+def run_command(
+    run: Run,
+    config: str,
+    workdir: str,
+    cores: Sequence[int] | None = None,
+    python: str = sys.executable,
+) -> tuple[list[str], dict[str, str]]:
   """argv and environment of one run."""
-  main = [python, '-m', 'digen_jax.main', f'--config={config}', f'--workdir={workdir}',
-          *run.overrides]
+  main = [
+      python,
+      '-m',
+      'digen_jax.main',
+      f'--config={config}',
+      f'--workdir={workdir}',
+      *run.overrides,
+  ]
   env = dict(os.environ)
   env['PYTHONPATH'] = os.pathsep.join(p for p in (REPO_ROOT, env.get('PYTHONPATH')) if p)
   env['PYTHONUNBUFFERED'] = '1'
@@ -299,8 +338,11 @@ def run_command(run: Run, config: str, workdir: str, cores: Sequence[int] | None
       argv.append('--cpu_pinning')
     return argv + ['--'] + main, env
   if run.devices_per_process is not None:
-    flags = [f for f in env.get('XLA_FLAGS', '').split()
-             if not f.startswith('--xla_force_host_platform_device_count')]
+    flags = [
+        f
+        for f in env.get('XLA_FLAGS', '').split()
+        if not f.startswith('--xla_force_host_platform_device_count')
+    ]
     flags.append(f'--xla_force_host_platform_device_count={run.devices_per_process}')
     env['XLA_FLAGS'] = ' '.join(flags)
   return main, env
@@ -312,20 +354,25 @@ def slot_cores(parallel: int, cores: Sequence[int] | None = None) -> list[list[i
   if parallel >= len(cores):
     return [[cores[i % len(cores)]] for i in range(parallel)]
   per = len(cores) // parallel
-  return [cores[i * per:(i + 1) * per] if i < parallel - 1 else cores[i * per:]
-          for i in range(parallel)]
+  return [
+      cores[i * per : (i + 1) * per] if i < parallel - 1 else cores[i * per :]
+      for i in range(parallel)
+  ]
 
 
 def _preexec(cores: Sequence[int] | None):
   """Runs in the child before exec (the sweep is single-threaded, so this is safe)."""
+
   def fn():
     if cores:
       os.sched_setaffinity(0, set(cores))
     try:  # die with the sweep, even if it is SIGKILLed (local.py does the same for its copies)
       import ctypes  # pylint: disable=g-import-not-at-top
+
       ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
       pass
+
   return fn
 
 
@@ -413,7 +460,8 @@ def summarize_rows(rows: list[dict], evals: list[dict], firsts: set[int]) -> dic
       'samples_per_s': statistics.median(sps) if sps else None,
       'utilization': statistics.fmean(util) if util else None,
       'reward_mean': _num(rows[-1].get('reward_mean')) if rows else None,
-      'eval_strict_accuracy': None, 'eval_reward_mean': None,
+      'eval_strict_accuracy': None,
+      'eval_reward_mean': None,
   }
   if evals:
     last = max(evals, key=lambda r: (r.get('step', 0), r.get('time', 0)))
@@ -429,15 +477,18 @@ def summarize_workdir(workdir: str) -> dict[str, Any]:
   firsts = set(_state(workdir).get('first_steps', []))
   if rows and not firsts:
     firsts = {int(rows[0]['step'])}
-  evals = [r for r in _read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
-           if 'eval/strict_accuracy' in r or 'eval/reward_mean' in r]
+  evals = [
+      r
+      for r in _read_jsonl(os.path.join(workdir, 'metrics.jsonl'))
+      if 'eval/strict_accuracy' in r or 'eval/reward_mean' in r
+  ]
   return summarize_rows(rows, evals, firsts)
 
 
 def log_tail(path: str, n: int = 20) -> list[str]:
   try:
     with open(path, errors='replace') as f:
-      lines = [l.rstrip() for l in f.read().splitlines()[-4 * n:] if l.strip()]
+      lines = [l.rstrip() for l in f.read().splitlines()[-4 * n :] if l.strip()]
   except OSError:
     return []
   return lines[-n:]
@@ -454,20 +505,44 @@ class Interrupted(Exception):
     self.signum, self.rows = signum, rows
 
 
-def _result(run: Run, workdir: str, status: str, code: int | None, wall_s: float | None,
-            tail: list[str], metrics: bool = True) -> dict[str, Any]:
+def _result(
+    run: Run,
+    workdir: str,
+    status: str,
+    code: int | None,
+    wall_s: float | None,
+    tail: list[str],
+    metrics: bool = True,
+) -> dict[str, Any]:
   """A result row; metrics=False for a run that did not run now (its workdir may be stale)."""
-  r = {'name': run.name, 'status': status, 'exit_code': code,
-       'overrides': ' '.join(run.overrides), 'workdir': workdir, 'wall_s': wall_s,
-       'num_processes': run.num_processes, 'devices_per_process': run.devices_per_process,
-       'pin': run.pin, 'log_tail': tail}
+  r = {
+      'name': run.name,
+      'status': status,
+      'exit_code': code,
+      'overrides': ' '.join(run.overrides),
+      'workdir': workdir,
+      'wall_s': wall_s,
+      'num_processes': run.num_processes,
+      'devices_per_process': run.devices_per_process,
+      'pin': run.pin,
+      'log_tail': tail,
+  }
   r.update(summarize_workdir(workdir) if metrics else summarize_rows([], [], set()))
   return r
 
 
-def run_sweep(runs: Sequence[Run], config: str, root: str, *, parallel: int = 1,
-              fresh: bool = False, timeout_s: float = 0.0, invalid: dict[str, str] | None = None,
-              log=print, python: str = sys.executable) -> list[dict[str, Any]]:
+def run_sweep(
+    runs: Sequence[Run],
+    config: str,
+    root: str,
+    *,
+    parallel: int = 1,
+    fresh: bool = False,
+    timeout_s: float = 0.0,
+    invalid: dict[str, str] | None = None,
+    log=print,
+    python: str = sys.executable,
+) -> list[dict[str, Any]]:
   """Runs every run (`parallel` at a time) and returns one result row per run, in run order.
 
   invalid: {name: problem} for runs that are reported as status 'invalid' without running.
@@ -487,8 +562,9 @@ def run_sweep(runs: Sequence[Run], config: str, root: str, *, parallel: int = 1,
     if run.name in invalid:
       if fresh and os.path.isdir(workdir):
         shutil.rmtree(workdir)  # no stale figures or timeline from an earlier sweep
-      results[run.name] = _result(run, workdir, 'invalid', None, None, [invalid[run.name]],
-                                  metrics=False)
+      results[run.name] = _result(
+          run, workdir, 'invalid', None, None, [invalid[run.name]], metrics=False
+      )
       log(f'[sweep] {run.name}: not run: {invalid[run.name]}')
       free.append(slot)
       return
@@ -500,9 +576,15 @@ def run_sweep(runs: Sequence[Run], config: str, root: str, *, parallel: int = 1,
     logf = open(os.path.join(workdir, LOG_FILE), 'a', buffering=1)
     logf.write(f'\n=== sweep {time.strftime("%Y-%m-%d %H:%M:%S")}: {shlex.join(argv)}\n')
     slot_set = cores[slot] if run.pin else None
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=logf,
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_preexec(slot_set))
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_preexec(slot_set),
+    )
     running[slot] = (run, proc, time.monotonic(), workdir, logf, first)
     done = len(results) + len(running)
     where = f' on cores {slot_set}' if slot_set else ''
@@ -520,8 +602,10 @@ def run_sweep(runs: Sequence[Run], config: str, root: str, *, parallel: int = 1,
     code = 128 - code if code is not None and code < 0 else code  # killed by signal s: 128+s
     r = results[run.name] = _result(run, workdir, status, code, wall, log_tail(logf.name))
     sps = r['samples_per_s']
-    log(f'[sweep] {status} {run.name} (exit {code}) in {wall:.1f}s: {r["steps"]} steps'
-        + (f', {sps:.3g} samples/s' if sps is not None else ''))
+    log(
+        f'[sweep] {status} {run.name} (exit {code}) in {wall:.1f}s: {r["steps"]} steps'
+        + (f', {sps:.3g} samples/s' if sps is not None else '')
+    )
     free.append(slot)
 
   def on_signal(signum, frame):
@@ -529,8 +613,11 @@ def run_sweep(runs: Sequence[Run], config: str, root: str, *, parallel: int = 1,
 
   # Signal handlers can only be set from the main thread; elsewhere the caller handles signals.
   main_thread = threading.current_thread() is threading.main_thread()
-  old = ({s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-         if main_thread else {})
+  old = (
+      {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+      if main_thread
+      else {}
+  )
   try:
     while pending or running:
       while pending and free:
@@ -551,8 +638,9 @@ def run_sweep(runs: Sequence[Run], config: str, root: str, *, parallel: int = 1,
       _stop(running[slot][1])
       finish(slot, 'interrupted')
     for run in pending:
-      results[run.name] = _result(run, os.path.join(root, run.name), 'interrupted', None, None, [],
-                                  metrics=not fresh)
+      results[run.name] = _result(
+          run, os.path.join(root, run.name), 'interrupted', None, None, [], metrics=not fresh
+      )
     e.rows = [results[r.name] for r in runs]
     raise
   finally:
@@ -572,14 +660,23 @@ def fmt(v, digits: int = 4) -> str:
   return str(v)
 
 
-def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]] | None = None,
-                 tail_lines: int = 3) -> str:
+def format_table(
+    rows: Sequence[dict], columns: Sequence[tuple[str, str]] | None = None, tail_lines: int = 3
+) -> str:
   """Fixed-width text table; runs that did not succeed get their log tail underneath."""
-  columns = columns or (('name', 'run'), ('status', 'status'), ('exit_code', 'exit'),
-                        ('steps', 'steps'), ('samples_per_s', 'samples/s'),
-                        ('utilization', 'util'), ('reward_mean', 'reward'),
-                        ('eval_strict_accuracy', 'eval acc'), ('eval_reward_mean', 'eval reward'),
-                        ('wall_s', 'wall s'), ('overrides', 'overrides'))
+  columns = columns or (
+      ('name', 'run'),
+      ('status', 'status'),
+      ('exit_code', 'exit'),
+      ('steps', 'steps'),
+      ('samples_per_s', 'samples/s'),
+      ('utilization', 'util'),
+      ('reward_mean', 'reward'),
+      ('eval_strict_accuracy', 'eval acc'),
+      ('eval_reward_mean', 'eval reward'),
+      ('wall_s', 'wall s'),
+      ('overrides', 'overrides'),
+  )
   cells = [[h for _, h in columns]] + [[fmt(r.get(k)) for k, _ in columns] for r in rows]
   widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
   lines = []
@@ -625,20 +722,32 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-  p = _Parser(prog='launch/sweep.py', description=__doc__.split('\n')[0],
-              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = _Parser(
+      prog='launch/sweep.py',
+      description=__doc__.split('\n')[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument('--config', required=True, help='config file[:variant], as for digen_jax.main')
   p.add_argument('--root', required=True, help='one workdir per run under here')
   p.add_argument('--grid', action='append', default=[], help='config.KEY=V1,V2,... (repeatable)')
   p.add_argument('--run', action='append', default=[], help='"NAME:--config.K=V ..." (repeatable)')
   p.add_argument('--runs_file', default=None, help='lines "NAME: --config.K=V ..."')
-  p.add_argument('--set', action='append', default=[], dest='common',
-                 help='--config.K=V for every run (repeatable; write --set=--config.K=V)')
+  p.add_argument(
+      '--set',
+      action='append',
+      default=[],
+      dest='common',
+      help='--config.K=V for every run (repeatable; write --set=--config.K=V)',
+  )
   p.add_argument('--parallel', type=int, default=1, help='runs at a time')
   p.add_argument('--pin', action='store_true', help='pin each parallel slot to its own cores')
   p.add_argument('--num_processes', type=int, default=1, help='> 1: each run via launch/local.py')
-  p.add_argument('--devices_per_process', type=int, default=None,
-                 help='forced host-platform (CPU) devices per process')
+  p.add_argument(
+      '--devices_per_process',
+      type=int,
+      default=None,
+      help='forced host-platform (CPU) devices per process',
+  )
   p.add_argument('--timeout_s', type=float, default=0.0, help='per run; 0 = none')
   p.add_argument('--fresh', action='store_true', help='delete existing workdirs (else resume)')
   p.add_argument('--csv', default=None, help='default ROOT/sweep_summary.csv')
@@ -651,7 +760,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     raise SweepError(f'--num_processes={a.num_processes} must be >= 1')
   if a.devices_per_process is not None and a.devices_per_process < 1:
     raise SweepError(f'--devices_per_process={a.devices_per_process} must be >= 1')
-  if not 0 <= a.timeout_s < float('inf'):      # also NaN
+  if not 0 <= a.timeout_s < float('inf'):  # also NaN
     raise SweepError(f'--timeout_s={a.timeout_s} must be a finite number >= 0 (0 = none)')
   return a
 
@@ -678,13 +787,21 @@ def main(argv: Sequence[str] | None = None) -> int:
       explicit += read_runs_file(a.runs_file)
     for w in a.common:
       parse_override(w)
-    runs = build_runs(grid=a.grid, runs=explicit, common=a.common, num_processes=a.num_processes,
-                      devices_per_process=a.devices_per_process, pin=a.pin)
+    runs = build_runs(
+        grid=a.grid,
+        runs=explicit,
+        common=a.common,
+        num_processes=a.num_processes,
+        devices_per_process=a.devices_per_process,
+        pin=a.pin,
+    )
     problems = check_keys(a.config, runs)
     if problems:
       name, msg = next(iter(problems.items()))
-      raise SweepError(f'run {name!r}: {msg}' + (f' (and {len(problems) - 1} more runs)'
-                                                 if len(problems) > 1 else ''))
+      raise SweepError(
+          f'run {name!r}: {msg}'
+          + (f' (and {len(problems) - 1} more runs)' if len(problems) > 1 else '')
+      )
   except SweepError as e:
     print(f'sweep: {e}', file=sys.stderr)
     return 2
@@ -696,16 +813,26 @@ def main(argv: Sequence[str] | None = None) -> int:
   t0 = time.time()
   code = 0
   try:
-    rows = run_sweep(runs, a.config, a.root, parallel=a.parallel, fresh=a.fresh,
-                     timeout_s=a.timeout_s)
+    rows = run_sweep(
+        runs, a.config, a.root, parallel=a.parallel, fresh=a.fresh, timeout_s=a.timeout_s
+    )
   except Interrupted as e:
     code, rows = 128 + e.signum, e.rows
   print(format_table(rows), flush=True)
   csv_path = a.csv or os.path.join(a.root, 'sweep_summary.csv')
   json_path = a.json or os.path.join(a.root, 'sweep_summary.json')
   write_csv(csv_path, rows)
-  write_json(json_path, {'config': a.config, 'root': a.root, 'argv': argv, 'started': t0,
-                         'wall_s': time.time() - t0, 'runs': rows})
+  write_json(
+      json_path,
+      {
+          'config': a.config,
+          'root': a.root,
+          'argv': argv,
+          'started': t0,
+          'wall_s': time.time() - t0,
+          'runs': rows,
+      },
+  )
   print(f'[sweep] summary: {csv_path} {json_path}')
   if code:
     return code

@@ -9,6 +9,7 @@ cases: [{"id", "argv": ["-m", "digen_jax.main", ...] or ["launch/sweep.py", ...]
 Nothing here initialises a JAX backend or defines a flag before the fork: every child starts
 from the state a fresh interpreter reaches after these imports.
 """
+
 import json
 import os
 import runpy
@@ -45,7 +46,7 @@ def _child(case: dict, out: str, err: str) -> None:
       runpy.run_module(argv[1], run_name='__main__', alter_sys=True)
     else:
       sys.argv = list(argv)
-      sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))   # as `python SCRIPT` sets it
+      sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` sets it
       runpy.run_path(argv[0], run_name='__main__')
     code = 0
   except SystemExit as e:
@@ -87,9 +88,15 @@ def main():
         code = -9
         break
       time.sleep(0.02)
-    results.append({'id': case['id'], 'code': code, 'seconds': time.perf_counter() - t0,
-                    'stdout': open(out, errors='replace').read(),
-                    'stderr': open(err, errors='replace').read()})
+    results.append(
+        {
+            'id': case['id'],
+            'code': code,
+            'seconds': time.perf_counter() - t0,
+            'stdout': open(out, errors='replace').read(),
+            'stderr': open(err, errors='replace').read(),
+        }
+    )
   json.dump(results, sys.stdout)
 
 

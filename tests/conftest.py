@@ -1,4 +1,5 @@
 """Test session setup: fake several CPU devices before JAX is imported anywhere."""
+
 import os
 
 os.environ["XLA_FLAGS"] = (

@@ -1,4 +1,5 @@
 """Tiny diffusers reference models with every tensor randomised, shared by the parity tests."""
+
 import math
 
 import diffusers

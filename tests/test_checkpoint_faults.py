@@ -1,6 +1,7 @@
 """Storage faults (issue 18, part 5): a corrupt latest checkpoint is detected and the previous one
 used; a full disk during a save leaves the previous checkpoint readable and the next run able to
 save again."""
+
 import glob
 import logging
 import os
@@ -18,12 +19,14 @@ from digen_jax import checkpoint as ckpt_lib
 from digen_jax import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-W = np.random.RandomState(0).randn(128, 128).astype(np.float32)   # incompressible: ~64 KB
+W = np.random.RandomState(0).randn(128, 128).astype(np.float32)  # incompressible: ~64 KB
 
 
 def _state(v: float):
-  return {'params': {'w': jnp.asarray(W + v), 'b': jnp.arange(5.0) + v},
-          'rng': jnp.zeros(2, jnp.uint32)}
+  return {
+      'params': {'w': jnp.asarray(W + v), 'b': jnp.arange(5.0) + v},
+      'rng': jnp.zeros(2, jnp.uint32),
+  }
 
 
 def _saved(directory, steps=(1, 2), keep=3):
@@ -35,8 +38,11 @@ def _saved(directory, steps=(1, 2), keep=3):
 
 
 def _biggest(step_dir):
-  files = [f for f in glob.glob(os.path.join(step_dir, '**'), recursive=True)
-           if os.path.isfile(f) and not f.endswith(ckpt_lib.DIGEST_FILE)]
+  files = [
+      f
+      for f in glob.glob(os.path.join(step_dir, '**'), recursive=True)
+      if os.path.isfile(f) and not f.endswith(ckpt_lib.DIGEST_FILE)
+  ]
   return max(files, key=os.path.getsize)
 
 
@@ -75,8 +81,9 @@ def test_corrupt_latest_falls_back_to_the_previous_with_a_warning(tmp_path, corr
     step, state, meta = ck.restore_latest(_state(0.0))
   assert step == 1 and meta['data_position'] == 2
   np.testing.assert_array_equal(np.asarray(state['params']['w']), W + 1)
-  assert any('checkpoint step 2' in r.getMessage() and 'corrupt' in r.getMessage()
-             for r in caplog.records), [r.getMessage() for r in caplog.records]
+  assert any(
+      'checkpoint step 2' in r.getMessage() and 'corrupt' in r.getMessage() for r in caplog.records
+  ), [r.getMessage() for r in caplog.records]
   # The corrupt step is set aside (kept for inspection), so the run can save step 2 again.
   assert ck.all_steps() == [1]
   assert len(os.listdir(d + '.corrupt')) == 1
@@ -97,13 +104,15 @@ def test_no_readable_checkpoint_is_one_clear_error(tmp_path):
   msg = str(e.value)
   assert 'no readable checkpoint' in msg and 'step 2:' in msg and 'step 1:' in msg
   assert 'move that directory away' in msg and '\n' not in msg
-  assert ck.all_steps() == [1, 2]                  # nothing is moved when nothing restores
+  assert ck.all_steps() == [1, 2]  # nothing is moved when nothing restores
 
 
 def test_intact_checkpoint_of_another_model_is_not_taken_for_corruption(tmp_path):
   d = _saved(tmp_path / 'ck')
-  other = {'params': {'w': jnp.zeros((64, 128)), 'b': jnp.zeros(5)},
-           'rng': jnp.zeros(2, jnp.uint32)}
+  other = {
+      'params': {'w': jnp.zeros((64, 128)), 'b': jnp.zeros(5)},
+      'rng': jnp.zeros(2, jnp.uint32),
+  }
   ck = ckpt_lib.Checkpointer(d)
   with pytest.raises(faults.CheckpointError, match='intact but does not fit this run'):
     ck.restore_latest(other)
@@ -118,8 +127,9 @@ def _can_mount_tmpfs(path) -> bool:
   os.makedirs(path, exist_ok=True)
   if os.geteuid() != 0 or shutil.which('mount') is None:
     return False
-  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=512k', 'tmpfs', str(path)],
-                     capture_output=True)
+  r = subprocess.run(
+      ['mount', '-t', 'tmpfs', '-o', 'size=512k', 'tmpfs', str(path)], capture_output=True
+  )
   return r.returncode == 0
 
 
@@ -130,18 +140,18 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
     pytest.skip('cannot mount a tmpfs here (not root); see the RLIMIT_FSIZE variant')
   try:
     d = str(mnt / 'ck')
-    ck = ckpt_lib.Checkpointer(d, max_to_keep=1)     # keep 1: step 1 is the only copy
+    ck = ckpt_lib.Checkpointer(d, max_to_keep=1)  # keep 1: step 1 is the only copy
     ck.save(1, _state(1.0), {'step': 1, 'data_position': 2})
     ck.wait()
     st = os.statvfs(mnt)
-    with open(mnt / 'filler', 'wb') as f:            # leave less than one checkpoint free
+    with open(mnt / 'filler', 'wb') as f:  # leave less than one checkpoint free
       f.write(b'\0' * (st.f_bavail * st.f_frsize - 16_000))
     with pytest.raises(faults.CheckpointError) as e:
       ck.save(2, _state(2.0), {'step': 2, 'data_position': 4})
       ck.wait()
     msg = str(e.value)
     assert 'disk is full' in msg and 'previous checkpoint (step 1) is intact' in msg, msg
-    ck.close()                                       # reported once; closing does not hang
+    ck.close()  # reported once; closing does not hang
     os.remove(mnt / 'filler')
     # The next run: step 1 restores exactly, the half-written step is cleaned up, saving works.
     ck = ckpt_lib.Checkpointer(d, max_to_keep=1)
@@ -156,7 +166,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
     subprocess.run(['umount', str(mnt)], check=False)
 
 
-_FSIZE_SCRIPT = textwrap.dedent('''
+_FSIZE_SCRIPT = textwrap.dedent("""
     import os, resource, signal, sys
     import jax.numpy as jnp, numpy as np
     from digen_jax import checkpoint as ckpt_lib, faults
@@ -173,14 +183,20 @@ _FSIZE_SCRIPT = textwrap.dedent('''
       ck.save(2, st(2.0), {'step': 2, 'data_position': 4}); ck.close()
     except faults.CheckpointError as e:
       print('ERROR:', e); sys.exit(3)
-''')
+""")
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
   """A size limit on the saving process (RLIMIT_FSIZE: writes fail with EFBIG), no root needed."""
   d = str(tmp_path / 'ck')
-  r = subprocess.run([sys.executable, '-c', _FSIZE_SCRIPT, d], capture_output=True, text=True,
-                     cwd=REPO, env={**os.environ, 'PYTHONPATH': REPO}, timeout=300)
+  r = subprocess.run(
+      [sys.executable, '-c', _FSIZE_SCRIPT, d],
+      capture_output=True,
+      text=True,
+      cwd=REPO,
+      env={**os.environ, 'PYTHONPATH': REPO},
+      timeout=300,
+  )
   assert r.returncode == 3, r.stderr[-3000:]
   line = [l for l in r.stdout.splitlines() if l.startswith('ERROR:')][0]
   assert 'saving checkpoint step 2' in line and 'previous checkpoint (step 1) is intact' in line
@@ -188,7 +204,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
   step, state, meta = ck.restore_latest(_state(0.0))
   assert step == 1 and meta['data_position'] == 2
   np.testing.assert_array_equal(np.asarray(state['params']['w']), W + 1)
-  assert sorted(os.listdir(d)) == ['1']             # the partial step 2 is gone
+  assert sorted(os.listdir(d)) == ['1']  # the partial step 2 is gone
   ck.save(2, _state(2.0), {'step': 2, 'data_position': 4})
   ck.close()
   assert ckpt_lib.Checkpointer(d).restore_latest(_state(0.0))[0] == 2
@@ -204,17 +220,18 @@ def test_training_resumes_past_a_corrupt_latest_checkpoint(tmp_path):
   from digen_jax.runtime import colocated
 
   def run(workdir):
-    config = configlib.apply_overrides(qwenimage.get_config('tiny'), {
-        'total_steps': 2, 'data.data_dir': str(tmp_path / 'data')})
+    config = configlib.apply_overrides(
+        qwenimage.get_config('tiny'), {'total_steps': 2, 'data.data_dir': str(tmp_path / 'data')}
+    )
     exp = experiment.build(config, str(workdir), 2)
     return colocated.train(exp, str(workdir), devices=jax.local_devices()[:2])
 
   wd = tmp_path / 'run'
   first = jax.device_get(run(wd)['params'])
   _flip_byte(os.path.join(wd, 'checkpoints', '2'))
-  again = jax.device_get(run(wd)['params'])          # resumes from step 1, redoes step 2
+  again = jax.device_get(run(wd)['params'])  # resumes from step 1, redoes step 2
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
     np.testing.assert_array_equal(a, b)
   assert len(os.listdir(str(wd / 'checkpoints') + '.corrupt')) == 1
   rows = [l for l in open(wd / 'metrics.jsonl') if '"loss"' in l]
-  assert len(rows) == 3                              # steps 1, 2, and 2 again
+  assert len(rows) == 3  # steps 1, 2, and 2 again

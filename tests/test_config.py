@@ -1,4 +1,5 @@
 """Config fields that select execution options, the learning-rate schedule and the reward."""
+
 import dataclasses
 
 import jax
@@ -14,20 +15,22 @@ from digen_jax import experiment
 def test_learning_rate_schedules():
   c = qwenimage.get_config('tiny')
   c.total_steps, c.optim.lr = 50, 1e-3
-  c.rl.inner_epochs = 2                                   # 100 optimizer updates in all
+  c.rl.inner_epochs = 2  # 100 optimizer updates in all
   lr = experiment.learning_rate(c)
   assert [float(lr(n)) for n in (0, 57, 99)] == pytest.approx([1e-3] * 3)
   c.optim.schedule, c.optim.warmup_steps, c.optim.final_lr_frac = 'cosine', 10, 0.1
   lr = experiment.learning_rate(c)
   assert float(lr(0)) == 0.0 and float(lr(5)) == pytest.approx(5e-4)
   assert float(lr(10)) == pytest.approx(1e-3)
-  assert float(lr(55)) == pytest.approx(1e-4 + 0.5 * 9e-4, rel=1e-5)    # half-way down
+  assert float(lr(55)) == pytest.approx(1e-4 + 0.5 * 9e-4, rel=1e-5)  # half-way down
   assert float(lr(100)) == pytest.approx(1e-4)
   c.optim.schedule, c.optim.warmup_steps, c.optim.final_lr_frac = 'linear', 0, 0.0
   lr = experiment.learning_rate(c)
   assert [float(lr(n)) for n in (0, 50, 100)] == pytest.approx([1e-3, 5e-4, 0.0], abs=1e-9)
   c.optim.warmup_steps = 100
-  with pytest.raises(ValueError, match=r'warmup_steps=100 in \[0, total_steps \* rl.inner_epochs = 100\)'):
+  with pytest.raises(
+      ValueError, match=r'warmup_steps=100 in \[0, total_steps \* rl.inner_epochs = 100\)'
+  ):
     configlib.validate(c, 1)
   c.optim.warmup_steps, c.optim.schedule = 0, 'step'
   with pytest.raises(ValueError, match='optim.schedule'):
@@ -70,20 +73,28 @@ def test_architecture_fields_reach_the_model_and_are_validated():
 def test_reward_spec_from_the_config(tmp_path):
   c = shapes.get_config()
   c.reward.weights = 'shapes:1, shapes_strict:0.5'
-  assert experiment.build(c, str(tmp_path), 1).reward_fn.weights == {'shapes': 1.0,
-                                                                     'shapes_strict': 0.5}
+  assert experiment.build(c, str(tmp_path), 1).reward_fn.weights == {
+      'shapes': 1.0,
+      'shapes_strict': 0.5,
+  }
   c.reward.weights = ''
   with pytest.raises(ValueError, match='config.reward.weights: .*empty'):
     configlib.validate(c, 1)
   c.reward.weights = 'shapes:inf'
-  with pytest.raises(ValueError, match="config.reward.weights: weight for reward 'shapes' must be a finite number"):
+  with pytest.raises(
+      ValueError, match="config.reward.weights: weight for reward 'shapes' must be a finite number"
+  ):
     configlib.validate(c, 1)
 
 
 def test_auto_step_loop_scans_on_one_device_only():
   from digen_jax import programs
   from digen_jax.runtime import mesh as mesh_lib
+
   one, two = (mesh_lib.make_mesh(jax.devices()[:n]) for n in (1, 2))
   assert programs.step_loop_for('auto', one) == 'scan'
-  assert programs.step_loop_for('auto', two) == 'vmap'   # no collectives inside the step loop
-  assert programs.step_loop_for('scan', two) == 'scan' and programs.step_loop_for('vmap', one) == 'vmap'
+  assert programs.step_loop_for('auto', two) == 'vmap'  # no collectives inside the step loop
+  assert (
+      programs.step_loop_for('scan', two) == 'scan'
+      and programs.step_loop_for('vmap', one) == 'vmap'
+  )

@@ -1,5 +1,6 @@
 """Disaggregated runtime: cluster specs, versioned publish and batch moves on device, and exactness
 (naive disagg in one process == colocated; two processes == one process)."""
+
 import dataclasses
 import importlib.util
 import json
@@ -25,7 +26,8 @@ from digen_jax.runtime import workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
-    'launcher_util', os.path.join(REPO, 'tests', 'mp_scripts', 'launcher_util.py'))
+    'launcher_util', os.path.join(REPO, 'tests', 'mp_scripts', 'launcher_util.py')
+)
 util = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(util)
 
@@ -33,7 +35,9 @@ STEPS = 3
 
 
 def _tiny(**overrides):
-  return configlib.apply_overrides(qwenimage.get_config('tiny'), {'total_steps': STEPS, **overrides})
+  return configlib.apply_overrides(
+      qwenimage.get_config('tiny'), {'total_steps': STEPS, **overrides}
+  )
 
 
 def _leaves(tree):
@@ -43,8 +47,9 @@ def _leaves(tree):
 def _max_abs_diff(a, b) -> float:
   la, lb = _leaves(a), _leaves(b)
   assert len(la) == len(lb)
-  return max(float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max())
-             for x, y in zip(la, lb))
+  return max(
+      float(np.abs(x.astype(np.float64) - y.astype(np.float64)).max()) for x, y in zip(la, lb)
+  )
 
 
 def _rows(workdir):
@@ -55,8 +60,7 @@ def _rows(workdir):
 
 
 def test_set_disagg_fills_the_cluster_block():
-  c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=[2, 3],
-                           rollout_param_dtype='bfloat16')
+  c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=[2, 3], rollout_param_dtype='bfloat16')
   assert c.runtime.mode == 'disagg' and c.cluster.layout == 'explicit'
   assert c.cluster.trainer.devices == (0, 1) and c.cluster.rollout.devices == (2, 3)
   assert c.cluster.rollout.processes == () and c.cluster.rollout.param_dtype == 'bfloat16'
@@ -78,7 +82,7 @@ def test_resolve_layouts_and_meshes():
   assert not auto.multi_process and not auto.is_colocated and auto.num_devices == 4
   c = configlib.set_disagg(_tiny(), trainer=(3,), rollout=(0, 1))
   c.cluster.rollout.mesh_shape = (1, 2)
-  c.cluster.rollout.axis_names = ('replica,data',)       # as --config...axis_names=replica,data
+  c.cluster.rollout.axis_names = ('replica,data',)  # as --config...axis_names=replica,data
   c.cluster.rollout.speed = 2.5
   cl = cluster_lib.resolve(c)
   assert cl.trainer.devices == (devs[3],) and cl.rollout.size == 2
@@ -89,20 +93,44 @@ def test_resolve_layouts_and_meshes():
   assert col.is_colocated and col.num_devices == 2 and col.role_of(0) == 'both'
 
 
-@pytest.mark.parametrize('roles, extra, message', [
-    (((0, 1), (1, 2)), {}, r'config.cluster.trainer and config.cluster.rollout overlap on device'),
-    (((0, 1), (2, 7)), {}, r'config.cluster.rollout.devices=\(2, 7\) names device 7'),
-    (((0, 1), ()), {}, r'config.cluster.rollout is empty'),
-    (((), (2, 3)), {}, r'config.cluster.trainer is empty'),
-    (((0, 1), (2, 3)), {'cluster.trainer.mesh_shape': (3,)},
-     r'config.cluster.trainer.mesh_shape=\(3,\) holds 3 devices'),
-    (((0, 1), (2, 3)), {'cluster.rollout.mesh_shape': (2, 1)},
-     r'config.cluster.rollout.axis_names'),
-    (((0, 1), (2,)), {'rl.prompts_per_step': 3, 'rl.group_size': 3},
-     r'not divisible by the 2 devices of config.cluster.trainer'),
-    (((0, 1), (2, 3)), {'cluster.rollout.processes': (0,)}, r'config.cluster.rollout: give devices'),
-    (((0, 1), (2, 3)), {'cluster.layout': 'auto'}, r"config.cluster.trainer.devices=.*layout='auto'"),
-])
+@pytest.mark.parametrize(
+    'roles, extra, message',
+    [
+        (
+            ((0, 1), (1, 2)),
+            {},
+            r'config.cluster.trainer and config.cluster.rollout overlap on device',
+        ),
+        (((0, 1), (2, 7)), {}, r'config.cluster.rollout.devices=\(2, 7\) names device 7'),
+        (((0, 1), ()), {}, r'config.cluster.rollout is empty'),
+        (((), (2, 3)), {}, r'config.cluster.trainer is empty'),
+        (
+            ((0, 1), (2, 3)),
+            {'cluster.trainer.mesh_shape': (3,)},
+            r'config.cluster.trainer.mesh_shape=\(3,\) holds 3 devices',
+        ),
+        (
+            ((0, 1), (2, 3)),
+            {'cluster.rollout.mesh_shape': (2, 1)},
+            r'config.cluster.rollout.axis_names',
+        ),
+        (
+            ((0, 1), (2,)),
+            {'rl.prompts_per_step': 3, 'rl.group_size': 3},
+            r'not divisible by the 2 devices of config.cluster.trainer',
+        ),
+        (
+            ((0, 1), (2, 3)),
+            {'cluster.rollout.processes': (0,)},
+            r'config.cluster.rollout: give devices',
+        ),
+        (
+            ((0, 1), (2, 3)),
+            {'cluster.layout': 'auto'},
+            r"config.cluster.trainer.devices=.*layout='auto'",
+        ),
+    ],
+)
 def test_resolve_rejects_bad_specs_naming_the_field(roles, extra, message):
   c = _tiny(**extra)
   c.runtime.mode = 'disagg'
@@ -123,15 +151,19 @@ def test_resolve_rejects_unknown_process_and_odd_auto_split():
 @dataclasses.dataclass(frozen=True)
 class _FakeDevice:
   """Stands in for another process's device (validation only looks at process_index)."""
+
   id: int
   process_index: int
 
 
-@pytest.mark.parametrize('trainer, rollout, message', [
-    ((2, 3), (0, 1), r'config.cluster.trainer must be process 0'),
-    ((0, 2), (1, 3), r'config.cluster.trainer spans processes \[0, 1\]'),
-    ((0,), (1,), r'process\(es\) \[1\] have no role'),
-])
+@pytest.mark.parametrize(
+    'trainer, rollout, message',
+    [
+        ((2, 3), (0, 1), r'config.cluster.trainer must be process 0'),
+        ((0, 2), (1, 3), r'config.cluster.trainer spans processes \[0, 1\]'),
+        ((0,), (1,), r'process\(es\) \[1\] have no role'),
+    ],
+)
 def test_resolve_multi_process_rules(trainer, rollout, message):
   devs = [_FakeDevice(0, 0), _FakeDevice(1, 0), _FakeDevice(2048, 1), _FakeDevice(2049, 1)]
   c = configlib.set_disagg(_tiny(), trainer=trainer, rollout=rollout)
@@ -145,8 +177,7 @@ def test_resolve_multi_process_rules(trainer, rollout, message):
 def test_publish_and_batch_move_stay_on_device():
   """Trainer FSDP f32 -> rollout replicated (or FSDP) bf16 on other devices, stamped with the
   version; a rollout batch onto the trainer's layout; all under transfer_guard('disallow')."""
-  c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=(2, 3),
-                           rollout_param_dtype='bfloat16')
+  c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=(2, 3), rollout_param_dtype='bfloat16')
   cl = cluster_lib.resolve(c)
   _, _, params = experiment.build_model(c)
   trainer_params = jax.device_put(params, mesh_lib.fsdp_shardings(params, cl.trainer.mesh))
@@ -155,8 +186,7 @@ def test_publish_and_batch_move_stay_on_device():
     cl = dataclasses.replace(cl, rollout_param_sharding=sharding)
     targets = publish.rollout_param_shardings(cl, params)
     with jax.transfer_guard('disallow'):
-      policy = publish.publish_local(trainer_params, 7, targets,
-                                     publish.rollout_param_dtype(cl))
+      policy = publish.publish_local(trainer_params, 7, targets, publish.rollout_param_dtype(cl))
       jax.block_until_ready(policy.params)
     assert policy.version == 7
     for got, w, t in zip(jax.tree.leaves(policy.params), want, jax.tree.leaves(targets)):
@@ -168,12 +198,17 @@ def test_publish_and_batch_move_stay_on_device():
 
   rng = np.random.default_rng(0)
   T, B, N, C = 3, 8, 4, 2
-  host = {'traj': workers.sampler_lib.Trajectory(
-      latents=rng.standard_normal((T + 1, B, N, C)).astype(np.float32),
-      log_probs=rng.standard_normal((T, B)).astype(np.float32),
-      sigmas=np.linspace(1, 0, T + 1).astype(np.float32), sde_steps=np.ones(T, bool),
-      stds=rng.random((T, B)).astype(np.float32)),
-      'adv': rng.standard_normal(B).astype(np.float32), 'valid': rng.random(B) > 0.3}
+  host = {
+      'traj': workers.sampler_lib.Trajectory(
+          latents=rng.standard_normal((T + 1, B, N, C)).astype(np.float32),
+          log_probs=rng.standard_normal((T, B)).astype(np.float32),
+          sigmas=np.linspace(1, 0, T + 1).astype(np.float32),
+          sde_steps=np.ones(T, bool),
+          stds=rng.random((T, B)).astype(np.float32),
+      ),
+      'adv': rng.standard_normal(B).astype(np.float32),
+      'valid': rng.random(B) > 0.3,
+  }
   on_rollout = jax.device_put(host, workers.rollout_batch_shardings(cl.rollout.mesh))
   dst = workers.trainer_batch_shardings(cl.trainer.mesh)
   with jax.transfer_guard('disallow'):
@@ -196,15 +231,24 @@ def test_abstract_batch_has_the_rollout_shapes(tmp_path):
 
 def _cli(workdir, *flags, env=None, timeout=600):
   cmd = [sys.executable, '-m', 'digen_jax.main', f'--workdir={workdir}', *flags]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                        env=env)
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize('flags, devices, message', [
-    (['--config.cluster.layout=explicit', '--config.cluster.trainer.devices=0,1',
-      '--config.cluster.rollout.devices=1,2'], 4, 'overlap on device'),
-    ([], 1, "layout='auto' splits this process's devices in half, but it has 1"),
-])
+@pytest.mark.parametrize(
+    'flags, devices, message',
+    [
+        (
+            [
+                '--config.cluster.layout=explicit',
+                '--config.cluster.trainer.devices=0,1',
+                '--config.cluster.rollout.devices=1,2',
+            ],
+            4,
+            'overlap on device',
+        ),
+        ([], 1, "layout='auto' splits this process's devices in half, but it has 1"),
+    ],
+)
 def test_cli_bad_cluster_fails_before_compiling(tmp_path, flags, devices, message):
   env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
   wd = tmp_path / 'run'
@@ -248,7 +292,7 @@ def test_disagg_one_process_equals_colocated(disagg_one_process, tmp_path):
     assert a['reward_mean'] == pytest.approx(b['reward_mean'], rel=1e-6)
     assert a['loss'] == pytest.approx(b['loss'], rel=1e-5, abs=1e-12)
     assert a['publish_s'] > 0 and a['publish_mb'] > 0
-    assert abs(a['ratio_mean'] - 1.0) < 1e-5       # on-policy: ratio 1 before the update
+    assert abs(a['ratio_mean'] - 1.0) < 1e-5  # on-policy: ratio 1 before the update
 
 
 @pytest.mark.slow
@@ -259,27 +303,41 @@ def test_two_processes_equal_one_process_and_resume(disagg_one_process, tmp_path
   dis, _ = disagg_one_process
   wd = str(tmp_path / 'run')
   launch = ['--num_processes=2', '--devices_per_process=2', '--timeout_s=280']
-  main = [sys.executable, '-m', 'digen_jax.main', '--config=configs/qwenimage.py:tiny_disagg',
-          f'--workdir={wd}']
+  main = [
+      sys.executable,
+      '-m',
+      'digen_jax.main',
+      '--config=configs/qwenimage.py:tiny_disagg',
+      f'--workdir={wd}',
+  ]
   code, out = util.run(launch, main + ['--config.total_steps=2'], timeout_s=300)
   assert code == 0, out[-4000:]
   assert '(trainer)' in out and '(rollout)' in out
-  evals = ['--config.eval.every=2', '--config.eval.num_prompts=2',
-           '--config.eval.samples_per_prompt=2', '--config.eval.batch_size=4']
+  evals = [
+      '--config.eval.every=2',
+      '--config.eval.num_prompts=2',
+      '--config.eval.samples_per_prompt=2',
+      '--config.eval.batch_size=4',
+  ]
   code, out = util.run(launch, main + [f'--config.total_steps={STEPS}', *evals], timeout_s=300)
   assert code == 0, out[-4000:]
   assert '[0] ' in out and 'resumed from' in out, out[-4000:]
 
   ckpt = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))
   assert ckpt.latest_step() == STEPS
-  template = {'params': dis['params'], 'opt_state': dis['opt_state'],
-              'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+  template = {
+      'params': dis['params'],
+      'opt_state': dis['opt_state'],
+      'rng': ckpt_lib.key_to_data(jax.random.key(0)),
+  }
   state, meta = ckpt.restore(STEPS, template)
   ckpt.close()
   diff = _max_abs_diff(state['params'], dis['params'])
   moved = _max_abs_diff(state['params'], experiment.build_model(_tiny())[2])
-  print(f'disagg 2 processes (with a resume) vs 1 process: max |dparams| = {diff:.3g} '
-        f'(the 3 updates moved params by up to {moved:.3g})')
+  print(
+      f'disagg 2 processes (with a resume) vs 1 process: max |dparams| = {diff:.3g} '
+      f'(the 3 updates moved params by up to {moved:.3g})'
+  )
   # Bitwise equal on the AVX-512 hosts this was written on. On an AVX2-only CPU, XLA's matmuls in
   # the two-process run (one 2-thread pool per process) round differently from the one-process
   # run (one pool for 4 devices): max |dparams| ~3e-8 there. A schedule error (a stale policy,
@@ -298,5 +356,5 @@ def test_two_processes_equal_one_process_and_resume(disagg_one_process, tmp_path
   assert [r['policy_version'] for r in train] == [0, 1, 2]
   assert all(r['publish_s'] > 0 and r['publish_mb'] > 0 for r in train)
   assert [r['step'] for r in rows if 'eval/reward_mean' in r] == [3]
-  assert os.path.exists(os.path.join(wd, 'eval', 'eval_000003.json'))   # written by the rollout
+  assert os.path.exists(os.path.join(wd, 'eval', 'eval_000003.json'))  # written by the rollout
   assert os.path.exists(os.path.join(wd, 'summary.json'))

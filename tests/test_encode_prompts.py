@@ -4,6 +4,7 @@ A toy Qwen-Image pipeline folder (digen_jax/tiny_pipeline.py, saved with diffuse
 save_pretrained) is built once; the real CLI encodes a prompt file into a cache in a subprocess;
 EmbeddingCache must reproduce diffusers' embeddings, masks and lengths for every prompt.
 """
+
 import hashlib
 import json
 import os
@@ -30,14 +31,15 @@ PROMPTS = [
     'cat',
     'yellow triangles',
 ]
-EXTRA = ['', ' ']          # the empty prompt and diffusers' default negative prompt (CFG)
+EXTRA = ['', ' ']  # the empty prompt and diffusers' default negative prompt (CFG)
 MAX_LENGTH = 80
 
 
 def _run(args, **kw):
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
-  return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=120, **kw)
+  return subprocess.run(
+      [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120, **kw
+  )
 
 
 @pytest.fixture(scope='module')
@@ -48,9 +50,17 @@ def setup(tmp_path_factory):
   prompt_file = root / 'prompts.txt'
   prompt_file.write_text('\n'.join(PROMPTS) + '\n')
   cache = str(root / 'cache')
-  proc = _run(['-m', 'digen_jax.encode_prompts', '--config=configs/qwenimage.py',
-               f'--config.model.checkpoint={folder}', f'--prompts={prompt_file}',
-               f'--out={cache}', '--batch_size=3'])
+  proc = _run(
+      [
+          '-m',
+          'digen_jax.encode_prompts',
+          '--config=configs/qwenimage.py',
+          f'--config.model.checkpoint={folder}',
+          f'--prompts={prompt_file}',
+          f'--out={cache}',
+          '--batch_size=3',
+      ]
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f'{len(PROMPTS) + 2} prompts encoded' in proc.stdout, proc.stdout
   pipe = QwenImagePipeline.from_pretrained(folder)
@@ -80,21 +90,21 @@ def test_cache_equals_diffusers_encode_prompt(setup):
   emb, mask = cache.encode(prompts)
   assert emb.shape == (len(prompts), MAX_LENGTH, 32) and emb.dtype == np.float32
   assert mask.dtype == np.int32
-  ref_emb, ref_mask = _diffusers(pipe, prompts)                # one padded diffusers batch
+  ref_emb, ref_mask = _diffusers(pipe, prompts)  # one padded diffusers batch
   width = ref_emb.shape[1]
   np.testing.assert_array_equal(mask[:, :width], ref_mask)
   assert not mask[:, width:].any() and not emb[:, width:].any()
-  assert not emb[mask == 0].any()                               # padding is exactly zero
+  assert not emb[mask == 0].any()  # padding is exactly zero
   err = _rel_err(emb[:, :width], ref_emb)
   assert err <= 1e-6, err
   lengths = []
-  for i, p in enumerate(prompts):                               # and prompt by prompt
+  for i, p in enumerate(prompts):  # and prompt by prompt
     one_emb, one_mask = _diffusers(pipe, [p])
     n = one_emb.shape[1]
     assert cache.length(p) == n == int(mask[i].sum()) == int(one_mask.sum())
     assert _rel_err(emb[i, :n], one_emb[0]) <= 1e-6
     lengths.append(n)
-  assert len(set(lengths)) == len(lengths), lengths            # the prompts differ in length
+  assert len(set(lengths)) == len(lengths), lengths  # the prompts differ in length
   print('parity rel err (batch):', err, 'lengths:', dict(zip(prompts, lengths)))
 
 
@@ -110,10 +120,14 @@ def test_identity_matches_diffusers_and_folder(setup):
   prefix = ident['template'].split('{}')[0]
   assert len(pipe.tokenizer(prefix)['input_ids']) == ident['drop_idx']
   cache = text_cache.EmbeddingCache(setup['cache'], max_length=MAX_LENGTH)
-  cache.check(PROMPTS + EXTRA, ident)                          # no error
+  cache.check(PROMPTS + EXTRA, ident)  # no error
   assert cache.identity['compute_dtype'] == 'float32'
-  assert set(ident['files']) == {'text_encoder/config.json', 'text_encoder/model.safetensors',
-                                 'tokenizer/tokenizer.json', 'tokenizer/tokenizer_config.json'}
+  assert set(ident['files']) == {
+      'text_encoder/config.json',
+      'text_encoder/model.safetensors',
+      'tokenizer/tokenizer.json',
+      'tokenizer/tokenizer_config.json',
+  }
 
 
 def test_missing_prompt_is_one_clear_error(setup):
@@ -122,9 +136,12 @@ def test_missing_prompt_is_one_clear_error(setup):
   assert cache.missing(PROMPTS + absent + absent) == absent
   cmd = text_cache.encode_command(
       ['--config=configs/qwenimage.py', '--config.model.checkpoint', '/x/y', '--workdir=/w'],
-      setup['cache'])
-  assert cmd == ('python -m digen_jax.encode_prompts --config=configs/qwenimage.py '
-                 f"--config.model.checkpoint=/x/y --out={setup['cache']}")
+      setup['cache'],
+  )
+  assert cmd == (
+      'python -m digen_jax.encode_prompts --config=configs/qwenimage.py '
+      f"--config.model.checkpoint=/x/y --out={setup['cache']}"
+  )
   with pytest.raises(ValueError) as e:
     cache.check(PROMPTS + absent, text_cache.encoder_fingerprint(setup['folder']), command=cmd)
   msg = str(e.value)
@@ -139,7 +156,7 @@ def test_prompt_longer_than_max_length(setup):
     cache.check(PROMPTS)
   with pytest.raises(ValueError, match=r'astronaut.*raise config\.text\.max_length'):
     cache.encode([PROMPTS[2]])
-  cache.encode(PROMPTS[:2])                                     # short ones still read
+  cache.encode(PROMPTS[:2])  # short ones still read
 
 
 def test_cache_from_another_encoder(setup, tmp_path):
@@ -164,10 +181,16 @@ def test_cache_from_another_encoder(setup, tmp_path):
 def test_tiny_pipeline_is_deterministic(setup, tmp_path):
   again = str(tmp_path / 'again')
   assert tiny_pipeline.build(again, seed=0) == setup['sizes']
+
   def digests(d):
-    return {os.path.relpath(os.path.join(r, f), d):
-            hashlib.sha256(open(os.path.join(r, f), 'rb').read()).hexdigest()
-            for r, _, fs in os.walk(d) for f in fs}
+    return {
+        os.path.relpath(os.path.join(r, f), d): hashlib.sha256(
+            open(os.path.join(r, f), 'rb').read()
+        ).hexdigest()
+        for r, _, fs in os.walk(d)
+        for f in fs
+    }
+
   assert digests(again) == digests(setup['folder'])
   with pytest.raises(ValueError, match='not an empty folder'):
     tiny_pipeline.build(again)
@@ -190,7 +213,7 @@ def test_corrupt_cache_is_a_clear_error(setup, tmp_path):
   shutil.copytree(setup['cache'], bad)
   shard = os.path.join(bad, 'shard-00000.safetensors')
   data = bytearray(open(shard, 'rb').read())
-  data[-7] ^= 0xFF                                              # inside the tensor bytes
+  data[-7] ^= 0xFF  # inside the tensor bytes
   open(shard, 'wb').write(bytes(data))
   with pytest.raises(ValueError, match=r'shard-00000\.safetensors is corrupt'):
     text_cache.EmbeddingCache(bad, max_length=MAX_LENGTH)
@@ -215,7 +238,7 @@ def test_append_adds_only_new_prompts(setup, tmp_path):
   # Leftovers of an interrupted append: a temp file and a shard the index never listed.
   open(os.path.join(cache_dir, '.tmp-123-shard-00001.safetensors'), 'wb').write(b'partial')
   open(os.path.join(cache_dir, 'shard-00001.safetensors'), 'wb').write(b'orphan')
-  old = text_cache.EmbeddingCache(cache_dir, max_length=MAX_LENGTH)   # still valid
+  old = text_cache.EmbeddingCache(cache_dir, max_length=MAX_LENGTH)  # still valid
   old_emb, old_mask = old.encode(PROMPTS + EXTRA)
   encoder = encode_prompts.QwenPromptEncoder(setup['folder'], device='cpu')
   new = ['a green square below a white triangle on a black background', 'dog']
@@ -225,7 +248,7 @@ def test_append_adds_only_new_prompts(setup, tmp_path):
   assert not [n for n in os.listdir(cache_dir) if n.startswith('.tmp-')]
   cache = text_cache.EmbeddingCache(cache_dir, max_length=MAX_LENGTH)
   emb, mask = cache.encode(PROMPTS + EXTRA)
-  np.testing.assert_array_equal(emb, old_emb)                  # old entries untouched
+  np.testing.assert_array_equal(emb, old_emb)  # old entries untouched
   np.testing.assert_array_equal(mask, old_mask)
   emb, mask = cache.encode(new)
   ref_emb, ref_mask = _diffusers(setup['pipe'], new)
@@ -245,6 +268,7 @@ def test_gather_prompts_file_and_tfds(setup, tmp_path):
   with pytest.raises(ValueError, match='only the split train'):
     encode_prompts.gather_prompts(config, str(prompt_file), split='eval')
   from digen_jax.data import prompts as prompt_data
+
   data_dir = str(tmp_path / 'data')
   got = encode_prompts.gather_prompts(config, 'shapes', data_dir=data_dir)
   train = prompt_data.load_prompts('shapes', 'train', data_dir)[:]
@@ -263,11 +287,16 @@ def test_text_cache_reads_without_torch(setup):
       'heavy = ("torch", "transformers", "diffusers")\n'
       'bad = [k for k in sys.modules if k.split(".")[0] in heavy]\n'
       'assert not bad, bad\n'
-      'print(e.shape, int(m.sum()))\n')
+      'print(e.shape, int(m.sum()))\n'
+  )
   proc = _run(['-c', code])
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert proc.stdout.split() == ['(2,', '32,', '32)', str(int(
-      text_cache.EmbeddingCache(setup['cache'], 32).encode(['cat', ''])[1].sum()))]
+  assert proc.stdout.split() == [
+      '(2,',
+      '32,',
+      '32)',
+      str(int(text_cache.EmbeddingCache(setup['cache'], 32).encode(['cat', ''])[1].sum())),
+  ]
 
 
 def test_qwen_cache_has_no_pooled_vectors(setup):
@@ -295,7 +324,8 @@ def test_format_1_cache_is_read_and_upgraded(setup, tmp_path):
   assert old.pooled_dim is None
   np.testing.assert_array_equal(
       old.encode(PROMPTS)[0],
-      text_cache.EmbeddingCache(setup['cache'], max_length=MAX_LENGTH).encode(PROMPTS)[0])
+      text_cache.EmbeddingCache(setup['cache'], max_length=MAX_LENGTH).encode(PROMPTS)[0],
+  )
   encoder = encode_prompts.prompt_encoder(setup['folder'], device='cpu')
   assert isinstance(encoder, encode_prompts.QwenPromptEncoder)
   assert encode_prompts.encode_to_cache(encoder, PROMPTS + ['dog'], cache_dir)['new'] == 1

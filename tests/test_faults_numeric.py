@@ -2,6 +2,7 @@
 update (counted in metrics.jsonl) and never reaches the weights or the optimizer state; K skips
 in a row stop the run with a clear error and the last good checkpoint intact; a reward that
 raises or hangs is reported with the prompt that caused it."""
+
 import json
 import logging
 import os
@@ -21,8 +22,8 @@ from digen_jax.rewards import registry
 from digen_jax.rl import advantages
 from digen_jax.runtime import colocated
 
-
 # ------------------------------------------------------------------------------------- units
+
 
 def test_a_nan_reward_poisons_only_its_group_and_is_not_zeroed():
   r = jnp.array([0.1, 0.9, 0.3, 0.5, np.nan, 0.2, 0.4, 0.4])
@@ -30,10 +31,10 @@ def test_a_nan_reward_poisons_only_its_group_and_is_not_zeroed():
   adv, valid = np.asarray(adv), np.asarray(valid)
   assert np.all(np.isnan(adv[4:6])) and not valid[4:6].any()
   ref, _ = advantages.grpo_advantages(r[:4], 2)
-  np.testing.assert_array_equal(adv[:4], np.asarray(ref))          # other groups untouched
-  assert np.all(adv[6:] == 0) and not valid[6:].any()               # zero spread: still 0
+  np.testing.assert_array_equal(adv[:4], np.asarray(ref))  # other groups untouched
+  assert np.all(adv[6:] == 0) and not valid[6:].any()  # zero spread: still 0
   adv_g, _ = advantages.grpo_advantages(r.at[4].set(np.inf), 2, std_mode='global')
-  assert np.isnan(np.asarray(adv_g)[:6]).all()          # global std: every group with spread
+  assert np.isnan(np.asarray(adv_g)[:6]).all()  # global std: every group with spread
 
 
 def _images(n):
@@ -49,7 +50,7 @@ def test_guarded_reward_names_the_prompt_that_raises(caplog):
   prompts = ['a red circle', 'a bad prompt', 'two blue squares', 'a red circle']
   with caplog.at_level(logging.ERROR):
     out = registry.guarded(fn)(_images(4), prompts)
-  assert np.isnan(out[1]) and list(out[[0, 2, 3]]) == [1, 1, 1]    # each scored alone
+  assert np.isnan(out[1]) and list(out[[0, 2, 3]]) == [1, 1, 1]  # each scored alone
   msgs = ' '.join(r.getMessage() for r in caplog.records)
   assert "ValueError: cannot parse on prompt 'a bad prompt' (sample 1 of 4)" in msgs
 
@@ -80,7 +81,7 @@ def test_guarded_reward_times_out_and_does_not_pile_up_threads():
   assert 'timed out' in g.faults[0] and "'p', 'q'" in g.faults[0]
   assert 'config.reward.timeout_s' in g.faults[0]
   gate['sleep'] = 0.0
-  out = g(_images(2), ['p', 'q'])                 # the hung call still runs: fail at once
+  out = g(_images(2), ['p', 'q'])  # the hung call still runs: fail at once
   assert np.isnan(out).all() and 'still running' in g.faults[0]
 
 
@@ -92,14 +93,17 @@ def test_guarded_reward_batch_level_failure_fails_the_batch():
 
   g = registry.guarded(only_singles)
   out = g(_images(3), ['a', 'b', 'c'])
-  assert list(out) == [1, 1, 1] and g.faults == []   # scored one at a time: no fault remains
+  assert list(out) == [1, 1, 1] and g.faults == []  # scored one at a time: no fault remains
 
 
-@pytest.mark.parametrize('field, value, match', [
-    ('runtime.max_consecutive_skips', 0, 'max_consecutive_skips=0 must be an int >= 1'),
-    ('reward.timeout_s', -1.0, 'timeout_s=-1.0 must be a finite number'),
-    ('reward.timeout_s', float('inf'), 'timeout_s=inf must be a finite number'),
-])
+@pytest.mark.parametrize(
+    'field, value, match',
+    [
+        ('runtime.max_consecutive_skips', 0, 'max_consecutive_skips=0 must be an int >= 1'),
+        ('reward.timeout_s', -1.0, 'timeout_s=-1.0 must be a finite number'),
+        ('reward.timeout_s', float('inf'), 'timeout_s=inf must be a finite number'),
+    ],
+)
 def test_fault_settings_are_validated(field, value, match):
   config = configlib.apply_overrides(qwenimage.get_config('tiny'), {field: value})
   with pytest.raises(ValueError, match=match):
@@ -116,7 +120,7 @@ def _scripted_reward(images, prompts):
   """Mean brightness, except at the scripted calls (1-based batch calls: one per step, or one
   per fragment): the first prompt of that call scores NaN (nan_at) or raises (raise_at), also
   when the guard retries its samples one at a time."""
-  if len(prompts) > 1:                         # a batch call, not the guard's one-sample retry
+  if len(prompts) > 1:  # a batch call, not the guard's one-sample retry
     _PLAN['calls'] += 1
     call = _PLAN['calls']
     _PLAN['prompts'][call] = list(prompts)
@@ -132,9 +136,16 @@ def _scripted_reward(images, prompts):
 
 
 def _config(tmp_path, total_steps, **overrides):
-  return configlib.apply_overrides(qwenimage.get_config('tiny'), {
-      'total_steps': total_steps, 'reward.weights': 'test_faults_scripted',
-      'data.data_dir': str(tmp_path / 'data'), 'keep_checkpoints': 10, **overrides})
+  return configlib.apply_overrides(
+      qwenimage.get_config('tiny'),
+      {
+          'total_steps': total_steps,
+          'reward.weights': 'test_faults_scripted',
+          'data.data_dir': str(tmp_path / 'data'),
+          'keep_checkpoints': 10,
+          **overrides,
+      },
+  )
 
 
 def _restore(wd, step, exp_state):
@@ -170,17 +181,20 @@ def test_nan_rewards_skip_updates_and_k_in_a_row_stop_the_run(tmp_path):
   assert [r['step'] for r in rows] == [1, 2, 3, 4, 5]
   assert [r['nonfinite'] for r in rows] == [0, 1, 0, 1, 1]
   assert [r['skipped_updates'] for r in rows] == [0, 1, 1, 2, 3]
-  assert [r['nonfinite_rewards'] for r in rows] == [0, 4, 0, 4, 4]   # a group each
-  assert all(np.isfinite(r['reward_mean']) for r in rows)     # over the finite rewards
+  assert [r['nonfinite_rewards'] for r in rows] == [0, 4, 0, 4, 4]  # a group each
+  assert all(np.isfinite(r['reward_mean']) for r in rows)  # over the finite rewards
   ck = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))
   assert ck.all_steps() == [1, 2, 3, 4]
   ck.close()
-  template = {'params': exp.params, 'opt_state': exp.optimizer.init(exp.params),
-              'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+  template = {
+      'params': exp.params,
+      'opt_state': exp.optimizer.init(exp.params),
+      'rng': ckpt_lib.key_to_data(jax.random.key(0)),
+  }
   s = {k: _restore(wd, k, template) for k in (1, 2, 3, 4)}
   _assert_same(s[1]['params'], s[2]['params'])
   _assert_same(s[1]['opt_state'], s[2]['opt_state'])
-  assert _moved(s[2]['params'], s[3]['params'])                # a good step trains
+  assert _moved(s[2]['params'], s[3]['params'])  # a good step trains
   _assert_same(s[3]['params'], s[4]['params'])
   _assert_same(s[3]['opt_state'], s[4]['opt_state'])
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(s[4]))
@@ -204,8 +218,11 @@ def test_gap_fragments_skip_a_batch_whose_reward_raises(tmp_path, caplog):
   bad = _PLAN['prompts'][3][0]
   logged = ' '.join(r.getMessage() for r in caplog.records)
   assert f"KeyError: 'scripted failure' on prompt {bad!r}" in logged, logged
-  template = {'params': exp.params, 'opt_state': exp.optimizer.init(exp.params),
-              'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+  template = {
+      'params': exp.params,
+      'opt_state': exp.optimizer.init(exp.params),
+      'rng': ckpt_lib.key_to_data(jax.random.key(0)),
+  }
   s = {k: _restore(wd, k, template) for k in (1, 2, 3)}
   _assert_same(s[1]['params'], s[2]['params'])
   _assert_same(s[1]['opt_state'], s[2]['opt_state'])

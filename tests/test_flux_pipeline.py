@@ -8,6 +8,7 @@
   bit-identical resume, and two processes with a restart. Torch never loads in training.
 * configs/flux.py at real size is a valid config, and `:tiny` runs in one process.
 """
+
 import copy
 import os
 import sys
@@ -33,15 +34,24 @@ from tests.test_qwenimage_pipeline import _NO_TORCH_MAIN, REPO, _rows
 import subprocess
 
 CONFIG = os.path.join(REPO, 'configs', 'flux.py')
-TINY = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=24,
-            guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+TINY = dict(
+    patch_size=1,
+    in_channels=16,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    pooled_projection_dim=24,
+    guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)
 RANK_ALPHA = lora.LoraConfig(rank=4, alpha=6.0, targets=flux_config.get_config().model.lora.targets)
 
 
 def _real(variant=None):
   c = flux_config.get_config(variant)
-  c.model.checkpoint = '/path/FLUX.1-dev'    # validate() checks fields, not the folders
+  c.model.checkpoint = '/path/FLUX.1-dev'  # validate() checks fields, not the folders
   c.text.cache = '/path/cache'
   c.data.prompts = '/path/prompts.txt'
   return c
@@ -75,10 +85,12 @@ def test_diffusers_loads_our_flux_lora(tmp_path):
   graphdef, state = nnx.split(model)
   table = flux_convert.flux_key_table(cfg)
   paths = lora.target_paths(state, table, RANK_ALPHA)
-  assert any(p.startswith('single_blocks') for p in paths) and any(p.startswith('blocks') for p in paths)
+  assert any(p.startswith('single_blocks') for p in paths) and any(
+      p.startswith('blocks') for p in paths
+  )
   adapters = lora.init_adapters(state, paths, RANK_ALPHA, jax.random.key(0))
   key = jax.random.key(1)
-  for p in adapters:   # B = 0 at init: give every adapter real values
+  for p in adapters:  # B = 0 at init: give every adapter real values
     key, k = jax.random.split(key)
     adapters[p]['b'] = 0.3 * jax.random.normal(k, adapters[p]['b'].shape)
   lora.save_diffusers_lora(tmp_path, jax.device_get(adapters), RANK_ALPHA, table)
@@ -93,37 +105,68 @@ def test_diffusers_loads_our_flux_lora(tmp_path):
   def torch_forward(transformer):
     img_ids = torch.from_numpy(flux.image_ids(h, w).astype(np.float32))
     with torch.no_grad():
-      return transformer(hidden_states=torch.from_numpy(x), encoder_hidden_states=torch.from_numpy(text),
-                         pooled_projections=torch.from_numpy(pooled), timestep=torch.from_numpy(sigma),
-                         guidance=torch.from_numpy(guidance), img_ids=img_ids,
-                         txt_ids=torch.zeros(n_txt, 3), return_dict=False)[0].numpy()
+      return transformer(
+          hidden_states=torch.from_numpy(x),
+          encoder_hidden_states=torch.from_numpy(text),
+          pooled_projections=torch.from_numpy(pooled),
+          timestep=torch.from_numpy(sigma),
+          guidance=torch.from_numpy(guidance),
+          img_ids=img_ids,
+          txt_ids=torch.zeros(n_txt, 3),
+          return_dict=False,
+      )[0].numpy()
 
   transformer = copy.deepcopy(tmodel)
-  pipe = diffusers.FluxPipeline(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), vae=None,
-                                text_encoder=None, tokenizer=None, text_encoder_2=None,
-                                tokenizer_2=None, transformer=transformer)
+  pipe = diffusers.FluxPipeline(
+      scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+      vae=None,
+      text_encoder=None,
+      tokenizer=None,
+      text_encoder_2=None,
+      tokenizer_2=None,
+      transformer=transformer,
+  )
   pipe.load_lora_weights(str(tmp_path))
   ref = torch_forward(transformer)
   merged = nnx.merge(graphdef, lora.merge(state, adapters, RANK_ALPHA))
-  ours = np.asarray(merged(jnp.asarray(x), jnp.asarray(sigma), jnp.asarray(text), jnp.asarray(pooled),
-                           jnp.asarray(guidance), img_shape=(h, w)))
+  ours = np.asarray(
+      merged(
+          jnp.asarray(x),
+          jnp.asarray(sigma),
+          jnp.asarray(text),
+          jnp.asarray(pooled),
+          jnp.asarray(guidance),
+          img_shape=(h, w),
+      )
+  )
   rel = lambda a, b_: float(np.abs(a - b_).max() / np.abs(b_).max())
   assert rel(ours, ref) <= 1e-4
-  assert rel(torch_forward(tmodel), ref) > 0.05   # the adapters matter: a dropped one would show
+  assert rel(torch_forward(tmodel), ref) > 0.05  # the adapters matter: a dropped one would show
 
 
 def _main(folder, workdir, *extra, variant='tiny_pipeline'):
   env = dict(os.environ, PYTHONPATH=REPO)
-  r = subprocess.run([sys.executable, '-c', _NO_TORCH_MAIN, *_flags(folder, workdir, variant, *extra)],
-                     cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+      [sys.executable, '-c', _NO_TORCH_MAIN, *_flags(folder, workdir, variant, *extra)],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
   return r
 
 
 def _flags(folder, workdir, variant, *extra):
-  return [f'--config={CONFIG}:{variant}', f'--workdir={workdir}',
-          f'--config.model.checkpoint={folder}', f'--config.text.cache={folder}/text_cache',
-          f'--config.data.data_dir={folder}/data', *extra]
+  return [
+      f'--config={CONFIG}:{variant}',
+      f'--workdir={workdir}',
+      f'--config.model.checkpoint={folder}',
+      f'--config.text.cache={folder}/text_cache',
+      f'--config.data.data_dir={folder}/data',
+      *extra,
+  ]
 
 
 @pytest.mark.slow
@@ -154,14 +197,19 @@ def test_tiny_pipeline_colocated_lora_runs_and_resumes(tmp_path):
     np.testing.assert_array_equal(again[k], adapters[k], err_msg=k)
 
   wd = tmp_path / 'mp'
-  for steps in (2, 3):                           # two processes; a restart in the middle resumes
+  for steps in (2, 3):  # two processes; a restart in the middle resumes
     code, out = launcher_util.run(
         ['--num_processes=2'],
-        [sys.executable, '-c', _NO_TORCH_MAIN,
-         *_flags(folder, wd, 'tiny_pipeline,disagg', f'--config.total_steps={steps}')],
-        timeout_s=900)
+        [
+            sys.executable,
+            '-c',
+            _NO_TORCH_MAIN,
+            *_flags(folder, wd, 'tiny_pipeline,disagg', f'--config.total_steps={steps}'),
+        ],
+        timeout_s=900,
+    )
     assert code == 0, out[-5000:]
   train = [r for r in _rows(wd) if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert abs(train[0]['ratio_mean'] - 1.0) < 1e-5
-  assert train[0]['publish_mb'] < 0.1            # only adapters travel
+  assert train[0]['publish_mb'] < 0.1  # only adapters travel

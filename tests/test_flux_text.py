@@ -6,7 +6,7 @@ tokenizer trained locally, a tiny transformer, VAE and scheduler) is built here.
 reproduce diffusers' T5 sequence embeddings (the attended pad positions included) and CLIP pooled
 vectors for every prompt. Nothing is downloaded.
 """
-import json
+
 import os
 import shutil
 import subprocess
@@ -23,7 +23,7 @@ from digen_jax.models.text import PooledTextEncoder, TextEncoder
 from digen_jax import tiny_pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LONG = 'a red circle and a blue square ' * 12        # past CLIP's 77 tokens and T5's length
+LONG = 'a red circle and a blue square ' * 12  # past CLIP's 77 tokens and T5's length
 PROMPTS = [
     'two red circles on a white background',
     'a red circle left of a blue square on a black background',
@@ -31,8 +31,8 @@ PROMPTS = [
     'cat',
     LONG.strip(),
 ]
-EXTRA = ['', ' ']          # the empty prompt and the default negative prompt (CFG)
-MAX_SEQUENCE_LENGTH = 40   # the T5 length (FLUX.1-dev 512, -schnell 256), small to keep it fast
+EXTRA = ['', ' ']  # the empty prompt and the default negative prompt (CFG)
+MAX_SEQUENCE_LENGTH = 40  # the T5 length (FLUX.1-dev 512, -schnell 256), small to keep it fast
 # The toy pipeline's encoder widths: distinct, so a swapped encoder cannot pass.
 CLIP_DIM = tiny_pipeline.FLUX_TRANSFORMER['pooled_projection_dim']
 T5_DIM = tiny_pipeline.FLUX_TRANSFORMER['joint_attention_dim']
@@ -40,8 +40,9 @@ T5_DIM = tiny_pipeline.FLUX_TRANSFORMER['joint_attention_dim']
 
 def _run(args):
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
-  return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=120)
+  return subprocess.run(
+      [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+  )
 
 
 @pytest.fixture(scope='module')
@@ -52,10 +53,18 @@ def setup(tmp_path_factory):
   prompt_file = root / 'prompts.txt'
   prompt_file.write_text('\n'.join(PROMPTS) + '\n')
   cache = str(root / 'cache')
-  proc = _run(['-m', 'digen_jax.encode_prompts', '--config=configs/qwenimage.py',
-               f'--config.model.checkpoint={folder}', f'--prompts={prompt_file}',
-               f'--config.text.max_length={MAX_SEQUENCE_LENGTH}', f'--out={cache}',
-               '--batch_size=3'])
+  proc = _run(
+      [
+          '-m',
+          'digen_jax.encode_prompts',
+          '--config=configs/qwenimage.py',
+          f'--config.model.checkpoint={folder}',
+          f'--prompts={prompt_file}',
+          f'--config.text.max_length={MAX_SEQUENCE_LENGTH}',
+          f'--out={cache}',
+          '--batch_size=3',
+      ]
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f'{len(PROMPTS) + 2} prompts encoded, 2 truncated' in proc.stdout, proc.stdout
   assert 'pooled dim 32' in proc.stdout, proc.stdout
@@ -65,8 +74,9 @@ def setup(tmp_path_factory):
 
 def _diffusers(pipe, prompts, max_sequence_length=MAX_SEQUENCE_LENGTH):
   with torch.no_grad():
-    emb, pooled, _ = pipe.encode_prompt(prompts, device='cpu',
-                                        max_sequence_length=max_sequence_length)
+    emb, pooled, _ = pipe.encode_prompt(
+        prompts, device='cpu', max_sequence_length=max_sequence_length
+    )
   return emb.float().numpy(), pooled.float().numpy()
 
 
@@ -84,12 +94,12 @@ def test_cache_equals_flux_encode_prompt(setup):
   pooled = cache.encode_pooled(prompts)
   assert emb.shape == (len(prompts), MAX_SEQUENCE_LENGTH, T5_DIM) and emb.dtype == np.float32
   assert pooled.shape == (len(prompts), CLIP_DIM) and pooled.dtype == np.float32
-  assert mask.all()                           # FLUX passes no mask: every position is attended
-  ref_emb, ref_pooled = _diffusers(setup['pipe'], prompts)     # one diffusers batch
+  assert mask.all()  # FLUX passes no mask: every position is attended
+  ref_emb, ref_pooled = _diffusers(setup['pipe'], prompts)  # one diffusers batch
   err = (_rel_err(emb, ref_emb), _rel_err(pooled, ref_pooled))
   assert max(err) <= 1e-5, err
   one_err = 0.0
-  for i, p in enumerate(prompts):                              # and prompt by prompt
+  for i, p in enumerate(prompts):  # and prompt by prompt
     one_emb, one_pooled = _diffusers(setup['pipe'], [p])
     assert cache.length(p) == MAX_SEQUENCE_LENGTH
     one_err = max(one_err, _rel_err(emb[i], one_emb[0]), _rel_err(pooled[i], one_pooled[0]))
@@ -121,11 +131,13 @@ def test_truncation_is_recorded(setup):
   pipe = setup['pipe']
   cache = text_cache.EmbeddingCache(setup['cache'], max_length=MAX_SEQUENCE_LENGTH)
   for p in PROMPTS + EXTRA:
-    assert cache.tokens(p) == {'text_encoder': len(pipe.tokenizer(p).input_ids),
-                               'text_encoder_2': len(pipe.tokenizer_2(p).input_ids)}
+    assert cache.tokens(p) == {
+        'text_encoder': len(pipe.tokenizer(p).input_ids),
+        'text_encoder_2': len(pipe.tokenizer_2(p).input_ids),
+    }
   assert cache.truncated(PROMPTS[4]) == ['text_encoder', 'text_encoder_2']
   assert cache.tokens(PROMPTS[4])['text_encoder'] > 77
-  assert cache.truncated(PROMPTS[2]) == ['text_encoder_2']     # long in T5 tokens only
+  assert cache.truncated(PROMPTS[2]) == ['text_encoder_2']  # long in T5 tokens only
   assert all(cache.truncated(p) == [] for p in PROMPTS[:2] + PROMPTS[3:4] + EXTRA)
 
 
@@ -144,7 +156,7 @@ def test_identity_covers_both_encoders(setup):
   assert 'tokenizer/tokenizer_config.json' in ident['files']
   assert 'tokenizer_2/tokenizer.json' in ident['files']
   cache = text_cache.EmbeddingCache(setup['cache'], max_length=MAX_SEQUENCE_LENGTH)
-  cache.check(PROMPTS + EXTRA, ident)                            # no error
+  cache.check(PROMPTS + EXTRA, ident)  # no error
   assert cache.identity['compute_dtype'] == 'float32'
   # Another T5 length is another encoding, for the reader and for the run's check.
   with pytest.raises(ValueError, match=r'padded to 40 positions.*config\.text\.max_length=40'):
@@ -157,13 +169,13 @@ def test_cache_from_another_encoder(setup, tmp_path):
   other = str(tmp_path / 'other_pipeline')
   tiny_pipeline.build_flux(other, seed=1)
   cache = text_cache.EmbeddingCache(setup['cache'], max_length=MAX_SEQUENCE_LENGTH)
-  with pytest.raises(ValueError,
-                     match=r'different text encoder.*text_encoder/model\.safetensors'):
+  with pytest.raises(ValueError, match=r'different text encoder.*text_encoder/model\.safetensors'):
     cache.check(PROMPTS, text_cache.encoder_fingerprint(other, MAX_SEQUENCE_LENGTH))
   # Appending with the other encoder, or with another T5 length, is refused before any write.
   before = sorted(os.listdir(setup['cache']))
-  encoder = encode_prompts.FluxPromptEncoder(other, device='cpu',
-                                             max_sequence_length=MAX_SEQUENCE_LENGTH)
+  encoder = encode_prompts.FluxPromptEncoder(
+      other, device='cpu', max_sequence_length=MAX_SEQUENCE_LENGTH
+  )
   with pytest.raises(ValueError, match='different text encoder'):
     encode_prompts.encode_to_cache(encoder, ['a new prompt'], setup['cache'])
   longer = encode_prompts.FluxPromptEncoder(setup['folder'], device='cpu', max_sequence_length=64)
@@ -176,13 +188,20 @@ def test_missing_prompt_is_one_clear_error(setup):
   cache = text_cache.EmbeddingCache(setup['cache'], max_length=MAX_SEQUENCE_LENGTH)
   absent = ['a purple square above a cyan circle on a white background', 'dog']
   assert cache.missing(PROMPTS + absent) == absent
-  argv = ['--config=configs/qwenimage.py', '--config.model.checkpoint', '/x/y',
-          f'--config.text.max_length={MAX_SEQUENCE_LENGTH}']
+  argv = [
+      '--config=configs/qwenimage.py',
+      '--config.model.checkpoint',
+      '/x/y',
+      f'--config.text.max_length={MAX_SEQUENCE_LENGTH}',
+  ]
   cmd = text_cache.encode_command(argv, setup['cache'])
-  assert '--config.text.max_length=40' in cmd            # the command keeps the T5 length
+  assert '--config.text.max_length=40' in cmd  # the command keeps the T5 length
   with pytest.raises(ValueError) as e:
-    cache.check(PROMPTS + absent,
-                text_cache.encoder_fingerprint(setup['folder'], MAX_SEQUENCE_LENGTH), command=cmd)
+    cache.check(
+        PROMPTS + absent,
+        text_cache.encoder_fingerprint(setup['folder'], MAX_SEQUENCE_LENGTH),
+        command=cmd,
+    )
   msg = str(e.value)
   assert 'lacks 2 of the 7 prompts' in msg and repr(absent[0]) in msg and cmd in msg
   with pytest.raises(ValueError, match=r"prompt 'dog' is not in embedding cache.*encode_prompts"):
@@ -194,8 +213,9 @@ def test_missing_prompt_is_one_clear_error(setup):
 def test_append_and_corrupt_pooled_tensor(setup, tmp_path):
   cache_dir = str(tmp_path / 'cache')
   shutil.copytree(setup['cache'], cache_dir)
-  encoder = encode_prompts.FluxPromptEncoder(setup['folder'], device='cpu',
-                                             max_sequence_length=MAX_SEQUENCE_LENGTH)
+  encoder = encode_prompts.FluxPromptEncoder(
+      setup['folder'], device='cpu', max_sequence_length=MAX_SEQUENCE_LENGTH
+  )
   stats = encode_prompts.encode_to_cache(encoder, PROMPTS + ['dog'], cache_dir)
   assert (stats['new'], stats['cached'], stats['truncated']) == (1, 5, 0)
   cache = text_cache.EmbeddingCache(cache_dir, max_length=MAX_SEQUENCE_LENGTH)

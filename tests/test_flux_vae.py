@@ -2,6 +2,7 @@
 saved with save_pretrained: decode, encode, FluxPipeline's packed decode and its encode scaling,
 tiled and sliced decode, quant convs and the attention-free mid block, the config reader, the key
 table and the loader's error messages, bf16 params."""
+
 import copy
 import json
 
@@ -23,22 +24,48 @@ from tests import diffusers_models
 
 # FLUX.1-dev's (and -schnell's) vae/config.json as published.
 FLUX_CONFIG = {
-    '_class_name': 'AutoencoderKL', '_diffusers_version': '0.30.0.dev0', 'act_fn': 'silu',
-    'block_out_channels': [128, 256, 512, 512], 'down_block_types': ['DownEncoderBlock2D'] * 4,
-    'force_upcast': True, 'in_channels': 3, 'latent_channels': 16, 'latents_mean': None,
-    'latents_std': None, 'layers_per_block': 2, 'mid_block_add_attention': True,
-    'norm_num_groups': 32, 'out_channels': 3, 'sample_size': 1024, 'scaling_factor': 0.3611,
-    'shift_factor': 0.1159, 'up_block_types': ['UpDecoderBlock2D'] * 4,
-    'use_post_quant_conv': False, 'use_quant_conv': False}
+    '_class_name': 'AutoencoderKL',
+    '_diffusers_version': '0.30.0.dev0',
+    'act_fn': 'silu',
+    'block_out_channels': [128, 256, 512, 512],
+    'down_block_types': ['DownEncoderBlock2D'] * 4,
+    'force_upcast': True,
+    'in_channels': 3,
+    'latent_channels': 16,
+    'latents_mean': None,
+    'latents_std': None,
+    'layers_per_block': 2,
+    'mid_block_add_attention': True,
+    'norm_num_groups': 32,
+    'out_channels': 3,
+    'sample_size': 1024,
+    'scaling_factor': 0.3611,
+    'shift_factor': 0.1159,
+    'up_block_types': ['UpDecoderBlock2D'] * 4,
+    'use_post_quant_conv': False,
+    'use_quant_conv': False,
+}
 # FLUX's layout at toy width: 16 latent channels, no quant convs, FLUX's scaling and shift; one
 # downsampling (2x), resnets with and without conv_shortcut, mid-block attention over 16 channels.
-TINY = dict(block_out_channels=[8, 16], layers_per_block=1, norm_num_groups=4, latent_channels=16,
-            down_block_types=['DownEncoderBlock2D'] * 2, up_block_types=['UpDecoderBlock2D'] * 2,
-            use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611,
-            shift_factor=0.1159)
+TINY = dict(
+    block_out_channels=[8, 16],
+    layers_per_block=1,
+    norm_num_groups=4,
+    latent_channels=16,
+    down_block_types=['DownEncoderBlock2D'] * 2,
+    up_block_types=['UpDecoderBlock2D'] * 2,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+)
 # The other branches of AutoencoderKL: quant_conv / post_quant_conv, a mid block without attention.
-VARIANT = {**TINY, 'use_quant_conv': True, 'use_post_quant_conv': True,
-           'mid_block_add_attention': False}
+VARIANT = {
+    **TINY,
+    'use_quant_conv': True,
+    'use_post_quant_conv': True,
+    'mid_block_add_attention': False,
+}
 RTOL = 1e-4
 Z = 16
 
@@ -125,10 +152,19 @@ def _check_key_table(config: flux_vae.FluxVAEConfig, sd: dict) -> None:
 def test_config_and_key_table_match_diffusers(ref, folder):
   raw = json.loads((folder / 'vae' / 'config.json').read_text())
   cfg = flux_vae.config_from_diffusers(raw)
-  assert (cfg.block_out_channels, cfg.layers_per_block, cfg.latent_channels,
-          cfg.norm_num_groups) == ((8, 16), 1, 16, 4)
-  assert (cfg.scaling_factor, cfg.shift_factor, cfg.use_quant_conv, cfg.use_post_quant_conv,
-          cfg.mid_block_add_attention) == (0.3611, 0.1159, False, False, True)
+  assert (
+      cfg.block_out_channels,
+      cfg.layers_per_block,
+      cfg.latent_channels,
+      cfg.norm_num_groups,
+  ) == ((8, 16), 1, 16, 4)
+  assert (
+      cfg.scaling_factor,
+      cfg.shift_factor,
+      cfg.use_quant_conv,
+      cfg.use_post_quant_conv,
+      cfg.mid_block_add_attention,
+  ) == (0.3611, 0.1159, False, False, True)
   assert cfg.spatial_compression == 2
   flux = flux_vae.config_from_diffusers(FLUX_CONFIG)
   assert flux == flux_vae.FluxVAEConfig() and flux.spatial_compression == 8
@@ -136,7 +172,7 @@ def test_config_and_key_table_match_diffusers(ref, folder):
   default = AutoencoderKL().config
   got = flux_vae.config_from_diffusers({})
   for field in flux_vae._CONFIG_KEYS:
-    want = default[field] if default[field] is not None else 0.0   # shift_factor None -> 0.0
+    want = default[field] if default[field] is not None else 0.0  # shift_factor None -> 0.0
     assert getattr(got, field) == (tuple(want) if isinstance(want, list) else want), field
 
   for bad, match in [
@@ -148,21 +184,29 @@ def test_config_and_key_table_match_diffusers(ref, folder):
       ({'up_block_types': ['UpDecoderBlock2D', 'AttnUpDecoderBlock2D']}, 'up_block_types'),
       ({'norm_num_groups': 3}, 'norm_num_groups=3'),
       ({'scaling_factor': 0.0}, 'scaling_factor'),
-      ({'use_quant_conv': 1}, 'use_quant_conv')]:
+      ({'use_quant_conv': 1}, 'use_quant_conv'),
+  ]:
     with pytest.raises(ValueError, match=match):
       flux_vae.config_from_diffusers({**raw, **bad})
 
   _check_key_table(cfg, ref.state_dict())
   # The other branches' keys, from freshly built diffusers models (no forward needed).
-  for config in (VARIANT, {**TINY, 'block_out_channels': [4, 8, 8], 'layers_per_block': 2,
-                           'down_block_types': ['DownEncoderBlock2D'] * 3,
-                           'up_block_types': ['UpDecoderBlock2D'] * 3}):
+  for config in (
+      VARIANT,
+      {
+          **TINY,
+          'block_out_channels': [4, 8, 8],
+          'layers_per_block': 2,
+          'down_block_types': ['DownEncoderBlock2D'] * 3,
+          'up_block_types': ['UpDecoderBlock2D'] * 3,
+      },
+  ):
     model = AutoencoderKL(**config)
     _check_key_table(flux_vae.config_from_diffusers(dict(model.config)), model.state_dict())
 
 
 def test_decode_matches_diffusers_odd_grid(ref, ours):
-  z = _latents((2, 5, 7, Z))                                        # odd latent grid
+  z = _latents((2, 5, 7, Z))  # odd latent grid
   got = _jit(ours, 'decode')(z)
   want = _ref_decode(ref, z)
   assert got.shape == want.shape == (2, 10, 14, 3)
@@ -186,7 +230,7 @@ def test_encode_matches_diffusers_odd_grid(ref, ours):
 
 
 def test_packed_entry_points_match_flux_pipeline(ref, ours):
-  h, w = 6, 8                                     # latent grid; FLUX packs 2x2 patches
+  h, w = 6, 8  # latent grid; FLUX packs 2x2 patches
   z = _latents((2, h, w, Z), seed=2)
   z_t = torch.from_numpy(z).permute(0, 3, 1, 2)
   tokens = FluxPipeline._pack_latents(z_t, 2, Z, h, w).numpy()
@@ -194,8 +238,10 @@ def test_packed_entry_points_match_flux_pipeline(ref, ours):
   np.testing.assert_array_equal(np.asarray(latents_lib.pack(jnp.asarray(z), 2)), tokens)
   r = ours.config.spatial_compression
   unpacked = FluxPipeline._unpack_latents(torch.from_numpy(tokens), h * r, w * r, r)
-  np.testing.assert_array_equal(np.asarray(latents_lib.unpack(jnp.asarray(tokens), h, w, 2)),
-                                unpacked.permute(0, 2, 3, 1).numpy())
+  np.testing.assert_array_equal(
+      np.asarray(latents_lib.unpack(jnp.asarray(tokens), h, w, 2)),
+      unpacked.permute(0, 2, 3, 1).numpy(),
+  )
 
   # Decode as FluxPipeline.__call__ does after denoising (then its postprocess clamps).
   scaling, shift = ref.config.scaling_factor, ref.config.shift_factor
@@ -203,8 +249,7 @@ def test_packed_entry_points_match_flux_pipeline(ref, ours):
     want = ref.decode(unpacked / scaling + shift, return_dict=False)[0]
   want = np.clip(want.permute(0, 2, 3, 1).numpy(), -1, 1)
   graphdef, state = nnx.split(ours)
-  dec = jax.jit(lambda st, t: flux_vae.decode_packed(nnx.merge(graphdef, st), t,
-                                                      latent_hw=(h, w)))
+  dec = jax.jit(lambda st, t: flux_vae.decode_packed(nnx.merge(graphdef, st), t, latent_hw=(h, w)))
   got = np.asarray(dec(state, tokens))
   err = _rel(got, want)
   print(f'decode_packed rel err {err:.2e}')
@@ -256,8 +301,8 @@ def test_tiled_and_sliced_decode(ref, ours):
   err = _rel(got, want)
   print(f'tiled decode rel err {err:.2e}')
   assert err <= RTOL
-  untiled = _jit(ours, 'decode')(z)               # the same call as the parity test (cached)
-  assert np.max(np.abs(untiled - got)) > 1e-2     # tiling really happened
+  untiled = _jit(ours, 'decode')(z)  # the same call as the parity test (cached)
+  assert np.max(np.abs(untiled - got)) > 1e-2  # tiling really happened
   with pytest.raises(ValueError, match='TileConfig.height'):
     ours.decode(jnp.asarray(z), tile=vae_lib.TileConfig(9, 8, 6, 6))
 
@@ -275,8 +320,9 @@ def test_loader_errors_name_the_key(ref, folder, ours):
     flux_vae.load_vae_state(fresh(), {k: v for k, v in sd.items() if k != q})
   with pytest.raises(ValueError, match='unexpected diffusers keys \\(1\\): quant_conv.weight'):
     flux_vae.load_vae_state(fresh(), {**sd, 'quant_conv.weight': np.zeros((32, 32, 1, 1))})
-  with pytest.raises(ValueError, match=f"{q}' has shape \\(16, 8\\).*"
-                                       'decoder.mid_block.attentions.0.to_q.kernel'):
+  with pytest.raises(
+      ValueError, match=f"{q}' has shape \\(16, 8\\).*" 'decoder.mid_block.attentions.0.to_q.kernel'
+  ):
     flux_vae.load_vae_state(fresh(), {**sd, q: sd[q][:, :8]})
   up = 'decoder.up_blocks.0.upsamplers.0.conv.weight'
   with pytest.raises(ValueError, match=f"{up}' has shape \\(16, 16, 3\\).*rank 3"):
@@ -284,7 +330,7 @@ def test_loader_errors_name_the_key(ref, folder, ours):
   loaded = flux_vae.load_vae_state(fresh(), sd)
   a = nnx.to_flat_state(nnx.state(loaded, nnx.Param))
   b = nnx.to_flat_state(nnx.state(ours, nnx.Param))
-  for (pa, va), (pb, vb) in zip(a, b):            # the in-memory and streamed loaders agree
+  for (pa, va), (pb, vb) in zip(a, b):  # the in-memory and streamed loaders agree
     assert pa == pb
     np.testing.assert_array_equal(va.get_value(), vb.get_value())
 
@@ -305,8 +351,11 @@ def test_loader_errors_name_the_key(ref, folder, ours):
   with pytest.raises(ValueError, match=f'missing diffusers keys \\(1\\): {up}'):
     flux_vae.load_vae_folder(bad)
   save_file({**sd, up: sd[up][:8]}, str(weights))
-  with pytest.raises(ValueError, match=f"diffusers key '{up}' has shape \\(8, 16, 3, 3\\).*"
-                                       'decoder.up_blocks.0.upsamplers.0.conv.kernel'):
+  with pytest.raises(
+      ValueError,
+      match=f"diffusers key '{up}' has shape \\(8, 16, 3, 3\\).*"
+      'decoder.up_blocks.0.upsamplers.0.conv.kernel',
+  ):
     flux_vae.load_vae_folder(bad)
 
 

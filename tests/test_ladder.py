@@ -1,5 +1,6 @@
 """benchmarks/ladder.py: the rungs' override sets, the run plan, ratios, bad input, and a real
 short ladder (colocated, naive disagg and +GAP in one process) with DESIGN.md §5's JSON keys."""
+
 import csv
 import json
 import os
@@ -19,60 +20,96 @@ def test_rungs_add_one_technique_each():
   assert ladder.rung_overrides('colocated', none) == ('--config.runtime.mode=colocated',)
   assert ladder.rung_overrides('disagg', none) == ()
   assert ladder.rung_overrides('gap', none, fragments=3, fragment_unit='group') == (
-      '--config.schedule.fragments=3', '--config.schedule.fragment_unit=group')
+      '--config.schedule.fragments=3',
+      '--config.schedule.fragment_unit=group',
+  )
   assert ladder.rung_overrides('tag', none) == (
-      '--config.schedule.fragments=4', '--config.schedule.fragment_unit=sample',
-      '--config.schedule.tsp=True', '--config.schedule.tag=True')
+      '--config.schedule.fragments=4',
+      '--config.schedule.fragment_unit=sample',
+      '--config.schedule.tsp=True',
+      '--config.schedule.tag=True',
+  )
   assert ladder.rung_overrides('tcss', none, tcss_fraction=0.25)[-1] == (
-      '--config.schedule.tcss_fraction=0.25')
+      '--config.schedule.tcss_fraction=0.25'
+  )
   # Where the config has the fields, the techniques a rung leaves off are set off explicitly.
   every = lambda field: True
   assert ladder.rung_overrides('disagg', every) == (
-      '--config.schedule.fragments=1', '--config.schedule.tsp=False', '--config.schedule.tag=False',
-      '--config.schedule.tcss_fraction=0.0', '--config.schedule.trace=True')
+      '--config.schedule.fragments=1',
+      '--config.schedule.tsp=False',
+      '--config.schedule.tag=False',
+      '--config.schedule.tcss_fraction=0.0',
+      '--config.schedule.trace=True',
+  )
   assert ladder.rung_overrides('tsp', every)[:5] == (
-      '--config.schedule.fragments=4', '--config.schedule.fragment_unit=sample',
-      '--config.schedule.tsp=True', '--config.schedule.tag=False',
-      '--config.schedule.tcss_fraction=0.0')
+      '--config.schedule.fragments=4',
+      '--config.schedule.fragment_unit=sample',
+      '--config.schedule.tsp=True',
+      '--config.schedule.tag=False',
+      '--config.schedule.tcss_fraction=0.0',
+  )
 
 
 def test_plan_runs_colocated_once_then_each_variant():
-  plan = ladder.build_runs(['colocated', 'disagg', 'tag'], ['mp2', 'sp'], lambda f: False,
-                           devices=2, common=('--config.total_steps=5',))
+  plan = ladder.build_runs(
+      ['colocated', 'disagg', 'tag'],
+      ['mp2', 'sp'],
+      lambda f: False,
+      devices=2,
+      common=('--config.total_steps=5',),
+  )
   names = [(run.name, rung, variant) for run, rung, variant in plan]
-  assert names == [('colocated', 'colocated', '-'), ('mp2-disagg', 'disagg', 'mp2'),
-                   ('mp2-tag', 'tag', 'mp2'), ('sp-disagg', 'disagg', 'sp'), ('sp-tag', 'tag', 'sp')]
+  assert names == [
+      ('colocated', 'colocated', '-'),
+      ('mp2-disagg', 'disagg', 'mp2'),
+      ('mp2-tag', 'tag', 'mp2'),
+      ('sp-disagg', 'disagg', 'sp'),
+      ('sp-tag', 'tag', 'sp'),
+  ]
   run = {r.name: r for r, _, _ in plan}
   assert (run['colocated'].num_processes, run['colocated'].devices_per_process) == (1, 4)
   assert (run['mp2-tag'].num_processes, run['mp2-tag'].devices_per_process, run['mp2-tag'].pin) == (
-      2, 2, True)
+      2,
+      2,
+      True,
+  )
   assert (run['sp-tag'].num_processes, run['sp-tag'].devices_per_process) == (1, 4)
   assert run['sp-tag'].overrides[0] == '--config.total_steps=5'
   unpinned = ladder.build_runs(['tag'], ['mp2u'], lambda f: False)[0][0]
   assert (unpinned.name, unpinned.num_processes, unpinned.pin) == ('mp2u-tag', 2, False)
-  assert ladder.parse_args([]).variants == ['mp2', 'sp']   # mp2u only when asked
+  assert ladder.parse_args([]).variants == ['mp2', 'sp']  # mp2u only when asked
 
 
 def test_ratios():
-  rows = [{'name': 'colocated', 'variant': '-', 'status': 'ok', 'samples_per_s': 10.0},
-          {'name': 'mp2-disagg', 'variant': 'mp2', 'status': 'ok', 'samples_per_s': 8.0},
-          {'name': 'mp2-tag', 'variant': 'mp2', 'status': 'ok', 'samples_per_s': 12.0},
-          {'name': 'mp2-gap', 'variant': 'mp2', 'status': 'invalid', 'samples_per_s': None},
-          {'name': 'sp-tag', 'variant': 'sp', 'status': 'ok', 'samples_per_s': 5.0}]
+  rows = [
+      {'name': 'colocated', 'variant': '-', 'status': 'ok', 'samples_per_s': 10.0},
+      {'name': 'mp2-disagg', 'variant': 'mp2', 'status': 'ok', 'samples_per_s': 8.0},
+      {'name': 'mp2-tag', 'variant': 'mp2', 'status': 'ok', 'samples_per_s': 12.0},
+      {'name': 'mp2-gap', 'variant': 'mp2', 'status': 'invalid', 'samples_per_s': None},
+      {'name': 'sp-tag', 'variant': 'sp', 'status': 'ok', 'samples_per_s': 5.0},
+  ]
   ladder.add_ratios(rows)
   got = {r['name']: (r['x_colocated'], r['x_disagg']) for r in rows}
-  assert got == {'colocated': (1.0, None), 'mp2-disagg': (0.8, 1.0), 'mp2-tag': (1.2, 1.5),
-                 'mp2-gap': (None, None), 'sp-tag': (0.5, None)}  # sp has no disagg row
+  assert got == {
+      'colocated': (1.0, None),
+      'mp2-disagg': (0.8, 1.0),
+      'mp2-tag': (1.2, 1.5),
+      'mp2-gap': (None, None),
+      'sp-tag': (0.5, None),
+  }  # sp has no disagg row
 
 
-@pytest.mark.parametrize('args, match', [
-    (['--rungs', 'colocated,gapp'], "unknown rung 'gapp'"),
-    (['--variants', 'mp3'], "unknown variant 'mp3'"),
-    (['--steps', '1'], '--steps=1'),
-    (['--tcss_fraction', '0'], '--tcss_fraction=0.0'),
-    (['--set', '--config.optim.lrr=1'], 'has no field config.optim.lrr'),
-    (['--config', 'configs/nope.py'], 'no such file'),
-])
+@pytest.mark.parametrize(
+    'args, match',
+    [
+        (['--rungs', 'colocated,gapp'], "unknown rung 'gapp'"),
+        (['--variants', 'mp3'], "unknown variant 'mp3'"),
+        (['--steps', '1'], '--steps=1'),
+        (['--tcss_fraction', '0'], '--tcss_fraction=0.0'),
+        (['--set', '--config.optim.lrr=1'], 'has no field config.optim.lrr'),
+        (['--config', 'configs/nope.py'], 'no such file'),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, capsys, args, match):
   code = ladder.main(['--out', str(tmp_path / 'out'), '--config', TINY_DISAGG, *args])
   err = capsys.readouterr().err
@@ -83,9 +120,24 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, match):
 @pytest.mark.slow
 def test_short_ladder_one_process(tmp_path, capsys):
   out = tmp_path / 'ladder'  # DESIGN.md §5's form: --out FILE.json, the rest under FILE/
-  code = ladder.main(['--config', TINY_DISAGG, '--out', f'{out}.json', '--steps', '2', '--rungs',
-                      'colocated,disagg,gap', '--variants', 'sp', '--eval_prompts', '2',
-                      '--timeout_s', '300'])
+  code = ladder.main(
+      [
+          '--config',
+          TINY_DISAGG,
+          '--out',
+          f'{out}.json',
+          '--steps',
+          '2',
+          '--rungs',
+          'colocated,disagg,gap',
+          '--variants',
+          'sp',
+          '--eval_prompts',
+          '2',
+          '--timeout_s',
+          '300',
+      ]
+  )
   text = capsys.readouterr().out
   result = json.load(open(f'{out}.json'))
   assert not (out / 'ladder.json').exists()
@@ -99,7 +151,8 @@ def test_short_ladder_one_process(tmp_path, capsys):
   assert rows['colocated']['layout'] == '1x2' and rows['sp-disagg']['layout'] == '1x2'
   assert rows['colocated']['x_colocated'] == 1.0
   assert rows['sp-disagg']['x_colocated'] == pytest.approx(
-      rows['sp-disagg']['samples_per_s'] / rows['colocated']['samples_per_s'])
+      rows['sp-disagg']['samples_per_s'] / rows['colocated']['samples_per_s']
+  )
   gap = rows['sp-gap']
   assert gap['status'] == 'ok' and gap['x_disagg'] > 0, gap['log_tail']
   assert '--config.schedule.fragments=4' in gap['overrides'] and code == 0
@@ -123,9 +176,24 @@ def test_ladder_accepts_the_flux_config(tmp_path):
   """configs/flux.py on the exact rungs: every run is ok, and the schedules reproduce colocated's
   rewards (same samples, same policy)."""
   out = tmp_path / 'flux'
-  code = ladder.main(['--config', 'configs/flux.py:tiny,disagg', '--out', f'{out}.json', '--steps',
-                      '2', '--rungs', 'colocated,disagg,tag', '--variants', 'sp', '--eval_prompts',
-                      '0', '--timeout_s', '300'])
+  code = ladder.main(
+      [
+          '--config',
+          'configs/flux.py:tiny,disagg',
+          '--out',
+          f'{out}.json',
+          '--steps',
+          '2',
+          '--rungs',
+          'colocated,disagg,tag',
+          '--variants',
+          'sp',
+          '--eval_prompts',
+          '0',
+          '--timeout_s',
+          '300',
+      ]
+  )
   rows = {r['name']: r for r in json.load(open(f'{out}.json'))['rows']}
   assert list(rows) == ['colocated', 'sp-disagg', 'sp-tag'] and code == 0
   for name, r in rows.items():

@@ -1,4 +1,5 @@
 """launch/local.py and digen_jax.runtime.distributed: env plumbing, multi-process runs, cleanup."""
+
 import importlib.util
 import os
 import signal
@@ -49,8 +50,9 @@ def _read_pids(scratch, ranks, timeout_s=30.0) -> list[int]:
 
 
 def test_parse_args_splits_at_double_dash():
-  args, cmd = local.parse_args(['--num_processes=3', '--cpu_pinning', '--', 'python', '-c', 'x',
-                                '--', 'y'])
+  args, cmd = local.parse_args(
+      ['--num_processes=3', '--cpu_pinning', '--', 'python', '-c', 'x', '--', 'y']
+  )
   assert args.num_processes == 3 and args.cpu_pinning and args.devices_per_process is None
   assert cmd == ['python', '-c', 'x', '--', 'y']
   with pytest.raises(SystemExit):
@@ -105,20 +107,28 @@ def test_maybe_initialize_without_launcher_is_single_process(monkeypatch):
 @pytest.mark.slow
 def test_two_processes_cross_process_sum_and_kv():
   t0 = time.monotonic()
-  code, out = util.run(['--num_processes=2', '--devices_per_process=2', '--cpu_pinning',
-                        '--timeout_s=50'], util.script('psum.py'), timeout_s=60)
+  code, out = util.run(
+      ['--num_processes=2', '--devices_per_process=2', '--cpu_pinning', '--timeout_s=50'],
+      util.script('psum.py'),
+      timeout_s=60,
+  )
   assert code == 0, out
   # Devices hold 10, 11 (process 0) and 20, 21 (process 1).
   for rank in (0, 1):
-    assert (f"[{rank}] RESULT process={rank} sum=62.0 allgather=[1.0, 2.0] "
-            f"kv='hello from {1 - rank}'") in out, out
+    assert (
+        f'[{rank}] RESULT process={rank} sum=62.0 allgather=[1.0, 2.0] '
+        f"kv='hello from {1 - rank}'"
+    ) in out, out
   assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.slow
 def test_failing_child_kills_the_others(tmp_path):
-  code, out = util.run(['--num_processes=3', '--grace_s=2'],
-                       util.script('fail_or_sleep.py') + [str(tmp_path), 'fail'], timeout_s=60)
+  code, out = util.run(
+      ['--num_processes=3', '--grace_s=2'],
+      util.script('fail_or_sleep.py') + [str(tmp_path), 'fail'],
+      timeout_s=60,
+  )
   assert code == 3, out
   assert '[0] failing with 3' in out and '[1] sleeping' in out and '[2] sleeping' in out, out
   pids = _read_pids(tmp_path, [1, 2], timeout_s=1)  # children and their grandchildren
@@ -127,8 +137,9 @@ def test_failing_child_kills_the_others(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_and_timeout_stop_everything(tmp_path):
-  proc = util.start(['--num_processes=2'], util.script('fail_or_sleep.py') + [str(tmp_path),
-                                                                              'sleep'])
+  proc = util.start(
+      ['--num_processes=2'], util.script('fail_or_sleep.py') + [str(tmp_path), 'sleep']
+  )
   try:
     pids = _read_pids(tmp_path, [0, 1])
     proc.send_signal(signal.SIGTERM)
@@ -141,8 +152,11 @@ def test_sigterm_and_timeout_stop_everything(tmp_path):
   scratch = tmp_path / 'timeout'
   scratch.mkdir()
   t0 = time.monotonic()
-  code, out = util.run(['--num_processes=2', '--timeout_s=5', '--grace_s=1'],
-                       util.script('fail_or_sleep.py') + [str(scratch), 'sleep'], timeout_s=60)
+  code, out = util.run(
+      ['--num_processes=2', '--timeout_s=5', '--grace_s=1'],
+      util.script('fail_or_sleep.py') + [str(scratch), 'sleep'],
+      timeout_s=60,
+  )
   assert code == 124, out
   assert time.monotonic() - t0 < 30
   assert _wait_gone(_read_pids(scratch, [0, 1], timeout_s=1)) == [], out

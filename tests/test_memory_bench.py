@@ -1,6 +1,7 @@
 """benchmarks/memory.py at configs/qwenimage.py:tiny_pipeline sizes: XLA's per-device memory of
 the real update and rollout programs, compiled ahead of time on fake CPU devices (no weights,
 no pipeline folder: the toy VAE comes from --vae=tiny)."""
+
 import json
 import os
 import subprocess
@@ -17,10 +18,18 @@ def _start(tmp_path, name: str, variant: str, devices: int, *extra: str):
   # The script must set its own device count whatever the parent's XLA_FLAGS say (conftest
   # fakes 4 devices for the test process).
   env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=3'
-  cmd = [sys.executable, SCRIPT, f'--config={CONFIG}:{variant}', f'--devices={devices}',
-         '--vae=tiny', f'--out={out}', *extra]
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, cwd=REPO)
+  cmd = [
+      sys.executable,
+      SCRIPT,
+      f'--config={CONFIG}:{variant}',
+      f'--devices={devices}',
+      '--vae=tiny',
+      f'--out={out}',
+      *extra,
+  ]
+  proc = subprocess.Popen(
+      cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO
+  )
   return proc, out
 
 
@@ -34,21 +43,21 @@ def _finish(started) -> dict:
 def test_memory_bench_tiny_pipeline(tmp_path):
   # Three runs at once (each is mostly single-threaded compilation).
   lora4 = _start(tmp_path, 'lora4', 'tiny_pipeline', 4, '--pipelines=default')
-  full4 = _start(tmp_path, 'full4', 'tiny_pipeline,full', 4, '--programs=update',
-                 '--pipelines=no_hoist')
-  lora2 = _start(tmp_path, 'lora2', 'tiny_pipeline', 2, '--programs=update',
-                 '--pipelines=default')
+  full4 = _start(
+      tmp_path, 'full4', 'tiny_pipeline,full', 4, '--programs=update', '--pipelines=no_hoist'
+  )
+  lora2 = _start(tmp_path, 'lora2', 'tiny_pipeline', 2, '--programs=update', '--pipelines=default')
   lora4, full4, lora2 = _finish(lora4), _finish(full4), _finish(lora2)
 
   # Both programs (the rollout in both layouts) have positive figures.
   assert set(lora4['programs']) == {'update', 'rollout_replicated', 'rollout_fsdp'}
   for name, p in lora4['programs'].items():
     pd = p['per_device']
-    for key in ('argument_bytes', 'output_bytes', 'temp_bytes', 'total_bytes',
-                'held_total_bytes'):
+    for key in ('argument_bytes', 'output_bytes', 'temp_bytes', 'total_bytes', 'held_total_bytes'):
       assert pd[key] > 0, (name, key, pd)
-    assert pd['total_bytes'] == (pd['argument_bytes'] + pd['output_bytes'] - pd['alias_bytes']
-                                 + pd['temp_bytes'])
+    assert pd['total_bytes'] == (
+        pd['argument_bytes'] + pd['output_bytes'] - pd['alias_bytes'] + pd['temp_bytes']
+    )
     assert pd['held_argument_bytes'] >= pd['argument_bytes'], name
     assert p['xla_flops'] > 0 and p['analytic_mmdit_flops'] > 0, name
     assert p['batch'] == 8 and p['pipeline'] == 'default', name
@@ -71,14 +80,16 @@ def test_memory_bench_tiny_pipeline(tmp_path):
   assert a['trainable'] == 'lora' and af['trainable'] == 'full'
   assert 0 < a['adapter_bytes_f32'] < af['trainable_bytes_f32'] == 4 * af['mmdit_params']
   assert af['optimizer_state_bytes'] >= 2 * af['trainable_bytes_f32']
-  assert a['frozen_base_bytes'] == 4 * a['mmdit_params']      # tiny_pipeline: float32 frozen
+  assert a['frozen_base_bytes'] == 4 * a['mmdit_params']  # tiny_pipeline: float32 frozen
 
   # LoRA's trainer holds less than full fine-tuning's (params + optimizer state); argument bytes
   # do not depend on the pass pipeline.
   lu, fu = lora4['programs']['update'], full4['programs']['update']
   assert lu['per_device']['argument_bytes'] < fu['per_device']['argument_bytes']
-  assert (lu['argument_groups_bytes']['params'] + lu['argument_groups_bytes']['opt_state']
-          < fu['argument_groups_bytes']['params'] + fu['argument_groups_bytes']['opt_state'])
+  assert (
+      lu['argument_groups_bytes']['params'] + lu['argument_groups_bytes']['opt_state']
+      < fu['argument_groups_bytes']['params'] + fu['argument_groups_bytes']['opt_state']
+  )
   assert fu['pipeline'] == 'no_hoist' and set(fu['pipelines']) == {'no_hoist'}
   assert fu['per_device']['temp_bytes'] > 0
 

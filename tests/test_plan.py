@@ -1,6 +1,7 @@
 """python -m digen_jax.plan: the CLI on a toy config and on a cached real one, bad input as one
 line, the split search, heterogeneous role assignment, and the prediction's response to costs.
 Nothing here compiles a real-size program: the costs come from benchmarks/costs/."""
+
 import dataclasses
 import json
 import os
@@ -23,8 +24,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_plan(*args, timeout=300):
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
-  return subprocess.run([sys.executable, '-m', 'digen_jax.plan', *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+      [sys.executable, '-m', 'digen_jax.plan', *args],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -47,11 +54,12 @@ def plan(run, spec, **kw):
 
 
 def test_cli_end_to_end_on_the_toy_config(tmp_path):
-  proc = run_plan('--config=configs/shapes.py', '--cluster=4xH100', f'--out={tmp_path}',
-                  '--timelines=best')
+  proc = run_plan(
+      '--config=configs/shapes.py', '--cluster=4xH100', f'--out={tmp_path}', '--timelines=best'
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads((tmp_path / 'plan.json').read_text())
-  for key in search.MODES:                  # the ladder's keys, every one predicted
+  for key in search.MODES:  # the ladder's keys, every one predicted
     assert key in doc['modes'] and doc['modes'][key]['samples_per_s'] > 0, key
   assert doc['modes']['colocated']['x_colocated'] == pytest.approx(1.0)
   assert doc['best'] in doc['modes'] and doc['best_split']
@@ -70,11 +78,14 @@ def test_cli_on_the_cached_real_config():
   assert 'trainer 8xH100 SXM | rollout 8xH20' in proc.stdout
 
 
-@pytest.mark.parametrize('args,words', [
-    (['--cluster=8xB300'], 'unknown accelerator'),
-    (['--cluster=8xH100+'], 'empty part'),
-    (['--cluster=16xH100', '--trainer=16'], 'leaves the rollout 0'),
-])
+@pytest.mark.parametrize(
+    'args,words',
+    [
+        (['--cluster=8xB300'], 'unknown accelerator'),
+        (['--cluster=8xH100+'], 'empty part'),
+        (['--cluster=16xH100', '--trainer=16'], 'leaves the rollout 0'),
+    ],
+)
 def test_cli_bad_input_is_one_line(args, words):
   proc = run_plan('--config=configs/shapes.py', *args)
   assert proc.returncode != 0
@@ -83,14 +94,17 @@ def test_cli_bad_input_is_one_line(args, words):
   assert words in lines[0]
 
 
-@pytest.mark.parametrize('cluster,trainer,words', [
-    ('8xH100', '0', 'leaves the trainer 0 devices'),
-    ('8xH100', '9', 'asks for 9xH100 SXM but the cluster 8xH100 has 8'),
-    ('8xH100+8xH20', '8', 'ambiguous on the mixed cluster'),
-    ('8xH100+8xH20', '4xA100', 'asks for 4xA100 80GB but the cluster'),
-    ('0xH100', None, 'needs at least 1'),
-    ('8 H100', None, 'is not COUNTxKIND'),
-])
+@pytest.mark.parametrize(
+    'cluster,trainer,words',
+    [
+        ('8xH100', '0', 'leaves the trainer 0 devices'),
+        ('8xH100', '9', 'asks for 9xH100 SXM but the cluster 8xH100 has 8'),
+        ('8xH100+8xH20', '8', 'ambiguous on the mixed cluster'),
+        ('8xH100+8xH20', '4xA100', 'asks for 4xA100 80GB but the cluster'),
+        ('0xH100', None, 'needs at least 1'),
+        ('8 H100', None, 'is not COUNTxKIND'),
+    ],
+)
 def test_bad_input_errors_name_the_fix(cluster, trainer, words):
   with pytest.raises(planning.PlanError) as e:
     planning.validate(cluster, trainer, planning.Settings())
@@ -98,17 +112,29 @@ def test_bad_input_errors_name_the_fix(cluster, trainer, words):
 
 
 def test_bad_settings():
-  for settings, words in ((planning.Settings(mfu=1.5), 'mfu'),
-                          (planning.Settings(steps=1), 'need >= 2'),
-                          (planning.Settings(memory_fraction=0), 'memory_fraction')):
+  for settings, words in (
+      (planning.Settings(mfu=1.5), 'mfu'),
+      (planning.Settings(steps=1), 'need >= 2'),
+      (planning.Settings(memory_fraction=0), 'memory_fraction'),
+  ):
     with pytest.raises(planning.PlanError, match=words):
       planning.validate('8xH100', None, settings)
 
 
 def test_a_model_that_fits_nowhere_says_what_would_fit(qwen):
-  hardware.register(hardware.Accelerator(
-      'Tiny8', peak_bf16_flops=1e14, hbm_bw=1e12, memory_bytes=8 * 10 ** 9,
-      intra_node_bw=1e11, inter_node_bw=1e10, host_bw=1e10, source='test'), replace=True)
+  hardware.register(
+      hardware.Accelerator(
+          'Tiny8',
+          peak_bf16_flops=1e14,
+          hbm_bw=1e12,
+          memory_bytes=8 * 10**9,
+          intra_node_bw=1e11,
+          inter_node_bw=1e10,
+          host_bw=1e10,
+          source='test',
+      ),
+      replace=True,
+  )
   with pytest.raises(planning.PlanError) as e:
     plan(qwen, '4xTiny8')
   msg = str(e.value)
@@ -117,10 +143,12 @@ def test_a_model_that_fits_nowhere_says_what_would_fit(qwen):
 
 
 def test_pretraining_config_is_refused():
-  from configs import shapes_pretrain   # pylint: disable=g-import-not-at-top
+  from configs import shapes_pretrain  # pylint: disable=g-import-not-at-top
+
   with pytest.raises(planning.PlanError, match='pretraining config'):
-    planning.run_model('configs/shapes_pretrain.py', shapes_pretrain.get_config(), [],
-                       planning.Settings())
+    planning.run_model(
+        'configs/shapes_pretrain.py', shapes_pretrain.get_config(), [], planning.Settings()
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,8 +156,7 @@ def test_pretraining_config_is_refused():
 
 
 def test_split_search_returns_the_best_split_it_tried(qwen):
-  p = search.Planner(qwen, hardware.parse_cluster('16xH100'), steps=4, simulate_top=3,
-                     pad=True)
+  p = search.Planner(qwen, hardware.parse_cluster('16xH100'), steps=4, simulate_top=3, pad=True)
   found = p.search()
   for mode, tried in found['tried'].items():
     best = found['modes'][mode]
@@ -137,8 +164,12 @@ def test_split_search_returns_the_best_split_it_tried(qwen):
     assert best.samples_per_s == max(c.samples_per_s for c in tried), mode
   # Simulating every candidate of one mode finds nothing better than the search's pick by
   # more than the bound's blind spot allows.
-  everything = [c for s in search.splits(p.parts) for m in (2, 4, 8)
-                if (c := p.disagg('gap', s, m)) is not None]
+  everything = [
+      c
+      for s in search.splits(p.parts)
+      for m in (2, 4, 8)
+      if (c := p.disagg('gap', s, m)) is not None
+  ]
   top = max(p.simulate(c).samples_per_s for c in everything)
   assert found['modes']['gap'].samples_per_s >= 0.95 * top
 
@@ -163,7 +194,7 @@ def test_slower_rollout_accelerator_lowers_samples_per_s(qwen):
 
 
 def test_tag_helps_when_the_rollout_is_the_bottleneck(qwen):
-  p = plan(qwen, '8xH100+8xH20', trainer='8xH100')     # H20s sample ~7x slower
+  p = plan(qwen, '8xH100+8xH20', trainer='8xH100')  # H20s sample ~7x slower
   gap, tag = p['modes']['gap'], p['modes']['gap_tag']
   assert tag['samples_per_s'] > 1.3 * gap['samples_per_s']
   assert tag['bts_inserts'] > 0
@@ -177,7 +208,7 @@ def test_memory_report_per_role(qwen):
   for mode in ('colocated', 'gap'):
     for what in ('rollout_option', 'grad_option'):
       o = p['modes'][mode][what]
-      assert o['fits'] and 0 < o['memory_gib']['total'] <= 0.9 * 80e9 / 2 ** 30
+      assert o['fits'] and 0 < o['memory_gib']['total'] <= 0.9 * 80e9 / 2**30
   # Full fine-tuning's FSDP state is larger per device than LoRA's.
   full = qwenimage.get_config('full')
   entries = cache.matching('configs/qwenimage.py', cache.config_digest(full), 'full', 0)
@@ -192,15 +223,17 @@ def test_memory_report_per_role(qwen):
 def test_program_model_reproduces_xla_and_scales(qwen):
   """At the compile's own devices and batch the model returns XLA's figures; the per-sample
   work halves with twice the devices; the temp fit passes through both memory points."""
-  entry = next(e for e in cache.matching('configs/qwenimage.py',
-                                         cache.config_digest(qwenimage.get_config('')),
-                                         'lora', 64)
-               if e.key.method == 'extrapolate' and e.key.remat and 'rollout' in e.key.programs)
+  entry = next(
+      e
+      for e in cache.matching(
+          'configs/qwenimage.py', cache.config_digest(qwenimage.get_config('')), 'lora', 64
+      )
+      if e.key.method == 'extrapolate' and e.key.remat and 'rollout' in e.key.programs
+  )
   xla = entry.costs.programs
   r = qwen.rollout
   assert r.flops(16, 8, 128) == pytest.approx(xla['rollout'].flops, rel=1e-9)
-  assert r.temp(8, accelerator=False) == pytest.approx(xla['rollout'].memory.temp_bytes,
-                                                       rel=1e-6)
+  assert r.temp(8, accelerator=False) == pytest.approx(xla['rollout'].memory.temp_bytes, rel=1e-6)
   g = qwen.grads[True]
   assert g.flops(16, 5, 16) == pytest.approx(xla['grad'].flops, rel=1e-9)
   assert r.flops(32, 4, 128) < r.flops(16, 8, 128)
@@ -239,7 +272,7 @@ def test_cache_key_and_roundtrip(tmp_path):
 
 def test_analytic_video_families():
   h, w = analytic.HUNYUAN_VIDEO, analytic.WAN21_14B
-  assert 12e9 < h.params() < 13.5e9 and 13.5e9 < w.params() < 14.5e9   # published 13B, 14B
+  assert 12e9 < h.params() < 13.5e9 and 13.5e9 < w.params() < 14.5e9  # published 13B, 14B
   assert h.tokens == 33 * 34 * 60 and w.tokens == 21 * 30 * 52
   run = analytic.run_model(w)
   assert run.source == 'analytic' and run.K == 9 and run.batch == 32

@@ -1,4 +1,5 @@
 """Pretraining of the ShapesBench base generator, params_io round trips, and the shipped checkpoint."""
+
 import json
 import os
 
@@ -21,9 +22,16 @@ SHIPPED = os.path.join(REPO, shapes_pretrain.SHAPES_BASE_CHECKPOINT)
 
 
 def _tiny_model(seed=0):
-  cfg = mmdit.MMDiTConfig(patch_size=4, in_channels=48, out_channels=3, num_layers=2,
-                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                          axes_dims_rope=(4, 6, 6))
+  cfg = mmdit.MMDiTConfig(
+      patch_size=4,
+      in_channels=48,
+      out_channels=3,
+      num_layers=2,
+      attention_head_dim=16,
+      num_attention_heads=2,
+      joint_attention_dim=32,
+      axes_dims_rope=(4, 6, 6),
+  )
   return cfg, mmdit.MMDiT(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -47,8 +55,9 @@ def test_params_io_round_trip_is_exact(tmp_path):
   loaded = params_io.load_model(tmp_path / 'ck')
   x = jax.random.normal(jax.random.key(1), (2, 16, 48))
   args = (x, jnp.array([0.3, 0.9]), jnp.ones((2, 5, 32)), jnp.ones((2, 5), jnp.int32))
-  np.testing.assert_array_equal(np.asarray(model(*args, img_shape=(1, 4, 4))),
-                                np.asarray(loaded(*args, img_shape=(1, 4, 4))))
+  np.testing.assert_array_equal(
+      np.asarray(model(*args, img_shape=(1, 4, 4))), np.asarray(loaded(*args, img_shape=(1, 4, 4)))
+  )
 
 
 def test_params_io_bfloat16_rounds_and_loads_float32(tmp_path):
@@ -59,7 +68,7 @@ def test_params_io_bfloat16_rounds_and_loads_float32(tmp_path):
   for (k, va), (_, vb) in zip(nnx.to_flat_state(state), nnx.to_flat_state(state2)):
     a, b = np.asarray(va[...]), np.asarray(vb[...])
     assert b.dtype == np.float32
-    np.testing.assert_allclose(b, a, rtol=2 ** -8, atol=1e-30, err_msg=str(k))
+    np.testing.assert_allclose(b, a, rtol=2**-8, atol=1e-30, err_msg=str(k))
 
 
 def test_params_io_errors_name_the_path(tmp_path):
@@ -109,8 +118,11 @@ def test_flow_matching_loss_is_zero_for_the_exact_velocity():
 
   assert float(pretrain.flow_matching_loss(oracle, x0, eps, sigma, None, None, (1, 2, 2))) == 0.0
   zero = lambda *a, **k: jnp.zeros_like(x0)
-  np.testing.assert_allclose(float(pretrain.flow_matching_loss(zero, x0, eps, sigma, None, None, (1, 2, 2))),
-                             float(jnp.mean((eps - x0) ** 2)), rtol=1e-6)
+  np.testing.assert_allclose(
+      float(pretrain.flow_matching_loss(zero, x0, eps, sigma, None, None, (1, 2, 2))),
+      float(jnp.mean((eps - x0) ** 2)),
+      rtol=1e-6,
+  )
 
 
 def test_sigma_sampling_ranges():
@@ -124,9 +136,12 @@ def test_sigma_sampling_ranges():
 
 
 def test_single_object_rates_are_the_capability_gate():
-  texts = ['a red circle on a white background', 'a red square on a white background',
-           'two red circles on a white background',
-           'a red circle left of a blue square on a black background']
+  texts = [
+      'a red circle on a white background',
+      'a red square on a white background',
+      'two red circles on a white background',
+      'a red circle left of a blue square on a black background',
+  ]
   rates = pretrain.single_object_rates(np.array([1.0, 0.0, 1.0, 0.0]), texts)
   assert rates['single/shape/circle'] == 1.0 and rates['single/shape/square'] == 0.0
   assert rates['single/color/red'] == 0.5  # one-object prompts only: counts are composition
@@ -154,17 +169,23 @@ def test_sde_eval_sampler_keeps_the_last_step_deterministic():
   # GRPO rollouts never make the last step (sigma -> 0) stochastic; the eval's SDE sampler must
   # match, so with one step SDE and ODE agree exactly, and with two they differ (step 0 is SDE).
   from digen_jax.diffusion import sde as sde_lib
+
   cfg, model = _tiny_model()
   graphdef, state = nnx.split(model)
   x1 = jax.random.normal(jax.random.key(0), (2, 16, 48))
   text, mask = jnp.ones((2, 5, 32)), jnp.ones((2, 5), jnp.int32)
   sde_cfg = sde_lib.SDEConfig(kind='flow_grpo', noise_level=0.7)
   to_images = lambda tok: latents_lib.decode_pixels(tok, 16, 16, 4)
-  for sig, same in ((np.array([0.8, 0.0], np.float32), True),
-                    (np.array([0.8, 0.4, 0.0], np.float32), False)):
-    ode = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images)(state, x1, text, mask, jax.random.key(1))
-    sde = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images, sde_cfg)(state, x1, text, mask,
-                                                                          jax.random.key(1))
+  for sig, same in (
+      (np.array([0.8, 0.0], np.float32), True),
+      (np.array([0.8, 0.4, 0.0], np.float32), False),
+  ):
+    ode = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images)(
+        state, x1, text, mask, jax.random.key(1)
+    )
+    sde = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images, sde_cfg)(
+        state, x1, text, mask, jax.random.key(1)
+    )
     assert ode.shape == (2, 16, 16, 3)
     assert np.array_equal(np.asarray(ode), np.asarray(sde)) == same, sig
 
@@ -196,7 +217,10 @@ def test_config_fields_are_consistent_for_rl_reuse():
       for k in ('init', 'checkpoint'):
         a.pop(k), b.pop(k)
     assert a == b, section
-  assert rl.model.init == 'checkpoint' and rl.model.checkpoint == shapes_pretrain.SHAPES_BASE_CHECKPOINT
+  assert (
+      rl.model.init == 'checkpoint'
+      and rl.model.checkpoint == shapes_pretrain.SHAPES_BASE_CHECKPOINT
+  )
 
 
 @pytest.mark.slow
@@ -239,8 +263,12 @@ def test_pooled_text_warm_start_keeps_the_function_then_conditions_on_the_prompt
   _, base_state = nnx.split(base)
   base_state = pretrain.zero_init_modulation(base_state)
   # Non-zero modulations, so the time embedding (and anything added to it) matters.
-  rng = np.random.default_rng(3)  # numpy: one eager jax.random call per leaf shape would compile each
-  base_state = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32), base_state)
+  rng = np.random.default_rng(
+      3
+  )  # numpy: one eager jax.random call per leaf shape would compile each
+  base_state = jax.tree.map(
+      lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32), base_state
+  )
   params_io.save_params(tmp_path / 'ck', base_state, base_cfg)
 
   c.model.pooled_text = True
@@ -249,8 +277,12 @@ def test_pooled_text_warm_start_keeps_the_function_then_conditions_on_the_prompt
   params = pretrain.warm_start_params(c, pooled_cfg)
   graphdef, _ = nnx.split(mmdit.MMDiT(pooled_cfg, rngs=nnx.Rngs(1)))
   enc = experiment.build_text_encoder(c)
-  emb, mask = (jnp.asarray(a) for a in enc.encode(['a red circle on a white background',
-                                                     'a red square on a white background']))
+  emb, mask = (
+      jnp.asarray(a)
+      for a in enc.encode(
+          ['a red circle on a white background', 'a red square on a white background']
+      )
+  )
   size, p = c.latent.height, c.model.patch_size
   shape = (1, size // p, size // p)
   x = jax.random.normal(jax.random.key(0), (1, (size // p) ** 2, c.model.in_channels)).repeat(2, 0)
@@ -260,7 +292,10 @@ def test_pooled_text_warm_start_keeps_the_function_then_conditions_on_the_prompt
   np.testing.assert_allclose(np.asarray(v_warm), np.asarray(v_base), rtol=0, atol=1e-6)
 
   # Perturb only text_pool: the output now changes, and differently for the two prompts.
-  flat = [(k, v.replace(v[...] + 0.1) if k[0] == 'text_pool' else v) for k, v in nnx.to_flat_state(params)]
+  flat = [
+      (k, v.replace(v[...] + 0.1) if k[0] == 'text_pool' else v)
+      for k, v in nnx.to_flat_state(params)
+  ]
   v_pool = nnx.merge(graphdef, nnx.from_flat_state(flat))(x, sig, emb, mask, img_shape=shape)
   delta = np.asarray(v_pool - v_warm)
   assert np.abs(delta).max() > 1e-3
@@ -281,37 +316,49 @@ def test_shipped_checkpoint_loads_and_runs():
     pytest.fail(f'{SHIPPED} is missing: run digen_jax.pretrain (see configs/shapes_pretrain.py)')
   cfg, state, extra = params_io.load_params(SHIPPED)
   c = shapes_pretrain.get_config()
-  assert cfg == experiment.model_config_from(c)   # the config RL reuses describes this checkpoint
-  assert os.path.getsize(os.path.join(SHIPPED, params_io.WEIGHTS_FILE)) < 25 * 2 ** 20
+  assert cfg == experiment.model_config_from(c)  # the config RL reuses describes this checkpoint
+  assert os.path.getsize(os.path.join(SHIPPED, params_io.WEIGHTS_FILE)) < 25 * 2**20
   # The text encoder RL builds from the config is the one the checkpoint was trained with.
   enc = experiment.build_text_encoder(c)
   assert extra['text_encoder']['table_sha256'] == text_lib.table_digest(enc)
   model = params_io.load_model(SHIPPED)
-  emb, mask = enc.encode(['two red circles on a white background',
-                          'a blue square left of a yellow triangle on a gray background'])
+  emb, mask = enc.encode(
+      [
+          'two red circles on a white background',
+          'a blue square left of a yellow triangle on a gray background',
+      ]
+  )
   size, p = c.latent.height, c.model.patch_size
   x = jax.random.normal(jax.random.key(0), (2, (size // p) ** 2, c.model.in_channels))
-  v = model(x, jnp.array([1.0, 0.5]), jnp.asarray(emb), jnp.asarray(mask),
-            img_shape=(1, size // p, size // p))
+  v = model(
+      x,
+      jnp.array([1.0, 0.5]),
+      jnp.asarray(emb),
+      jnp.asarray(mask),
+      img_shape=(1, size // p, size // p),
+  )
   assert v.shape == x.shape[:2] + (cfg.out_dim,) and v.dtype == jnp.float32
   assert np.all(np.isfinite(np.asarray(v)))
-  img = latents_lib.decode_pixels(x - v, size, size, p)   # one Euler step from σ=1 to 0
+  img = latents_lib.decode_pixels(x - v, size, size, p)  # one Euler step from σ=1 to 0
   assert img.shape == (2, size, size, 3)
 
 
 def test_shapes_probe_reports_on_the_shipped_checkpoint():
   """benchmarks/shapes_probe.py (the base-model diagnostic of benchmarks/RESULTS.md) on the shipped base."""
   import importlib.util
-  spec = importlib.util.spec_from_file_location('shapes_probe', os.path.join(REPO, 'benchmarks', 'shapes_probe.py'))
+
+  spec = importlib.util.spec_from_file_location(
+      'shapes_probe', os.path.join(REPO, 'benchmarks', 'shapes_probe.py')
+  )
   probe_lib = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(probe_lib)
   r, imgs, texts = probe_lib.probe(SHIPPED, noises=1)
   assert imgs.shape == (6, 16, 16, 3) and len(texts) == 6
   mse = [row['x0_mse'] for row in r['denoising']]
-  assert all(np.isfinite(mse)) and mse == sorted(mse)          # noisier inputs denoise worse
+  assert all(np.isfinite(mse)) and mse == sorted(mse)  # noisier inputs denoise worse
   assert all(row['color_swap_abs'] > 0 for row in r['denoising'])
   for g in r['generation'].values():
-    assert sum(g['seen'].values()) == 2                         # 2 colours x 1 noise per shape
+    assert sum(g['seen'].values()) == 2  # 2 colours x 1 noise per shape
     assert 0.0 <= g['strict'] <= 1.0
 
 
@@ -323,15 +370,28 @@ def test_shapes_probe_reports_on_the_shipped_checkpoint():
 def tiny_ae(tmp_path_factory):
   """A briefly trained autoencoder folder (digen_jax.pretrain_ae at toy size)."""
   from digen_jax import pretrain_ae
+
   out = tmp_path_factory.mktemp('ae')
-  summary = pretrain_ae.train(str(out), steps=30, batch=8, size=32, lr=2e-3, latent_channels=4,
-                              width=16, perturb=0.2, seed=0, eval_images=32, shape_channels=3)
+  summary = pretrain_ae.train(
+      str(out),
+      steps=30,
+      batch=8,
+      size=32,
+      lr=2e-3,
+      latent_channels=4,
+      width=16,
+      perturb=0.2,
+      seed=0,
+      eval_images=32,
+      shape_channels=3,
+  )
   return str(out / 'params'), summary
 
 
 def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
   from digen_jax.models import shapes_ae
   from digen_jax.models import vae as vae_lib
+
   folder, summary = tiny_ae
   assert summary['strict_ground_truth'] == 1.0 and np.isfinite(summary['recon_mse'])
   assert 0.0 <= summary['strict_reconstructed'] <= 1.0
@@ -347,8 +407,9 @@ def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
   assert out.shape == (2, 32, 32, 3) and float(jnp.abs(out).max()) <= 1.0
   # normalize/denormalize invert each other with the stored statistics.
   z = model.encode(images)
-  np.testing.assert_allclose(np.asarray(model.denormalize(model.normalize(z))), np.asarray(z),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+      np.asarray(model.denormalize(model.normalize(z))), np.asarray(z), rtol=1e-5, atol=1e-5
+  )
   with pytest.raises(ValueError, match='not a ShapesBench autoencoder'):
     shapes_ae.read_vae_config(SHIPPED)
   with pytest.raises(ValueError, match='shape_channels=3 must be 0 or 3'):
@@ -360,13 +421,17 @@ def test_autoencoder_loss_teaches_the_shape_channels_the_shape_coverage(tiny_ae)
   each latent cell's per-shape coverage, weighted by shape_weight."""
   from digen_jax import pretrain_ae
   from digen_jax.data.shapes import training as training_data
+
   model = params_io.load_model(tiny_ae[0])
   fresh = training_data.training_batch(
-      training_data.BatchSpec(batch=16, size=32, seed=1000, shape_maps=True), 1)
+      training_data.BatchSpec(batch=16, size=32, seed=1000, shape_maps=True), 1
+  )
   x, maps = jnp.asarray(fresh.images), jnp.asarray(fresh.shape_maps)
   targets = np.asarray(model.shape_targets(maps))
   assert targets.shape == (16, 8, 8, 3) and targets.max() > 0.9
-  np.testing.assert_allclose(targets.mean(), fresh.shape_maps.mean(), rtol=1e-5)  # pooling keeps area
+  np.testing.assert_allclose(
+      targets.mean(), fresh.shape_maps.mean(), rtol=1e-5
+  )  # pooling keeps area
   z = np.asarray(model.encode(x))[..., :3]
   want = float(np.mean((z - targets) ** 2))
   key = jax.random.key(0)
@@ -381,12 +446,14 @@ def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
   from digen_jax.data.shapes import training as training_data
   from digen_jax.models import shapes_ae
   from digen_jax.rewards import shapes_checker
+
   folder = os.path.join(REPO, shapes_pretrain.configlib.SHAPES_AE_CHECKPOINT)
   cfg = shapes_ae.read_vae_config(folder)
   assert (cfg.latent_channels, cfg.shape_channels, cfg.spatial_compression) == (8, 3, 4)
   model = params_io.load_model(folder)
   fresh = training_data.training_batch(
-      training_data.BatchSpec(batch=96, size=32, seed=77, shape_maps=True), 1)
+      training_data.BatchSpec(batch=96, size=32, seed=77, shape_maps=True), 1
+  )
   z = model.encode(jnp.asarray(fresh.images))
   recon = np.asarray(model.decode(z))
   assert shapes_checker.shapes_strict(fresh.images, fresh.truths).mean() == 1.0
@@ -394,10 +461,12 @@ def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
   # The shape channels hold the shape coverage (RMSE well below the targets' RMS).
   targets = np.asarray(model.shape_targets(jnp.asarray(fresh.shape_maps)))
   rmse = float(np.sqrt(np.mean((np.asarray(z)[..., :3] - targets) ** 2)))
-  assert rmse < 0.3 * float(np.sqrt(np.mean(targets ** 2))), rmse
+  assert rmse < 0.3 * float(np.sqrt(np.mean(targets**2))), rmse
   # Normalised latents are ~N(0, 1) per channel, as the generator expects.
   zn = np.asarray(model.normalize(z))
-  assert np.all(np.abs(zn.mean(axis=(0, 1, 2))) < 0.3) and np.all(np.abs(zn.std(axis=(0, 1, 2)) - 1) < 0.3)
+  assert np.all(np.abs(zn.mean(axis=(0, 1, 2))) < 0.3) and np.all(
+      np.abs(zn.std(axis=(0, 1, 2)) - 1) < 0.3
+  )
 
 
 def _ae_config(folder, variant='test'):
@@ -417,11 +486,19 @@ def test_pretrain_in_the_autoencoder_latent_space(tiny_ae, tmp_path):
   summary = pretrain.train(c, str(tmp_path))
   assert np.all(np.isfinite(summary['losses']))
   _, _, extra = params_io.load_params(str(tmp_path / 'params'))
-  assert extra['latent'] == {'space': 'ae', 'ae': folder, 'image_size': 32, 'height': 8,
-                             'width': 8, 'channels': 4}
+  assert extra['latent'] == {
+      'space': 'ae',
+      'ae': folder,
+      'image_size': 32,
+      'height': 8,
+      'width': 8,
+      'channels': 4,
+  }
   bad = _ae_config(folder)
   bad.pretrain.image_size = 16
-  with pytest.raises(ValueError, match='image_size=16 must equal latent.height 8 x the autoencoder'):
+  with pytest.raises(
+      ValueError, match='image_size=16 must equal latent.height 8 x the autoencoder'
+  ):
     pretrain.validate(bad)
   bad = _ae_config(folder)
   bad.latent.ae = str(tmp_path / 'nowhere')
@@ -435,6 +512,7 @@ def test_rl_rollout_decodes_with_the_autoencoder(tiny_ae, tmp_path):
   from configs import shapes as shapes_rl
   from digen_jax import programs
   from digen_jax.runtime import mesh as mesh_lib
+
   folder, _ = tiny_ae
   c = shapes_rl.get_config()
   c.latent.space, c.latent.ae = 'ae', folder
@@ -448,10 +526,12 @@ def test_rl_rollout_decodes_with_the_autoencoder(tiny_ae, tmp_path):
   mesh = mesh_lib.make_mesh(jax.devices()[:1])
   prompts = ['a red circle on a white background'] * 2
   cond = jax.tree.map(jnp.asarray, exp.conditioning(prompts))
-  traj, images = programs.make_rollout(exp, mesh)(exp.params, cond, cond, jax.random.key(0),
-                                                   jnp.int32(0))
+  traj, images = programs.make_rollout(exp, mesh)(
+      exp.params, cond, cond, jax.random.key(0), jnp.int32(0)
+  )
   assert images.shape == (2, 32, 32, 3) and float(jnp.abs(images).max()) <= 1.0
   ae = params_io.load_model(folder)
   from digen_jax.models import vae as vae_lib
+
   want = vae_lib.decode_packed(ae, traj.latents[-1], (8, 8), 1)
   np.testing.assert_allclose(np.asarray(images), np.asarray(want), atol=1e-5)

@@ -3,6 +3,7 @@ VAE, Qwen2.5-VL text encoder, tokenizer, scheduler) -> embedding cache -> MMDiT 
 true CFG -> VAE decode -> JPEG + ShapesBench rewards -> GRPO with LoRA; colocated, two
 processes, and resumed after a restart. The training process must never import torch: a
 meta-path hook makes any torch import in it fail loudly."""
+
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ CONFIG = os.path.join(REPO, 'configs', 'qwenimage.py')
 
 # Runs digen_jax.main with torch (and transformers) made unimportable in this process only: the
 # tiny pipeline is built and the prompts encoded in child processes, which are unaffected.
-_NO_TORCH_MAIN = r'''
+_NO_TORCH_MAIN = r"""
 import sys
 class _Block:
   def find_spec(self, name, path=None, target=None):
@@ -30,20 +31,30 @@ sys.meta_path.insert(0, _Block())
 import runpy
 sys.argv = ['digen_jax.main'] + sys.argv[1:]
 runpy.run_module('digen_jax.main', run_name='__main__')
-'''
+"""
 
 
 def _flags(folder, workdir, variant='tiny_pipeline', *extra):
-  return [f'--config={CONFIG}:{variant}', f'--workdir={workdir}',
-          f'--config.model.checkpoint={folder}', f'--config.text.cache={folder}/text_cache',
-          f'--config.data.data_dir={folder}/data', *extra]
+  return [
+      f'--config={CONFIG}:{variant}',
+      f'--workdir={workdir}',
+      f'--config.model.checkpoint={folder}',
+      f'--config.text.cache={folder}/text_cache',
+      f'--config.data.data_dir={folder}/data',
+      *extra,
+  ]
 
 
 def _main(folder, workdir, *extra, variant='tiny_pipeline'):
   env = dict(os.environ, PYTHONPATH=REPO)
-  r = subprocess.run([sys.executable, '-c', _NO_TORCH_MAIN,
-                      *_flags(folder, workdir, variant, *extra)],
-                     cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+  r = subprocess.run(
+      [sys.executable, '-c', _NO_TORCH_MAIN, *_flags(folder, workdir, variant, *extra)],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=900,
+  )
   assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
   return r
 
@@ -56,8 +67,13 @@ def _rows(workdir):
 def folder(tmp_path_factory):
   """The toy diffusers Qwen-Image folder (built with torch in a child process, as main does)."""
   out = str(tmp_path_factory.mktemp('tiny_qwenimage'))
-  subprocess.run([sys.executable, '-m', 'digen_jax.tiny_pipeline', f'--out={out}'], cwd=REPO,
-                 check=True, capture_output=True, timeout=300)
+  subprocess.run(
+      [sys.executable, '-m', 'digen_jax.tiny_pipeline', f'--out={out}'],
+      cwd=REPO,
+      check=True,
+      capture_output=True,
+      timeout=300,
+  )
   return out
 
 
@@ -67,11 +83,12 @@ def test_lora_publishes_only_adapters(folder, tmp_path):
   from configs import qwenimage
   from digen_jax import experiment
   from digen_jax.runtime import publish
+
   sizes = {}
   for variant in ('tiny_pipeline', 'tiny_pipeline,full'):
     c = qwenimage.get_config(variant)
     c.model.checkpoint, c.text.cache = folder, os.path.join(folder, 'missing_cache')
-    c.text.encoder = 'word'          # the cache is not what this test is about
+    c.text.encoder = 'word'  # the cache is not what this test is about
     c.model.joint_attention_dim = 32
     mcfg, weights = experiment.build_weights(c)
     sizes[variant] = publish.publish_megabytes(weights.params)
@@ -80,8 +97,10 @@ def test_lora_publishes_only_adapters(folder, tmp_path):
     else:
       assert set(weights.params) and all(set(v) == {'a', 'b'} for v in weights.params.values())
   factor = sizes['tiny_pipeline,full'] / sizes['tiny_pipeline']
-  print(f'publish MB: full {sizes["tiny_pipeline,full"]:.4f}, LoRA {sizes["tiny_pipeline"]:.4f}, '
-        f'factor {factor:.1f}')
+  print(
+      f'publish MB: full {sizes["tiny_pipeline,full"]:.4f}, LoRA {sizes["tiny_pipeline"]:.4f}, '
+      f'factor {factor:.1f}'
+  )
   assert factor > 4
 
 
@@ -89,7 +108,7 @@ def test_lora_publishes_only_adapters(folder, tmp_path):
 def test_colocated_lora_runs_and_resumes(folder, tmp_path):
   """3 steps straight vs 2 steps + restart + 1 step: same adapters, bit for bit."""
   straight = tmp_path / 'straight'
-  _main(folder, straight)                      # also builds the folder and the cache
+  _main(folder, straight)  # also builds the folder and the cache
   assert os.path.isfile(os.path.join(folder, 'model_index.json'))
   rows = _rows(straight)
   train = [r for r in rows if 'reward_mean' in r]
@@ -117,12 +136,17 @@ def test_colocated_lora_runs_and_resumes(folder, tmp_path):
 @pytest.mark.slow
 def test_two_processes_lora_with_resume(folder, tmp_path):
   wd = tmp_path / 'mp'
-  for steps in (2, 3):                           # a restart in the middle resumes
+  for steps in (2, 3):  # a restart in the middle resumes
     code, out = launcher_util.run(
         ['--num_processes=2'],
-        [sys.executable, '-c', _NO_TORCH_MAIN,
-         *_flags(folder, wd, 'tiny_pipeline,disagg', f'--config.total_steps={steps}')],
-        timeout_s=900)
+        [
+            sys.executable,
+            '-c',
+            _NO_TORCH_MAIN,
+            *_flags(folder, wd, 'tiny_pipeline,disagg', f'--config.total_steps={steps}'),
+        ],
+        timeout_s=900,
+    )
     assert code == 0, out[-5000:]
   train = [r for r in _rows(wd) if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]

@@ -5,6 +5,7 @@ step's log-prob from the stored trajectory with unchanged params through the tra
 |exp(logp_new - logp_old) - 1| <= 1e-5 for every step, every SDE variant, with and without CFG
 (FLUX: with its distilled guidance input instead).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,14 +37,23 @@ def test_ratio_is_one_for_every_step(tmp_path, sde, family, guidance):
   velocity_fn = programs.velocity_fn_of(exp)
   T = c.sampler.num_steps
   steps = jnp.arange(T)
-  logp_new, _, _ = jax.jit(lambda p, t, cd, u: objective.step_log_probs(
-      velocity_fn, p, t, cd, steps, sde_cfg=exp.sde_cfg,
-      guidance_scale=guidance if guidance > 1 else None, uncond=u if guidance > 1 else None,
-      norm_rescale=c.sampler.norm_rescale and guidance > 1))(exp.params, traj, cond, uncond)
+  logp_new, _, _ = jax.jit(
+      lambda p, t, cd, u: objective.step_log_probs(
+          velocity_fn,
+          p,
+          t,
+          cd,
+          steps,
+          sde_cfg=exp.sde_cfg,
+          guidance_scale=guidance if guidance > 1 else None,
+          uncond=u if guidance > 1 else None,
+          norm_rescale=c.sampler.norm_rescale and guidance > 1,
+      )
+  )(exp.params, traj, cond, uncond)
   logp_old = traj.log_probs
   stochastic = np.asarray(traj.sde_steps)
-  assert stochastic[:-1].all() and not stochastic[-1]          # all but the last step are SDE
-  assert np.all(np.asarray(logp_old)[:-1] != 0)                 # real log-probs, not placeholders
+  assert stochastic[:-1].all() and not stochastic[-1]  # all but the last step are SDE
+  assert np.all(np.asarray(logp_old)[:-1] != 0)  # real log-probs, not placeholders
   ratio = np.exp(np.asarray(logp_new) - np.asarray(logp_old))
   assert np.abs(ratio - 1).max() <= 1e-5, np.abs(ratio - 1).max(axis=1)
 
@@ -57,27 +67,42 @@ def _max_ratio_dev(c, tmp_path, perturb_adapters=False):
   roll_mesh = mesh_lib.make_mesh(jax.devices()[:2])
   train_mesh = mesh_lib.make_mesh(jax.devices()[2:4])
   params = exp.params
-  if perturb_adapters:       # B = 0 would make the adapters a no-op: give them real values
+  if perturb_adapters:  # B = 0 would make the adapters a no-op: give them real values
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape) * 0.05, x.dtype),
-                          params)
+    params = jax.tree.map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape) * 0.05, x.dtype), params
+    )
   prompts = [p for p in exp.prompts.next_batch() for _ in range(c.rl.group_size)]
   emb, mask = exp.text_encoder.encode(prompts)
   cond = {'text': jnp.asarray(emb), 'text_mask': jnp.asarray(mask)}
   u_emb, u_mask = exp.text_encoder.encode([c.sampler.negative_prompt] * len(prompts))
   uncond = {'text': jnp.asarray(u_emb), 'text_mask': jnp.asarray(u_mask)}
-  traj, _ = programs.make_rollout(exp, roll_mesh)(params, cond, uncond, jax.random.key(0),
-                                                  jnp.int32(0))
+  traj, _ = programs.make_rollout(exp, roll_mesh)(
+      params, cond, uncond, jax.random.key(0), jnp.int32(0)
+  )
   frozen = exp.weights.frozen(train_mesh, fsdp=True, decode=False)
   velocity_fn = programs.velocity_fn_of(exp)
   guidance = c.sampler.guidance_scale
   steps = jnp.arange(c.sampler.num_steps)
-  logp_new, _, _ = jax.jit(lambda p, fr, t, cd, u: objective.step_log_probs(
-      velocity_fn, exp.weights.effective(p, fr), t, cd, steps, sde_cfg=exp.sde_cfg,
-      guidance_scale=guidance if guidance > 1 else None, uncond=u if guidance > 1 else None,
-      norm_rescale=c.sampler.norm_rescale and guidance > 1))(
-          jax.device_put(params, mesh_lib.fsdp_shardings(params, train_mesh)), frozen,
-          jax.device_put(traj, mesh_lib.replicated(train_mesh)), cond, uncond)
+  logp_new, _, _ = jax.jit(
+      lambda p, fr, t, cd, u: objective.step_log_probs(
+          velocity_fn,
+          exp.weights.effective(p, fr),
+          t,
+          cd,
+          steps,
+          sde_cfg=exp.sde_cfg,
+          guidance_scale=guidance if guidance > 1 else None,
+          uncond=u if guidance > 1 else None,
+          norm_rescale=c.sampler.norm_rescale and guidance > 1,
+      )
+  )(
+      jax.device_put(params, mesh_lib.fsdp_shardings(params, train_mesh)),
+      frozen,
+      jax.device_put(traj, mesh_lib.replicated(train_mesh)),
+      cond,
+      uncond,
+  )
   sde = np.asarray(traj.sde_steps)
   ratio = np.exp(np.asarray(logp_new) - np.asarray(traj.log_probs))[sde]
   return float(np.abs(ratio - 1).max())
@@ -103,6 +128,7 @@ def test_bf16_ratio_is_one_with_trainer_behaviour_logprobs(tmp_path, lora):
   'rollout' shows the problem it solves."""
   import json
   from digen_jax.runtime import colocated
+
   rows = {}
   for behaviour in ('rollout', 'trainer'):
     c = qwenimage.get_config('tiny')
@@ -121,4 +147,5 @@ def test_bf16_ratio_is_one_with_trainer_behaviour_logprobs(tmp_path, lora):
   assert rows['rollout']['ratio_max_dev'] > 1e-4, rows['rollout']
   # Same rollout (same seed) in both runs: the gap the trainer reports is the one it removes.
   assert rows['trainer']['rollout_ratio_max_dev'] == pytest.approx(
-      rows['rollout']['ratio_max_dev'], rel=1e-3)
+      rows['rollout']['ratio_max_dev'], rel=1e-3
+  )

@@ -1,4 +1,5 @@
 """Eval reports and the end-of-run report: JSON, grids, before/after, summary."""
+
 import json
 import os
 
@@ -18,9 +19,18 @@ def _result(prompts, images, n_per):
   texts = [p for p in prompts for _ in range(n_per)]
   rewards = shapes_checker.shapes_reward(images, texts)
   passed = shapes_checker.shapes_strict(images, texts)
-  return {'metrics': {'eval/strict_accuracy': float(passed.mean()), 'eval/reward_mean': float(rewards.mean()),
-                      'eval/num_prompts': len(prompts), 'eval/samples_per_prompt': n_per},
-          'images': images, 'prompts': texts, 'rewards': rewards, 'passed': passed}
+  return {
+      'metrics': {
+          'eval/strict_accuracy': float(passed.mean()),
+          'eval/reward_mean': float(rewards.mean()),
+          'eval/num_prompts': len(prompts),
+          'eval/samples_per_prompt': n_per,
+      },
+      'images': images,
+      'prompts': texts,
+      'rewards': rewards,
+      'passed': passed,
+  }
 
 
 def test_reports_and_before_after(tmp_path):
@@ -45,10 +55,13 @@ def test_reports_and_before_after(tmp_path):
   summary = report.finish(str(tmp_path))
   assert summary['base_strict_accuracy'] == 0.0 and summary['final_strict_accuracy'] == 1.0
   grid = Image.open(summary['before_after'])
-  assert grid.size[1] > 6 * 16 * 4                # one row per prompt, upscaled tiles
+  assert grid.size[1] > 6 * 16 * 4  # one row per prompt, upscaled tiles
   assert os.path.exists(tmp_path / 'reward.png')
 
   evaluation.write_report(_result(prompts[::-1], truth, n_per), str(tmp_path / 'other'), 10)
   with pytest.raises(ValueError, match='different prompts'):
-    evaluation.before_after_grid(str(out / 'eval_000000.npz'), str(tmp_path / 'other' / 'eval_000010.npz'),
-                                 str(tmp_path / 'x.png'))
+    evaluation.before_after_grid(
+        str(out / 'eval_000000.npz'),
+        str(tmp_path / 'other' / 'eval_000010.npz'),
+        str(tmp_path / 'x.png'),
+    )

@@ -1,5 +1,6 @@
 """DigenRL scheduling modes (runtime/pipeline.py): config checks, TSP == serial, and exactness of
 GAP + TSP + TAG against colocated in one process and in two; TCSS staleness bookkeeping."""
+
 import importlib.util
 import json
 import os
@@ -25,7 +26,8 @@ from digen_jax.runtime import workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
-    'launcher_util', os.path.join(REPO, 'tests', 'mp_scripts', 'launcher_util.py'))
+    'launcher_util', os.path.join(REPO, 'tests', 'mp_scripts', 'launcher_util.py')
+)
 util = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(util)
 
@@ -37,7 +39,9 @@ PARAM_ATOL = 1e-5
 
 
 def _tiny(**overrides):
-  return configlib.apply_overrides(qwenimage.get_config('tiny'), {'total_steps': STEPS, **overrides})
+  return configlib.apply_overrides(
+      qwenimage.get_config('tiny'), {'total_steps': STEPS, **overrides}
+  )
 
 
 def _leaves(tree):
@@ -45,8 +49,11 @@ def _leaves(tree):
 
 
 def _rows(workdir):
-  return [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))
-          if 'reward_mean' in json.loads(l)]
+  return [
+      json.loads(l)
+      for l in open(os.path.join(workdir, 'metrics.jsonl'))
+      if 'reward_mean' in json.loads(l)
+  ]
 
 
 def _assert_same_update(params, opt_state, rows, ref):
@@ -63,23 +70,26 @@ def _assert_same_update(params, opt_state, rows, ref):
   for a, b in zip(rows, ref['rows']):
     assert a['reward_mean'] == pytest.approx(b['reward_mean'], rel=1e-5, abs=1e-6)
     assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-3)
-    assert abs(a['ratio_mean'] - 1.0) < 1e-5           # strictly on-policy
+    assert abs(a['ratio_mean'] - 1.0) < 1e-5  # strictly on-policy
     assert 0 < a['utilization'] <= 1
 
 
 # ------------------------------------------------------------------------------ config
 
 
-@pytest.mark.parametrize('overrides, message', [
-    ({'schedule.fragments': 3}, r"schedule.fragments=3 must divide rl.prompts_per_step=2"),
-    ({'schedule.fragments': 3, 'schedule.fragment_unit': 'sample'}, 'must divide the batch'),
-    ({'schedule.fragments': 8, 'schedule.fragment_unit': 'sample'}, 'lower schedule.fragments'),
-    ({'schedule.fragments': 2, 'rl.adv_std': 'global'}, "rl.adv_std='group'"),
-    ({'schedule.fragment_unit': 'prompt'}, 'schedule.fragment_unit'),
-    ({'schedule.tag': True}, 'runtime.mode=disagg'),
-    ({'schedule.tcss_fraction': 1.5}, r'tcss_fraction=1.5 must be in \[0, 1\]'),
-    ({'schedule.fragments': 2, 'schedule.tcss_fraction': 0.25}, 'allows no stale fragment'),
-])
+@pytest.mark.parametrize(
+    'overrides, message',
+    [
+        ({'schedule.fragments': 3}, r'schedule.fragments=3 must divide rl.prompts_per_step=2'),
+        ({'schedule.fragments': 3, 'schedule.fragment_unit': 'sample'}, 'must divide the batch'),
+        ({'schedule.fragments': 8, 'schedule.fragment_unit': 'sample'}, 'lower schedule.fragments'),
+        ({'schedule.fragments': 2, 'rl.adv_std': 'global'}, "rl.adv_std='group'"),
+        ({'schedule.fragment_unit': 'prompt'}, 'schedule.fragment_unit'),
+        ({'schedule.tag': True}, 'runtime.mode=disagg'),
+        ({'schedule.tcss_fraction': 1.5}, r'tcss_fraction=1.5 must be in \[0, 1\]'),
+        ({'schedule.fragments': 2, 'schedule.tcss_fraction': 0.25}, 'allows no stale fragment'),
+    ],
+)
 def test_bad_schedule_fails_naming_the_field(overrides, message):
   with pytest.raises(ValueError, match=message):
     configlib.validate(_tiny(**overrides), 2)
@@ -87,9 +97,16 @@ def test_bad_schedule_fails_naming_the_field(overrides, message):
 
 def test_schedule_defaults_keep_the_synchronous_loop():
   from digen_jax.runtime import pipeline
+
   c = _tiny()
-  assert (c.schedule.fragments, c.schedule.fragment_unit, c.schedule.tsp, c.schedule.tag,
-          c.schedule.tcss_fraction, c.schedule.trace) == (1, 'group', False, False, 0.0, True)
+  assert (
+      c.schedule.fragments,
+      c.schedule.fragment_unit,
+      c.schedule.tsp,
+      c.schedule.tag,
+      c.schedule.tcss_fraction,
+      c.schedule.trace,
+  ) == (1, 'group', False, False, 0.0, True)
   assert not pipeline.enabled(c)
   assert pipeline.enabled(_tiny(**{'schedule.fragments': 2}))
 
@@ -109,8 +126,9 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   params = jax.device_put(exp.params, psh)
   prompts = [p for p in exp.prompts.next_batch() for _ in range(c.rl.group_size)]
   cond = workers.encode(exp, prompts, mesh)
-  traj, _ = programs.make_rollout(exp, mesh)(exp.params, cond, cond, jax.random.key(3),
-                                             jnp.int32(0))
+  traj, _ = programs.make_rollout(exp, mesh)(
+      exp.params, cond, cond, jax.random.key(3), jnp.int32(0)
+  )
   rng = np.random.default_rng(0)
   data = mesh_lib.batch_sharding(mesh, 1)
   adv = jax.device_put(rng.standard_normal(exp.batch_size).astype(np.float32), data)
@@ -124,9 +142,20 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   velocity_fn = programs.velocity_fn_of(exp)
 
   def serial(p):
-    return objective.grpo_objective(velocity_fn, p, traj, cond, adv, valid, indices,
-                                    sde_cfg=exp.sde_cfg, clip_range=c.rl.clip_range,
-                                    step_loop='scan', denominator=1.0)
+    return objective.grpo_objective(
+        velocity_fn,
+        p,
+        traj,
+        cond,
+        adv,
+        valid,
+        indices,
+        sde_cfg=exp.sde_cfg,
+        clip_range=c.rl.clip_range,
+        step_loop='scan',
+        denominator=1.0,
+    )
+
   (loss, m), g = jax.jit(jax.value_and_grad(serial, has_aux=True))(exp.params)
   assert float(acc['sums']['loss']) == pytest.approx(float(loss), rel=1e-4, abs=1e-7)
   assert float(acc['sums']['weight_sum']) == float(m['weight_sum']) == 5 * int(valid.sum())
@@ -157,6 +186,7 @@ def _slow_reward(exp, seconds):
   def slow(images, prompts):
     time.sleep(seconds)
     return fn(images, prompts)
+
   exp.reward_fn = slow
   return exp
 
@@ -167,23 +197,35 @@ def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit,
   """GAP (M fragments) + TSP + TAG/BTS in one process (trainer devices 0-1, rollout 2-3,
   the rollout a thread): same parameters as colocated after 3 steps, whoever sampled what."""
   wd = str(tmp_path / 'run')
-  c = configlib.set_disagg(_tiny(**{'schedule.fragments': m, 'schedule.fragment_unit': unit,
-                                    'schedule.tsp': True, 'schedule.tag': True}),
-                           trainer=(0, 1), rollout=(2, 3))
+  c = configlib.set_disagg(
+      _tiny(
+          **{
+              'schedule.fragments': m,
+              'schedule.fragment_unit': unit,
+              'schedule.tsp': True,
+              'schedule.tag': True,
+          }
+      ),
+      trainer=(0, 1),
+      rollout=(2, 3),
+  )
   exp = _slow_reward(experiment.build(c, wd, 2), 0.4)
   out = disagg.train(exp, wd, cluster_lib.resolve(c))
   rows = _rows(wd)
-  print(f'GAP({unit}, M={m})+TSP+TAG vs colocated: max |dparams| = '
-        f'{max(float(np.abs(a - b).max()) for a, b in zip(_leaves(out["params"]), _leaves(colocated_ref["params"]))):.3g}; '
-        f'TAG fragments per step {[r["tag_fragments"] for r in rows]}')
+  print(
+      f'GAP({unit}, M={m})+TSP+TAG vs colocated: max |dparams| = '
+      f'{max(float(np.abs(a - b).max()) for a, b in zip(_leaves(out["params"]), _leaves(colocated_ref["params"]))):.3g}; '
+      f'TAG fragments per step {[r["tag_fragments"] for r in rows]}'
+  )
   _assert_same_update(out['params'], out['opt_state'], rows, colocated_ref)
   assert all(r['fragments'] == m for r in rows)
   decisions = out['decisions']
   assert decisions and all(d['action'] in ('insert', 'wait') and d['reason'] for d in decisions)
   # The trainer did sample (TAG) and BTS recorded why; the update was still colocated's.
   assert sum(r['tag_fragments'] for r in rows) >= 1
-  assert any(d['action'] == 'insert' and d['makespan_insert'] < d['makespan_wait']
-             for d in decisions)
+  assert any(
+      d['action'] == 'insert' and d['makespan_insert'] < d['makespan_wait'] for d in decisions
+  )
   trace_json = json.load(open(os.path.join(wd, 'trace.json')))
   names = {e['name'] for e in trace_json['traceEvents'] if e['ph'] == 'X'}
   assert {'rollout', 'tag_rollout', 'grad', 'apply', 'publish'} <= names
@@ -199,17 +241,29 @@ def test_gap_tsp_tag_two_processes_equal_colocated(colocated_ref, tmp_path, wait
   rollout's hand-over mode (schedule.wait_for_pull) changes when fragments move, not what."""
   wd = str(tmp_path / 'run')
   launch = ['--num_processes=2', '--devices_per_process=2', '--timeout_s=280']
-  main = [sys.executable, '-m', 'digen_jax.main', '--config=configs/qwenimage.py:tiny_disagg',
-          f'--workdir={wd}', f'--config.total_steps={STEPS}', '--config.schedule.fragments=4',
-          '--config.schedule.fragment_unit=sample', '--config.schedule.tsp=True',
-          '--config.schedule.tag=True', f'--config.schedule.wait_for_pull={wait_for_pull}']
+  main = [
+      sys.executable,
+      '-m',
+      'digen_jax.main',
+      '--config=configs/qwenimage.py:tiny_disagg',
+      f'--workdir={wd}',
+      f'--config.total_steps={STEPS}',
+      '--config.schedule.fragments=4',
+      '--config.schedule.fragment_unit=sample',
+      '--config.schedule.tsp=True',
+      '--config.schedule.tag=True',
+      f'--config.schedule.wait_for_pull={wait_for_pull}',
+  ]
   code, out = util.run(launch, main, timeout_s=300)
   assert code == 0, out[-4000:]
   assert 'BTS step' in out
   ckpt = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))
   assert ckpt.latest_step() == STEPS
-  template = {'params': colocated_ref['params'], 'opt_state': colocated_ref['opt_state'],
-              'rng': ckpt_lib.key_to_data(jax.random.key(0))}
+  template = {
+      'params': colocated_ref['params'],
+      'opt_state': colocated_ref['opt_state'],
+      'rng': ckpt_lib.key_to_data(jax.random.key(0)),
+  }
   state, meta = ckpt.restore(STEPS, template)
   ckpt.close()
   assert meta['data_position'] == STEPS * 2
@@ -225,9 +279,17 @@ def test_tcss_mixes_at_most_one_version_of_staleness(tmp_path):
   """phi = 0.5 of M = 4 fragments may start with the previous policy: rows report the
   staleness mix, every sample is at most one version old, ratios use the behaviour log-probs."""
   wd = str(tmp_path / 'run')
-  c = configlib.set_disagg(_tiny(**{'schedule.fragments': 4, 'schedule.fragment_unit': 'sample',
-                                    'schedule.tcss_fraction': 0.5}),
-                           trainer=(0, 1), rollout=(2, 3))
+  c = configlib.set_disagg(
+      _tiny(
+          **{
+              'schedule.fragments': 4,
+              'schedule.fragment_unit': 'sample',
+              'schedule.tcss_fraction': 0.5,
+          }
+      ),
+      trainer=(0, 1),
+      rollout=(2, 3),
+  )
   out = disagg.train(experiment.build(c, wd, 2), wd, cluster_lib.resolve(c))
   rows = _rows(wd)
   assert [r['step'] for r in rows] == [1, 2, 3]
@@ -236,7 +298,7 @@ def test_tcss_mixes_at_most_one_version_of_staleness(tmp_path):
     assert set(mix) == {'0', '1'} and sum(mix.values()) == pytest.approx(1.0)
     assert mix['1'] <= 0.5 + 1e-9
     assert r['policy_version'] >= r['step'] - 2
-  assert rows[0]['staleness_mix']['1'] == 0.0         # nothing precedes the first batch
+  assert rows[0]['staleness_mix']['1'] == 0.0  # nothing precedes the first batch
   # The rollout finishes its share before the trainer's last gradient + step + publish, so
   # later batches do start with the previous policy.
   assert any(r['staleness_mix']['1'] > 0 for r in rows[1:])

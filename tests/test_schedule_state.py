@@ -1,5 +1,6 @@
 """The schedule state machine (runtime/schedule.py) driven by a virtual clock and synthetic
 costs: no devices, no threads, no compilation."""
+
 import heapq
 import itertools
 import math
@@ -10,8 +11,17 @@ from digen_jax.runtime import bts
 from digen_jax.runtime import fragments
 from digen_jax.runtime import schedule as sched
 
-COSTS = dict(roll=1.0, train=0.3, tag=1.2, switch=0.05, publish=0.1, pull=0.1, apply=0.1,
-             deliver=0.05, gap=0.02)
+COSTS = dict(
+    roll=1.0,
+    train=0.3,
+    tag=1.2,
+    switch=0.05,
+    publish=0.1,
+    pull=0.1,
+    apply=0.1,
+    deliver=0.05,
+    gap=0.02,
+)
 
 
 def _simulate(sm: sched.Schedule, **costs):
@@ -32,6 +42,7 @@ def _simulate(sm: sched.Schedule, **costs):
       busy[role] = False
       if fn is not None:
         fn()
+
     return finish
 
   def run_trainer(a):
@@ -48,6 +59,7 @@ def _simulate(sm: sched.Schedule, **costs):
       def end():
         sm.fragment_arrived(a.step, a.index, a.version, sched.TRAINER)
         sm.sampled_by_trainer(c['tag'], now - t0)
+
       at(now + c['switch'] + c['tag'], free(sched.TRAINER, end))
     else:
       raise AssertionError(a)
@@ -58,9 +70,19 @@ def _simulate(sm: sched.Schedule, **costs):
     elif isinstance(a, sched.SampleFragment):
       sm.claimed(a.step, a.index, sched.ROLLOUT, now)
       t0, t1 = now, now + c['roll']
-      at(t1 + c['deliver'], lambda: sm.fragment_arrived(
-          a.step, a.index, a.version, sched.ROLLOUT, sample_s=c['roll'], t_start=t0, t_end=t1,
-          arrived=t1 + c['deliver']))
+      at(
+          t1 + c['deliver'],
+          lambda: sm.fragment_arrived(
+              a.step,
+              a.index,
+              a.version,
+              sched.ROLLOUT,
+              sample_s=c['roll'],
+              t_start=t0,
+              t_end=t1,
+              arrived=t1 + c['deliver'],
+          ),
+      )
       at(t1 + c['gap'], free(sched.ROLLOUT))
     elif isinstance(a, sched.EndRolloutStep):
       sm.rollout_step_ended(a.step)
@@ -81,7 +103,7 @@ def _simulate(sm: sched.Schedule, **costs):
           ready = sm.stale_window() and sm.rollout_step in sm.published_at
           a = sm.rollout_action(next_policy_ready=ready)
           if isinstance(a, sched.ReceivePolicy) and a.version not in sm.published_at:
-            continue                                     # waits for the publish
+            continue  # waits for the publish
         if isinstance(a, sched.Done):
           done[role] = True
           continue
@@ -111,19 +133,27 @@ def _actions(log, kind, role=None):
   return [a for _, r, a in log if isinstance(a, kind) and (role is None or r == role)]
 
 
-CASES = [dict(num=m, unit=u, tag=tag, phi=phi, costs=costs)
-         for m, u in ((1, 'group'), (2, 'group'), (4, 'group'), (4, 'sample'), (8, 'sample'))
-         for tag in (False, True) for phi in (0.0, 0.5)
-         for costs in (dict(), dict(roll=0.2, train=1.0), dict(roll=2.0, train=0.1, tag=0.5))
-         if not (phi and m == 1)]
+CASES = [
+    dict(num=m, unit=u, tag=tag, phi=phi, costs=costs)
+    for m, u in ((1, 'group'), (2, 'group'), (4, 'group'), (4, 'sample'), (8, 'sample'))
+    for tag in (False, True)
+    for phi in (0.0, 0.5)
+    for costs in (dict(), dict(roll=0.2, train=1.0), dict(roll=2.0, train=0.1, tag=0.5))
+    if not (phi and m == 1)
+]
 
 
-@pytest.mark.parametrize('case', CASES, ids=lambda c: f"M{c['num']}{c['unit'][0]}"
-                         f"{'-tag' if c['tag'] else ''}-phi{c['phi']}-{sorted(c['costs'].items())}")
+@pytest.mark.parametrize(
+    'case',
+    CASES,
+    ids=lambda c: f"M{c['num']}{c['unit'][0]}"
+    f"{'-tag' if c['tag'] else ''}-phi{c['phi']}-{sorted(c['costs'].items())}",
+)
 def test_every_fragment_is_sampled_once_and_trained_once(case):
   plan = _plan(num=case['num'], unit=case['unit'])
-  sm = sched.Schedule(plan, start=0, total_steps=4, tag=case['tag'],
-                      tcss_fraction=case['phi'], final_policy=True)
+  sm = sched.Schedule(
+      plan, start=0, total_steps=4, tag=case['tag'], tcss_fraction=case['phi'], final_policy=True
+  )
   log, _ = _simulate(sm, **case['costs'])
   every = {(s, f) for s in range(4) for f in range(plan.num)}
   sampled = [(a.step, a.index) for a in _actions(log, sched.SampleFragment)]
@@ -134,11 +164,14 @@ def test_every_fragment_is_sampled_once_and_trained_once(case):
   assert [a.version for a in _actions(log, sched.Publish)] == [0, 1, 2, 3, 4]
   assert [a.version for a in _actions(log, sched.ReceivePolicy)] == [0, 1, 2, 3, 4]
   # A fragment is trained after it was sampled, and before its batch's optimizer step.
-  order = {(type(a).__name__, getattr(a, 'step', None), getattr(a, 'index', None)): i
-           for i, (_, _, a) in enumerate(log)}
+  order = {
+      (type(a).__name__, getattr(a, 'step', None), getattr(a, 'index', None)): i
+      for i, (_, _, a) in enumerate(log)
+  }
   for s, f in every:
-    assert order[('SampleFragment', s, f)] < order[('TrainFragment', s, f)] < order[
-        ('Apply', s, None)]
+    assert (
+        order[('SampleFragment', s, f)] < order[('TrainFragment', s, f)] < order[('Apply', s, None)]
+    )
   if not case['tag']:
     assert not _actions(log, sched.SampleFragment, sched.TRAINER)
 
@@ -154,8 +187,11 @@ def test_one_fragment_is_the_colocated_order(start):
   for s in range(start, 4):
     expect_t += [sched.TrainFragment(s, 0), sched.Apply(s)]
     expect_t += [sched.Publish(s + 1)] if s + 1 < 4 else []
-    expect_r += [sched.ReceivePolicy(s), sched.SampleFragment(s, 0, sched.ROLLOUT, s),
-                 sched.EndRolloutStep(s)]
+    expect_r += [
+        sched.ReceivePolicy(s),
+        sched.SampleFragment(s, 0, sched.ROLLOUT, s),
+        sched.EndRolloutStep(s),
+    ]
   assert trainer == expect_t and rollout == expect_r
   # Strictly sequential: nothing of a batch starts before the previous one's publish ended.
   times = {a: t for t, _, a in log}
@@ -173,7 +209,7 @@ def test_tag_inserts_only_when_bts_predicts_a_shorter_makespan():
   for a in inserts:
     d = a.decision
     assert d['action'] == 'insert' and d['makespan_insert'] < d['makespan_wait']
-    assert a.version == a.step                      # the trainer's params are the published
+    assert a.version == a.step  # the trainer's params are the published
   waits = [a.decision for _, _, a in log if isinstance(a, sched.Wait) and a.decision]
   assert all(d['action'] == 'wait' for d in waits)
   assert all(d['makespan_insert'] >= d['makespan_wait'] for d in waits if 'makespan_wait' in d)
@@ -181,8 +217,9 @@ def test_tag_inserts_only_when_bts_predicts_a_shorter_makespan():
   assert end_tag < end_plain
   # A trainer far slower at sampling than the rollout helps once, before its sampling cost is
   # measured (BTS then estimates it from the rollout's), never after.
-  log, _ = _simulate(sched.Schedule(plan, start=0, total_steps=3, tag=True),
-                     roll=0.5, train=0.1, tag=20.0)
+  log, _ = _simulate(
+      sched.Schedule(plan, start=0, total_steps=3, tag=True), roll=0.5, train=0.1, tag=20.0
+  )
   inserts = _actions(log, sched.SampleFragment, sched.TRAINER)
   assert len(inserts) == 1 and not inserts[0].decision['c_tag_measured']
 
@@ -195,14 +232,19 @@ def test_trainer_action_is_the_bts_rule_on_the_state():
   sm.published(0, 0.5)
   a = sm.trainer_action(0.6)
   assert isinstance(a, sched.Wait) and a.decision['reason'] == 'costs not profiled yet'
-  for name, v in (('roll', 1.0), ('roll', 1.0), ('train', 0.2), ('train', 0.2),
-                  ('tag', 0.8), ('tag', 0.8)):
+  for name, v in (
+      ('roll', 1.0),
+      ('roll', 1.0),
+      ('train', 0.2),
+      ('train', 0.2),
+      ('tag', 0.8),
+      ('tag', 0.8),
+  ):
     sm.costs.observe(name, v)
   sm.claimed(0, 0, sched.ROLLOUT, 0.7)
   assert sm.needs_claims()
   a = sm.trainer_action(1.0)
-  want = bts.decide(sm.costs, now=1.0, rollout_free_at=1.7, in_flight=1, unclaimed=3,
-                    backlog=0)
+  want = bts.decide(sm.costs, now=1.0, rollout_free_at=1.7, in_flight=1, unclaimed=3, backlog=0)
   assert a.decision['action'] == want['action'] == 'insert'
   assert a.decision['makespan_insert'] == pytest.approx(want['makespan_insert'])
   assert a == sched.SampleFragment(0, 1, sched.TRAINER, 0)
@@ -223,11 +265,10 @@ def test_tcss_stays_within_phi_and_one_version(phi, m):
     if a.version < a.step:
       stale.setdefault(a.step, []).append(a.index)
   assert stale, 'a slow trainer leaves the rollout time for stale fragments'
-  assert 0 not in stale                           # nothing precedes the first batch
+  assert 0 not in stale  # nothing precedes the first batch
   assert all(len(v) <= math.floor(phi * m + 1e-9) for v in stale.values())
   # Without TCSS nothing is stale.
-  log, _ = _simulate(sched.Schedule(plan, start=0, total_steps=5), roll=0.1, train=0.5,
-                     apply=1.0)
+  log, _ = _simulate(sched.Schedule(plan, start=0, total_steps=5), roll=0.1, train=0.5, apply=1.0)
   assert all(a.version == a.step for a in _actions(log, sched.SampleFragment))
 
 

@@ -1,4 +1,5 @@
 """ShapesBench grammar (round trip, splits) and renderer (geometry, anti-aliasing, determinism)."""
+
 import itertools
 
 import numpy as np
@@ -7,275 +8,285 @@ import pytest
 from digen_jax.data.shapes import grammar as G
 from digen_jax.data.shapes import render as R
 
-
 # ------------------------------------------------------------------------------------ grammar
 
+
 def test_round_trip_every_prompt():
-    prompts = G.all_prompts()
-    texts = [p.to_text() for p in prompts]
-    assert len(set(texts)) == len(texts) > 1000
-    for p, t in zip(prompts, texts):
-        q = G.parse(t)
-        assert q == p and q.to_text() == t
+  prompts = G.all_prompts()
+  texts = [p.to_text() for p in prompts]
+  assert len(set(texts)) == len(texts) > 1000
+  for p, t in zip(prompts, texts):
+    q = G.parse(t)
+    assert q == p and q.to_text() == t
 
 
 def test_examples_and_normalisation():
-    p = G.parse("two red circles on a white background")
-    assert p.objects == (G.ShapeObject("red", "circle", 2),) and p.relation is None
-    assert p.background == "white"
-    q = G.parse("  A Red Circle left of a Blue Square on a black background ")
-    assert q.relation == "left of" and [o.color for o in q.objects] == ["red", "blue"]
-    assert q.to_text() == "a red circle left of a blue square on a black background"
+  p = G.parse("two red circles on a white background")
+  assert p.objects == (G.ShapeObject("red", "circle", 2),) and p.relation is None
+  assert p.background == "white"
+  q = G.parse("  A Red Circle left of a Blue Square on a black background ")
+  assert q.relation == "left of" and [o.color for o in q.objects] == ["red", "blue"]
+  assert q.to_text() == "a red circle left of a blue square on a black background"
 
 
-@pytest.mark.parametrize("text", [
-    "",
-    "a red circle",                                             # no background
-    "a red circles on a white background",                      # number disagreement
-    "two red circle on a white background",
-    "four red circles on a white background",                   # count out of range
-    "a pink circle on a white background",                      # unknown colour
-    "a red hexagon on a white background",
-    "a red circle on a red background",                         # background is not an object colour
-    "a red circle left of a red square on a white background",  # same colour in a relation
-    "two red circles left of a blue square on a white background",
-    "a red circle near a blue square on a white background",
-    "a red circle on a white background please",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "a red circle",  # no background
+        "a red circles on a white background",  # number disagreement
+        "two red circle on a white background",
+        "four red circles on a white background",  # count out of range
+        "a pink circle on a white background",  # unknown colour
+        "a red hexagon on a white background",
+        "a red circle on a red background",  # background is not an object colour
+        "a red circle left of a red square on a white background",  # same colour in a relation
+        "two red circles left of a blue square on a white background",
+        "a red circle near a blue square on a white background",
+        "a red circle on a white background please",
+    ],
+)
 def test_parse_rejects(text):
-    with pytest.raises(ValueError):
-        G.parse(text)
+  with pytest.raises(ValueError):
+    G.parse(text)
 
 
 def test_parse_rejects_non_str():
-    with pytest.raises(ValueError, match="str"):
-        G.parse(None)
+  with pytest.raises(ValueError, match="str"):
+    G.parse(None)
 
 
 def test_structured_validation():
-    with pytest.raises(ValueError, match="count"):
-        G.ShapeObject("red", "circle", 0)
-    with pytest.raises(ValueError, match="background"):
-        G.ShapesPrompt((G.ShapeObject("red", "circle"),), None, "red")
-    with pytest.raises(ValueError, match="relation"):
-        G.ShapesPrompt((G.ShapeObject("red", "circle"),), "above", "white")
-    with pytest.raises(ValueError, match="count 1"):
-        G.ShapesPrompt((G.ShapeObject("red", "circle", 2), G.ShapeObject("blue", "square")),
-                       "above", "white")
+  with pytest.raises(ValueError, match="count"):
+    G.ShapeObject("red", "circle", 0)
+  with pytest.raises(ValueError, match="background"):
+    G.ShapesPrompt((G.ShapeObject("red", "circle"),), None, "red")
+  with pytest.raises(ValueError, match="relation"):
+    G.ShapesPrompt((G.ShapeObject("red", "circle"),), "above", "white")
+  with pytest.raises(ValueError, match="count 1"):
+    G.ShapesPrompt(
+        (G.ShapeObject("red", "circle", 2), G.ShapeObject("blue", "square")), "above", "white"
+    )
 
 
 def test_palette_is_separable():
-    cols = {**G.COLORS, **G.BACKGROUNDS}
-    for a, b in itertools.combinations(cols, 2):
-        if a in G.BACKGROUNDS and b in G.BACKGROUNDS:
-            continue
-        assert np.linalg.norm(np.subtract(cols[a], cols[b])) >= 0.55, (a, b)
-    assert not set(G.COLORS) & set(G.BACKGROUNDS)
+  cols = {**G.COLORS, **G.BACKGROUNDS}
+  for a, b in itertools.combinations(cols, 2):
+    if a in G.BACKGROUNDS and b in G.BACKGROUNDS:
+      continue
+    assert np.linalg.norm(np.subtract(cols[a], cols[b])) >= 0.55, (a, b)
+  assert not set(G.COLORS) & set(G.BACKGROUNDS)
 
 
 def test_split_is_compositional_and_disjoint():
-    s = G.split_prompts()
-    train, ev = s["train"], s["eval"]
-    assert len(train) >= 300 and 50 <= len(ev) <= 110
-    train_t, eval_t = {p.to_text() for p in train}, {p.to_text() for p in ev}
-    assert len(train_t) == len(train) and len(eval_t) == len(ev)
-    assert not train_t & eval_t
-    # The rule: no held-out (colour, shape) pair anywhere in train; one in every eval prompt.
-    train_pairs = set().union(*(p.pairs() for p in train))
-    assert not train_pairs & G.HELD_OUT_PAIRS
-    assert all(p.pairs() & G.HELD_OUT_PAIRS for p in ev)
-    assert {pair for p in ev for pair in p.pairs()} >= G.HELD_OUT_PAIRS
-    # ... while training still sees every colour, shape, count, relation and background.
-    assert {c for c, _ in train_pairs} == set(G.COLORS)
-    assert {s_ for _, s_ in train_pairs} == set(G.SHAPES)
-    assert {p.objects[0].count for p in train} == {1, 2, 3}
-    assert {p.relation for p in train if p.relation} == set(G.RELATIONS)
-    assert {p.background for p in train} == set(G.BACKGROUNDS)
-    # Both prompt kinds are evaluated.
-    assert sum(p.is_relation for p in ev) >= 20 and sum(not p.is_relation for p in ev) >= 20
-    # val (for choosing settings) is held out like eval and shares no prompt with it or train.
-    val_t = {p.to_text() for p in s["val"]}
-    assert len(val_t) == len(s["val"]) == G.NUM_VAL_RELATIONS
-    assert not val_t & eval_t and not val_t & train_t
-    assert all(p.is_relation and p.pairs() & G.HELD_OUT_PAIRS for p in s["val"])
+  s = G.split_prompts()
+  train, ev = s["train"], s["eval"]
+  assert len(train) >= 300 and 50 <= len(ev) <= 110
+  train_t, eval_t = {p.to_text() for p in train}, {p.to_text() for p in ev}
+  assert len(train_t) == len(train) and len(eval_t) == len(ev)
+  assert not train_t & eval_t
+  # The rule: no held-out (colour, shape) pair anywhere in train; one in every eval prompt.
+  train_pairs = set().union(*(p.pairs() for p in train))
+  assert not train_pairs & G.HELD_OUT_PAIRS
+  assert all(p.pairs() & G.HELD_OUT_PAIRS for p in ev)
+  assert {pair for p in ev for pair in p.pairs()} >= G.HELD_OUT_PAIRS
+  # ... while training still sees every colour, shape, count, relation and background.
+  assert {c for c, _ in train_pairs} == set(G.COLORS)
+  assert {s_ for _, s_ in train_pairs} == set(G.SHAPES)
+  assert {p.objects[0].count for p in train} == {1, 2, 3}
+  assert {p.relation for p in train if p.relation} == set(G.RELATIONS)
+  assert {p.background for p in train} == set(G.BACKGROUNDS)
+  # Both prompt kinds are evaluated.
+  assert sum(p.is_relation for p in ev) >= 20 and sum(not p.is_relation for p in ev) >= 20
+  # val (for choosing settings) is held out like eval and shares no prompt with it or train.
+  val_t = {p.to_text() for p in s["val"]}
+  assert len(val_t) == len(s["val"]) == G.NUM_VAL_RELATIONS
+  assert not val_t & eval_t and not val_t & train_t
+  assert all(p.is_relation and p.pairs() & G.HELD_OUT_PAIRS for p in s["val"])
 
 
 def test_split_and_sampling_deterministic():
-    assert G.split_prompts() == G.split_prompts()
-    a, b = G.sample_prompts(50, seed=3), G.sample_prompts(50, seed=3)
-    assert a == b and a != G.sample_prompts(50, seed=4)
-    ev = set(G.split_prompts()["eval"])
-    assert all(p in ev for p in G.sample_prompts(40, seed=1, split="eval"))
-    with pytest.raises(ValueError, match="split"):
-        G.sample_prompts(2, 0, split="test")
+  assert G.split_prompts() == G.split_prompts()
+  a, b = G.sample_prompts(50, seed=3), G.sample_prompts(50, seed=3)
+  assert a == b and a != G.sample_prompts(50, seed=4)
+  ev = set(G.split_prompts()["eval"])
+  assert all(p in ev for p in G.sample_prompts(40, seed=1, split="eval"))
+  with pytest.raises(ValueError, match="split"):
+    G.sample_prompts(2, 0, split="test")
 
 
 def test_grammar_words_cover_all_prompts():
-    words = set(G.grammar_words())
-    used = {w for p in G.iter_all_prompts() for w in p.to_text().split()}
-    assert used == words
+  words = set(G.grammar_words())
+  used = {w for p in G.iter_all_prompts() for w in p.to_text().split()}
+  assert used == words
 
 
 # ------------------------------------------------------------------------------------ render
 
+
 def _relation_prompts(n, seed):
-    return [p for p in G.sample_prompts(4 * n, seed) if p.is_relation][:n]
+  return [p for p in G.sample_prompts(4 * n, seed) if p.is_relation][:n]
 
 
 def test_render_contract():
-    p = G.parse("three blue triangles on a gray background")
-    img = R.render(p, 32, np.random.default_rng(0))
-    assert img.shape == (32, 32, 3) and img.dtype == np.float32
-    assert img.min() >= -1.0 and img.max() <= 1.0
-    np.testing.assert_array_equal(img, R.render(p, 32, 0))  # int seed == Generator(seed)
-    assert not np.array_equal(img, R.render(p, 32, 1))      # jitter
-    assert R.render("a red circle on a white background", 48, 0).shape == (48, 48, 3)
-    with pytest.raises(ValueError, match="size"):
-        R.render(p, 8, 0)
+  p = G.parse("three blue triangles on a gray background")
+  img = R.render(p, 32, np.random.default_rng(0))
+  assert img.shape == (32, 32, 3) and img.dtype == np.float32
+  assert img.min() >= -1.0 and img.max() <= 1.0
+  np.testing.assert_array_equal(img, R.render(p, 32, 0))  # int seed == Generator(seed)
+  assert not np.array_equal(img, R.render(p, 32, 1))  # jitter
+  assert R.render("a red circle on a white background", 48, 0).shape == (48, 48, 3)
+  with pytest.raises(ValueError, match="size"):
+    R.render(p, 8, 0)
 
 
 @pytest.mark.parametrize("size", [24, 32, 64])
 def test_border_is_pure_background_and_edges_antialiased(size):
-    rng = np.random.default_rng(size)
-    n_partial = 0
-    for p in G.sample_prompts(30, seed=size):
-        img = (R.render(p, size, rng) + 1) / 2
-        bg = np.asarray(G.BACKGROUNDS[p.background], np.float32)
-        ring = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
-        np.testing.assert_allclose(ring, np.broadcast_to(bg, ring.shape), atol=1e-6)
-        # Anti-aliasing: some pixels are strict mixtures of background and an object colour.
-        for o in p.objects:
-            d = np.asarray(G.COLORS[o.color], np.float32) - bg
-            alpha = ((img - bg) @ d) / (d @ d)
-            resid = np.linalg.norm(img - bg - alpha[..., None] * d, axis=-1)
-            n_partial += int(np.sum((alpha > 0.05) & (alpha < 0.95) & (resid < 1e-4)))
-    assert n_partial > 100
+  rng = np.random.default_rng(size)
+  n_partial = 0
+  for p in G.sample_prompts(30, seed=size):
+    img = (R.render(p, size, rng) + 1) / 2
+    bg = np.asarray(G.BACKGROUNDS[p.background], np.float32)
+    ring = np.concatenate([img[0], img[-1], img[:, 0], img[:, -1]])
+    np.testing.assert_allclose(ring, np.broadcast_to(bg, ring.shape), atol=1e-6)
+    # Anti-aliasing: some pixels are strict mixtures of background and an object colour.
+    for o in p.objects:
+      d = np.asarray(G.COLORS[o.color], np.float32) - bg
+      alpha = ((img - bg) @ d) / (d @ d)
+      resid = np.linalg.norm(img - bg - alpha[..., None] * d, axis=-1)
+      n_partial += int(np.sum((alpha > 0.05) & (alpha < 0.95) & (resid < 1e-4)))
+  assert n_partial > 100
 
 
 def test_coverage_matches_analytic_area():
-    for shape, area in [("circle", np.pi / 4), ("square", 1.0), ("triangle", 0.5)]:
-        p = R.Placed("red", shape, 15.3, 16.7, 11.4)
-        cov = R.coverage(p, 32, supersample=8)
-        assert cov.min() >= 0 and cov.max() <= 1
-        np.testing.assert_allclose(cov.sum(), area * 11.4 ** 2, rtol=0.02)
+  for shape, area in [("circle", np.pi / 4), ("square", 1.0), ("triangle", 0.5)]:
+    p = R.Placed("red", shape, 15.3, 16.7, 11.4)
+    cov = R.coverage(p, 32, supersample=8)
+    assert cov.min() >= 0 and cov.max() <= 1
+    np.testing.assert_allclose(cov.sum(), area * 11.4**2, rtol=0.02)
 
 
 def test_layout_counts_colours_no_overlap_margins():
-    rng = np.random.default_rng(0)
-    for p in G.sample_prompts(300, seed=5):
-        for size in (32, 64):
-            objs = R.layout(p, size, rng)
-            want = [(o.color, o.shape) for o in p.objects for _ in range(o.count)]
-            assert sorted((q.color, q.shape) for q in objs) == sorted(want)
-            m = R.default_margin(size)
-            for q in objs:
-                x0, y0, x1, y1 = q.box
-                assert x0 >= m - 1e-9 and y0 >= m - 1e-9 and x1 <= size - m + 1e-9 and y1 <= size - m + 1e-9
-            for a, b in itertools.combinations(objs, 2):
-                assert R._box_gap(a, b) >= R.default_gap(size) - 1e-9
+  rng = np.random.default_rng(0)
+  for p in G.sample_prompts(300, seed=5):
+    for size in (32, 64):
+      objs = R.layout(p, size, rng)
+      want = [(o.color, o.shape) for o in p.objects for _ in range(o.count)]
+      assert sorted((q.color, q.shape) for q in objs) == sorted(want)
+      m = R.default_margin(size)
+      for q in objs:
+        x0, y0, x1, y1 = q.box
+        assert x0 >= m - 1e-9 and y0 >= m - 1e-9 and x1 <= size - m + 1e-9 and y1 <= size - m + 1e-9
+      for a, b in itertools.combinations(objs, 2):
+        assert R._box_gap(a, b) >= R.default_gap(size) - 1e-9
 
 
 def test_relations_geometrically_true():
-    rng = np.random.default_rng(1)
-    for p in _relation_prompts(200, seed=7):
-        a, b = R.layout(p, 32, rng)
-        ax0, ay0, ax1, ay1 = a.box
-        bx0, by0, bx1, by1 = b.box
-        if p.relation == "left of":
-            gap, du, dv = bx0 - ax1, b.cx - a.cx, b.cy - a.cy
-        elif p.relation == "right of":
-            gap, du, dv = ax0 - bx1, a.cx - b.cx, a.cy - b.cy
-        elif p.relation == "above":  # y grows downward
-            gap, du, dv = by0 - ay1, b.cy - a.cy, b.cx - a.cx
-        else:
-            gap, du, dv = ay0 - by1, a.cy - b.cy, a.cx - b.cx
-        assert gap >= R.default_gap(32) - 1e-9, p.to_text()
-        assert abs(dv) <= 0.3 * du + 1e-9, p.to_text()
+  rng = np.random.default_rng(1)
+  for p in _relation_prompts(200, seed=7):
+    a, b = R.layout(p, 32, rng)
+    ax0, ay0, ax1, ay1 = a.box
+    bx0, by0, bx1, by1 = b.box
+    if p.relation == "left of":
+      gap, du, dv = bx0 - ax1, b.cx - a.cx, b.cy - a.cy
+    elif p.relation == "right of":
+      gap, du, dv = ax0 - bx1, a.cx - b.cx, a.cy - b.cy
+    elif p.relation == "above":  # y grows downward
+      gap, du, dv = by0 - ay1, b.cy - a.cy, b.cx - a.cx
+    else:
+      gap, du, dv = ay0 - by1, a.cy - b.cy, a.cx - b.cx
+    assert gap >= R.default_gap(32) - 1e-9, p.to_text()
+    assert abs(dv) <= 0.3 * du + 1e-9, p.to_text()
 
 
 def test_size_jitter():
-    p = G.parse("a red square on a black background")
-    extents = {round(R.layout(p, 32, s)[0].e, 3) for s in range(20)}
-    assert len(extents) == 20
-    assert max(extents) / min(extents) < 1.6
+  p = G.parse("a red square on a black background")
+  extents = {round(R.layout(p, 32, s)[0].e, 3) for s in range(20)}
+  assert len(extents) == 20
+  assert max(extents) / min(extents) < 1.6
 
 
 def test_render_batch_deterministic():
-    ps = G.sample_prompts(8, 0)
-    a, b = R.render_batch(ps, 32, seed=11), R.render_batch(ps, 32, seed=11)
-    assert a.shape == (8, 32, 32, 3) and a.dtype == np.float32
-    np.testing.assert_array_equal(a, b)
+  ps = G.sample_prompts(8, 0)
+  a, b = R.render_batch(ps, 32, seed=11), R.render_batch(ps, 32, seed=11)
+  assert a.shape == (8, 32, 32, 3) and a.dtype == np.float32
+  np.testing.assert_array_equal(a, b)
 
 
 def test_miscaption_changes_exactly_one_attribute():
-    rng = np.random.default_rng(0)
-    two = G.parse("two red squares on a white background")
-    rel = G.parse("a red square left of a blue circle on a black background")
-    one = G.parse("a red square on a white background")
-    for _ in range(20):
-        assert G.miscaption(two, "count", rng).objects[0].count == 3
-        r = G.miscaption(rel, "relation", rng)
-        assert r.relation != rel.relation and r.objects == rel.objects
-    assert G.miscaption(rel, "binding", rng).to_text() == (
-        "a red circle left of a blue square on a black background")
-    # Not applicable: one object is never miscounted; binding needs two different shapes.
-    assert G.miscaption(one, "count", rng) is None and G.miscaption(one, "relation", rng) is None
-    same = G.parse("a red square left of a blue square on a black background")
-    assert G.miscaption(same, "binding", rng) is None and G.miscaption(rel, "count", rng) is None
-    with pytest.raises(ValueError, match="kind='colour'"):
-        G.miscaption(rel, "colour", rng)
+  rng = np.random.default_rng(0)
+  two = G.parse("two red squares on a white background")
+  rel = G.parse("a red square left of a blue circle on a black background")
+  one = G.parse("a red square on a white background")
+  for _ in range(20):
+    assert G.miscaption(two, "count", rng).objects[0].count == 3
+    r = G.miscaption(rel, "relation", rng)
+    assert r.relation != rel.relation and r.objects == rel.objects
+  assert G.miscaption(rel, "binding", rng).to_text() == (
+      "a red circle left of a blue square on a black background"
+  )
+  # Not applicable: one object is never miscounted; binding needs two different shapes.
+  assert G.miscaption(one, "count", rng) is None and G.miscaption(one, "relation", rng) is None
+  same = G.parse("a red square left of a blue square on a black background")
+  assert G.miscaption(same, "binding", rng) is None and G.miscaption(rel, "count", rng) is None
+  with pytest.raises(ValueError, match="kind='colour'"):
+    G.miscaption(rel, "colour", rng)
 
 
 def test_training_batches_are_deterministic_noisy_and_never_name_held_out_pairs():
-    from digen_jax.data.shapes import training as T
-    spec = T.BatchSpec(batch=400, size=16, seed=3, caption_noise=0.5)
-    a, b = T.training_batch(spec, 7), T.training_batch(spec, 7)
-    np.testing.assert_array_equal(a.images, b.images)
-    assert a.captions == b.captions and a.captions != T.training_batch(spec, 8).captions
-    truths = [G.parse(t) for t in a.truths]
-    caps = [G.parse(t) for t in a.captions]
-    assert 0.45 < np.mean([not p.is_relation for p in truths]) < 0.55
-    # Every eligible pair (all but one-object prompts) is miscaptioned with probability 0.5.
-    eligible = np.array([p.is_relation or p.objects[0].count > 1 for p in truths])
-    assert not a.miscaptioned[~eligible].any()
-    assert 0.4 < a.miscaptioned[eligible].mean() < 0.6
-    assert a.miscaptioned.tolist() == [c != t for c, t in zip(a.captions, a.truths)]
-    assert not any(G.is_held_out(p) for p in truths + caps)
-    # The image is always the truth's: re-rendering the true prompts reproduces it.
-    clean = T.training_batch(T.BatchSpec(batch=400, size=16, seed=3), 7)
-    assert clean.truths == a.truths and not clean.miscaptioned.any()
-    np.testing.assert_array_equal(clean.images, a.images)
-    with pytest.raises(ValueError, match="caption_noise"):
-        T.BatchSpec(batch=4, size=16, seed=0, caption_noise=1.5)
+  from digen_jax.data.shapes import training as T
+
+  spec = T.BatchSpec(batch=400, size=16, seed=3, caption_noise=0.5)
+  a, b = T.training_batch(spec, 7), T.training_batch(spec, 7)
+  np.testing.assert_array_equal(a.images, b.images)
+  assert a.captions == b.captions and a.captions != T.training_batch(spec, 8).captions
+  truths = [G.parse(t) for t in a.truths]
+  caps = [G.parse(t) for t in a.captions]
+  assert 0.45 < np.mean([not p.is_relation for p in truths]) < 0.55
+  # Every eligible pair (all but one-object prompts) is miscaptioned with probability 0.5.
+  eligible = np.array([p.is_relation or p.objects[0].count > 1 for p in truths])
+  assert not a.miscaptioned[~eligible].any()
+  assert 0.4 < a.miscaptioned[eligible].mean() < 0.6
+  assert a.miscaptioned.tolist() == [c != t for c, t in zip(a.captions, a.truths)]
+  assert not any(G.is_held_out(p) for p in truths + caps)
+  # The image is always the truth's: re-rendering the true prompts reproduces it.
+  clean = T.training_batch(T.BatchSpec(batch=400, size=16, seed=3), 7)
+  assert clean.truths == a.truths and not clean.miscaptioned.any()
+  np.testing.assert_array_equal(clean.images, a.images)
+  with pytest.raises(ValueError, match="caption_noise"):
+    T.BatchSpec(batch=4, size=16, seed=0, caption_noise=1.5)
 
 
 def test_batch_stream_workers_yield_the_in_process_batches():
-    from digen_jax.data.shapes import training as T
-    spec = T.BatchSpec(batch=8, size=16, seed=1, caption_noise=0.3)
-    with T.BatchStream(spec, first_step=5) as s0, T.BatchStream(spec, first_step=5, workers=2) as s2:
-        for _ in range(4):
-            x, y = next(s0), next(s2)
-            assert x.captions == y.captions
-            np.testing.assert_array_equal(x.images, y.images)
-    assert T.training_batch(spec, 8).captions == x.captions
+  from digen_jax.data.shapes import training as T
+
+  spec = T.BatchSpec(batch=8, size=16, seed=1, caption_noise=0.3)
+  with T.BatchStream(spec, first_step=5) as s0, T.BatchStream(spec, first_step=5, workers=2) as s2:
+    for _ in range(4):
+      x, y = next(s0), next(s2)
+      assert x.captions == y.captions
+      np.testing.assert_array_equal(x.images, y.images)
+  assert T.training_batch(spec, 8).captions == x.captions
 
 
 def test_shape_maps_are_the_drawn_objects_coverage_per_shape():
-    from digen_jax.data.shapes import training as T
-    spec = T.BatchSpec(batch=64, size=32, seed=5)
-    plain, mapped = T.training_batch(spec, 2), T.training_batch(
-        T.BatchSpec(batch=64, size=32, seed=5, shape_maps=True), 2)
-    assert plain.shape_maps is None
-    np.testing.assert_array_equal(plain.images, mapped.images)  # maps never change the images
-    assert mapped.shape_maps.shape == (64, 32, 32, len(G.SHAPES))
-    for img, truth, maps in zip(mapped.images, mapped.truths, mapped.shape_maps):
-        p = G.parse(truth)
-        drawn = {o.shape for o in p.objects}
-        for k, shape in enumerate(G.SHAPES):
-            # A shape's channel is lit exactly when the prompt draws that shape.
-            assert (maps[..., k].sum() > 0) == (shape in drawn)
-        # Wherever a channel is lit, the image shows an object colour, not the background.
-        bg = np.asarray(G.BACKGROUNDS[p.background]) * 2 - 1
-        covered = maps.sum(-1) > 0.99
-        assert np.abs(img[covered] - bg).max(axis=-1).min() > 0.3
-        assert np.abs(img[maps.sum(-1) == 0] - bg).max() < 1e-6
+  from digen_jax.data.shapes import training as T
+
+  spec = T.BatchSpec(batch=64, size=32, seed=5)
+  plain, mapped = T.training_batch(spec, 2), T.training_batch(
+      T.BatchSpec(batch=64, size=32, seed=5, shape_maps=True), 2
+  )
+  assert plain.shape_maps is None
+  np.testing.assert_array_equal(plain.images, mapped.images)  # maps never change the images
+  assert mapped.shape_maps.shape == (64, 32, 32, len(G.SHAPES))
+  for img, truth, maps in zip(mapped.images, mapped.truths, mapped.shape_maps):
+    p = G.parse(truth)
+    drawn = {o.shape for o in p.objects}
+    for k, shape in enumerate(G.SHAPES):
+      # A shape's channel is lit exactly when the prompt draws that shape.
+      assert (maps[..., k].sum() > 0) == (shape in drawn)
+    # Wherever a channel is lit, the image shows an object colour, not the background.
+    bg = np.asarray(G.BACKGROUNDS[p.background]) * 2 - 1
+    covered = maps.sum(-1) > 0.99
+    assert np.abs(img[covered] - bg).max(axis=-1).min() > 0.3
+    assert np.abs(img[maps.sum(-1) == 0] - bg).max() < 1e-6

@@ -1,4 +1,5 @@
 """The README's main job (configs/shapes.py) starts from the shipped base model and runs."""
+
 import json
 import os
 import subprocess
@@ -28,11 +29,21 @@ def test_shapes_config_uses_the_shipped_base_model():
 @pytest.mark.parametrize('variant', ['', ':disagg'])
 def test_shapes_main_job_runs_from_another_cwd(tmp_path, variant):
   wd = tmp_path / 'run'
-  cmd = [sys.executable, '-m', 'digen_jax.main', f'--workdir={wd}',
-         f'--config={os.path.join(REPO, "configs", "shapes.py")}{variant}', '--config.total_steps=2',
-         '--config.rl.prompts_per_step=2', '--config.rl.group_size=4', '--config.eval.every=2',
-         '--config.eval.num_prompts=4', '--config.eval.samples_per_prompt=2',
-         '--config.eval.batch_size=8', '--config.sample_grid_every=2']
+  cmd = [
+      sys.executable,
+      '-m',
+      'digen_jax.main',
+      f'--workdir={wd}',
+      f'--config={os.path.join(REPO, "configs", "shapes.py")}{variant}',
+      '--config.total_steps=2',
+      '--config.rl.prompts_per_step=2',
+      '--config.rl.group_size=4',
+      '--config.eval.every=2',
+      '--config.eval.num_prompts=4',
+      '--config.eval.samples_per_prompt=2',
+      '--config.eval.batch_size=8',
+      '--config.sample_grid_every=2',
+  ]
   env = dict(os.environ, PYTHONPATH=REPO)
   r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -50,11 +61,12 @@ def test_text_encoder_mismatch_is_a_clear_error(tmp_path):
   """config.seed seeds the word-encoder table; with the shipped base another seed would feed the
   generator embeddings it never saw. The digest recorded in the checkpoint catches it."""
   from digen_jax import experiment
+
   c = shapes.get_config()
-  experiment.check_text_encoder(c, experiment.build_text_encoder(c))   # seed 0: fine
+  experiment.check_text_encoder(c, experiment.build_text_encoder(c))  # seed 0: fine
   c.seed = 1
   with pytest.raises(ValueError, match=r'config.seed=1.*Set config.seed=0'):
     experiment.check_text_encoder(c, experiment.build_text_encoder(c))
   with pytest.raises(ValueError, match='config.seed'):
     experiment.build(c, str(tmp_path), 4)
-  assert not os.listdir(tmp_path)   # raised before anything was written
+  assert not os.listdir(tmp_path)  # raised before anything was written

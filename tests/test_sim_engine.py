@@ -1,5 +1,6 @@
 """sim/engine.py: the real schedule on a virtual clock gives the closed-form answers where there
 are some, and the schedule's own behaviour (BTS insertions, TCSS staleness) where there are not."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ from digen_jax.runtime import trace as trace_lib
 from digen_jax.sim import engine
 from digen_jax.sim import predict
 
-G, P = 4, 8   # group size, prompts per step: B = 32
+G, P = 4, 8  # group size, prompts per step: B = 32
 
 
 def run(costs, schedule, layout=engine.Layout(), steps=6):
@@ -17,10 +18,9 @@ def run(costs, schedule, layout=engine.Layout(), steps=6):
 
 
 def test_synchronous_step_is_the_sum_of_its_parts():
-  c = engine.StepCosts(rollout=2.0, grad=1.5, publish=0.1, pull=0.2, deliver=0.3,
-                       trainer_host=0.7)
+  c = engine.StepCosts(rollout=2.0, grad=1.5, publish=0.1, pull=0.2, deliver=0.3, trainer_host=0.7)
   r = run(c, engine.Schedule(fragments=1))
-  wall = 0.1 + 0.2 + 2.0 + 0.3 + 1.5          # the host work after the update is outside
+  wall = 0.1 + 0.2 + 2.0 + 0.3 + 1.5  # the host work after the update is outside
   for row in r.rows:
     assert row['wall_s'] == pytest.approx(wall)
     # busy: the publish (trainer), the rollout, the update, over 2 devices
@@ -48,8 +48,9 @@ def test_balanced_gap_step_is_fill_plus_m_fragments(m):
 
 
 def test_devices_of_separate_roles_never_overlap_and_every_fragment_trains_once():
-  c = engine.StepCosts(rollout=0.7, grad=1.1, apply=0.2, publish=0.1, deliver=0.05, gap=0.02,
-                       tag_rollout=0.9)
+  c = engine.StepCosts(
+      rollout=0.7, grad=1.1, apply=0.2, publish=0.1, deliver=0.05, gap=0.02, tag_rollout=0.9
+  )
   r = run(c, engine.Schedule(fragments=8, tag=True, tsp=True), steps=5)
   for dev in (0, 1):
     spans = sorted((s for s in r.spans if dev in s.devices), key=lambda s: s.t0)
@@ -72,8 +73,7 @@ def test_shared_compute_slows_concurrent_programs():
 
 
 def test_tag_inserts_when_the_rollout_is_the_bottleneck():
-  slow_rollout = engine.StepCosts(rollout=3.0, grad=1.0, apply=0.1, publish=0.1,
-                                  tag_rollout=1.0)
+  slow_rollout = engine.StepCosts(rollout=3.0, grad=1.0, apply=0.1, publish=0.1, tag_rollout=1.0)
   gap = run(slow_rollout, engine.Schedule(fragments=8, tsp=True)).summary()
   tag = run(slow_rollout, engine.Schedule(fragments=8, tsp=True, tag=True)).summary()
   assert tag['bts_inserts'] > 0
@@ -113,11 +113,14 @@ def test_utilization_is_the_traces_own_measure():
   assert row['utilization'] == pytest.approx(trace_lib.utilization(r.spans, t0, t1, 2))
 
 
-@pytest.mark.parametrize('bad, field', [
-    (dict(rollout=-1.0, grad=1.0), 'rollout'),
-    (dict(rollout=1.0, grad=float('nan')), 'grad'),
-    (dict(rollout=1.0, grad=1.0, publish=float('inf')), 'publish'),
-])
+@pytest.mark.parametrize(
+    'bad, field',
+    [
+        (dict(rollout=-1.0, grad=1.0), 'rollout'),
+        (dict(rollout=1.0, grad=float('nan')), 'grad'),
+        (dict(rollout=1.0, grad=1.0, publish=float('inf')), 'publish'),
+    ],
+)
 def test_bad_costs_name_the_field(bad, field):
   with pytest.raises(ValueError, match=f'StepCosts.{field}'):
     engine.StepCosts(**bad)
@@ -132,24 +135,37 @@ def test_rungs_turn_on_one_technique_each():
   s = [predict.rung_schedule(r, 16, 'group', 0.5) for r in predict.RUNGS]
   assert [x.synchronous for x in s] == [True, True, False, False, False, False]
   assert [(x.fragments, x.tsp, x.tag, x.tcss_fraction) for x in s[2:]] == [
-      (16, False, False, 0.0), (16, True, False, 0.0), (16, True, True, 0.0),
-      (16, True, True, 0.5)]
+      (16, False, False, 0.0),
+      (16, True, False, 0.0),
+      (16, True, True, 0.0),
+      (16, True, True, 0.5),
+  ]
 
 
 def test_programs_that_use_one_core_of_a_shared_host_overlap_for_free():
   c = dict(rollout=1.0, grad=1.0, apply=0.1, publish=0.1)
   separate = run(engine.StepCosts(**c), engine.Schedule(fragments=4)).summary()
-  one_core = run(engine.StepCosts(**c, cores={'rollout': 1.0, 'grad': 1.0}),
-                 engine.Schedule(fragments=4), engine.Layout(shared=True, cores=2)).summary()
-  fills = run(engine.StepCosts(**c, cores={'rollout': 2.0, 'grad': 2.0}),
-              engine.Schedule(fragments=4), engine.Layout(shared=True, cores=2)).summary()
-  old = run(engine.StepCosts(**c), engine.Schedule(fragments=4),
-            engine.Layout(shared=True)).summary()
+  one_core = run(
+      engine.StepCosts(**c, cores={'rollout': 1.0, 'grad': 1.0}),
+      engine.Schedule(fragments=4),
+      engine.Layout(shared=True, cores=2),
+  ).summary()
+  fills = run(
+      engine.StepCosts(**c, cores={'rollout': 2.0, 'grad': 2.0}),
+      engine.Schedule(fragments=4),
+      engine.Layout(shared=True, cores=2),
+  ).summary()
+  old = run(
+      engine.StepCosts(**c), engine.Schedule(fragments=4), engine.Layout(shared=True)
+  ).summary()
   assert one_core['wall_s'] == pytest.approx(separate['wall_s'])
   assert fills['wall_s'] == pytest.approx(old['wall_s'])
   # 1.5 + 1.5 cores on 2: each runs at 2/3 of its speed while both are in flight.
-  mid = run(engine.StepCosts(**c, cores={'rollout': 1.5, 'grad': 1.5}),
-            engine.Schedule(fragments=4), engine.Layout(shared=True, cores=2)).summary()
+  mid = run(
+      engine.StepCosts(**c, cores={'rollout': 1.5, 'grad': 1.5}),
+      engine.Schedule(fragments=4),
+      engine.Layout(shared=True, cores=2),
+  ).summary()
   assert separate['wall_s'] < mid['wall_s'] < fills['wall_s']
 
 

@@ -3,6 +3,7 @@ machine (sim/profile.py), predicts the samples/s of real ladder runs (two proces
 disaggregation and GAP+TSP+TAG) within 10% on average and 15% at worst. The full comparison
 (balance points, a heterogeneous case, every rung) is benchmarks/sim_validation.py's, in
 benchmarks/RESULTS.md."""
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,11 @@ def test_simulator_predicts_measured_ladder_runs(tmp_path):
     # This VM's speed drifts by 10-20% over minutes (measured: the same program's span differs
     # that much between two ladder runs): profile and measure once more before judging.
     cmp = sim_validation.run_scenario(sim_validation.SCENARIOS['small'], str(tmp_path / 'b'))
-  table = '\n'.join(f'{x["mode"]}: measured {x["measured_sps"]:.2f} predicted '
-                    f'{x["predicted_sps"]:.2f} ({100 * x["sps_error"]:+.1f}%)'
-                    for x in cmp['lines'])
+  table = '\n'.join(
+      f'{x["mode"]}: measured {x["measured_sps"]:.2f} predicted '
+      f'{x["predicted_sps"]:.2f} ({100 * x["sps_error"]:+.1f}%)'
+      for x in cmp['lines']
+  )
   assert {x['mode'] for x in cmp['lines']} == {'disagg', 'gap_tsp_tag'}, table
   assert cmp['sps_mae'] <= 0.10, table
   assert cmp['sps_max'] <= 0.15, table

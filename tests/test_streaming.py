@@ -5,6 +5,7 @@ Sharded diffusers folders (save_pretrained with an index) and params_io folders 
 shardings; bad checkpoints are refused before any data is read; and the host never stages more
 than about one tensor (measured in a fresh process).
 """
+
 import copy
 import json
 import math
@@ -33,8 +34,16 @@ from digen_jax.models.tensor_source import TensorSource
 from digen_jax.runtime import mesh as mesh_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=32,
-            num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(8, 12, 12))
+TINY = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=4,
+    num_layers=2,
+    attention_head_dim=32,
+    num_attention_heads=2,
+    joint_attention_dim=48,
+    axes_dims_rope=(8, 12, 12),
+)
 INDEX = 'diffusion_pytorch_model.safetensors.index.json'
 
 
@@ -77,8 +86,10 @@ def _in_memory(state_dict):
 def _flat(tree):
   """{dotted path: leaf} of an nnx.State or a nested dict."""
   pure = nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
-  return {'.'.join(str(getattr(k, 'key', k)) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]}
+  return {
+      '.'.join(str(getattr(k, 'key', k)) for k in path): leaf
+      for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]
+  }
 
 
 def _check(state, want, shardings, dtype=jnp.float32):
@@ -89,8 +100,9 @@ def _check(state, want, shardings, dtype=jnp.float32):
     assert isinstance(arr, jax.Array) and arr.dtype == dtype, name
     assert arr.sharding == sh[name], (name, arr.sharding, sh[name])
     assert arr.sharding.is_equivalent_to(sh[name], arr.ndim), name
-    np.testing.assert_array_equal(np.asarray(arr), np.asarray(want[name]).astype(dtype),
-                                  err_msg=name)
+    np.testing.assert_array_equal(
+        np.asarray(arr), np.asarray(want[name]).astype(dtype), err_msg=name
+    )
 
 
 def _spec_if_divisible(shape, mesh, spec):
@@ -116,8 +128,9 @@ def test_open_checkpoint_reads_headers_and_skips_pickle(tmodel, folder, tmp_path
     assert info.file.name == weight_map[key] and info.dtype == 'F32', key
     assert info.shape == tuple(sd[key].shape), key
   key = 'transformer_blocks.1.attn.to_q.weight'
-  np.testing.assert_array_equal(ckpt.read(key, (slice(3, 9), slice(10, 20))),
-                                sd[key].numpy()[3:9, 10:20])
+  np.testing.assert_array_equal(
+      ckpt.read(key, (slice(3, 9), slice(10, 20))), sd[key].numpy()[3:9, 10:20]
+  )
   # Pickle weights next to the shards are never opened (a garbage .bin would fail to unpickle).
   copy_dir = tmp_path / 'with_pickle'
   shutil.copytree(folder, copy_dir)
@@ -144,8 +157,9 @@ def test_open_checkpoint_refuses_inconsistent_folders(folder, tmp_path):
     streaming.open_checkpoint(bad)
   (bad / INDEX).unlink()
   (bad / 'variant.safetensors').write_bytes((bad / name).read_bytes())
-  with pytest.raises(ValueError,
-                     match=f"'{key}' appears in both .*{name} and .*variant.safetensors"):
+  with pytest.raises(
+      ValueError, match=f"'{key}' appears in both .*{name} and .*variant.safetensors"
+  ):
     streaming.open_checkpoint(bad)
   with pytest.raises(ValueError, match='checkpoint not found: .*nope'):
     streaming.open_checkpoint(tmp_path / 'nope')
@@ -177,20 +191,22 @@ def test_2x2_mesh_and_several_axes_per_param(folder, reference):
   mesh = mesh_lib.make_role_mesh(jax.devices()[:4], (2, 2), ('x', 'y'))
   fsdp = {}
   _, _, state = convert.load_diffusers_sharded(
-      folder, lambda a: fsdp.setdefault('t', mesh_lib.fsdp_shardings(a, mesh)))
+      folder, lambda a: fsdp.setdefault('t', mesh_lib.fsdp_shardings(a, mesh))
+  )
   _check(state, reference, fsdp['t'])
   # Different mesh axes on different dims, the stacked layer axis split, and 1-D params split
   # over one axis only (so pairs of devices share a slice and one read).
   specs = {3: P('x', 'y', None), 2: P('y', 'x'), 1: P('y')}
 
   def custom(abstract):
-    return jax.tree.map(lambda a: NamedSharding(
-        mesh, _spec_if_divisible(a.shape, mesh, specs[a.ndim])), abstract)
+    return jax.tree.map(
+        lambda a: NamedSharding(mesh, _spec_if_divisible(a.shape, mesh, specs[a.ndim])), abstract
+    )
 
   holder = {}
   _, _, state = convert.load_diffusers_sharded(folder, lambda a: holder.setdefault('t', custom(a)))
   _check(state, reference, holder['t'])
-  kernel = _flat(state)['blocks.img_mlp.fc1.kernel']   # [2 layers, 64, 256]: 4 distinct slices
+  kernel = _flat(state)['blocks.img_mlp.fc1.kernel']  # [2 layers, 64, 256]: 4 distinct slices
   assert kernel.sharding.spec == P('x', 'y', None)
   assert {tuple(s.data.shape) for s in kernel.addressable_shards} == {(1, 32, 256)}
 
@@ -198,8 +214,9 @@ def test_2x2_mesh_and_several_axes_per_param(folder, reference):
 def test_replicated_bfloat16_layout(folder, reference):
   mesh = mesh_lib.make_mesh(jax.devices()[:4])
   rep = mesh_lib.replicated(mesh)
-  cfg, _, state = convert.load_diffusers_sharded(folder, lambda a: jax.tree.map(lambda _: rep, a),
-                                                 jnp.bfloat16)
+  cfg, _, state = convert.load_diffusers_sharded(
+      folder, lambda a: jax.tree.map(lambda _: rep, a), jnp.bfloat16
+  )
   _check(state, reference, jax.tree.map(lambda _: rep, state), jnp.bfloat16)
   for arr in jax.tree.leaves(state):
     assert len(arr.addressable_shards) == 4 and arr.is_fully_replicated
@@ -215,10 +232,12 @@ def test_bfloat16_files_load(tmodel, tmp_path):
   mesh = mesh_lib.make_role_mesh(jax.devices()[:4], (2, 2), ('x', 'y'))
   holder = {}
   _, _, state = convert.load_diffusers_sharded(
-      path, lambda a: holder.setdefault('t', mesh_lib.fsdp_shardings(a, mesh)))
+      path, lambda a: holder.setdefault('t', mesh_lib.fsdp_shardings(a, mesh))
+  )
   _check(state, want, holder['t'])
   _, _, state = convert.load_diffusers_sharded(
-      path, lambda a: holder.setdefault('u', mesh_lib.fsdp_shardings(a, mesh)), jnp.bfloat16)
+      path, lambda a: holder.setdefault('u', mesh_lib.fsdp_shardings(a, mesh)), jnp.bfloat16
+  )
   _check(state, want, holder['u'], jnp.bfloat16)
 
 
@@ -244,24 +263,31 @@ def test_missing_extra_and_misshaped_keys_name_the_key_and_file(folder, tmp_path
   missing = tmp_path / 'missing'
   shutil.copytree(folder, missing)
   _rewrite(missing, 'transformer_blocks.1.attn.to_k.bias')
-  with pytest.raises(ValueError, match=r"missing diffusers keys \(1\): transformer_blocks\.1\.attn"
-                     r"\.to_k\.bias \(searched .*model-00001-of-.*\.safetensors"):
+  with pytest.raises(
+      ValueError,
+      match=r'missing diffusers keys \(1\): transformer_blocks\.1\.attn'
+      r'\.to_k\.bias \(searched .*model-00001-of-.*\.safetensors',
+  ):
     convert.load_diffusers_sharded(missing, single)
 
   extra = tmp_path / 'extra'
   shutil.copytree(folder, extra)
   name = _rewrite(extra, 'extra_head.weight', np.zeros((3, 4), np.float32))
-  with pytest.raises(ValueError, match=rf"unexpected diffusers keys \(1\): extra_head\.weight "
-                     rf"\(in .*{name}\)"):
+  with pytest.raises(
+      ValueError, match=rf'unexpected diffusers keys \(1\): extra_head\.weight ' rf'\(in .*{name}\)'
+  ):
     convert.load_diffusers_sharded(extra, single)
 
   shaped = tmp_path / 'shaped'
   shutil.copytree(folder, shaped)
   key = 'transformer_blocks.0.img_mlp.net.2.weight'
   name = _rewrite(shaped, key, np.zeros((64, 200), np.float32))
-  with pytest.raises(ValueError, match=rf"diffusers key '{key}' has shape \(64, 200\), expected "
-                     rf"one that gives \(256, 64\) for our param blocks\.img_mlp\.fc2\.kernel "
-                     rf"\(it gives \(200, 64\)\); file .*{name}"):
+  with pytest.raises(
+      ValueError,
+      match=rf"diffusers key '{key}' has shape \(64, 200\), expected "
+      rf'one that gives \(256, 64\) for our param blocks\.img_mlp\.fc2\.kernel '
+      rf'\(it gives \(200, 64\)\); file .*{name}',
+  ):
     convert.load_diffusers_sharded(shaped, single)
 
 
@@ -280,39 +306,52 @@ def test_load_diffusers_folder_goes_through_the_streamed_loader(folder, referenc
 def test_every_tensor_source_feature_on_a_2x2_mesh(tmp_path):
   rng = np.random.default_rng(0)
   files = {
-      'conv.weight': rng.standard_normal((8, 4, 3, 2), np.float32),       # [O, I, kh, kw]
-      'norm.gamma': rng.standard_normal((8, 1, 1), np.float32),           # held as [8]
+      'conv.weight': rng.standard_normal((8, 4, 3, 2), np.float32),  # [O, I, kh, kw]
+      'norm.gamma': rng.standard_normal((8, 1, 1), np.float32),  # held as [8]
       'scalar': np.asarray(rng.standard_normal(), np.float32),
-      **{f'blocks.{i}.conv.weight': rng.standard_normal((4, 6, 2, 2), np.float32)
-         for i in range(4)},
+      **{
+          f'blocks.{i}.conv.weight': rng.standard_normal((4, 6, 2, 2), np.float32) for i in range(4)
+      },
       **{f'blocks.{i}.gamma': rng.standard_normal((6, 1, 1, 1), np.float32) for i in range(4)},
   }
-  save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in files.items() if 'blocks' in k},
-            tmp_path / 'a.safetensors')
+  save_file(
+      {k: v.astype(ml_dtypes.bfloat16) for k, v in files.items() if 'blocks' in k},
+      tmp_path / 'a.safetensors',
+  )
   save_file({k: v for k, v in files.items() if 'blocks' not in k}, tmp_path / 'b.safetensors')
   table = {
       'conv.kernel': TensorSource(('conv.weight',), perm=(2, 3, 1, 0)),
       'norm.scale': TensorSource(('norm.gamma',), shape=(8,)),
       'scalar': TensorSource(('scalar',)),
-      'blocks.conv.kernel': TensorSource(tuple(f'blocks.{i}.conv.weight' for i in range(4)),
-                                         perm=(2, 3, 1, 0), stacked=True),
-      'blocks.gamma': TensorSource(tuple(f'blocks.{i}.gamma' for i in range(4)), stacked=True,
-                                   shape=(1, 6)),
+      'blocks.conv.kernel': TensorSource(
+          tuple(f'blocks.{i}.conv.weight' for i in range(4)), perm=(2, 3, 1, 0), stacked=True
+      ),
+      'blocks.gamma': TensorSource(
+          tuple(f'blocks.{i}.gamma' for i in range(4)), stacked=True, shape=(1, 6)
+      ),
   }
   ckpt = streaming.open_checkpoint(tmp_path)
   read = lambda k: ckpt.read(k).astype(np.float32)
   want = {name: tensor_source.gather(src, read) for name, src in table.items()}
-  abstract = {'conv': {'kernel': jax.ShapeDtypeStruct((3, 2, 4, 8), jnp.float32)},
-              'norm': {'scale': jax.ShapeDtypeStruct((8,), jnp.float32)},
-              'scalar': jax.ShapeDtypeStruct((), jnp.float32),
-              'blocks': {'conv': {'kernel': jax.ShapeDtypeStruct((4, 2, 2, 6, 4), jnp.float32)},
-                         'gamma': jax.ShapeDtypeStruct((4, 1, 6), jnp.float32)}}
+  abstract = {
+      'conv': {'kernel': jax.ShapeDtypeStruct((3, 2, 4, 8), jnp.float32)},
+      'norm': {'scale': jax.ShapeDtypeStruct((8,), jnp.float32)},
+      'scalar': jax.ShapeDtypeStruct((), jnp.float32),
+      'blocks': {
+          'conv': {'kernel': jax.ShapeDtypeStruct((4, 2, 2, 6, 4), jnp.float32)},
+          'gamma': jax.ShapeDtypeStruct((4, 1, 6), jnp.float32),
+      },
+  }
   mesh = mesh_lib.make_role_mesh(jax.devices()[:4], (2, 2), ('x', 'y'))
-  shardings = {'conv': {'kernel': NamedSharding(mesh, P(None, 'x', None, 'y'))},
-               'norm': {'scale': NamedSharding(mesh, P(('x', 'y')))},
-               'scalar': NamedSharding(mesh, P()),
-               'blocks': {'conv': {'kernel': NamedSharding(mesh, P('y', None, 'x', None, None))},
-                          'gamma': NamedSharding(mesh, P('x', None, 'y'))}}
+  shardings = {
+      'conv': {'kernel': NamedSharding(mesh, P(None, 'x', None, 'y'))},
+      'norm': {'scale': NamedSharding(mesh, P(('x', 'y')))},
+      'scalar': NamedSharding(mesh, P()),
+      'blocks': {
+          'conv': {'kernel': NamedSharding(mesh, P('y', None, 'x', None, None))},
+          'gamma': NamedSharding(mesh, P('x', None, 'y')),
+      },
+  }
   out = streaming.load(ckpt, table, abstract, shardings)
   _check(out, want, shardings)
   # Identity of results: the same structure as `abstract` (a pure dict here).
@@ -340,12 +379,15 @@ def test_params_io_streams_onto_shardings(tmp_path):
   mesh = mesh_lib.make_role_mesh(jax.devices()[:4], (2, 2), ('x', 'y'))
   holder = {}
   cfg2, state, extra = params_io.load_params_sharded(
-      tmp_path / 'ck', lambda a: holder.setdefault('t', mesh_lib.fsdp_shardings(a, mesh)))
+      tmp_path / 'ck', lambda a: holder.setdefault('t', mesh_lib.fsdp_shardings(a, mesh))
+  )
   assert cfg2 == cfg and extra == {'note': 'x'}
   _check(state, want, holder['t'])
   _, state, _ = params_io.load_params_sharded(
-      tmp_path / 'ck', lambda a: holder.setdefault('u', mesh_lib.fsdp_shardings(a, mesh)),
-      jnp.bfloat16)
+      tmp_path / 'ck',
+      lambda a: holder.setdefault('u', mesh_lib.fsdp_shardings(a, mesh)),
+      jnp.bfloat16,
+  )
   _check(state, want, holder['u'], jnp.bfloat16)
   w = tmp_path / 'ck' / params_io.WEIGHTS_FILE
   data = bytearray(w.read_bytes())
@@ -419,7 +461,7 @@ out['tracemalloc'] = tracemalloc.get_traced_memory()[1]
 print('RESULT ' + json.dumps(out))
 """
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def test_peak_host_memory_is_about_one_tensor(tmp_path):
@@ -431,26 +473,42 @@ def test_peak_host_memory_is_about_one_tensor(tmp_path):
   """
   torch.manual_seed(0)
   big = diffusers.QwenImageTransformer2DModel(
-      patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=64,
-      num_attention_heads=6, joint_attention_dim=64, axes_dims_rope=(16, 24, 24))
+      patch_size=2,
+      in_channels=16,
+      out_channels=4,
+      num_layers=2,
+      attention_head_dim=64,
+      num_attention_heads=6,
+      joint_attention_dim=64,
+      axes_dims_rope=(16, 24, 24),
+  )
   big.save_pretrained(tmp_path, max_shard_size='12MB')
   del big
   assert len(list(tmp_path.glob('*.safetensors'))) >= 4
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=4')
   res = {}
   for layout in ('fsdp', 'replicated', 'whole'):
-    proc = subprocess.run([sys.executable, '-c', _MEASURE, str(tmp_path), layout], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, '-c', _MEASURE, str(tmp_path), layout],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res[layout] = json.loads(proc.stdout.split('RESULT ', 1)[1])
   largest, total = res['fsdp']['largest'], res['fsdp']['total']
   bound = 2 * largest + 16 * MIB
-  print(f'\nlargest param {largest / MIB:.2f} MiB, model {total / MIB:.2f} MiB, '
-        f'bound {bound / MIB:.2f} MiB')
+  print(
+      f'\nlargest param {largest / MIB:.2f} MiB, model {total / MIB:.2f} MiB, '
+      f'bound {bound / MIB:.2f} MiB'
+  )
   for name, r in res.items():
-    print(f"{name:>10}: staging by tracemalloc {r['tracemalloc'] / MIB:6.2f} MiB, by RSS "
-          f"{r['rss'] / MIB:6.2f} MiB (on devices {r['device'] / MIB:6.2f} MiB)")
+    print(
+        f"{name:>10}: staging by tracemalloc {r['tracemalloc'] / MIB:6.2f} MiB, by RSS "
+        f"{r['rss'] / MIB:6.2f} MiB (on devices {r['device'] / MIB:6.2f} MiB)"
+    )
   assert 35 * MIB < total < 50 * MIB and largest < 8 * MIB
   for name in ('fsdp', 'replicated'):
     assert res[name]['device'] == (1 if name == 'fsdp' else 4) * total, name

@@ -1,5 +1,6 @@
 """End-to-end checks of the colocated loop: resume exactness, the CLI, metrics. Bad input to
 the CLIs is tests/test_fuzz_cli.py's."""
+
 import json
 import os
 import subprocess
@@ -18,8 +19,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny(total_steps, **overrides):
-  return configlib.apply_overrides(qwenimage.get_config('tiny'),
-                                   {'total_steps': total_steps, **overrides})
+  return configlib.apply_overrides(
+      qwenimage.get_config('tiny'), {'total_steps': total_steps, **overrides}
+  )
 
 
 def _run(config, workdir, n_dev=2):
@@ -31,7 +33,7 @@ def _run(config, workdir, n_dev=2):
 def test_resume_gives_identical_parameters(tmp_path):
   straight = _run(_tiny(4), tmp_path / 'straight')
   _run(_tiny(2), tmp_path / 'resumed')
-  resumed = _run(_tiny(4), tmp_path / 'resumed')            # restarts from step 2
+  resumed = _run(_tiny(4), tmp_path / 'resumed')  # restarts from step 2
   a = jax.tree.leaves(jax.device_get(straight['params']))
   b = jax.tree.leaves(jax.device_get(resumed['params']))
   assert len(a) == len(b)
@@ -52,13 +54,29 @@ def _cli(workdir, *flags):
 @pytest.mark.slow
 def test_cli_tiny_writes_metrics(tmp_path):
   wd = tmp_path / 'run'
-  r = _cli(wd, '--config=configs/qwenimage.py:tiny', '--config.total_steps=2',
-           '--config.sample_grid_every=2')
+  r = _cli(
+      wd,
+      '--config=configs/qwenimage.py:tiny',
+      '--config.total_steps=2',
+      '--config.sample_grid_every=2',
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(l) for l in open(wd / 'metrics.jsonl')]
   assert [r['step'] for r in rows] == [1, 2]
-  for key in ('step', 'policy_version', 'reward_mean', 'reward_std', 'loss', 'approx_kl',
-              'clip_frac', 'ratio_mean', 'samples', 'samples_per_s', 'wall_s', 'utilization'):
+  for key in (
+      'step',
+      'policy_version',
+      'reward_mean',
+      'reward_std',
+      'loss',
+      'approx_kl',
+      'clip_frac',
+      'ratio_mean',
+      'samples',
+      'samples_per_s',
+      'wall_s',
+      'utilization',
+  ):
     assert key in rows[0], key
   # On-policy first epoch: the importance ratio is 1 to float32 rounding.
   assert all(abs(r['ratio_mean'] - 1.0) < 1e-5 for r in rows)
@@ -70,10 +88,18 @@ def test_cli_tiny_writes_metrics(tmp_path):
 @pytest.mark.slow
 def test_periodic_eval_report_and_eval_cli_agree(tmp_path):
   wd = tmp_path / 'run'
-  small_eval = ['--config.eval.num_prompts=4', '--config.eval.samples_per_prompt=2',
-                '--config.eval.batch_size=8']
-  r = _cli(wd, '--config=configs/qwenimage.py:tiny', '--config.total_steps=2',
-           '--config.eval.every=2', *small_eval)
+  small_eval = [
+      '--config.eval.num_prompts=4',
+      '--config.eval.samples_per_prompt=2',
+      '--config.eval.batch_size=8',
+  ]
+  r = _cli(
+      wd,
+      '--config=configs/qwenimage.py:tiny',
+      '--config.total_steps=2',
+      '--config.eval.every=2',
+      *small_eval,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [json.loads(l) for l in open(wd / 'metrics.jsonl')]
   evals = [r for r in rows if 'eval/strict_accuracy' in r]
@@ -84,9 +110,20 @@ def test_periodic_eval_report_and_eval_cli_agree(tmp_path):
   summary = json.load(open(wd / 'summary.json'))
   assert summary['steps'] == 2 and summary['final_eval_step'] == 2
   # The standalone eval of the final checkpoint reproduces the in-training eval exactly.
-  r = subprocess.run([sys.executable, '-m', 'digen_jax.eval', f'--workdir={wd}',
-                      '--config=configs/qwenimage.py:tiny', *small_eval],
-                     cwd=REPO, capture_output=True, text=True, timeout=600)
+  r = subprocess.run(
+      [
+          sys.executable,
+          '-m',
+          'digen_jax.eval',
+          f'--workdir={wd}',
+          '--config=configs/qwenimage.py:tiny',
+          *small_eval,
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   last = [json.loads(l) for l in open(wd / 'metrics.jsonl')][-1]
   assert last['step'] == 2

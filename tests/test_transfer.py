@@ -1,4 +1,5 @@
 """digen_jax.runtime.transfer: in-process publish and cross-process pytree transfer."""
+
 import importlib.util
 import os
 
@@ -12,7 +13,8 @@ from digen_jax.runtime import transfer
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location(
-    'launcher_util', os.path.join(_HERE, 'mp_scripts', 'launcher_util.py'))
+    'launcher_util', os.path.join(_HERE, 'mp_scripts', 'launcher_util.py')
+)
 util = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(util)
 
@@ -28,9 +30,11 @@ def _meshes():
 
 def _tree(src):
   r = np.random.default_rng(0)
-  host = {'w': r.standard_normal((8, 6)).astype(np.float32),
-          'b': r.standard_normal((5,)).astype(np.float32),
-          'count': np.arange(4, dtype=np.int32)}
+  host = {
+      'w': r.standard_normal((8, 6)).astype(np.float32),
+      'b': r.standard_normal((5,)).astype(np.float32),
+      'count': np.arange(4, dtype=np.int32),
+  }
   specs = {'w': P('x'), 'b': P(), 'count': P('x')}
   return host, jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(src, s)), host, specs)
 
@@ -38,8 +42,11 @@ def _tree(src):
 def test_publish_local_onto_other_mesh_with_bf16_cast():
   src, dst = _meshes()
   host, tree = _tree(src)
-  targets = {'w': NamedSharding(dst, P(None, 'data')), 'b': NamedSharding(dst, P()),
-             'count': NamedSharding(dst, P())}
+  targets = {
+      'w': NamedSharding(dst, P(None, 'data')),
+      'b': NamedSharding(dst, P()),
+      'count': NamedSharding(dst, P()),
+  }
   out = transfer.publish_local(tree, targets, dtype=jnp.bfloat16)
   assert out['w'].dtype == jnp.bfloat16 and out['b'].dtype == jnp.bfloat16
   assert out['count'].dtype == jnp.int32  # integers are never cast
@@ -51,8 +58,9 @@ def test_publish_local_onto_other_mesh_with_bf16_cast():
   # Widening back to f32 on a single shared sharding reproduces the bf16 values exactly.
   back = transfer.publish_local(out, NamedSharding(src, P()), dtype=jnp.float32)
   assert back['w'].dtype == jnp.float32 and back['count'].dtype == jnp.int32
-  np.testing.assert_array_equal(np.asarray(back['w']),
-                                host['w'].astype(jnp.bfloat16).astype(np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(back['w']), host['w'].astype(jnp.bfloat16).astype(np.float32)
+  )
   # Without dtype: a plain copy, values and dtypes untouched.
   same = transfer.publish_local(tree, targets)
   for k in host:
@@ -79,18 +87,21 @@ def _relayout_in_process(x, target_sharding, leaf_index=0):
   return transfer._build(spec, pulled, plan), plan, meta
 
 
-@pytest.mark.parametrize('src_spec,target,direct', [
-    # same slicing: each piece is pulled straight onto the device that holds it
-    (P('x'), lambda dst: NamedSharding(dst, P('data')), True),
-    # replicated -> replicated: one piece, copied device-to-device on the receiver
-    (P(), lambda dst: NamedSharding(dst, P()), True),
-    # other dimension: pieces assembled on one device, then resharded
-    (P('x'), lambda dst: NamedSharding(dst, P(None, 'data')), False),
-    # replicated -> sharded: the single full piece is resharded
-    (P(), lambda dst: NamedSharding(dst, P('data')), False),
-    # sharded -> one device
-    (P('x'), lambda dst: SingleDeviceSharding(dst.devices.flat[1]), False),
-])
+@pytest.mark.parametrize(
+    'src_spec,target,direct',
+    [
+        # same slicing: each piece is pulled straight onto the device that holds it
+        (P('x'), lambda dst: NamedSharding(dst, P('data')), True),
+        # replicated -> replicated: one piece, copied device-to-device on the receiver
+        (P(), lambda dst: NamedSharding(dst, P()), True),
+        # other dimension: pieces assembled on one device, then resharded
+        (P('x'), lambda dst: NamedSharding(dst, P(None, 'data')), False),
+        # replicated -> sharded: the single full piece is resharded
+        (P(), lambda dst: NamedSharding(dst, P('data')), False),
+        # sharded -> one device
+        (P('x'), lambda dst: SingleDeviceSharding(dst.devices.flat[1]), False),
+    ],
+)
 def test_receive_layout_plan(src_spec, target, direct):
   src, dst = _meshes()
   host = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
@@ -113,8 +124,11 @@ def test_channel_needs_distributed():
 
 @pytest.mark.slow
 def test_two_process_pytree_transfer_both_directions():
-  code, out = util.run(['--num_processes=2', '--devices_per_process=2', '--timeout_s=50'],
-                       util.script('transfer_roundtrip.py'), timeout_s=60)
+  code, out = util.run(
+      ['--num_processes=2', '--devices_per_process=2', '--timeout_s=50'],
+      util.script('transfer_roundtrip.py'),
+      timeout_s=60,
+  )
   assert code == 0, out
   # Process 1 checked 3 receives x 5 leaves of 0 -> 1; process 0 one receive of 1 -> 0 and the
   # wait_posted probe (one leaf).

@@ -1,6 +1,7 @@
 """Untrusted inputs (issue 18, part 6): nothing the package reads can run code (no pickle: weights,
 checkpoints and caches go through safetensors, orbax and array_record only), and the transfer
 server listens on the configured interface only (127.0.0.1 by default)."""
+
 import ast
 import os
 import socket
@@ -13,8 +14,18 @@ from digen_jax.runtime import transfer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = ('digen_jax', 'launch', 'benchmarks', 'configs')
-_PICKLING_MODULES = {'pickle', 'cPickle', '_pickle', 'dill', 'cloudpickle', 'joblib', 'shelve',
-                     'marshal', 'pickletools', 'copyreg'}
+_PICKLING_MODULES = {
+    'pickle',
+    'cPickle',
+    '_pickle',
+    'dill',
+    'cloudpickle',
+    'joblib',
+    'shelve',
+    'marshal',
+    'pickletools',
+    'copyreg',
+}
 
 
 def pickle_uses(source: str, path: str = '<src>') -> list[str]:
@@ -23,10 +34,14 @@ def pickle_uses(source: str, path: str = '<src>') -> list[str]:
   found = []
   for node in ast.walk(ast.parse(source, path)):
     if isinstance(node, ast.Import):
-      found += [f'{path}:{node.lineno}: import {a.name}' for a in node.names
-                if a.name.split('.')[0] in _PICKLING_MODULES]
-    elif (isinstance(node, ast.ImportFrom)
-          and (node.module or '').split('.')[0] in _PICKLING_MODULES):
+      found += [
+          f'{path}:{node.lineno}: import {a.name}'
+          for a in node.names
+          if a.name.split('.')[0] in _PICKLING_MODULES
+      ]
+    elif (
+        isinstance(node, ast.ImportFrom) and (node.module or '').split('.')[0] in _PICKLING_MODULES
+    ):
       found.append(f'{path}:{node.lineno}: from {node.module} import')
     elif isinstance(node, ast.Call):
       f = node.func
@@ -35,20 +50,24 @@ def pickle_uses(source: str, path: str = '<src>') -> list[str]:
       if (owner, name) == ('torch', 'load') or name in ('read_pickle', 'to_pickle'):
         found.append(f'{path}:{node.lineno}: {owner + "." if owner else ""}{name}(...)')
       for kw in node.keywords:
-        if kw.arg == 'allow_pickle' and not (isinstance(kw.value, ast.Constant)
-                                             and kw.value.value is False):
+        if kw.arg == 'allow_pickle' and not (
+            isinstance(kw.value, ast.Constant) and kw.value.value is False
+        ):
           found.append(f'{path}:{node.lineno}: allow_pickle={ast.unparse(kw.value)}')
-        if kw.arg == 'use_safetensors' and not (isinstance(kw.value, ast.Constant)
-                                                and kw.value.value is True):
+        if kw.arg == 'use_safetensors' and not (
+            isinstance(kw.value, ast.Constant) and kw.value.value is True
+        ):
           found.append(f'{path}:{node.lineno}: use_safetensors={ast.unparse(kw.value)}')
   return found
 
 
 def test_the_scanner_finds_pickle():
-  src = ('import pickle\nfrom dill import loads\nimport torch\nimport numpy as np\n'
-         'torch.load("w.bin")\nnp.load("a.npy", allow_pickle=True)\n'
-         'm.from_pretrained(p, use_safetensors=False)\n'
-         's = "pickle is not allowed"  # pickle\n')
+  src = (
+      'import pickle\nfrom dill import loads\nimport torch\nimport numpy as np\n'
+      'torch.load("w.bin")\nnp.load("a.npy", allow_pickle=True)\n'
+      'm.from_pretrained(p, use_safetensors=False)\n'
+      's = "pickle is not allowed"  # pickle\n'
+  )
   assert len(pickle_uses(src)) == 5
 
 
@@ -70,11 +89,16 @@ def test_text_encoder_weights_load_from_safetensors_only():
   """transformers' from_pretrained falls back to pickled .bin weights unless told not to."""
   with open(os.path.join(REPO, 'digen_jax', 'encode_prompts.py'), encoding='utf-8') as f:
     tree = ast.parse(f.read())
-  models = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-            and getattr(n.func, 'attr', '') == 'from_pretrained'
-            and any(k.arg == 'dtype' for k in n.keywords)]     # the encoder, not its tokenizer
-  assert models and all(any(k.arg == 'use_safetensors' and k.value.value is True
-                            for k in n.keywords) for n in models)
+  models = [
+      n
+      for n in ast.walk(tree)
+      if isinstance(n, ast.Call)
+      and getattr(n.func, 'attr', '') == 'from_pretrained'
+      and any(k.arg == 'dtype' for k in n.keywords)
+  ]  # the encoder, not its tokenizer
+  assert models and all(
+      any(k.arg == 'use_safetensors' and k.value.value is True for k in n.keywords) for n in models
+  )
 
 
 def _listening() -> set[str]:
@@ -92,7 +116,7 @@ def _listening() -> set[str]:
     with open(table) as f:
       for line in f.read().splitlines()[1:]:
         parts = line.split()
-        if parts[3] == '0A' and parts[9] in inodes:        # 0A: LISTEN
+        if parts[3] == '0A' and parts[9] in inodes:  # 0A: LISTEN
           out.add(parts[1])
   return out
 
@@ -117,7 +141,7 @@ def test_transfer_server_listens_on_the_configured_interface_only():
   assert configlib.base_config().cluster.transfer_host == '127.0.0.1'
   transfer.set_host(configlib.base_config().cluster.transfer_host)
   before = _listening()
-  server = transfer.start_server(transfer._transfer_host())   # pylint: disable=protected-access
+  server = transfer.start_server(transfer._transfer_host())  # pylint: disable=protected-access
   new = _new_listeners(before)
   # Its socket address and transport addresses, all on loopback.
   assert new, 'no listening socket found'
@@ -128,10 +152,10 @@ def test_transfer_server_listens_on_the_configured_interface_only():
   before = _listening()
   transfer.set_host('127.0.0.2')
   try:
-    second = transfer.start_server(transfer._transfer_host())   # pylint: disable=protected-access
+    second = transfer.start_server(transfer._transfer_host())  # pylint: disable=protected-access
   finally:
     transfer.set_host('127.0.0.1')
-  new = _new_listeners(before)       # (`second` held: a collected server closes its sockets)
+  new = _new_listeners(before)  # (`second` held: a collected server closes its sockets)
   assert new and all(a.startswith(_hex_ipv4('127.0.0.2') + ':') for a in new), new
   assert second.address().startswith('127.0.0.2:')
 

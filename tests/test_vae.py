@@ -1,6 +1,7 @@
 """Qwen-Image VAE (digen_jax.models.vae) against diffusers' AutoencoderKLQwenImage on a tiny random
 model saved with save_pretrained: decode, encode, packed entry points, sliced and tiled decode,
 the loader's key table and error messages, bf16 params."""
+
 import copy
 import json
 
@@ -21,9 +22,15 @@ from tests import diffusers_models
 
 # Three downsamplings (8x, as Qwen-Image), both 2-D and 3-D resample modes, resnets with and
 # without conv_shortcut, mid-block attention over 32 channels.
-TINY = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.31, -0.52, 0.13, -0.07], latents_std=[1.7, 0.6, 2.3, 1.1])
+TINY = dict(
+    base_dim=16,
+    z_dim=4,
+    dim_mult=[1, 2, 2, 2],
+    num_res_blocks=1,
+    temperal_downsample=[False, True, True],
+    latents_mean=[0.31, -0.52, 0.13, -0.07],
+    latents_std=[1.7, 0.6, 2.3, 1.1],
+)
 RTOL = 1e-4
 
 
@@ -89,7 +96,11 @@ def test_config_and_key_table_match_diffusers(ref, folder):
   raw = json.loads((folder / 'vae' / 'config.json').read_text())
   cfg = vae.config_from_diffusers(raw)
   assert (cfg.base_dim, cfg.z_dim, cfg.dim_mult, cfg.temperal_downsample) == (
-      16, 4, (1, 2, 2, 2), (False, True, True))
+      16,
+      4,
+      (1, 2, 2, 2),
+      (False, True, True),
+  )
   assert cfg.latents_std == tuple(TINY['latents_std']) and cfg.spatial_compression == 8
   assert vae.config_from_diffusers({}) == vae.VAEConfig()  # diffusers' defaults are ours
   assert vae.VAEConfig().latents_mean == tuple(AutoencoderKLQwenImage().config.latents_mean)
@@ -116,7 +127,7 @@ def test_config_and_key_table_match_diffusers(ref, folder):
 
 
 def test_decode_matches_diffusers_odd_grid(ref, ours):
-  z = _latents((2, 5, 7, 4))                                        # odd latent grid
+  z = _latents((2, 5, 7, 4))  # odd latent grid
   got = _jit(ours, 'decode')(z)
   want = _ref_decode(ref, z)
   assert got.shape == want.shape == (2, 40, 56, 3)
@@ -149,7 +160,8 @@ def test_packing_and_packed_entry_points_match_pipeline(ref, ours):
   unpacked = QwenImagePipeline._unpack_latents(torch.from_numpy(tokens), h * 8, w * 8, 8)
   np.testing.assert_array_equal(
       np.asarray(latents_lib.unpack(jnp.asarray(tokens), h, w, 2)),
-      unpacked[:, :, 0].permute(0, 2, 3, 1).numpy())
+      unpacked[:, :, 0].permute(0, 2, 3, 1).numpy(),
+  )
 
   # Decode as QwenImagePipeline.__call__ does after denoising.
   latents_mean = torch.tensor(ref.config.latents_mean).view(1, ref.config.z_dim, 1, 1, 1)
@@ -177,14 +189,15 @@ def test_packing_and_packed_entry_points_match_pipeline(ref, ours):
 
   zn = jnp.asarray(z)
   np.testing.assert_allclose(
-      vae.denormalize_latents(vae.normalize_latents(zn, cfg), cfg), zn, rtol=1e-6, atol=1e-6)
+      vae.denormalize_latents(vae.normalize_latents(zn, cfg), cfg), zn, rtol=1e-6, atol=1e-6
+  )
   with pytest.raises(ValueError, match='latent_hw'):
     vae.decode_packed(ours, jnp.asarray(tokens), latent_hw=(5, 8))
 
 
 def test_sliced_decode_equals_unsliced(ours):
   z = _latents((2, 5, 7, 4))
-  full = _jit(ours, 'decode')(z)                   # the same call as the parity test (cached)
+  full = _jit(ours, 'decode')(z)  # the same call as the parity test (cached)
   # 3 images in chunks of 2: one lax.map step plus a remainder of one image.
   sliced = _jit(ours, 'decode', batch_chunk=2)(np.concatenate([z, z[:1]]))
   np.testing.assert_allclose(sliced, np.concatenate([full, full[:1]]), rtol=0, atol=1e-6)
@@ -198,8 +211,12 @@ def test_tiled_decode_matches_diffusers_tiled(ref, ours):
   tile = vae.TileConfig(height=32, width=48, stride_height=24, stride_width=32)
   z = _latents((2, 5, 7, 4))
   tiled_ref = copy.deepcopy(ref)
-  tiled_ref.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=48,
-                          tile_sample_stride_height=24, tile_sample_stride_width=32)
+  tiled_ref.enable_tiling(
+      tile_sample_min_height=32,
+      tile_sample_min_width=48,
+      tile_sample_stride_height=24,
+      tile_sample_stride_width=32,
+  )
   # diffusers' tiled path does not clamp; our decode always clips to [-1, 1].
   want = np.clip(_ref_decode(tiled_ref, z), -1, 1)
   got = _jit(ours, 'decode', tile=tile)(z)
@@ -221,19 +238,22 @@ def test_blends_match_diffusers(ref, a_len, b_len, extent):
   to_t = lambda x: torch.from_numpy(x).permute(0, 3, 1, 2)[:, :, None].clone()
   from_t = lambda x: x[:, :, 0].permute(0, 2, 3, 1).numpy()
   want_v = from_t(ref.blend_v(to_t(a), to_t(b), extent))
-  np.testing.assert_allclose(vae._blend_v(jnp.asarray(a), jnp.asarray(b), extent), want_v,
-                             rtol=1e-6, atol=1e-6)
-  at, bt = a.transpose(0, 2, 1, 3).copy(), b.transpose(0, 2, 1, 3).copy()   # along width
+  np.testing.assert_allclose(
+      vae._blend_v(jnp.asarray(a), jnp.asarray(b), extent), want_v, rtol=1e-6, atol=1e-6
+  )
+  at, bt = a.transpose(0, 2, 1, 3).copy(), b.transpose(0, 2, 1, 3).copy()  # along width
   want_h = from_t(ref.blend_h(to_t(at), to_t(bt), extent))
-  np.testing.assert_allclose(vae._blend_h(jnp.asarray(at), jnp.asarray(bt), extent), want_h,
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+      vae._blend_h(jnp.asarray(at), jnp.asarray(bt), extent), want_h, rtol=1e-6, atol=1e-6
+  )
 
 
 def test_attention_query_chunks_equal_whole():
   rng = np.random.default_rng(6)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 37, 8)), jnp.float32) for _ in range(3))
-  np.testing.assert_allclose(vae.attention(q, k, v, query_chunk=16),
-                             vae.attention(q, k, v), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+      vae.attention(q, k, v, query_chunk=16), vae.attention(q, k, v), rtol=1e-6, atol=1e-6
+  )
 
 
 def test_loader_errors_name_the_key(ref, folder, ours):
@@ -246,16 +266,20 @@ def test_loader_errors_name_the_key(ref, folder, ours):
   with pytest.raises(ValueError, match='unexpected diffusers keys \\(1\\): encoder.extra.weight'):
     vae.load_vae_state(fresh(), {**sd, 'encoder.extra.weight': np.zeros(3, np.float32)})
   conv = 'decoder.up_blocks.1.upsamplers.0.resample.1.weight'
-  with pytest.raises(ValueError, match=f"{conv}' has shape \\(16, 16, 3, 3\\).*"
-                                       'decoder.up_blocks.1.upsamplers.0.resample.kernel'):
+  with pytest.raises(
+      ValueError,
+      match=f"{conv}' has shape \\(16, 16, 3, 3\\).*"
+      'decoder.up_blocks.1.upsamplers.0.resample.kernel',
+  ):
     vae.load_vae_state(fresh(), {**sd, conv: sd[conv][:, :16]})
   with pytest.raises(ValueError, match=f"{conv}' has shape \\(16, 32, 3\\).*rank 3"):
     vae.load_vae_state(fresh(), {**sd, conv: sd[conv][..., 0]})
   with pytest.raises(ValueError, match=f"{gamma}' has shape \\(16, 1, 1\\).*cannot be held"):
     vae.load_vae_state(fresh(), {**sd, gamma: sd[gamma][:16]})
   ok = vae.load_vae_state(fresh(), {**sd, gamma: sd[gamma][:, 0, 0]})  # size-1 axes may differ
-  np.testing.assert_array_equal(ok.decoder.mid_block.attentions[0].norm.gamma[...],
-                                sd[gamma][:, 0, 0])
+  np.testing.assert_array_equal(
+      ok.decoder.mid_block.attentions[0].norm.gamma[...], sd[gamma][:, 0, 0]
+  )
 
   # Folders: a model folder and a pipeline folder load the same params; bad folders are named.
   a = nnx.to_flat_state(nnx.state(vae.load_vae_folder(folder), nnx.Param))

@@ -1,5 +1,6 @@
 """weights.Weights: frozen weights load once per mesh and layout, and the roles pick the layout
 the config asks for (a colocated rollout shares the trainer's FSDP base, no second copy)."""
+
 import jax
 import numpy as np
 
@@ -21,14 +22,14 @@ def test_frozen_base_once_per_mesh_and_layout():
   _, w = _lora_weights()
   mesh = mesh_lib.make_mesh(jax.devices()[:2])
   fsdp = w.frozen(mesh, fsdp=True, decode=True)
-  assert w.frozen(mesh, fsdp=True, decode=False)['base'] is fsdp['base']   # cached, shared
+  assert w.frozen(mesh, fsdp=True, decode=False)['base'] is fsdp['base']  # cached, shared
   rep = w.frozen(mesh, fsdp=False, decode=True)['base']
   assert rep is not fsdp['base']
   sharded = [x for x in jax.tree.leaves(fsdp['base']) if not x.sharding.is_fully_replicated]
   assert sharded and all(x.sharding.is_fully_replicated for x in jax.tree.leaves(rep))
   for a, b in zip(jax.tree.leaves(fsdp['base']), jax.tree.leaves(rep)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert fsdp['vae'] is None                          # pixel space: no decoder weights
+  assert fsdp['vae'] is None  # pixel space: no decoder weights
 
 
 def test_rollout_frozen_layout_follows_the_cluster():
@@ -45,10 +46,11 @@ def test_lora_kl_reference_is_the_base(tmp_path):
   and the KL is exactly 0 while the adapters are still at their B = 0 init, > 0 after."""
   import json
   from digen_jax.runtime import colocated
+
   c, _ = _lora_weights()
   c.rl.kl_beta, c.total_steps, c.optim.lr = 0.1, 2, 3e-2
   exp = experiment.build(c, str(tmp_path), 2)
   out = colocated.train(exp, str(tmp_path), devices=jax.devices()[:2])
-  assert set(out['params']) == set(exp.params)          # the trainer holds adapters only
+  assert set(out['params']) == set(exp.params)  # the trainer holds adapters only
   rows = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
   assert rows[0]['kl'] == 0.0 and rows[1]['kl'] > 0.0, rows

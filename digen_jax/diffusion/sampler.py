@@ -10,6 +10,7 @@ and step noises depend only on its own key, so a batch cut into fragments and sa
 the same trajectories as the whole batch (what the GAP/TAG schedules need to equal colocated runs).
 Step t's noise is drawn from ``fold_in(step_key, t)``, so nothing of size T×latent is materialised.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
@@ -27,46 +28,48 @@ _F32 = jnp.float32
 
 @flax.struct.dataclass
 class Trajectory:
-    """A batch of sampled trajectories (a pytree; every field is an array).
+  """A batch of sampled trajectories (a pytree; every field is an array).
 
-    latents:   float32 [T+1, B, N, C]; latents[t] is x before step t, latents[T] the final sample.
-    log_probs: float32 [T, B]; log p(latents[t+1] | latents[t]) under the behaviour policy, 0 on
-               deterministic (Euler or zero-std) steps.
-    sigmas:    float32 [T+1]; the schedule, terminal sigma included.
-    sde_steps: bool [T]; which steps were stochastic.
-    stds:      float32 [T, B]; transition std of each step (0 on deterministic steps).
-    """
+  latents:   float32 [T+1, B, N, C]; latents[t] is x before step t, latents[T] the final sample.
+  log_probs: float32 [T, B]; log p(latents[t+1] | latents[t]) under the behaviour policy, 0 on
+             deterministic (Euler or zero-std) steps.
+  sigmas:    float32 [T+1]; the schedule, terminal sigma included.
+  sde_steps: bool [T]; which steps were stochastic.
+  stds:      float32 [T, B]; transition std of each step (0 on deterministic steps).
+  """
 
-    latents: jax.Array
-    log_probs: jax.Array
-    sigmas: jax.Array
-    sde_steps: jax.Array
-    stds: jax.Array
+  latents: jax.Array
+  log_probs: jax.Array
+  sigmas: jax.Array
+  sde_steps: jax.Array
+  stds: jax.Array
 
-    @property
-    def num_steps(self) -> int:
-        return self.log_probs.shape[0]
+  @property
+  def num_steps(self) -> int:
+    return self.log_probs.shape[0]
 
-    @property
-    def final(self) -> jax.Array:
-        """The sampled latents x_0 [B, N, C]."""
-        return self.latents[-1]
+  @property
+  def final(self) -> jax.Array:
+    """The sampled latents x_0 [B, N, C]."""
+    return self.latents[-1]
 
 
 def _key_layout(noise_key) -> tuple[jax.Array, bool]:
-    """(key, per_sample): one key, or a leading batch axis of keys."""
-    key = jnp.asarray(noise_key) if not isinstance(noise_key, jax.Array) else noise_key
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        batch_ndim = key.ndim
-    elif key.dtype == jnp.uint32:
-        batch_ndim = key.ndim - 1
-    else:
-        raise ValueError(
-            f"sample: noise_key has dtype {key.dtype}; pass a jax.random.key / PRNGKey (or a batch of them)."
-        )
-    if batch_ndim not in (0, 1):
-        raise ValueError(f"sample: noise_key has shape {key.shape}; expected one key or a [B] batch of keys.")
-    return key, batch_ndim == 1
+  """(key, per_sample): one key, or a leading batch axis of keys."""
+  key = jnp.asarray(noise_key) if not isinstance(noise_key, jax.Array) else noise_key
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    batch_ndim = key.ndim
+  elif key.dtype == jnp.uint32:
+    batch_ndim = key.ndim - 1
+  else:
+    raise ValueError(
+        f"sample: noise_key has dtype {key.dtype}; pass a jax.random.key / PRNGKey (or a batch of them)."
+    )
+  if batch_ndim not in (0, 1):
+    raise ValueError(
+        f"sample: noise_key has shape {key.shape}; expected one key or a [B] batch of keys."
+    )
+  return key, batch_ndim == 1
 
 
 def sample(
@@ -84,79 +87,81 @@ def sample(
     norm_rescale: bool = False,
     initial_latents: Optional[jax.Array] = None,
 ) -> Trajectory:
-    """Sample B trajectories of T steps.
+  """Sample B trajectories of T steps.
 
-    Args:
-      velocity_fn: (params, latents [B, N, C], sigma [B], cond) -> v [B, N, C].
-      params: model params (any pytree).
-      cond: conditioning pytree with leading dim B.
-      sigmas: float32 [T+1], from ``schedule.sigmas``.
-      noise_key: one PRNG key or [B] keys (see module docstring).
-      latent_shape: (B, N, C), static.
-      sde_cfg: the SDE variant, static.
-      sde_steps: bool [T]; True = SDE step with log-prob, False = deterministic Euler, log-prob 0.
-      guidance_scale: None (no CFG) or the CFG scale (may be traced); needs ``uncond``.
-      uncond: negative/empty-prompt cond, same structure and shapes as ``cond``.
-      norm_rescale: QwenImage's true-CFG norm rescale, static.
-      initial_latents: optional x at σ_0 [B, N, C]; by default standard normal from the key.
-    Returns:
-      Trajectory.
-    """
-    latent_shape = tuple(int(d) for d in latent_shape)
-    if len(latent_shape) < 2:
-        raise ValueError(f"sample: latent_shape={latent_shape} must be (B, ...) with a batch dim.")
-    b = latent_shape[0]
-    sigmas = jnp.asarray(sigmas, _F32)
-    if sigmas.ndim != 1 or sigmas.shape[0] < 2:
-        raise ValueError(f"sample: sigmas has shape {sigmas.shape}; expected [T+1] with T >= 1.")
-    t_steps = sigmas.shape[0] - 1
-    sde_steps = jnp.asarray(sde_steps, jnp.bool_)
-    if sde_steps.shape != (t_steps,):
-        raise ValueError(f"sample: sde_steps has shape {sde_steps.shape}; expected [T]=({t_steps},).")
-    key, per_sample = _key_layout(noise_key)
-    if per_sample and key.shape[0] != b:
-        raise ValueError(f"sample: {key.shape[0]} per-sample noise keys for batch size B={b}.")
+  Args:
+    velocity_fn: (params, latents [B, N, C], sigma [B], cond) -> v [B, N, C].
+    params: model params (any pytree).
+    cond: conditioning pytree with leading dim B.
+    sigmas: float32 [T+1], from ``schedule.sigmas``.
+    noise_key: one PRNG key or [B] keys (see module docstring).
+    latent_shape: (B, N, C), static.
+    sde_cfg: the SDE variant, static.
+    sde_steps: bool [T]; True = SDE step with log-prob, False = deterministic Euler, log-prob 0.
+    guidance_scale: None (no CFG) or the CFG scale (may be traced); needs ``uncond``.
+    uncond: negative/empty-prompt cond, same structure and shapes as ``cond``.
+    norm_rescale: QwenImage's true-CFG norm rescale, static.
+    initial_latents: optional x at σ_0 [B, N, C]; by default standard normal from the key.
+  Returns:
+    Trajectory.
+  """
+  latent_shape = tuple(int(d) for d in latent_shape)
+  if len(latent_shape) < 2:
+    raise ValueError(f"sample: latent_shape={latent_shape} must be (B, ...) with a batch dim.")
+  b = latent_shape[0]
+  sigmas = jnp.asarray(sigmas, _F32)
+  if sigmas.ndim != 1 or sigmas.shape[0] < 2:
+    raise ValueError(f"sample: sigmas has shape {sigmas.shape}; expected [T+1] with T >= 1.")
+  t_steps = sigmas.shape[0] - 1
+  sde_steps = jnp.asarray(sde_steps, jnp.bool_)
+  if sde_steps.shape != (t_steps,):
+    raise ValueError(f"sample: sde_steps has shape {sde_steps.shape}; expected [T]=({t_steps},).")
+  key, per_sample = _key_layout(noise_key)
+  if per_sample and key.shape[0] != b:
+    raise ValueError(f"sample: {key.shape[0]} per-sample noise keys for batch size B={b}.")
 
+  if per_sample:
+    keys = jax.vmap(jax.random.split)(key)  # [B, 2]
+    init_key, step_key = keys[:, 0], keys[:, 1]
+  else:
+    init_key, step_key = jax.random.split(key)
+
+  if initial_latents is None:
     if per_sample:
-        keys = jax.vmap(jax.random.split)(key)  # [B, 2]
-        init_key, step_key = keys[:, 0], keys[:, 1]
+      x0 = jax.vmap(lambda k: jax.random.normal(k, latent_shape[1:], _F32))(init_key)
     else:
-        init_key, step_key = jax.random.split(key)
+      x0 = jax.random.normal(init_key, latent_shape, _F32)
+  else:
+    x0 = jnp.asarray(initial_latents, _F32)
+    if x0.shape != latent_shape:
+      raise ValueError(
+          f"sample: initial_latents has shape {x0.shape}; expected latent_shape={latent_shape}."
+      )
 
-    if initial_latents is None:
-        if per_sample:
-            x0 = jax.vmap(lambda k: jax.random.normal(k, latent_shape[1:], _F32))(init_key)
-        else:
-            x0 = jax.random.normal(init_key, latent_shape, _F32)
-    else:
-        x0 = jnp.asarray(initial_latents, _F32)
-        if x0.shape != latent_shape:
-            raise ValueError(
-                f"sample: initial_latents has shape {x0.shape}; expected latent_shape={latent_shape}."
-            )
+  def step_noise(t):
+    if per_sample:
+      return jax.vmap(
+          lambda k: jax.random.normal(jax.random.fold_in(k, t), latent_shape[1:], _F32)
+      )(step_key)
+    return jax.random.normal(jax.random.fold_in(step_key, t), latent_shape, _F32)
 
-    def step_noise(t):
-        if per_sample:
-            return jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, t), latent_shape[1:], _F32))(
-                step_key
-            )
-        return jax.random.normal(jax.random.fold_in(step_key, t), latent_shape, _F32)
+  def body(x, t):
+    s = jnp.broadcast_to(sigmas[t], (b,))
+    sn = jnp.broadcast_to(sigmas[t + 1], (b,))
+    v = cfg_velocity(velocity_fn, params, x, s, cond, uncond, guidance_scale, norm_rescale)
+    x_sde, logp, _, std = sde_step(x, v, s, sn, step_noise(t), sde_cfg)
+    x_ode = euler_step(x, v, s, sn)
+    stochastic = sde_steps[t]
+    x_next = jnp.where(stochastic, x_sde, x_ode)
+    logp = jnp.where(stochastic, logp, 0.0)
+    std = jnp.where(stochastic, std, 0.0)
+    return x_next, (x_next, logp, std)
 
-    def body(x, t):
-        s = jnp.broadcast_to(sigmas[t], (b,))
-        sn = jnp.broadcast_to(sigmas[t + 1], (b,))
-        v = cfg_velocity(velocity_fn, params, x, s, cond, uncond, guidance_scale, norm_rescale)
-        x_sde, logp, _, std = sde_step(x, v, s, sn, step_noise(t), sde_cfg)
-        x_ode = euler_step(x, v, s, sn)
-        stochastic = sde_steps[t]
-        x_next = jnp.where(stochastic, x_sde, x_ode)
-        logp = jnp.where(stochastic, logp, 0.0)
-        std = jnp.where(stochastic, std, 0.0)
-        return x_next, (x_next, logp, std)
-
-    _, (xs, log_probs, stds) = jax.lax.scan(body, x0, jnp.arange(t_steps))
-    latents = jnp.concatenate([x0[None], xs], axis=0)
-    return Trajectory(latents=latents, log_probs=log_probs, sigmas=sigmas, sde_steps=sde_steps, stds=stds)
+  _, (xs, log_probs, stds) = jax.lax.scan(body, x0, jnp.arange(t_steps))
+  latents = jnp.concatenate([x0[None], xs], axis=0)
+  return Trajectory(
+      latents=latents, log_probs=log_probs, sigmas=sigmas, sde_steps=sde_steps, stds=stds
+  )
 
 
 SAMPLE_STATIC_ARGNAMES = ("velocity_fn", "latent_shape", "sde_cfg", "norm_rescale")

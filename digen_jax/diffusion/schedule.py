@@ -7,6 +7,7 @@ float32 numpy operations in the same order so that the values agree to float32 r
 
 Host-side numpy on purpose: the schedule is a static input of the jitted sampler, computed once.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,106 +27,106 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    """The FlowMatchEulerDiscreteScheduler config fields that change the sigmas of ``set_timesteps``.
+  """The FlowMatchEulerDiscreteScheduler config fields that change the sigmas of ``set_timesteps``.
 
-    Field names and defaults are diffusers' (so ``SchedulerConfig(**scheduler_config_json)`` works for
-    the fields listed; unknown keys must be dropped by the caller).
-    ``use_beta_sigmas`` and ``invert_sigmas`` exist for completeness of the mirror but are rejected by
-    ``sigmas``: no supported model family uses them (beta needs scipy's beta ppf; inverted sigmas run
-    the chain the other way, Mochi only).
-    """
+  Field names and defaults are diffusers' (so ``SchedulerConfig(**scheduler_config_json)`` works for
+  the fields listed; unknown keys must be dropped by the caller).
+  ``use_beta_sigmas`` and ``invert_sigmas`` exist for completeness of the mirror but are rejected by
+  ``sigmas``: no supported model family uses them (beta needs scipy's beta ppf; inverted sigmas run
+  the chain the other way, Mochi only).
+  """
 
-    num_train_timesteps: int = 1000
-    shift: float = 1.0
-    use_dynamic_shifting: bool = False
-    base_shift: float = 0.5
-    max_shift: float = 1.15
-    base_image_seq_len: int = 256
-    max_image_seq_len: int = 4096
-    shift_terminal: Optional[float] = None
-    time_shift_type: str = "exponential"
-    use_karras_sigmas: bool = False
-    use_exponential_sigmas: bool = False
-    use_beta_sigmas: bool = False
-    invert_sigmas: bool = False
+  num_train_timesteps: int = 1000
+  shift: float = 1.0
+  use_dynamic_shifting: bool = False
+  base_shift: float = 0.5
+  max_shift: float = 1.15
+  base_image_seq_len: int = 256
+  max_image_seq_len: int = 4096
+  shift_terminal: Optional[float] = None
+  time_shift_type: str = "exponential"
+  use_karras_sigmas: bool = False
+  use_exponential_sigmas: bool = False
+  use_beta_sigmas: bool = False
+  invert_sigmas: bool = False
 
-    def __post_init__(self):
-        if self.time_shift_type not in ("exponential", "linear"):
-            raise ValueError(
-                f"SchedulerConfig.time_shift_type={self.time_shift_type!r}: use 'exponential' or 'linear'."
-            )
-        if sum([self.use_karras_sigmas, self.use_exponential_sigmas, self.use_beta_sigmas]) > 1:
-            raise ValueError(
-                "SchedulerConfig: at most one of use_karras_sigmas, use_exponential_sigmas, "
-                "use_beta_sigmas may be True."
-            )
-        if self.shift <= 0:
-            raise ValueError(f"SchedulerConfig.shift={self.shift}: must be > 0.")
-        if self.shift_terminal is not None and not (0.0 <= self.shift_terminal < 1.0):
-            raise ValueError(
-                f"SchedulerConfig.shift_terminal={self.shift_terminal}: must be in [0, 1) or None."
-            )
-        if self.max_image_seq_len == self.base_image_seq_len:
-            raise ValueError(
-                "SchedulerConfig: max_image_seq_len must differ from base_image_seq_len "
-                "(calculate_shift divides by their difference)."
-            )
+  def __post_init__(self):
+    if self.time_shift_type not in ("exponential", "linear"):
+      raise ValueError(
+          f"SchedulerConfig.time_shift_type={self.time_shift_type!r}: use 'exponential' or 'linear'."
+      )
+    if sum([self.use_karras_sigmas, self.use_exponential_sigmas, self.use_beta_sigmas]) > 1:
+      raise ValueError(
+          "SchedulerConfig: at most one of use_karras_sigmas, use_exponential_sigmas, "
+          "use_beta_sigmas may be True."
+      )
+    if self.shift <= 0:
+      raise ValueError(f"SchedulerConfig.shift={self.shift}: must be > 0.")
+    if self.shift_terminal is not None and not (0.0 <= self.shift_terminal < 1.0):
+      raise ValueError(
+          f"SchedulerConfig.shift_terminal={self.shift_terminal}: must be in [0, 1) or None."
+      )
+    if self.max_image_seq_len == self.base_image_seq_len:
+      raise ValueError(
+          "SchedulerConfig: max_image_seq_len must differ from base_image_seq_len "
+          "(calculate_shift divides by their difference)."
+      )
 
 
 def qwenimage_scheduler_config() -> SchedulerConfig:
-    """Qwen/Qwen-Image ``scheduler/scheduler_config.json``."""
-    return SchedulerConfig(
-        num_train_timesteps=1000,
-        shift=1.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=0.9,
-        base_image_seq_len=256,
-        max_image_seq_len=8192,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-    )
+  """Qwen/Qwen-Image ``scheduler/scheduler_config.json``."""
+  return SchedulerConfig(
+      num_train_timesteps=1000,
+      shift=1.0,
+      use_dynamic_shifting=True,
+      base_shift=0.5,
+      max_shift=0.9,
+      base_image_seq_len=256,
+      max_image_seq_len=8192,
+      shift_terminal=0.02,
+      time_shift_type="exponential",
+  )
 
 
 def flux_scheduler_config() -> SchedulerConfig:
-    """black-forest-labs/FLUX.1-dev ``scheduler/scheduler_config.json`` (no shift_terminal)."""
-    return SchedulerConfig(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-        shift_terminal=None,
-        time_shift_type="exponential",
-    )
+  """black-forest-labs/FLUX.1-dev ``scheduler/scheduler_config.json`` (no shift_terminal)."""
+  return SchedulerConfig(
+      num_train_timesteps=1000,
+      shift=3.0,
+      use_dynamic_shifting=True,
+      base_shift=0.5,
+      max_shift=1.15,
+      base_image_seq_len=256,
+      max_image_seq_len=4096,
+      shift_terminal=None,
+      time_shift_type="exponential",
+  )
 
 
 def calculate_shift(image_seq_len: int, cfg: SchedulerConfig) -> float:
-    """mu of the resolution-dependent shift: linear in the image token count (diffusers pipelines)."""
-    m = (cfg.max_shift - cfg.base_shift) / (cfg.max_image_seq_len - cfg.base_image_seq_len)
-    b = cfg.base_shift - m * cfg.base_image_seq_len
-    return image_seq_len * m + b
+  """mu of the resolution-dependent shift: linear in the image token count (diffusers pipelines)."""
+  m = (cfg.max_shift - cfg.base_shift) / (cfg.max_image_seq_len - cfg.base_image_seq_len)
+  b = cfg.base_shift - m * cfg.base_image_seq_len
+  return image_seq_len * m + b
 
 
 def _time_shift(cfg: SchedulerConfig, mu: float, t: np.ndarray) -> np.ndarray:
-    # Python-float scalars with a float32 array keep float32 (NEP 50), exactly as in diffusers.
-    if cfg.time_shift_type == "exponential":
-        return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
-    return mu / (mu + (1 / t - 1) ** 1.0)
+  # Python-float scalars with a float32 array keep float32 (NEP 50), exactly as in diffusers.
+  if cfg.time_shift_type == "exponential":
+    return math.exp(mu) / (math.exp(mu) + (1 / t - 1) ** 1.0)
+  return mu / (mu + (1 / t - 1) ** 1.0)
 
 
 def _stretch_to_terminal(cfg: SchedulerConfig, t: np.ndarray) -> np.ndarray:
-    one_minus_z = 1 - t
-    if not one_minus_z[-1] > 0:
-        # diffusers divides 0 by 0 here and returns NaN sigmas.
-        raise ValueError(
-            f"sigmas: shift_terminal={cfg.shift_terminal} needs a last shifted sigma < 1, got {t[-1]} "
-            f"(num_steps={t.shape[0]}); use num_steps >= 2 or shift_terminal=None."
-        )
-    scale_factor = one_minus_z[-1] / (1 - cfg.shift_terminal)
-    return 1 - (one_minus_z / scale_factor)
+  one_minus_z = 1 - t
+  if not one_minus_z[-1] > 0:
+    # diffusers divides 0 by 0 here and returns NaN sigmas.
+    raise ValueError(
+        f"sigmas: shift_terminal={cfg.shift_terminal} needs a last shifted sigma < 1, got {t[-1]} "
+        f"(num_steps={t.shape[0]}); use num_steps >= 2 or shift_terminal=None."
+    )
+  scale_factor = one_minus_z[-1] / (1 - cfg.shift_terminal)
+  return 1 - (one_minus_z / scale_factor)
 
 
 def sigmas(
@@ -134,52 +135,52 @@ def sigmas(
     image_seq_len: Optional[int] = None,
     shift: Optional[float] = None,
 ) -> np.ndarray:
-    """Sampling sigmas, float32 [num_steps + 1], from ~1 down to the appended terminal 0.
+  """Sampling sigmas, float32 [num_steps + 1], from ~1 down to the appended terminal 0.
 
-    Args:
-      cfg: scheduler config of the model family.
-      num_steps: T, number of sampler steps.
-      image_seq_len: image token count (latent patches); required when ``cfg.use_dynamic_shifting``
-        and no static ``shift`` is given.
-      shift: if given, a static shift s (σ' = sσ/(1+(s−1)σ)) replaces the config's shifting (dynamic
-        or static); ``shift_terminal`` and the karras/exponential conversions still apply, as they do
-        for a diffusers scheduler with ``use_dynamic_shifting=False, shift=s``.
-    """
-    if not isinstance(num_steps, (int, np.integer)) or isinstance(num_steps, bool) or num_steps < 1:
-        raise ValueError(f"sigmas: num_steps={num_steps!r} must be a positive int.")
-    if cfg.use_beta_sigmas:
-        raise ValueError("SchedulerConfig.use_beta_sigmas=True is not supported; set it False.")
-    if cfg.invert_sigmas:
-        raise ValueError("SchedulerConfig.invert_sigmas=True is not supported; set it False.")
-    if shift is not None and shift <= 0:
-        raise ValueError(f"sigmas: shift={shift} must be > 0.")
-    num_steps = int(num_steps)
+  Args:
+    cfg: scheduler config of the model family.
+    num_steps: T, number of sampler steps.
+    image_seq_len: image token count (latent patches); required when ``cfg.use_dynamic_shifting``
+      and no static ``shift`` is given.
+    shift: if given, a static shift s (σ' = sσ/(1+(s−1)σ)) replaces the config's shifting (dynamic
+      or static); ``shift_terminal`` and the karras/exponential conversions still apply, as they do
+      for a diffusers scheduler with ``use_dynamic_shifting=False, shift=s``.
+  """
+  if not isinstance(num_steps, (int, np.integer)) or isinstance(num_steps, bool) or num_steps < 1:
+    raise ValueError(f"sigmas: num_steps={num_steps!r} must be a positive int.")
+  if cfg.use_beta_sigmas:
+    raise ValueError("SchedulerConfig.use_beta_sigmas=True is not supported; set it False.")
+  if cfg.invert_sigmas:
+    raise ValueError("SchedulerConfig.invert_sigmas=True is not supported; set it False.")
+  if shift is not None and shift <= 0:
+    raise ValueError(f"sigmas: shift={shift} must be > 0.")
+  num_steps = int(num_steps)
 
-    # What the QwenImage/FLUX pipelines pass; set_timesteps casts to float32 first.
-    s = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
-    if shift is not None:
-        s = shift * s / (1 + (shift - 1) * s)
-    elif cfg.use_dynamic_shifting:
-        if image_seq_len is None or image_seq_len <= 0:
-            raise ValueError(
-                "sigmas: image_seq_len (number of image tokens) is required and must be > 0 when "
-                "cfg.use_dynamic_shifting is True; or pass a static shift=..."
-            )
-        s = _time_shift(cfg, calculate_shift(image_seq_len, cfg), s)
-    else:
-        s = cfg.shift * s / (1 + (cfg.shift - 1) * s)
+  # What the QwenImage/FLUX pipelines pass; set_timesteps casts to float32 first.
+  s = np.linspace(1.0, 1 / num_steps, num_steps).astype(np.float32)
+  if shift is not None:
+    s = shift * s / (1 + (shift - 1) * s)
+  elif cfg.use_dynamic_shifting:
+    if image_seq_len is None or image_seq_len <= 0:
+      raise ValueError(
+          "sigmas: image_seq_len (number of image tokens) is required and must be > 0 when "
+          "cfg.use_dynamic_shifting is True; or pass a static shift=..."
+      )
+    s = _time_shift(cfg, calculate_shift(image_seq_len, cfg), s)
+  else:
+    s = cfg.shift * s / (1 + (cfg.shift - 1) * s)
 
-    if cfg.shift_terminal:
-        s = _stretch_to_terminal(cfg, s)
+  if cfg.shift_terminal:
+    s = _stretch_to_terminal(cfg, s)
 
-    if cfg.use_karras_sigmas:
-        rho = 7.0
-        ramp = np.linspace(0, 1, num_steps)
-        min_inv_rho = s[-1].item() ** (1 / rho)
-        max_inv_rho = s[0].item() ** (1 / rho)
-        s = (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
-    elif cfg.use_exponential_sigmas:
-        s = np.exp(np.linspace(math.log(s[0].item()), math.log(s[-1].item()), num_steps))
+  if cfg.use_karras_sigmas:
+    rho = 7.0
+    ramp = np.linspace(0, 1, num_steps)
+    min_inv_rho = s[-1].item() ** (1 / rho)
+    max_inv_rho = s[0].item() ** (1 / rho)
+    s = (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
+  elif cfg.use_exponential_sigmas:
+    s = np.exp(np.linspace(math.log(s[0].item()), math.log(s[-1].item()), num_steps))
 
-    s = np.asarray(s, dtype=np.float32)
-    return np.concatenate([s, np.zeros(1, np.float32)])
+  s = np.asarray(s, dtype=np.float32)
+  return np.concatenate([s, np.zeros(1, np.float32)])

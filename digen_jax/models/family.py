@@ -12,6 +12,7 @@ Conditioning dicts hold batch-leading arrays: 'text' [B, L, D] and 'text_mask' [
 (FLUX ignores the mask: its T5 sequence is padded and every token attends, as in diffusers),
 'pooled' [B, P] for FLUX's CLIP vector.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,15 +35,15 @@ FAMILIES = ('qwenimage', 'flux')
 @dataclasses.dataclass(frozen=True)
 class Family:
   name: str
-  config_from: Callable[[Any], Any]            # config.model -> architecture config
-  module: Callable[..., nnx.Module]            # (arch config, rngs=, param_dtype=) -> module
-  read_config: Callable[[str], Any]            # diffusers folder -> architecture config
-  load_sharded: Callable[..., Any]             # (folder, shardings_fn, dtype) -> (cfg, graphdef, state)
-  key_table: Callable[[Any], dict]             # arch config -> {our dotted path: diffusers source}
-  cond_keys: tuple[str, ...]                   # conditioning arrays the forward reads
-  forward: Callable[..., jax.Array]            # (module, latents, sigma, cond, img_shape, guidance) -> v
-  count_params: Callable[[Any], int]           # arch config -> parameter count
-  flops_per_forward: Callable[..., float]      # (arch config, batch, n_img, n_txt) -> matmul FLOPs
+  config_from: Callable[[Any], Any]  # config.model -> architecture config
+  module: Callable[..., nnx.Module]  # (arch config, rngs=, param_dtype=) -> module
+  read_config: Callable[[str], Any]  # diffusers folder -> architecture config
+  load_sharded: Callable[..., Any]  # (folder, shardings_fn, dtype) -> (cfg, graphdef, state)
+  key_table: Callable[[Any], dict]  # arch config -> {our dotted path: diffusers source}
+  cond_keys: tuple[str, ...]  # conditioning arrays the forward reads
+  forward: Callable[..., jax.Array]  # (module, latents, sigma, cond, img_shape, guidance) -> v
+  count_params: Callable[[Any], int]  # arch config -> parameter count
+  flops_per_forward: Callable[..., float]  # (arch config, batch, n_img, n_txt) -> matmul FLOPs
   # The pipeline's VAE module: read_vae_config(folder), abstract_vae(cfg, dtype) ->
   # (graphdef, abstract), vae_key_table(cfg), decode_packed(model, tokens, latent_hw, patch, ...)
   # and a config with latent_channels and spatial_compression (models/vae.py, models/flux_vae.py).
@@ -54,23 +55,40 @@ class Family:
 
 def _mmdit_config(m) -> mmdit.MMDiTConfig:
   return mmdit.MMDiTConfig(
-      patch_size=m.patch_size, in_channels=m.in_channels, out_channels=m.out_channels,
-      num_layers=m.num_layers, attention_head_dim=m.attention_head_dim,
-      num_attention_heads=m.num_attention_heads, joint_attention_dim=m.joint_attention_dim,
-      axes_dims_rope=tuple(m.axes_dims_rope), pooled_text=bool(m.pooled_text),
-      rope_theta=float(m.rope_theta), remat=bool(m.remat), scan_layers=bool(m.scan_layers))
+      patch_size=m.patch_size,
+      in_channels=m.in_channels,
+      out_channels=m.out_channels,
+      num_layers=m.num_layers,
+      attention_head_dim=m.attention_head_dim,
+      num_attention_heads=m.num_attention_heads,
+      joint_attention_dim=m.joint_attention_dim,
+      axes_dims_rope=tuple(m.axes_dims_rope),
+      pooled_text=bool(m.pooled_text),
+      rope_theta=float(m.rope_theta),
+      remat=bool(m.remat),
+      scan_layers=bool(m.scan_layers),
+  )
 
 
 def _flux_config(m) -> flux.FluxConfig:
   # config.model.patch_size is the latent packing (2x2 for FLUX, done by latents.pack); the
   # transformer's own patch embedding is 1, as in FluxTransformer2DModel.
   return flux.FluxConfig(
-      patch_size=1, in_channels=m.in_channels, out_channels=m.out_channels * m.patch_size ** 2,
-      num_layers=m.num_layers, num_single_layers=m.num_single_layers,
-      attention_head_dim=m.attention_head_dim, num_attention_heads=m.num_attention_heads,
-      joint_attention_dim=m.joint_attention_dim, pooled_projection_dim=m.pooled_projection_dim,
-      guidance_embeds=bool(m.guidance_embeds), axes_dims_rope=tuple(m.axes_dims_rope),
-      rope_theta=float(m.rope_theta), remat=bool(m.remat), scan_layers=bool(m.scan_layers))
+      patch_size=1,
+      in_channels=m.in_channels,
+      out_channels=m.out_channels * m.patch_size**2,
+      num_layers=m.num_layers,
+      num_single_layers=m.num_single_layers,
+      attention_head_dim=m.attention_head_dim,
+      num_attention_heads=m.num_attention_heads,
+      joint_attention_dim=m.joint_attention_dim,
+      pooled_projection_dim=m.pooled_projection_dim,
+      guidance_embeds=bool(m.guidance_embeds),
+      axes_dims_rope=tuple(m.axes_dims_rope),
+      rope_theta=float(m.rope_theta),
+      remat=bool(m.remat),
+      scan_layers=bool(m.scan_layers),
+  )
 
 
 def _mmdit_forward(model, latents, sigma, cond, img_shape, guidance):
@@ -83,19 +101,43 @@ def _flux_forward(model, latents, sigma, cond, img_shape, guidance):
   g = None
   if model.config.guidance_embeds:
     g = jnp.full((latents.shape[0],), guidance, jnp.float32)
-  return model(latents, sigma, cond['text'], cond['pooled'].astype(latents.dtype), g,
-               img_shape=tuple(img_shape[-2:]))
+  return model(
+      latents,
+      sigma,
+      cond['text'],
+      cond['pooled'].astype(latents.dtype),
+      g,
+      img_shape=tuple(img_shape[-2:]),
+  )
 
 
 _TABLE = {
-    'qwenimage': Family('qwenimage', _mmdit_config, mmdit.MMDiT, convert.read_config,
-                        convert.load_diffusers_sharded, convert.diffusers_key_table,
-                        ('text', 'text_mask'), _mmdit_forward, mmdit.count_params,
-                        mmdit.flops_per_forward, qwen_vae),
-    'flux': Family('flux', _flux_config, flux.Flux, flux_convert.read_config,
-                   flux_convert.load_flux_sharded, flux_convert.flux_key_table,
-                   ('text', 'text_mask', 'pooled'), _flux_forward, flux.count_params,
-                   flux.flops_per_forward, flux_vae),
+    'qwenimage': Family(
+        'qwenimage',
+        _mmdit_config,
+        mmdit.MMDiT,
+        convert.read_config,
+        convert.load_diffusers_sharded,
+        convert.diffusers_key_table,
+        ('text', 'text_mask'),
+        _mmdit_forward,
+        mmdit.count_params,
+        mmdit.flops_per_forward,
+        qwen_vae,
+    ),
+    'flux': Family(
+        'flux',
+        _flux_config,
+        flux.Flux,
+        flux_convert.read_config,
+        flux_convert.load_flux_sharded,
+        flux_convert.flux_key_table,
+        ('text', 'text_mask', 'pooled'),
+        _flux_forward,
+        flux.count_params,
+        flux.flops_per_forward,
+        flux_vae,
+    ),
 }
 
 

@@ -47,79 +47,108 @@ import numpy as np
 from flax import nnx
 
 from digen_jax.models.mmdit import (
-    MLP_RATIO, TIMESTEP_CHANNELS, TIMESTEP_SCALE, MMDiTBlock, RMSNorm, TextPoolEmbedder, TimestepEmbedder,
-    _linear, _modulate, block_macs, block_param_count, layer_norm, multihead_attention, project_qkv, rope_tables,
-    run_stacked, stacked_blocks)
+    MLP_RATIO,
+    TIMESTEP_CHANNELS,
+    TIMESTEP_SCALE,
+    MMDiTBlock,
+    RMSNorm,
+    TextPoolEmbedder,
+    TimestepEmbedder,
+    _linear,
+    _modulate,
+    block_macs,
+    block_param_count,
+    layer_norm,
+    multihead_attention,
+    project_qkv,
+    rope_tables,
+    run_stacked,
+    stacked_blocks,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class FluxConfig:
-    """Architecture of a FLUX.1 transformer. Defaults are diffusers' (FLUX.1-schnell; -dev sets guidance_embeds)."""
+  """Architecture of a FLUX.1 transformer. Defaults are diffusers' (FLUX.1-schnell; -dev sets guidance_embeds)."""
 
-    patch_size: int = 1
-    in_channels: int = 64  # the 16-channel VAE latent packed 2x2 by the pipeline
-    out_channels: int | None = None  # None: in_channels (diffusers' meaning)
-    num_layers: int = 19  # double-stream blocks
-    num_single_layers: int = 38
-    attention_head_dim: int = 128
-    num_attention_heads: int = 24
-    joint_attention_dim: int = 4096  # T5 hidden size
-    pooled_projection_dim: int = 768  # CLIP pooled size
-    guidance_embeds: bool = False
-    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
-    # Hard-coded in diffusers (FluxPosEmbed(theta=10000), eps=1e-6 for every norm and q/k RMSNorm).
-    rope_theta: float = 10000.0
-    eps: float = 1e-6
-    # Execution options (MMDiTConfig's); neither changes the math or the params. They apply to both stacks.
-    remat: bool = False
-    scan_layers: bool = True
+  patch_size: int = 1
+  in_channels: int = 64  # the 16-channel VAE latent packed 2x2 by the pipeline
+  out_channels: int | None = None  # None: in_channels (diffusers' meaning)
+  num_layers: int = 19  # double-stream blocks
+  num_single_layers: int = 38
+  attention_head_dim: int = 128
+  num_attention_heads: int = 24
+  joint_attention_dim: int = 4096  # T5 hidden size
+  pooled_projection_dim: int = 768  # CLIP pooled size
+  guidance_embeds: bool = False
+  axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+  # Hard-coded in diffusers (FluxPosEmbed(theta=10000), eps=1e-6 for every norm and q/k RMSNorm).
+  rope_theta: float = 10000.0
+  eps: float = 1e-6
+  # Execution options (MMDiTConfig's); neither changes the math or the params. They apply to both stacks.
+  remat: bool = False
+  scan_layers: bool = True
 
-    def __post_init__(self):
-        object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
-        if self.out_channels is None:
-            object.__setattr__(self, "out_channels", self.in_channels)
-        for name in ("patch_size", "in_channels", "out_channels", "num_layers", "num_single_layers",
-                     "attention_head_dim", "num_attention_heads", "joint_attention_dim", "pooled_projection_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"FluxConfig.{name} must be a positive int, got {value!r}")
-        if len(self.axes_dims_rope) != 3 or any(a <= 0 or a % 2 for a in self.axes_dims_rope):
-            raise ValueError(f"FluxConfig.axes_dims_rope must be 3 positive even ints (one per id axis), "
-                             f"got {self.axes_dims_rope}")
-        if sum(self.axes_dims_rope) != self.attention_head_dim:
-            raise ValueError(
-                f"FluxConfig.axes_dims_rope must sum to attention_head_dim={self.attention_head_dim}, "
-                f"got sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"FluxConfig.rope_theta must be > 0, got {self.rope_theta}")
-        if not self.eps > 0:
-            raise ValueError(f"FluxConfig.eps must be > 0, got {self.eps}")
-        for name in ("guidance_embeds", "remat", "scan_layers"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise ValueError(f"FluxConfig.{name} must be a bool, got {getattr(self, name)!r}")
+  def __post_init__(self):
+    object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
+    if self.out_channels is None:
+      object.__setattr__(self, "out_channels", self.in_channels)
+    for name in (
+        "patch_size",
+        "in_channels",
+        "out_channels",
+        "num_layers",
+        "num_single_layers",
+        "attention_head_dim",
+        "num_attention_heads",
+        "joint_attention_dim",
+        "pooled_projection_dim",
+    ):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"FluxConfig.{name} must be a positive int, got {value!r}")
+    if len(self.axes_dims_rope) != 3 or any(a <= 0 or a % 2 for a in self.axes_dims_rope):
+      raise ValueError(
+          f"FluxConfig.axes_dims_rope must be 3 positive even ints (one per id axis), "
+          f"got {self.axes_dims_rope}"
+      )
+    if sum(self.axes_dims_rope) != self.attention_head_dim:
+      raise ValueError(
+          f"FluxConfig.axes_dims_rope must sum to attention_head_dim={self.attention_head_dim}, "
+          f"got sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)}"
+      )
+    if not self.rope_theta > 0:
+      raise ValueError(f"FluxConfig.rope_theta must be > 0, got {self.rope_theta}")
+    if not self.eps > 0:
+      raise ValueError(f"FluxConfig.eps must be > 0, got {self.eps}")
+    for name in ("guidance_embeds", "remat", "scan_layers"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"FluxConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
-    @property
-    def inner_dim(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
+  @property
+  def inner_dim(self) -> int:
+    return self.num_attention_heads * self.attention_head_dim
 
-    @property
-    def out_dim(self) -> int:
-        """Channels per output token: patch_size**2 * out_channels."""
-        return self.patch_size * self.patch_size * self.out_channels
+  @property
+  def out_dim(self) -> int:
+    """Channels per output token: patch_size**2 * out_channels."""
+    return self.patch_size * self.patch_size * self.out_channels
 
 
 def image_ids(h: int, w: int) -> np.ndarray:
-    """FluxPipeline._prepare_latent_image_ids: token (row, col) of an h x w grid (row-major) -> (0, row, col).
-    Returns [h*w, 3] int64."""
-    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.int64)
+  """FluxPipeline._prepare_latent_image_ids: token (row, col) of an h x w grid (row-major) -> (0, row, col).
+  Returns [h*w, 3] int64."""
+  rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+  return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.int64)
 
 
-def rope_cos_sin(ids: np.ndarray, axes_dims: tuple[int, ...], theta: float = 10000.0
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """FluxPosEmbed tables for position ids [S, 3]: (cos, sin) [S, head_dim/2] float32, entry i rotating the
-    interleaved pair (x[2i], x[2i+1]) (diffusers repeats each entry twice; mmdit's RoPE takes them once)."""
-    return rope_tables(np.asarray(ids), axes_dims, theta, freqs_dtype=np.float64)
+def rope_cos_sin(
+    ids: np.ndarray, axes_dims: tuple[int, ...], theta: float = 10000.0
+) -> tuple[np.ndarray, np.ndarray]:
+  """FluxPosEmbed tables for position ids [S, 3]: (cos, sin) [S, head_dim/2] float32, entry i rotating the
+  interleaved pair (x[2i], x[2i+1]) (diffusers repeats each entry twice; mmdit's RoPE takes them once).
+  """
+  return rope_tables(np.asarray(ids), axes_dims, theta, freqs_dtype=np.float64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -127,156 +156,209 @@ def rope_cos_sin(ids: np.ndarray, axes_dims: tuple[int, ...], theta: float = 100
 
 
 class SingleStreamAttention(nnx.Module):
-    """FluxAttention(pre_only=True): Q/K/V with per-head RMSNorm on Q and K and RoPE, one softmax over the joint
-    sequence, no output projection (the block's proj_out mixes it with the MLP branch)."""
+  """FluxAttention(pre_only=True): Q/K/V with per-head RMSNorm on Q and K and RoPE, one softmax over the joint
+  sequence, no output projection (the block's proj_out mixes it with the MLP branch)."""
 
-    def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-        d, hd = config.inner_dim, config.attention_head_dim
-        self.heads = config.num_attention_heads
-        self.to_q = _linear(d, d, rngs, param_dtype)
-        self.to_k = _linear(d, d, rngs, param_dtype)
-        self.to_v = _linear(d, d, rngs, param_dtype)
-        self.norm_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
-        self.norm_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
+  def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+    d, hd = config.inner_dim, config.attention_head_dim
+    self.heads = config.num_attention_heads
+    self.to_q = _linear(d, d, rngs, param_dtype)
+    self.to_k = _linear(d, d, rngs, param_dtype)
+    self.to_v = _linear(d, d, rngs, param_dtype)
+    self.norm_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
+    self.norm_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        """x [B, S, D], tables [S, Dh/2] -> [B, S, D]."""
-        q, k, v = project_qkv(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, cos, sin, self.heads)
-        return multihead_attention(q, k, v, None)
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, S, D], tables [S, Dh/2] -> [B, S, D]."""
+    q, k, v = project_qkv(
+        x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, cos, sin, self.heads
+    )
+    return multihead_attention(q, k, v, None)
 
 
 class SingleStreamBlock(nnx.Module):
-    """FluxSingleTransformerBlock: x + gate * proj_out([attn(h), gelu_tanh(proj_mlp(h))]), h = AdaLN(x)."""
+  """FluxSingleTransformerBlock: x + gate * proj_out([attn(h), gelu_tanh(proj_mlp(h))]), h = AdaLN(x)."""
 
-    def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-        d = config.inner_dim
-        self.eps = config.eps
-        self.mod = _linear(d, 3 * d, rngs, param_dtype)  # AdaLayerNormZeroSingle.linear: (shift, scale, gate)
-        self.proj_mlp = _linear(d, MLP_RATIO * d, rngs, param_dtype)
-        self.attn = SingleStreamAttention(config, rngs=rngs, param_dtype=param_dtype)
-        self.proj_out = _linear(d + MLP_RATIO * d, d, rngs, param_dtype)
+  def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+    d = config.inner_dim
+    self.eps = config.eps
+    self.mod = _linear(
+        d, 3 * d, rngs, param_dtype
+    )  # AdaLayerNormZeroSingle.linear: (shift, scale, gate)
+    self.proj_mlp = _linear(d, MLP_RATIO * d, rngs, param_dtype)
+    self.attn = SingleStreamAttention(config, rngs=rngs, param_dtype=param_dtype)
+    self.proj_out = _linear(d + MLP_RATIO * d, d, rngs, param_dtype)
 
-    def __call__(self, x, temb, rope):
-        """x [B, S, D] joint [text, image] tokens, temb [B, D], rope = (cos, sin) [S, Dh/2] -> [B, S, D]."""
-        shift, scale, gate = jnp.split(self.mod(jax.nn.silu(temb)), 3, axis=-1)
-        h = _modulate(layer_norm(x, self.eps), shift, scale)
-        mlp = jax.nn.gelu(self.proj_mlp(h), approximate=True)
-        out = self.proj_out(jnp.concatenate([self.attn(h, *rope), mlp], axis=-1))
-        return x + gate[:, None, :] * out
+  def __call__(self, x, temb, rope):
+    """x [B, S, D] joint [text, image] tokens, temb [B, D], rope = (cos, sin) [S, Dh/2] -> [B, S, D]."""
+    shift, scale, gate = jnp.split(self.mod(jax.nn.silu(temb)), 3, axis=-1)
+    h = _modulate(layer_norm(x, self.eps), shift, scale)
+    mlp = jax.nn.gelu(self.proj_mlp(h), approximate=True)
+    out = self.proj_out(jnp.concatenate([self.attn(h, *rope), mlp], axis=-1))
+    return x + gate[:, None, :] * out
 
 
 class Flux(nnx.Module):
-    """FLUX.1 transformer: predicts the flow velocity for packed latent tokens."""
+  """FLUX.1 transformer: predicts the flow velocity for packed latent tokens."""
 
-    def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-        if not isinstance(config, FluxConfig):
-            raise ValueError(f"config must be a FluxConfig, got {type(config).__name__}")
-        self.config = config
-        d = config.inner_dim
-        self.time_embed = TimestepEmbedder(d, rngs=rngs, param_dtype=param_dtype)
-        if config.guidance_embeds:
-            self.guidance_embed = TimestepEmbedder(d, rngs=rngs, param_dtype=param_dtype)
-        self.text_pool = TextPoolEmbedder(config.pooled_projection_dim, d, rngs=rngs, param_dtype=param_dtype)
-        self.txt_in = _linear(config.joint_attention_dim, d, rngs, param_dtype)
-        self.img_in = _linear(config.in_channels, d, rngs, param_dtype)
-        # Both stacks: every param gets a leading layer axis (lax.scan in __call__).
-        self.blocks = stacked_blocks(lambda r: MMDiTBlock(config, rngs=r, param_dtype=param_dtype),
-                                     config.num_layers, rngs)
-        self.single_blocks = stacked_blocks(lambda r: SingleStreamBlock(config, rngs=r, param_dtype=param_dtype),
-                                            config.num_single_layers, rngs)
-        self.norm_out = _linear(d, 2 * d, rngs, param_dtype)
-        self.proj_out = _linear(d, config.out_dim, rngs, param_dtype)
+  def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+    if not isinstance(config, FluxConfig):
+      raise ValueError(f"config must be a FluxConfig, got {type(config).__name__}")
+    self.config = config
+    d = config.inner_dim
+    self.time_embed = TimestepEmbedder(d, rngs=rngs, param_dtype=param_dtype)
+    if config.guidance_embeds:
+      self.guidance_embed = TimestepEmbedder(d, rngs=rngs, param_dtype=param_dtype)
+    self.text_pool = TextPoolEmbedder(
+        config.pooled_projection_dim, d, rngs=rngs, param_dtype=param_dtype
+    )
+    self.txt_in = _linear(config.joint_attention_dim, d, rngs, param_dtype)
+    self.img_in = _linear(config.in_channels, d, rngs, param_dtype)
+    # Both stacks: every param gets a leading layer axis (lax.scan in __call__).
+    self.blocks = stacked_blocks(
+        lambda r: MMDiTBlock(config, rngs=r, param_dtype=param_dtype), config.num_layers, rngs
+    )
+    self.single_blocks = stacked_blocks(
+        lambda r: SingleStreamBlock(config, rngs=r, param_dtype=param_dtype),
+        config.num_single_layers,
+        rngs,
+    )
+    self.norm_out = _linear(d, 2 * d, rngs, param_dtype)
+    self.proj_out = _linear(d, config.out_dim, rngs, param_dtype)
 
-    def __call__(self, latents: jax.Array, sigma: jax.Array, text: jax.Array, pooled: jax.Array,
-                 guidance: jax.Array | None = None, *, img_shape: tuple[int, int] | None = None,
-                 img_ids: np.ndarray | None = None, txt_ids: np.ndarray | None = None) -> jax.Array:
-        """latents [B, N_img, in_channels] packed latent tokens; sigma [B] in [0, 1] (FluxPipeline's timestep / 1000);
-        text [B, L, joint_attention_dim] (T5, no mask: every token attends); pooled [B, pooled_projection_dim]
-        (CLIP); guidance [B] raw guidance scale, required iff guidance_embeds.
+  def __call__(
+      self,
+      latents: jax.Array,
+      sigma: jax.Array,
+      text: jax.Array,
+      pooled: jax.Array,
+      guidance: jax.Array | None = None,
+      *,
+      img_shape: tuple[int, int] | None = None,
+      img_ids: np.ndarray | None = None,
+      txt_ids: np.ndarray | None = None,
+  ) -> jax.Array:
+    """latents [B, N_img, in_channels] packed latent tokens; sigma [B] in [0, 1] (FluxPipeline's timestep / 1000);
+    text [B, L, joint_attention_dim] (T5, no mask: every token attends); pooled [B, pooled_projection_dim]
+    (CLIP); guidance [B] raw guidance scale, required iff guidance_embeds.
 
-        Positions: img_shape = (h_tokens, w_tokens) static ints for FluxPipeline's grid ids ``image_ids(h, w)``, or
-        img_ids [N_img, 3] given directly; txt_ids [L, 3] (default all zero). Ids must be concrete numpy (the RoPE
-        tables are built at trace time): under jit, close over them. Returns [B, N_img, out_dim] float32."""
-        cfg = self.config
-        b, n_img, n_txt = self._check_inputs(latents, sigma, text, pooled, guidance)
-        ids = np.concatenate([self._txt_ids(txt_ids, n_txt), self._img_ids(img_shape, img_ids, n_img)])
-        cos, sin = rope_cos_sin(ids, cfg.axes_dims_rope, cfg.rope_theta)
-        joint_rope = (jnp.asarray(cos), jnp.asarray(sin))
-        # MMDiTBlock takes (img_cos, img_sin, txt_cos, txt_sin); the joint sequence is [text, image].
-        double_rope = tuple(jnp.asarray(t) for t in (cos[n_txt:], sin[n_txt:], cos[:n_txt], sin[:n_txt]))
-        dtype = self.img_in.kernel.dtype
+    Positions: img_shape = (h_tokens, w_tokens) static ints for FluxPipeline's grid ids ``image_ids(h, w)``, or
+    img_ids [N_img, 3] given directly; txt_ids [L, 3] (default all zero). Ids must be concrete numpy (the RoPE
+    tables are built at trace time): under jit, close over them. Returns [B, N_img, out_dim] float32.
+    """
+    cfg = self.config
+    b, n_img, n_txt = self._check_inputs(latents, sigma, text, pooled, guidance)
+    ids = np.concatenate([self._txt_ids(txt_ids, n_txt), self._img_ids(img_shape, img_ids, n_img)])
+    cos, sin = rope_cos_sin(ids, cfg.axes_dims_rope, cfg.rope_theta)
+    joint_rope = (jnp.asarray(cos), jnp.asarray(sin))
+    # MMDiTBlock takes (img_cos, img_sin, txt_cos, txt_sin); the joint sequence is [text, image].
+    double_rope = tuple(
+        jnp.asarray(t) for t in (cos[n_txt:], sin[n_txt:], cos[:n_txt], sin[:n_txt])
+    )
+    dtype = self.img_in.kernel.dtype
 
-        img = self.img_in(latents.astype(dtype))
-        txt = self.txt_in(text.astype(dtype))
-        # diffusers: timestep * 1000 (and guidance * 1000), then Timesteps(scale=1).
-        temb = self.time_embed(TIMESTEP_SCALE * sigma.astype(jnp.float32), scale=1.0)
-        if cfg.guidance_embeds:
-            temb = temb + self.guidance_embed(TIMESTEP_SCALE * guidance.astype(jnp.float32), scale=1.0)
-        temb = temb + self.text_pool(pooled)
+    img = self.img_in(latents.astype(dtype))
+    txt = self.txt_in(text.astype(dtype))
+    # diffusers: timestep * 1000 (and guidance * 1000), then Timesteps(scale=1).
+    temb = self.time_embed(TIMESTEP_SCALE * sigma.astype(jnp.float32), scale=1.0)
+    if cfg.guidance_embeds:
+      temb = temb + self.guidance_embed(TIMESTEP_SCALE * guidance.astype(jnp.float32), scale=1.0)
+    temb = temb + self.text_pool(pooled)
 
-        img, txt = run_stacked(self.blocks, (img, txt), lambda block, c: block(*c, temb, double_rope, None),
-                               num_layers=cfg.num_layers, remat=cfg.remat, scan_layers=cfg.scan_layers)
-        # diffusers concatenates and splits the streams around every single-stream block; once is the same.
-        x = jnp.concatenate([txt, img], axis=1)
-        x = run_stacked(self.single_blocks, x, lambda block, x: block(x, temb, joint_rope),
-                        num_layers=cfg.num_single_layers, remat=cfg.remat, scan_layers=cfg.scan_layers)
-        img = x[:, n_txt:]
+    img, txt = run_stacked(
+        self.blocks,
+        (img, txt),
+        lambda block, c: block(*c, temb, double_rope, None),
+        num_layers=cfg.num_layers,
+        remat=cfg.remat,
+        scan_layers=cfg.scan_layers,
+    )
+    # diffusers concatenates and splits the streams around every single-stream block; once is the same.
+    x = jnp.concatenate([txt, img], axis=1)
+    x = run_stacked(
+        self.single_blocks,
+        x,
+        lambda block, x: block(x, temb, joint_rope),
+        num_layers=cfg.num_single_layers,
+        remat=cfg.remat,
+        scan_layers=cfg.scan_layers,
+    )
+    img = x[:, n_txt:]
 
-        scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
-        img = _modulate(layer_norm(img, cfg.eps), shift, scale)
-        return self.proj_out(img).astype(jnp.float32)
+    scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
+    img = _modulate(layer_norm(img, cfg.eps), shift, scale)
+    return self.proj_out(img).astype(jnp.float32)
 
-    def _check_inputs(self, latents, sigma, text, pooled, guidance):
-        cfg = self.config
-        if latents.ndim != 3 or latents.shape[-1] != cfg.in_channels:
-            raise ValueError(f"latents must be [B, N_img, in_channels={cfg.in_channels}], got {latents.shape}")
-        b, n_img = latents.shape[:2]
-        if sigma.shape != (b,):
-            raise ValueError(f"sigma must be [B={b}], got {sigma.shape}")
-        if text.ndim != 3 or text.shape[0] != b or text.shape[-1] != cfg.joint_attention_dim:
-            raise ValueError(f"text must be [B={b}, L, joint_attention_dim={cfg.joint_attention_dim}], "
-                             f"got {text.shape}")
-        if pooled.shape != (b, cfg.pooled_projection_dim):
-            raise ValueError(f"pooled must be [B={b}, pooled_projection_dim={cfg.pooled_projection_dim}], "
-                             f"got {pooled.shape}")
-        if cfg.guidance_embeds:
-            if guidance is None or guidance.shape != (b,):
-                raise ValueError(f"guidance_embeds=True: guidance must be [B={b}] (the guidance scale), "
-                                 f"got {None if guidance is None else guidance.shape}")
-        elif guidance is not None:
-            raise ValueError("guidance was given but the model has no guidance embedding (guidance_embeds=False)")
-        return b, n_img, text.shape[1]
+  def _check_inputs(self, latents, sigma, text, pooled, guidance):
+    cfg = self.config
+    if latents.ndim != 3 or latents.shape[-1] != cfg.in_channels:
+      raise ValueError(
+          f"latents must be [B, N_img, in_channels={cfg.in_channels}], got {latents.shape}"
+      )
+    b, n_img = latents.shape[:2]
+    if sigma.shape != (b,):
+      raise ValueError(f"sigma must be [B={b}], got {sigma.shape}")
+    if text.ndim != 3 or text.shape[0] != b or text.shape[-1] != cfg.joint_attention_dim:
+      raise ValueError(
+          f"text must be [B={b}, L, joint_attention_dim={cfg.joint_attention_dim}], "
+          f"got {text.shape}"
+      )
+    if pooled.shape != (b, cfg.pooled_projection_dim):
+      raise ValueError(
+          f"pooled must be [B={b}, pooled_projection_dim={cfg.pooled_projection_dim}], "
+          f"got {pooled.shape}"
+      )
+    if cfg.guidance_embeds:
+      if guidance is None or guidance.shape != (b,):
+        raise ValueError(
+            f"guidance_embeds=True: guidance must be [B={b}] (the guidance scale), "
+            f"got {None if guidance is None else guidance.shape}"
+        )
+    elif guidance is not None:
+      raise ValueError(
+          "guidance was given but the model has no guidance embedding (guidance_embeds=False)"
+      )
+    return b, n_img, text.shape[1]
 
-    @staticmethod
-    def _img_ids(img_shape, img_ids, n_img):
-        if (img_shape is None) == (img_ids is None):
-            raise ValueError("pass exactly one of img_shape=(h_tokens, w_tokens) and img_ids [N_img, 3]")
-        if img_ids is None:
-            if (not isinstance(img_shape, (tuple, list)) or len(img_shape) != 2
-                    or any(not isinstance(s, (int, np.integer)) or s <= 0 for s in img_shape)):
-                raise ValueError(f"img_shape must be 2 positive static ints (h_tokens, w_tokens), got {img_shape!r}")
-            if img_shape[0] * img_shape[1] != n_img:
-                raise ValueError(f"img_shape {tuple(img_shape)} has {img_shape[0] * img_shape[1]} tokens but "
-                                 f"latents has N_img={n_img}")
-            return image_ids(*img_shape)
-        return _concrete_ids(img_ids, n_img, "img_ids")
+  @staticmethod
+  def _img_ids(img_shape, img_ids, n_img):
+    if (img_shape is None) == (img_ids is None):
+      raise ValueError("pass exactly one of img_shape=(h_tokens, w_tokens) and img_ids [N_img, 3]")
+    if img_ids is None:
+      if (
+          not isinstance(img_shape, (tuple, list))
+          or len(img_shape) != 2
+          or any(not isinstance(s, (int, np.integer)) or s <= 0 for s in img_shape)
+      ):
+        raise ValueError(
+            f"img_shape must be 2 positive static ints (h_tokens, w_tokens), got {img_shape!r}"
+        )
+      if img_shape[0] * img_shape[1] != n_img:
+        raise ValueError(
+            f"img_shape {tuple(img_shape)} has {img_shape[0] * img_shape[1]} tokens but "
+            f"latents has N_img={n_img}"
+        )
+      return image_ids(*img_shape)
+    return _concrete_ids(img_ids, n_img, "img_ids")
 
-    @staticmethod
-    def _txt_ids(txt_ids, n_txt):
-        if txt_ids is None:
-            return np.zeros((n_txt, 3), np.int64)
-        return _concrete_ids(txt_ids, n_txt, "txt_ids")
+  @staticmethod
+  def _txt_ids(txt_ids, n_txt):
+    if txt_ids is None:
+      return np.zeros((n_txt, 3), np.int64)
+    return _concrete_ids(txt_ids, n_txt, "txt_ids")
 
 
 def _concrete_ids(ids, n, name):
-    try:
-        ids = np.asarray(ids)
-    except jax.errors.TracerArrayConversionError as e:
-        raise ValueError(f"{name} must be concrete (numpy, not traced): the RoPE tables are built at trace time; "
-                         f"close over them instead of passing them through jit") from e
-    if ids.shape != (n, 3):
-        raise ValueError(f"{name} must be [{n}, 3], got {ids.shape}")
-    return ids
+  try:
+    ids = np.asarray(ids)
+  except jax.errors.TracerArrayConversionError as e:
+    raise ValueError(
+        f"{name} must be concrete (numpy, not traced): the RoPE tables are built at trace time; "
+        f"close over them instead of passing them through jit"
+    ) from e
+  if ids.shape != (n, 3):
+    raise ValueError(f"{name} must be [{n}, 3], got {ids.shape}")
+  return ids
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -284,37 +366,58 @@ def _concrete_ids(ids, n, name):
 
 
 def count_params(config: FluxConfig) -> int:
-    """Number of parameters of Flux(config) (equals diffusers' model for the same config)."""
-    d, hd = config.inner_dim, config.attention_head_dim
+  """Number of parameters of Flux(config) (equals diffusers' model for the same config)."""
+  d, hd = config.inner_dim, config.attention_head_dim
 
-    def lin(i, o):
-        return i * o + o
+  def lin(i, o):
+    return i * o + o
 
-    embed = lin(TIMESTEP_CHANNELS, d) + lin(d, d)                  # one TimestepEmbedder
-    single = (lin(d, 3 * d)                                         # AdaLayerNormZeroSingle
-              + 3 * lin(d, d) + 2 * hd                              # q/k/v, q/k RMSNorm scales
-              + lin(d, MLP_RATIO * d) + lin((1 + MLP_RATIO) * d, d))  # proj_mlp, proj_out
-    return (embed * (2 if config.guidance_embeds else 1)
-            + lin(config.pooled_projection_dim, d) + lin(d, d)
-            + lin(config.joint_attention_dim, d) + lin(config.in_channels, d)
-            + config.num_layers * block_param_count(d, hd) + config.num_single_layers * single
-            + lin(d, 2 * d) + lin(d, config.out_dim))
+  embed = lin(TIMESTEP_CHANNELS, d) + lin(d, d)  # one TimestepEmbedder
+  single = (
+      lin(d, 3 * d)  # AdaLayerNormZeroSingle
+      + 3 * lin(d, d)
+      + 2 * hd  # q/k/v, q/k RMSNorm scales
+      + lin(d, MLP_RATIO * d)
+      + lin((1 + MLP_RATIO) * d, d)
+  )  # proj_mlp, proj_out
+  return (
+      embed * (2 if config.guidance_embeds else 1)
+      + lin(config.pooled_projection_dim, d)
+      + lin(d, d)
+      + lin(config.joint_attention_dim, d)
+      + lin(config.in_channels, d)
+      + config.num_layers * block_param_count(d, hd)
+      + config.num_single_layers * single
+      + lin(d, 2 * d)
+      + lin(d, config.out_dim)
+  )
 
 
 def flops_per_forward(config: FluxConfig, batch: int, n_img: int, n_txt: int) -> float:
-    """Analytic matmul FLOPs (2 per multiply-add) of one forward on `batch` samples with n_img image and n_txt text
-    tokens: every Linear plus the two attention matmuls (QK^T, PV); norms, RoPE, softmax and activations excluded
-    (as mmdit.flops_per_forward)."""
-    d = config.inner_dim
-    s = n_img + n_txt
-    embed = TIMESTEP_CHANNELS * d + d * d                             # one row per sample
-    per_sample = (embed * (2 if config.guidance_embeds else 1)
-                  + config.pooled_projection_dim * d + d * d
-                  + n_img * config.in_channels * d + n_txt * config.joint_attention_dim * d)
-    single = (d * 3 * d                                               # modulation (one row per sample)
-              + s * 3 * d * d                                         # q, k, v
-              + s * MLP_RATIO * d * d + s * (1 + MLP_RATIO) * d * d  # proj_mlp, proj_out
-              + 2 * s * s * d)                                        # QK^T and PV over all heads
-    per_sample += (config.num_layers * block_macs(d, s) + config.num_single_layers * single
-                   + d * 2 * d + n_img * d * config.out_dim)
-    return 2.0 * batch * per_sample
+  """Analytic matmul FLOPs (2 per multiply-add) of one forward on `batch` samples with n_img image and n_txt text
+  tokens: every Linear plus the two attention matmuls (QK^T, PV); norms, RoPE, softmax and activations excluded
+  (as mmdit.flops_per_forward)."""
+  d = config.inner_dim
+  s = n_img + n_txt
+  embed = TIMESTEP_CHANNELS * d + d * d  # one row per sample
+  per_sample = (
+      embed * (2 if config.guidance_embeds else 1)
+      + config.pooled_projection_dim * d
+      + d * d
+      + n_img * config.in_channels * d
+      + n_txt * config.joint_attention_dim * d
+  )
+  single = (
+      d * 3 * d  # modulation (one row per sample)
+      + s * 3 * d * d  # q, k, v
+      + s * MLP_RATIO * d * d
+      + s * (1 + MLP_RATIO) * d * d  # proj_mlp, proj_out
+      + 2 * s * s * d
+  )  # QK^T and PV over all heads
+  per_sample += (
+      config.num_layers * block_macs(d, s)
+      + config.num_single_layers * single
+      + d * 2 * d
+      + n_img * d * config.out_dim
+  )
+  return 2.0 * batch * per_sample

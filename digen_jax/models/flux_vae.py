@@ -31,6 +31,7 @@ Parameter layout (names mirror diffusers, so the key table is mechanical):
 Precision: convs and attention matmuls run in the params' dtype (inputs are cast on entry);
 group-norm statistics and the attention softmax run in float32; outputs are float32.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,6 +65,7 @@ class FluxVAEConfig:
   """Architecture and latent scaling of an AutoencoderKL; defaults are FLUX.1's vae/config.json
   (diffusers' own defaults differ: see config_from_diffusers). Field names are diffusers' config
   keys. shift_factor None in a config (SD-style VAEs) is 0.0 here: the same latents."""
+
   in_channels: int = 3
   out_channels: int = 3
   block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
@@ -78,25 +80,36 @@ class FluxVAEConfig:
 
   def __post_init__(self):
     if not isinstance(self.block_out_channels, (list, tuple)):
-      raise ValueError(f'FluxVAEConfig.block_out_channels must be a list, got '
-                       f'{self.block_out_channels!r}')
+      raise ValueError(
+          f'FluxVAEConfig.block_out_channels must be a list, got ' f'{self.block_out_channels!r}'
+      )
     object.__setattr__(self, 'block_out_channels', tuple(self.block_out_channels))
     if self.shift_factor is None:
       object.__setattr__(self, 'shift_factor', 0.0)
-    for name in ('in_channels', 'out_channels', 'layers_per_block', 'latent_channels',
-                 'norm_num_groups'):
+    for name in (
+        'in_channels',
+        'out_channels',
+        'layers_per_block',
+        'latent_channels',
+        'norm_num_groups',
+    ):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f'FluxVAEConfig.{name} must be a positive int, got {value!r}')
     if not self.block_out_channels or any(
         not isinstance(c, (int, np.integer)) or isinstance(c, bool) or c <= 0
-        for c in self.block_out_channels):
-      raise ValueError(f'FluxVAEConfig.block_out_channels must be positive ints, got '
-                       f'{self.block_out_channels}')
+        for c in self.block_out_channels
+    ):
+      raise ValueError(
+          f'FluxVAEConfig.block_out_channels must be positive ints, got '
+          f'{self.block_out_channels}'
+      )
     bad = [c for c in self.block_out_channels if c % self.norm_num_groups]
     if bad:
-      raise ValueError(f'FluxVAEConfig.block_out_channels {list(bad)} are not multiples of '
-                       f'norm_num_groups={self.norm_num_groups} (GroupNorm needs that)')
+      raise ValueError(
+          f'FluxVAEConfig.block_out_channels {list(bad)} are not multiples of '
+          f'norm_num_groups={self.norm_num_groups} (GroupNorm needs that)'
+      )
     for name in ('scaling_factor', 'shift_factor'):
       value = getattr(self, name)
       if not isinstance(value, (int, float, np.floating)) or isinstance(value, bool):
@@ -116,9 +129,18 @@ class FluxVAEConfig:
 _CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(FluxVAEConfig))
 # AutoencoderKL.__init__'s defaults for our fields (a config.json missing a key means these).
 _DIFFUSERS_DEFAULTS = dict(
-    in_channels=3, out_channels=3, block_out_channels=(64,), layers_per_block=1,
-    latent_channels=4, norm_num_groups=32, scaling_factor=0.18215, shift_factor=None,
-    use_quant_conv=True, use_post_quant_conv=True, mid_block_add_attention=True)
+    in_channels=3,
+    out_channels=3,
+    block_out_channels=(64,),
+    layers_per_block=1,
+    latent_channels=4,
+    norm_num_groups=32,
+    scaling_factor=0.18215,
+    shift_factor=None,
+    use_quant_conv=True,
+    use_post_quant_conv=True,
+    mid_block_add_attention=True,
+)
 # Keys that do not change decode or encode: diffusers' fp16 hint and default tile size.
 _IGNORED_KEYS = ('force_upcast', 'sample_size')
 
@@ -133,24 +155,36 @@ def config_from_diffusers(cfg: Mapping[str, Any]) -> FluxVAEConfig:
   if cls != DIFFUSERS_CLASS_NAME:
     raise ValueError(f'VAE config _class_name is {cls!r}; expected {DIFFUSERS_CLASS_NAME!r}')
   structural = ('act_fn', 'down_block_types', 'up_block_types', 'latents_mean', 'latents_std')
-  unknown = sorted(k for k in cfg if not k.startswith('_') and k not in _CONFIG_KEYS
-                   and k not in structural and k not in _IGNORED_KEYS)
+  unknown = sorted(
+      k
+      for k in cfg
+      if not k.startswith('_')
+      and k not in _CONFIG_KEYS
+      and k not in structural
+      and k not in _IGNORED_KEYS
+  )
   if unknown:
-    raise ValueError(f'unknown VAE config keys {unknown}; FluxVAEConfig understands '
-                     f'{list(_CONFIG_KEYS + structural + _IGNORED_KEYS)}')
+    raise ValueError(
+        f'unknown VAE config keys {unknown}; FluxVAEConfig understands '
+        f'{list(_CONFIG_KEYS + structural + _IGNORED_KEYS)}'
+    )
   if cfg.get('act_fn', 'silu') != 'silu':
     raise ValueError(f"VAE config act_fn={cfg['act_fn']!r} is not supported (only 'silu')")
   for name in ('latents_mean', 'latents_std'):
     if cfg.get(name) is not None:
-      raise ValueError(f'VAE config {name} is set; this AutoencoderKL normalises latents with '
-                       'scaling_factor and shift_factor only (as FluxPipeline does)')
+      raise ValueError(
+          f'VAE config {name} is set; this AutoencoderKL normalises latents with '
+          'scaling_factor and shift_factor only (as FluxPipeline does)'
+      )
   config = FluxVAEConfig(**{k: cfg.get(k, _DIFFUSERS_DEFAULTS[k]) for k in _CONFIG_KEYS})
   n = len(config.block_out_channels)
   for name, block in (('down_block_types', _DOWN_BLOCK), ('up_block_types', _UP_BLOCK)):
     types = cfg.get(name, (block,))
     if not isinstance(types, (list, tuple)) or list(types) != [block] * n:
-      raise ValueError(f'VAE config {name}={types!r}: only {n} x {block!r} (one per '
-                       f'block_out_channels entry) is supported')
+      raise ValueError(
+          f'VAE config {name}={types!r}: only {n} x {block!r} (one per '
+          f'block_out_channels entry) is supported'
+      )
   return config
 
 
@@ -158,8 +192,9 @@ def config_from_diffusers(cfg: Mapping[str, Any]) -> FluxVAEConfig:
 # Pure functions.
 
 
-def group_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, groups: int,
-               eps: float = GROUP_NORM_EPS) -> jax.Array:
+def group_norm(
+    x: jax.Array, scale: jax.Array, bias: jax.Array, groups: int, eps: float = GROUP_NORM_EPS
+) -> jax.Array:
   """torch.nn.GroupNorm (affine) over channels-last x [B, H, W, C], statistics in float32 over
   (H, W, C / groups) per group; returns x's dtype."""
   b, h, w, c = x.shape
@@ -190,8 +225,10 @@ class Conv2d(nnx.Module):
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
     del shapes
-    return {f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(2, 3, 1, 0)),
-            f'{path}.bias': TensorSource((f'{path}.bias',))}
+    return {
+        f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(2, 3, 1, 0)),
+        f'{path}.bias': TensorSource((f'{path}.bias',)),
+    }
 
 
 class Linear(vae_lib.Pointwise):
@@ -201,8 +238,10 @@ class Linear(vae_lib.Pointwise):
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
     del shapes
-    return {f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(1, 0)),
-            f'{path}.bias': TensorSource((f'{path}.bias',))}
+    return {
+        f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(1, 0)),
+        f'{path}.bias': TensorSource((f'{path}.bias',)),
+    }
 
 
 class GroupNorm(nnx.Module):
@@ -219,8 +258,10 @@ class GroupNorm(nnx.Module):
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
     del shapes
-    return {f'{path}.scale': TensorSource((f'{path}.weight',)),
-            f'{path}.bias': TensorSource((f'{path}.bias',))}
+    return {
+        f'{path}.scale': TensorSource((f'{path}.weight',)),
+        f'{path}.bias': TensorSource((f'{path}.bias',)),
+    }
 
 
 # vae.Pointwise: the 1x1 convs (conv_shortcut, quant_conv, post_quant_conv).
@@ -288,11 +329,21 @@ class Upsample2D(nnx.Module):
 class DownEncoderBlock2D(nnx.Module):
   """diffusers DownEncoderBlock2D: `layers` resnets, then an optional downsampler."""
 
-  def __init__(self, cin: int, cout: int, layers: int, groups: int, downsample: bool, *,
-               param_dtype, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cin: int,
+      cout: int,
+      layers: int,
+      groups: int,
+      downsample: bool,
+      *,
+      param_dtype,
+      rngs: nnx.Rngs,
+  ):
     kw = dict(param_dtype=param_dtype, rngs=rngs)
-    self.resnets = nnx.List([ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw)
-                             for i in range(layers)])
+    self.resnets = nnx.List(
+        [ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
+    )
     self.downsamplers = nnx.List([Downsample2D(cout, **kw)] if downsample else [])
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -306,11 +357,21 @@ class DownEncoderBlock2D(nnx.Module):
 class UpDecoderBlock2D(nnx.Module):
   """diffusers UpDecoderBlock2D: `layers` resnets, then an optional upsampler."""
 
-  def __init__(self, cin: int, cout: int, layers: int, groups: int, upsample: bool, *,
-               param_dtype, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cin: int,
+      cout: int,
+      layers: int,
+      groups: int,
+      upsample: bool,
+      *,
+      param_dtype,
+      rngs: nnx.Rngs,
+  ):
     kw = dict(param_dtype=param_dtype, rngs=rngs)
-    self.resnets = nnx.List([ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw)
-                             for i in range(layers)])
+    self.resnets = nnx.List(
+        [ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
+    )
     self.upsamplers = nnx.List([Upsample2D(cout, **kw)] if upsample else [])
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -348,8 +409,9 @@ class Encoder(nnx.Module):
     blocks, cout = [], ch[0]
     for i, c in enumerate(ch):
       cin, cout = cout, c
-      blocks.append(DownEncoderBlock2D(cin, cout, config.layers_per_block, groups,
-                                       i < len(ch) - 1, **kw))
+      blocks.append(
+          DownEncoderBlock2D(cin, cout, config.layers_per_block, groups, i < len(ch) - 1, **kw)
+      )
     self.down_blocks = nnx.List(blocks)
     self.mid_block = UNetMidBlock2D(ch[-1], groups, config.mid_block_add_attention, **kw)
     self.conv_norm_out = GroupNorm(ch[-1], groups, param_dtype=param_dtype)
@@ -374,8 +436,9 @@ class Decoder(nnx.Module):
     blocks, cout = [], ch[0]
     for i, c in enumerate(ch):
       cin, cout = cout, c
-      blocks.append(UpDecoderBlock2D(cin, cout, config.layers_per_block + 1, groups,
-                                     i < len(ch) - 1, **kw))
+      blocks.append(
+          UpDecoderBlock2D(cin, cout, config.layers_per_block + 1, groups, i < len(ch) - 1, **kw)
+      )
     self.up_blocks = nnx.List(blocks)
     self.conv_norm_out = GroupNorm(ch[-1], groups, param_dtype=param_dtype)
     self.conv_out = Conv2d(ch[-1], config.out_channels, **kw)
@@ -397,8 +460,7 @@ class FluxVAE(nnx.Module):
     z = config.latent_channels
     self.encoder = Encoder(config, **kw)
     self.quant_conv = vae_lib.Pointwise(2 * z, 2 * z, **kw) if config.use_quant_conv else None
-    self.post_quant_conv = (vae_lib.Pointwise(z, z, **kw) if config.use_post_quant_conv
-                            else None)
+    self.post_quant_conv = vae_lib.Pointwise(z, z, **kw) if config.use_post_quant_conv else None
     self.decoder = Decoder(config, **kw)
 
   @property
@@ -424,8 +486,10 @@ class FluxVAE(nnx.Module):
     at a time."""
     r, c = self.config.spatial_compression, self.config.in_channels
     if images.ndim != 4 or images.shape[-1] != c or images.shape[1] % r or images.shape[2] % r:
-      raise ValueError(f'VAE encode needs images [B, H, W, {c}] with H and W multiples of {r}, '
-                       f'got shape {images.shape}')
+      raise ValueError(
+          f'VAE encode needs images [B, H, W, {c}] with H and W multiples of {r}, '
+          f'got shape {images.shape}'
+      )
     z = self.config.latent_channels
 
     def run(x):
@@ -436,8 +500,9 @@ class FluxVAE(nnx.Module):
 
     return vae_lib.map_chunks(run, images, batch_chunk).astype(jnp.float32)
 
-  def decode(self, latents: jax.Array, *, batch_chunk: int = 0, tile: TileConfig | None = None
-             ) -> jax.Array:
+  def decode(
+      self, latents: jax.Array, *, batch_chunk: int = 0, tile: TileConfig | None = None
+  ) -> jax.Array:
     """[B, h, w, latent_channels] (not normalised) -> images [B, 8h, 8w, C] float32 clipped to
     [-1, 1]. batch_chunk > 0: decode that many images at a time (lax.map; same result). tile:
     decode overlapping spatial tiles and blend them as diffusers' tiled_decode (vae.tiled_decode

@@ -1,4 +1,5 @@
 """Latent packing (2x2 patches -> tokens, exactly diffusers' QwenImage _pack_latents) and decoders."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ def pack(latents, patch: int):
   """[B, H, W, C] -> [B, (H/p)*(W/p), C*p*p], channel-major inside a token like diffusers."""
   b, h, w, c = latents.shape
   x = latents.reshape(b, h // patch, patch, w // patch, patch, c)
-  x = x.transpose(0, 1, 3, 5, 2, 4)            # b, h/p, w/p, c, p, p
+  x = x.transpose(0, 1, 3, 5, 2, 4)  # b, h/p, w/p, c, p, p
   return x.reshape(b, (h // patch) * (w // patch), c * patch * patch)
 
 
@@ -17,7 +18,7 @@ def unpack(tokens, height: int, width: int, patch: int):
   b, n, cpp = tokens.shape
   c = cpp // (patch * patch)
   x = tokens.reshape(b, height // patch, width // patch, c, patch, patch)
-  x = x.transpose(0, 1, 4, 2, 5, 3)            # b, h/p, p, w/p, p, c
+  x = x.transpose(0, 1, 4, 2, 5, 3)  # b, h/p, p, w/p, p, c
   return x.reshape(b, height, width, c)
 
 

@@ -26,6 +26,7 @@ QwenImage loader passes to PEFT, so alpha != r loads with the right scale. We wr
 keys: diffusers' QwenImage loader folds those into the weights AND would still apply the
 metadata's lora_alpha (double scaling). Tools that ignore the metadata see scale 1 (alpha = r).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,6 +73,7 @@ class LoraConfig:
   """rank r >= 1; alpha > 0 (the update is scaled by alpha / r); targets: a regex searched in
   diffusers module names; dropout: must be 0 (adapters are merged into the weights, which leaves
   no per-activation path to drop)."""
+
   rank: int
   alpha: float
   targets: str
@@ -79,22 +81,34 @@ class LoraConfig:
 
   def __post_init__(self):
     if not isinstance(self.rank, (int, np.integer)) or isinstance(self.rank, bool) or self.rank < 1:
-      raise ValueError(f'{_field("rank")} must be an int >= 1, got {self.rank!r} '
-                       '(LoRA is off when the config asks for rank 0)')
-    if (not isinstance(self.alpha, (int, float, np.integer, np.floating))
-        or isinstance(self.alpha, bool) or not math.isfinite(self.alpha) or self.alpha <= 0):
-      raise ValueError(f'{_field("alpha")} must be a finite number > 0, got {self.alpha!r} '
-                       f'(alpha = rank gives scale 1)')
+      raise ValueError(
+          f'{_field("rank")} must be an int >= 1, got {self.rank!r} '
+          '(LoRA is off when the config asks for rank 0)'
+      )
+    if (
+        not isinstance(self.alpha, (int, float, np.integer, np.floating))
+        or isinstance(self.alpha, bool)
+        or not math.isfinite(self.alpha)
+        or self.alpha <= 0
+    ):
+      raise ValueError(
+          f'{_field("alpha")} must be a finite number > 0, got {self.alpha!r} '
+          f'(alpha = rank gives scale 1)'
+      )
     if not isinstance(self.targets, str) or not self.targets:
-      raise ValueError(f'{_field("targets")} must be a non-empty regex string, got '
-                       f'{self.targets!r}; e.g. {ATTENTION_TARGETS!r}')
+      raise ValueError(
+          f'{_field("targets")} must be a non-empty regex string, got '
+          f'{self.targets!r}; e.g. {ATTENTION_TARGETS!r}'
+      )
     try:
       re.compile(self.targets)
     except re.error as e:
       raise ValueError(f'{_field("targets")}={self.targets!r} is not a valid regex: {e}') from e
     if self.dropout != 0:
-      raise ValueError(f'{_field("dropout")}={self.dropout!r}: only 0 is supported (adapters are '
-                       'merged into the weights); set it to 0')
+      raise ValueError(
+          f'{_field("dropout")}={self.dropout!r}: only 0 is supported (adapters are '
+          'merged into the weights); set it to 0'
+      )
     object.__setattr__(self, 'rank', int(self.rank))
     object.__setattr__(self, 'alpha', float(self.alpha))
 
@@ -133,16 +147,22 @@ def _table_kernels(table: KeyTable) -> dict[str, tuple[str, ...]]:
   """Linear kernels of a key table: our path -> diffusers module names (one per layer)."""
   out = {}
   for path, src in table.items():
-    if (path.endswith('.kernel') and src.perm == (1, 0)
-        and all(k.endswith('.weight') for k in src.keys)):
-      out[path] = tuple(k[:-len('.weight')] for k in src.keys)
+    if (
+        path.endswith('.kernel')
+        and src.perm == (1, 0)
+        and all(k.endswith('.weight') for k in src.keys)
+    ):
+      out[path] = tuple(k[: -len('.weight')] for k in src.keys)
   return out
 
 
 def _linear_kernels(flat: Mapping[str, Any], table: KeyTable) -> dict[str, tuple[str, ...]]:
   """The table's Linear kernels that `flat` holds as 2-D (3-D when stacked) arrays."""
-  return {p: mods for p, mods in _table_kernels(table).items()
-          if p in flat and len(flat[p].shape) == 2 + table[p].stacked}
+  return {
+      p: mods
+      for p, mods in _table_kernels(table).items()
+      if p in flat and len(flat[p].shape) == 2 + table[p].stacked
+  }
 
 
 def _layer_pattern(modules: tuple[str, ...]) -> str:
@@ -161,19 +181,22 @@ def _match(kernels: Mapping[str, tuple[str, ...]], cfg: LoraConfig) -> list[str]
       paths.append(path)
     elif hits:
       missed = [m for m in modules if not pattern.search(m)]
-      partial.append(f'{path} ({len(hits)} of {len(modules)} layers: matches {hits[0]}, '
-                     f'not {missed[0]})')
+      partial.append(
+          f'{path} ({len(hits)} of {len(modules)} layers: matches {hits[0]}, ' f'not {missed[0]})'
+      )
   if partial:
     raise ValueError(
         f'{_field("targets")}={cfg.targets!r} matches only some layers of stacked kernels: '
         f'{"; ".join(partial)}. Adapters here cover whole stacks of layers (one adapter with a '
-        f'layer axis per kernel): match every transformer_blocks.<i> of a module or none')
+        f'layer axis per kernel): match every transformer_blocks.<i> of a module or none'
+    )
   if not paths:
     examples = sorted({m for mods in kernels.values() for m in mods[:1]})
     raise ValueError(
         f'{_field("targets")}={cfg.targets!r} matches no Linear module (re.search on diffusers '
         f'module names). Names it could match: {", ".join(examples)} (block modules exist for '
-        f'every transformer_blocks.<i>); e.g. {ATTENTION_TARGETS!r}')
+        f'every transformer_blocks.<i>); e.g. {ATTENTION_TARGETS!r}'
+    )
   return paths
 
 
@@ -183,8 +206,9 @@ def target_paths(abstract_params, table: KeyTable, cfg: LoraConfig) -> list[str]
   convert.diffusers_key_table(config). Only Linear kernels (2-D, 3-D stacked) are eligible."""
   kernels = _linear_kernels(_flat(abstract_params), table)
   if not kernels:
-    raise ValueError('no Linear kernel of the params appears in the key table (a table for '
-                     'another model?)')
+    raise ValueError(
+        'no Linear kernel of the params appears in the key table (a table for ' 'another model?)'
+    )
   return _match(kernels, cfg)
 
 
@@ -194,12 +218,16 @@ def target_paths(abstract_params, table: KeyTable, cfg: LoraConfig) -> list[str]
 
 def _kernel_shape(flat: Mapping[str, Any], path: str) -> tuple[int, ...]:
   if path not in flat:
-    raise ValueError(f'LoRA target {path!r} is not a param path (e.g. '
-                     f'{next(iter(sorted(flat)), "?")!r}); take paths from lora.target_paths')
+    raise ValueError(
+        f'LoRA target {path!r} is not a param path (e.g. '
+        f'{next(iter(sorted(flat)), "?")!r}); take paths from lora.target_paths'
+    )
   shape = tuple(flat[path].shape)
   if not path.endswith('.kernel') or len(shape) not in (2, 3):
-    raise ValueError(f'LoRA target {path!r} has shape {shape}; only Linear kernels (".kernel") '
-                     '[in, out] or stacked [layers, in, out] take adapters')
+    raise ValueError(
+        f'LoRA target {path!r} has shape {shape}; only Linear kernels (".kernel") '
+        '[in, out] or stacked [layers, in, out] take adapters'
+    )
   return shape
 
 
@@ -223,7 +251,7 @@ def _init(key, shapes, rank):
   u = jax.random.uniform(key, (sum(sizes),), jnp.float32, -1.0, 1.0)
   out, start = {}, 0
   for size, (path, (*lead, n_in, n_out)) in zip(sizes, shapes):
-    a = u[start:start + size].reshape(*lead, n_in, rank) * np.float32(1.0 / math.sqrt(n_in))
+    a = u[start : start + size].reshape(*lead, n_in, rank) * np.float32(1.0 / math.sqrt(n_in))
     out[path] = {'a': a, 'b': jnp.zeros((*lead, rank, n_out), jnp.float32)}
     start += size
   return out
@@ -246,14 +274,18 @@ def _check_adapters(flat: Mapping[str, Any], adapters: Adapters, cfg: LoraConfig
     entry = adapters[path]
     *lead, n_in, n_out = _kernel_shape(flat, path)
     if not isinstance(entry, Mapping) or set(entry) != {'a', 'b'}:
-      raise ValueError(f'adapter {path!r} must be a dict with keys "a" and "b", got '
-                       f'{sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__}')
+      raise ValueError(
+          f'adapter {path!r} must be a dict with keys "a" and "b", got '
+          f'{sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__}'
+      )
     want = {'a': (*lead, n_in, cfg.rank), 'b': (*lead, cfg.rank, n_out)}
     got = {n: tuple(entry[n].shape) for n in ('a', 'b')}
     if got != want:
-      raise ValueError(f'adapter {path!r} has shapes a {got["a"]}, b {got["b"]}; the kernel '
-                       f'{tuple(flat[path].shape)} with {_field("rank")}={cfg.rank} needs '
-                       f'a {want["a"]}, b {want["b"]}')
+      raise ValueError(
+          f'adapter {path!r} has shapes a {got["a"]}, b {got["b"]}; the kernel '
+          f'{tuple(flat[path].shape)} with {_field("rank")}={cfg.rank} needs '
+          f'a {want["a"]}, b {want["b"]}'
+      )
 
 
 def merge(params, adapters: Adapters, cfg: LoraConfig):
@@ -296,8 +328,10 @@ def manifest(adapters: Adapters, *, digest: bool = True) -> dict[str, dict[str, 
   for path in sorted(adapters):
     entry = adapters[path]
     abstract = any(isinstance(entry[n], jax.ShapeDtypeStruct) for n in ('a', 'b'))
-    out[path] = {n: {'shape': [int(d) for d in entry[n].shape],
-                     'dtype': jnp.dtype(entry[n].dtype).name} for n in ('a', 'b')}
+    out[path] = {
+        n: {'shape': [int(d) for d in entry[n].shape], 'dtype': jnp.dtype(entry[n].dtype).name}
+        for n in ('a', 'b')
+    }
     out[path]['sha256'] = _digest(entry) if digest and not abstract else None
   return out
 
@@ -314,17 +348,25 @@ def check_manifest(expected: Mapping[str, Any], got: Mapping[str, Any]) -> None:
       shapes.append(f'{path} (expected a {e["a"]}, b {e["b"]}; got a {g["a"]}, b {g["b"]})')
     elif e['sha256'] is not None and g['sha256'] is not None and e['sha256'] != g['sha256']:
       values.append(path)
-  problems = [f'{title} ({len(items)}): {", ".join(items)}' for title, items in (
-      ('missing', missing), ('unexpected', unexpected), ('wrong shape or dtype', shapes),
-      ('different values (sha256)', values)) if items]
+  problems = [
+      f'{title} ({len(items)}): {", ".join(items)}'
+      for title, items in (
+          ('missing', missing),
+          ('unexpected', unexpected),
+          ('wrong shape or dtype', shapes),
+          ('different values (sha256)', values),
+      )
+      if items
+  ]
   if problems:
     raise ValueError('LoRA adapters do not match the expected manifest: ' + '; '.join(problems))
 
 
 def num_bytes(adapters: Adapters) -> int:
   """Bytes of all adapter arrays (ShapeDtypeStructs count as their arrays would)."""
-  return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-                 for x in jax.tree.leaves(adapters)))
+  return int(
+      sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(adapters))
+  )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -339,17 +381,25 @@ def save_diffusers_lora(folder, adapters: Adapters, cfg: LoraConfig, table: KeyT
   tensors, modules = {}, []
   for path in sorted(adapters):
     if path not in kernels:
-      raise ValueError(f'adapter {path!r} is not a Linear kernel of the key table; it has no '
-                       'diffusers module name')
+      raise ValueError(
+          f'adapter {path!r} is not a Linear kernel of the key table; it has no '
+          'diffusers module name'
+      )
     a, b = (np.asarray(adapters[path][n], np.float32) for n in ('a', 'b'))
     names = kernels[path]
     lead = (len(names),) if table[path].stacked else ()
-    if (a.ndim != len(lead) + 2 or a.shape[:-2] != lead or a.shape[-1] != cfg.rank
-        or b.shape != (*lead, cfg.rank, b.shape[-1])):
-      raise ValueError(f'adapter {path!r} has shapes a {a.shape}, b {b.shape}; expected '
-                       f'a [{", ".join(map(str, lead + ("in",)))}, {cfg.rank}], '
-                       f'b [{", ".join(map(str, lead))}{", " if lead else ""}{cfg.rank}, out] '
-                       f'({_field("rank")}={cfg.rank})')
+    if (
+        a.ndim != len(lead) + 2
+        or a.shape[:-2] != lead
+        or a.shape[-1] != cfg.rank
+        or b.shape != (*lead, cfg.rank, b.shape[-1])
+    ):
+      raise ValueError(
+          f'adapter {path!r} has shapes a {a.shape}, b {b.shape}; expected '
+          f'a [{", ".join(map(str, lead + ("in",)))}, {cfg.rank}], '
+          f'b [{", ".join(map(str, lead))}{", " if lead else ""}{cfg.rank}, out] '
+          f'({_field("rank")}={cfg.rank})'
+      )
     for i, module in enumerate(names):
       ai, bi = (a[i], b[i]) if lead else (a, b)
       tensors[f'{PREFIX}.{module}.lora_A.weight'] = np.ascontiguousarray(ai.T)
@@ -359,15 +409,22 @@ def save_diffusers_lora(folder, adapters: Adapters, cfg: LoraConfig, table: KeyT
     raise ValueError('no adapters to save')
   # A PEFT LoraConfig's fields, "transformer."-prefixed as diffusers' save_lora_weights writes
   # them; its loader strips the prefix and calls peft.LoraConfig(**fields).
-  peft_fields = {'r': cfg.rank, 'lora_alpha': cfg.alpha, 'target_modules': sorted(modules),
-                 'lora_dropout': 0.0, 'bias': 'none', 'use_rslora': False, 'use_dora': False,
-                 'lora_bias': False}
+  peft_fields = {
+      'r': cfg.rank,
+      'lora_alpha': cfg.alpha,
+      'target_modules': sorted(modules),
+      'lora_dropout': 0.0,
+      'bias': 'none',
+      'use_rslora': False,
+      'use_dora': False,
+      'lora_bias': False,
+  }
   metadata = {
       'format': 'pt',
-      DIFFUSERS_METADATA_KEY: json.dumps({f'{PREFIX}.{k}': v for k, v in peft_fields.items()},
-                                         indent=2, sort_keys=True),
-      OUR_METADATA_KEY: json.dumps({'rank': cfg.rank, 'alpha': cfg.alpha,
-                                    'targets': cfg.targets}),
+      DIFFUSERS_METADATA_KEY: json.dumps(
+          {f'{PREFIX}.{k}': v for k, v in peft_fields.items()}, indent=2, sort_keys=True
+      ),
+      OUR_METADATA_KEY: json.dumps({'rank': cfg.rank, 'alpha': cfg.alpha, 'targets': cfg.targets}),
   }
   data = safetensors_numpy.save(tensors, metadata=metadata)
   folder = Path(folder)
@@ -394,12 +451,13 @@ def _read_metadata(meta: Mapping[str, str], file: Path) -> tuple[dict, dict]:
       out.append(json.loads(meta[key]) if meta.get(key) else {})
     except ValueError as e:
       raise ValueError(f'{file}: metadata {key!r} is not JSON: {e}') from e
-  peft = {k[len(PREFIX) + 1:]: v for k, v in out[0].items() if k.startswith(PREFIX + '.')}
+  peft = {k[len(PREFIX) + 1 :]: v for k, v in out[0].items() if k.startswith(PREFIX + '.')}
   return peft, out[1]
 
 
-def load_diffusers_lora(folder, table: KeyTable) -> tuple[dict[str, dict[str, np.ndarray]],
-                                                          LoraConfig]:
+def load_diffusers_lora(
+    folder, table: KeyTable
+) -> tuple[dict[str, dict[str, np.ndarray]], LoraConfig]:
   """(adapters as float32 numpy arrays, their LoraConfig) from folder/pytorch_lora_weights
   .safetensors written by save_diffusers_lora or by diffusers' save_lora_weights (PEFT-format
   transformer LoRA). Alpha comes from diffusers' metadata (absent: alpha = r, diffusers' rule)."""
@@ -425,9 +483,11 @@ def load_diffusers_lora(folder, table: KeyTable) -> tuple[dict[str, dict[str, np
     else:
       bad.append(k)
   if bad:
-    raise ValueError(f'{file}: keys that are not "{PREFIX}.<module>.lora_A/lora_B.weight": '
-                     f'{sorted(bad)[:10]}{" ..." if len(bad) > 10 else ""} (other LoRA formats: '
-                     f'load the file with diffusers and save it again with save_lora_weights)')
+    raise ValueError(
+        f'{file}: keys that are not "{PREFIX}.<module>.lora_A/lora_B.weight": '
+        f'{sorted(bad)[:10]}{" ..." if len(bad) > 10 else ""} (other LoRA formats: '
+        f'load the file with diffusers and save it again with save_lora_weights)'
+    )
   unpaired = sorted(m for m, ab in by_module.items() if set(ab) != {'A', 'B'})
   if unpaired:
     raise ValueError(f'{file}: modules without both lora_A and lora_B: {unpaired[:10]}')
@@ -436,17 +496,21 @@ def load_diffusers_lora(folder, table: KeyTable) -> tuple[dict[str, dict[str, np
   where = {m: (path, i) for path, mods in kernels.items() for i, m in enumerate(mods)}
   unknown = sorted(m for m in by_module if m not in where)
   if unknown:
-    raise ValueError(f'{file}: LoRA modules that are not Linear layers of this model: '
-                     f'{unknown[:10]} (a LoRA for another architecture or size?)')
+    raise ValueError(
+        f'{file}: LoRA modules that are not Linear layers of this model: '
+        f'{unknown[:10]} (a LoRA for another architecture or size?)'
+    )
   paths = sorted({where[m][0] for m in by_module})
   adapters = {}
   for path in paths:
     mods = kernels[path]
     absent = [m for m in mods if m not in by_module]
     if absent:
-      raise ValueError(f'{file}: has adapters for only {len(mods) - len(absent)} of {len(mods)} '
-                       f'layers of {path} (missing {absent[0]}, ...); adapters here cover whole '
-                       'stacks of layers')
+      raise ValueError(
+          f'{file}: has adapters for only {len(mods) - len(absent)} of {len(mods)} '
+          f'layers of {path} (missing {absent[0]}, ...); adapters here cover whole '
+          'stacks of layers'
+      )
     a = [np.asarray(tensors[by_module[m]['A']], np.float32).T for m in mods]
     b = [np.asarray(tensors[by_module[m]['B']], np.float32).T for m in mods]
     if table[path].stacked:
@@ -458,7 +522,8 @@ def load_diffusers_lora(folder, table: KeyTable) -> tuple[dict[str, dict[str, np
       adapters[path] = {'a': a[0], 'b': b[0]}
 
   ranks = {ad['a'].shape[-1] for ad in adapters.values()} | {
-      ad['b'].shape[-2] for ad in adapters.values()}
+      ad['b'].shape[-2] for ad in adapters.values()
+  }
   if len(ranks) != 1:
     raise ValueError(f'{file}: adapters have several ranks {sorted(ranks)}; one rank is supported')
   rank = ranks.pop()
@@ -471,12 +536,17 @@ def load_diffusers_lora(folder, table: KeyTable) -> tuple[dict[str, dict[str, np
     if peft.get(field):
       raise ValueError(f'{file}: {field}=True is not supported (plain LoRA only)')
   targets = ours.get('targets') or (
-      '^(?:' + '|'.join(_layer_pattern(kernels[p]) for p in paths) + ')$')
+      '^(?:' + '|'.join(_layer_pattern(kernels[p]) for p in paths) + ')$'
+  )
   cfg = LoraConfig(rank=rank, alpha=float(peft.get('lora_alpha', rank)), targets=targets)
   if ours and (ours.get('rank'), ours.get('alpha')) != (cfg.rank, cfg.alpha):
-    raise ValueError(f'{file}: our metadata (rank {ours.get("rank")}, alpha {ours.get("alpha")}) '
-                     f'disagrees with diffusers\' (r {cfg.rank}, lora_alpha {cfg.alpha})')
+    raise ValueError(
+        f'{file}: our metadata (rank {ours.get("rank")}, alpha {ours.get("alpha")}) '
+        f"disagrees with diffusers' (r {cfg.rank}, lora_alpha {cfg.alpha})"
+    )
   if _match(kernels, cfg) != paths:
-    raise ValueError(f'{file}: targets {targets!r} in its metadata select '
-                     f'{_match(kernels, cfg)}, but the file holds adapters for {paths}')
+    raise ValueError(
+        f'{file}: targets {targets!r} in its metadata select '
+        f'{_match(kernels, cfg)}, but the file holds adapters for {paths}'
+    )
   return adapters, cfg

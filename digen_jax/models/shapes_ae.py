@@ -24,6 +24,7 @@ The interface is the pipeline VAEs' (models/vae.py, flux_vae.py): `latent_channe
 `spatial_compression`, `encode`, `decode` (clipped to [-1, 1]), `normalize`, `denormalize`, so
 `vae.decode_packed` decodes packed generator tokens with it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,23 +40,27 @@ from digen_jax.data.shapes.grammar import SHAPES
 @dataclasses.dataclass(frozen=True)
 class ShapesAEConfig:
   latent_channels: int = 4
-  shape_channels: int = 0           # 0, or len(SHAPES): leading channels that hold shape coverage
-  width: int = 64                   # channels of the 16x16 and 8x8 stages (the 32x32 one has half)
-  downsamples: int = 2              # each halves the resolution: 32 px -> 8x8 latents
-  latent_mean: tuple[float, ...] = ()   # per channel, measured after training ('' = 0)
-  latent_std: tuple[float, ...] = ()    # per channel ('' = 1)
+  shape_channels: int = 0  # 0, or len(SHAPES): leading channels that hold shape coverage
+  width: int = 64  # channels of the 16x16 and 8x8 stages (the 32x32 one has half)
+  downsamples: int = 2  # each halves the resolution: 32 px -> 8x8 latents
+  latent_mean: tuple[float, ...] = ()  # per channel, measured after training ('' = 0)
+  latent_std: tuple[float, ...] = ()  # per channel ('' = 1)
 
   @property
   def spatial_compression(self) -> int:
-    return 2 ** self.downsamples
+    return 2**self.downsamples
 
   def __post_init__(self):
     if self.latent_channels < 1 or self.width < 2 or self.downsamples < 1:
-      raise ValueError(f'ShapesAEConfig: latent_channels={self.latent_channels}, width={self.width}, '
-                       f'downsamples={self.downsamples} must be >= 1, >= 2, >= 1')
+      raise ValueError(
+          f'ShapesAEConfig: latent_channels={self.latent_channels}, width={self.width}, '
+          f'downsamples={self.downsamples} must be >= 1, >= 2, >= 1'
+      )
     if self.shape_channels not in (0, len(SHAPES)) or self.shape_channels > self.latent_channels:
-      raise ValueError(f'ShapesAEConfig.shape_channels={self.shape_channels} must be 0 or '
-                       f'{len(SHAPES)} (one per shape), and <= latent_channels={self.latent_channels}')
+      raise ValueError(
+          f'ShapesAEConfig.shape_channels={self.shape_channels} must be 0 or '
+          f'{len(SHAPES)} (one per shape), and <= latent_channels={self.latent_channels}'
+      )
     for name in ('latent_mean', 'latent_std'):
       v = getattr(self, name)
       object.__setattr__(self, name, tuple(float(x) for x in v))
@@ -82,8 +87,9 @@ class ShapesAE(nnx.Module):
     half = max(w // 2, 1)
     self.enc_in = _conv(3, half, 3, rngs)
     chans = [half] + [w] * config.downsamples
-    self.enc_down = nnx.List([_conv(chans[i], chans[i + 1], 3, rngs, stride=2)
-                              for i in range(config.downsamples)])
+    self.enc_down = nnx.List(
+        [_conv(chans[i], chans[i + 1], 3, rngs, stride=2) for i in range(config.downsamples)]
+    )
     self.enc_out = _conv(w, c, 1, rngs)
     self.dec_in = _conv(c, w, 1, rngs)
     up = [w] * config.downsamples + [half]
@@ -146,10 +152,13 @@ class ShapesAE(nnx.Module):
 def read_vae_config(folder) -> ShapesAEConfig:
   """The config of an autoencoder params folder (digen_jax.pretrain_ae's DIR/params)."""
   from digen_jax.models import params_io  # pylint: disable=g-import-not-at-top (params_io imports us)
+
   meta = params_io.read_config(folder)
   if meta.get('format') != params_io.AE_FORMAT:
-    raise ValueError(f'{folder} holds {meta.get("format")!r}, not a ShapesBench autoencoder '
-                     f'({params_io.AE_FORMAT!r}); make one with python -m digen_jax.pretrain_ae')
+    raise ValueError(
+        f'{folder} holds {meta.get("format")!r}, not a ShapesBench autoencoder '
+        f'({params_io.AE_FORMAT!r}); make one with python -m digen_jax.pretrain_ae'
+    )
   return ShapesAEConfig(**meta['model_config'])
 
 
@@ -162,4 +171,5 @@ def abstract_vae(config: ShapesAEConfig, param_dtype: Any = jnp.float32):
 def vae_key_table(config: ShapesAEConfig):
   """Our own layout: every param's file key is its dotted path."""
   from digen_jax.models import streaming  # pylint: disable=g-import-not-at-top
+
   return streaming.identity_table(abstract_vae(config)[1])

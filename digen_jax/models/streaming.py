@@ -15,6 +15,7 @@ own part.
 
 Pickle files (.bin, .pt, .ckpt) are never read.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,10 +39,21 @@ from digen_jax.models.tensor_source import KeyTable, TensorSource
 
 # safetensors header dtype name -> numpy dtype (ml_dtypes gives numpy bfloat16 / float8).
 _NP_DTYPES = {
-    'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
-    'F8_E4M3': ml_dtypes.float8_e4m3fn, 'F8_E5M2': ml_dtypes.float8_e5m2,
-    'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8,
-    'U64': np.uint64, 'U32': np.uint32, 'U16': np.uint16, 'U8': np.uint8, 'BOOL': np.bool_,
+    'F64': np.float64,
+    'F32': np.float32,
+    'F16': np.float16,
+    'BF16': ml_dtypes.bfloat16,
+    'F8_E4M3': ml_dtypes.float8_e4m3fn,
+    'F8_E5M2': ml_dtypes.float8_e5m2,
+    'I64': np.int64,
+    'I32': np.int32,
+    'I16': np.int16,
+    'I8': np.int8,
+    'U64': np.uint64,
+    'U32': np.uint32,
+    'U16': np.uint16,
+    'U8': np.uint8,
+    'BOOL': np.bool_,
 }
 
 Bounds = tuple[tuple[int, int], ...]  # [start, stop) per axis
@@ -51,9 +63,10 @@ _T = TypeVar('_T')
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
   """One tensor as its file header describes it (no data read)."""
+
   file: Path
   shape: tuple[int, ...]
-  dtype: str                        # safetensors name: 'F32', 'BF16', ...
+  dtype: str  # safetensors name: 'F32', 'BF16', ...
 
   @property
   def nbytes(self) -> int:
@@ -63,7 +76,8 @@ class TensorInfo:
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
   """The tensors of a set of safetensors files: key -> where it lives, its shape and dtype."""
-  path: Path                        # the folder (or single file) that was opened
+
+  path: Path  # the folder (or single file) that was opened
   files: tuple[Path, ...]
   tensors: Mapping[str, TensorInfo]
 
@@ -78,8 +92,10 @@ class Checkpoint:
     bounds = None
     if index is not None:
       if len(index) != len(info.shape) or any(s.step not in (None, 1) for s in index):
-        raise ValueError(f'read({key!r}): index {index} must hold one step-1 slice per axis of '
-                         f'shape {info.shape}')
+        raise ValueError(
+            f'read({key!r}): index {index} must hold one step-1 slice per axis of '
+            f'shape {info.shape}'
+        )
       bounds = [s.indices(n)[:2] for s, n in zip(index, info.shape)]
     with safe_open(str(info.file), framework='np') as f:
       if bounds is None or all(b == (0, n) for b, n in zip(bounds, info.shape)):
@@ -99,8 +115,10 @@ def component_folder(path: str | os.PathLike, subfolder: str, what: str) -> Path
   for candidate in (folder, folder / subfolder):
     if (candidate / 'config.json').is_file():
       return candidate
-  raise FileNotFoundError(f'no config.json in {folder} or {folder / subfolder}; expected a '
-                          f'diffusers {what} folder or a pipeline folder with {subfolder}/')
+  raise FileNotFoundError(
+      f'no config.json in {folder} or {folder / subfolder}; expected a '
+      f'diffusers {what} folder or a pipeline folder with {subfolder}/'
+  )
 
 
 def read_config_json(folder: str | os.PathLike) -> dict[str, Any]:
@@ -132,8 +150,9 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
   folder = Path(folder)
   indexes = sorted(folder.glob('*.safetensors.index.json'))
   if len(indexes) > 1:
-    raise ValueError(f'several safetensors index files in {folder}: '
-                     f'{[i.name for i in indexes]}; keep one')
+    raise ValueError(
+        f'several safetensors index files in {folder}: ' f'{[i.name for i in indexes]}; keep one'
+    )
   if indexes:
     names = set(_weight_map(indexes[0]).values())
     files = sorted(folder / name for name in names)
@@ -143,8 +162,10 @@ def weight_files(folder: str | os.PathLike) -> list[Path]:
     return files
   files = sorted(folder.glob('*.safetensors'))
   if not files:
-    raise ValueError(f'no *.safetensors weights in {folder} (pickle .bin/.pt files are never '
-                     'read; re-save with safe_serialization=True)')
+    raise ValueError(
+        f'no *.safetensors weights in {folder} (pickle .bin/.pt files are never '
+        'read; re-save with safe_serialization=True)'
+    )
   return files
 
 
@@ -155,12 +176,15 @@ def _weight_map(index: Path) -> dict[str, str]:
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f'cannot read shard index {index}: {e}') from e
   if not isinstance(weight_map, dict) or not all(
-      isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+      isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+  ):
     raise ValueError(f'shard index {index}: weight_map must map tensor names to file names')
   for key, name in weight_map.items():
     if Path(name).name != name or name in ('.', '..'):
-      raise ValueError(f'shard index {index} puts {key!r} in {name!r}; shards must be plain file '
-                       'names in the same folder')
+      raise ValueError(
+          f'shard index {index} puts {key!r} in {name!r}; shards must be plain file '
+          'names in the same folder'
+      )
   return weight_map
 
 
@@ -176,8 +200,10 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     indexes = sorted(path.glob('*.safetensors.index.json'))
     index = indexes[0] if indexes else None
   else:
-    raise ValueError(f'checkpoint not found: {path} (expected a folder of *.safetensors or one '
-                     '.safetensors file)')
+    raise ValueError(
+        f'checkpoint not found: {path} (expected a folder of *.safetensors or one '
+        '.safetensors file)'
+    )
   tensors: dict[str, TensorInfo] = {}
   for f in files:
     try:
@@ -188,23 +214,31 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
       raise ValueError(f'cannot read safetensors file {f}: {e}') from e
     for key, (shape, dtype) in headers.items():
       if key in tensors:
-        raise ValueError(f'tensor {key!r} appears in both {tensors[key].file} and {f}; '
-                         'keep one checkpoint (or variant) per folder')
+        raise ValueError(
+            f'tensor {key!r} appears in both {tensors[key].file} and {f}; '
+            'keep one checkpoint (or variant) per folder'
+        )
       if dtype not in _NP_DTYPES:
-        raise ValueError(f'tensor {key!r} in {f} has dtype {dtype}, which this loader cannot '
-                         f'read (supported: {sorted(_NP_DTYPES)})')
+        raise ValueError(
+            f'tensor {key!r} in {f} has dtype {dtype}, which this loader cannot '
+            f'read (supported: {sorted(_NP_DTYPES)})'
+        )
       tensors[key] = TensorInfo(f, shape, dtype)
   if index is not None:
     weight_map = _weight_map(index)
     for key, name in weight_map.items():
       if key not in tensors or tensors[key].file.name != name:
         where = tensors[key].file if key in tensors else 'no shard'
-        raise ValueError(f'shard index {index} puts {key!r} in {name}, but {where} holds it; '
-                         'the index and the shards come from different saves')
+        raise ValueError(
+            f'shard index {index} puts {key!r} in {name}, but {where} holds it; '
+            'the index and the shards come from different saves'
+        )
     for key, info in tensors.items():
       if key not in weight_map:
-        raise ValueError(f'tensor {key!r} in {info.file} is not in the shard index {index}; '
-                         'the index and the shards come from different saves')
+        raise ValueError(
+            f'tensor {key!r} in {info.file} is not in the shard index {index}; '
+            'the index and the shards come from different saves'
+        )
   return Checkpoint(path, tuple(files), tensors)
 
 
@@ -249,35 +283,45 @@ def _validate(ckpt: Checkpoint, table: KeyTable, leaves: Mapping[str, Any], labe
     raise ValueError(f'the {label} key table has no source for our params: {_fmt(no_source)}')
   no_param = set(table) - set(leaves)
   if no_param:
-    raise ValueError(f'the {label} key table names params the model does not have: '
-                     f'{_fmt(no_param)}')
+    raise ValueError(
+        f'the {label} key table names params the model does not have: ' f'{_fmt(no_param)}'
+    )
   expected, given = tensor_source.file_keys(table), set(ckpt.tensors)
   missing, unexpected = expected - given, given - expected
   if missing or unexpected:
     msg = []
     if missing:
-      msg.append(f'missing {label} keys ({len(missing)}): {_fmt(missing)} (searched '
-                 f'{", ".join(str(f) for f in ckpt.files)})')
+      msg.append(
+          f'missing {label} keys ({len(missing)}): {_fmt(missing)} (searched '
+          f'{", ".join(str(f) for f in ckpt.files)})'
+      )
     if unexpected:
-      msg.append(f'unexpected {label} keys ({len(unexpected)}): '
-                 f'{_fmt(f"{k} (in {ckpt.tensors[k].file})" for k in unexpected)}')
+      msg.append(
+          f'unexpected {label} keys ({len(unexpected)}): '
+          f'{_fmt(f"{k} (in {ckpt.tensors[k].file})" for k in unexpected)}'
+      )
     raise ValueError(f'checkpoint {ckpt.path} does not match the model: ' + '; '.join(msg))
   for name, leaf in leaves.items():
     source = table[name]
     want = tuple(leaf.shape[1:] if source.stacked else leaf.shape)
     if source.stacked and (not leaf.shape or leaf.shape[0] != len(source.keys)):
-      raise ValueError(f'our param {name} has shape {tuple(leaf.shape)} but the {label} key '
-                       f'table stacks {len(source.keys)} keys along its first axis')
+      raise ValueError(
+          f'our param {name} has shape {tuple(leaf.shape)} but the {label} key '
+          f'table stacks {len(source.keys)} keys along its first axis'
+      )
     for key in source.keys:
       info = ckpt.tensors[key]
       try:
-        got = source.our_shape(info.shape)[1 if source.stacked else 0:]
+        got = source.our_shape(info.shape)[1 if source.stacked else 0 :]
       except ValueError as e:
-        raise ValueError(f'{label} key {key!r} in {info.file}: {e} (our param {name} is '
-                         f'{tuple(leaf.shape)})') from e
+        raise ValueError(
+            f'{label} key {key!r} in {info.file}: {e} (our param {name} is ' f'{tuple(leaf.shape)})'
+        ) from e
       if got != want:
-        raise ValueError(f'{label} key {key!r} has shape {info.shape}, expected one that gives '
-                         f'{want} for our param {name} (it gives {got}); file {info.file}')
+        raise ValueError(
+            f'{label} key {key!r} has shape {info.shape}, expected one that gives '
+            f'{want} for our param {name} (it gives {got}); file {info.file}'
+        )
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
@@ -308,11 +352,12 @@ def _staging(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
   nbytes = math.prod(shape) * dtype.itemsize
   raw = np.empty(nbytes + 64, np.uint8)
   start = (32 - raw.ctypes.data) % 64
-  return raw[start:start + nbytes].view(dtype).reshape(shape)
+  return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def _read_shard(ckpt: Checkpoint, source: TensorSource, bounds: Bounds,
-                dtype: np.dtype) -> np.ndarray:
+def _read_shard(
+    ckpt: Checkpoint, source: TensorSource, bounds: Bounds, dtype: np.dtype
+) -> np.ndarray:
   """One device's slice `bounds` of our param in `dtype`, in a fresh staging buffer."""
   out = _staging(tuple(b - a for a, b in bounds), dtype)
   if not source.stacked:
@@ -347,8 +392,14 @@ class _Releases:
       time.sleep(1e-4)
 
 
-def _load_one(ckpt: Checkpoint, source: TensorSource, shape: tuple[int, ...],
-              sharding: jax.sharding.Sharding, dtype: np.dtype, releases: _Releases) -> jax.Array:
+def _load_one(
+    ckpt: Checkpoint,
+    source: TensorSource,
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding,
+    dtype: np.dtype,
+    releases: _Releases,
+) -> jax.Array:
   # Devices holding the same slice (replicas) share one read and one host buffer.
   groups: dict[Bounds, list[jax.Device]] = {}
   for device, index in sharding.addressable_devices_indices_map(shape).items():
@@ -367,8 +418,15 @@ def _load_one(ckpt: Checkpoint, source: TensorSource, shape: tuple[int, ...],
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def load(checkpoint: Checkpoint, table: KeyTable, abstract: Any, shardings: Any,
-         dtype: Any = None, *, label: str = 'checkpoint') -> Any:
+def load(
+    checkpoint: Checkpoint,
+    table: KeyTable,
+    abstract: Any,
+    shardings: Any,
+    dtype: Any = None,
+    *,
+    label: str = 'checkpoint',
+) -> Any:
   """Loads every param of `abstract` from `checkpoint`, each straight onto its sharding.
 
   checkpoint: from `open_checkpoint`. table: our dotted param path -> TensorSource (e.g.
@@ -386,9 +444,11 @@ def load(checkpoint: Checkpoint, table: KeyTable, abstract: Any, shardings: Any,
   else:
     placement = _flat(shardings)
     if set(placement) != set(leaves):
-      raise ValueError(f'shardings do not match the abstract tree: missing '
-                       f'{_fmt(set(leaves) - set(placement))}, extra '
-                       f'{_fmt(set(placement) - set(leaves))}')
+      raise ValueError(
+          f'shardings do not match the abstract tree: missing '
+          f'{_fmt(set(leaves) - set(placement))}, extra '
+          f'{_fmt(set(placement) - set(leaves))}'
+      )
   for name, sharding in placement.items():
     if not isinstance(sharding, jax.sharding.Sharding):
       raise ValueError(f'shardings[{name}] is {type(sharding).__name__}, not a jax Sharding')
@@ -396,8 +456,9 @@ def load(checkpoint: Checkpoint, table: KeyTable, abstract: Any, shardings: Any,
   loaded, releases = {}, _Releases()
   for name, leaf in leaves.items():
     want = np.dtype(dtype if dtype is not None else leaf.dtype)
-    loaded[name] = _load_one(checkpoint, table[name], tuple(leaf.shape), placement[name], want,
-                             releases)
+    loaded[name] = _load_one(
+        checkpoint, table[name], tuple(leaf.shape), placement[name], want, releases
+    )
   pure = _pure(abstract)
   paths, treedef = jax.tree_util.tree_flatten_with_path(pure)
   out = jax.tree_util.tree_unflatten(treedef, [loaded[_dotted(p)] for p, _ in paths])
@@ -408,8 +469,14 @@ def load(checkpoint: Checkpoint, table: KeyTable, abstract: Any, shardings: Any,
   return out
 
 
-def load_module(path: str | os.PathLike, table: KeyTable, graphdef: nnx.GraphDef, abstract: Any,
-                *, label: str = 'diffusers') -> Any:
+def load_module(
+    path: str | os.PathLike,
+    table: KeyTable,
+    graphdef: nnx.GraphDef,
+    abstract: Any,
+    *,
+    label: str = 'diffusers',
+) -> Any:
   """nnx.merge(graphdef, params) with every param of `abstract` (nnx.State of ShapeDtypeStructs)
   streamed from the checkpoint at `path` (see `open_checkpoint`) through `table` onto the first
   local device: a single-device model (e.g. a VAE) with no random init. Errors as `load`."""

@@ -8,6 +8,7 @@ and whether per-layer tensors are stacked along a new leading axis (layers under
     table = convert.diffusers_key_table(model_config)      # {"blocks.attn.to_q.kernel": TensorSource(...)}
     value = tensor_source.gather(table["img_in.kernel"], state_dict.__getitem__)   # full array, our layout
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ class TensorSource:
   stacked: the keys' tensors are stacked along a new leading axis (our axis 0).
   shape: our per-key shape when it differs from the permuted file shape only by size-1 axes
     (e.g. a norm's gamma saved as [C, 1, 1] that we hold as [C]); None: the permuted shape."""
+
   keys: tuple[str, ...]
   perm: tuple[int, ...] | None = None
   stacked: bool = False
@@ -39,13 +41,17 @@ class TensorSource:
   def our_shape(self, file_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Our full shape given one key's shape in the file (checks a `shape` reshape is legal)."""
     if self.perm and len(file_shape) != len(self.perm):
-      raise ValueError(f'{self.keys[0]}: file shape {tuple(file_shape)} has rank '
-                       f'{len(file_shape)}, expected {len(self.perm)}')
+      raise ValueError(
+          f'{self.keys[0]}: file shape {tuple(file_shape)} has rank '
+          f'{len(file_shape)}, expected {len(self.perm)}'
+      )
     permuted = tuple(file_shape[i] for i in self.perm) if self.perm else tuple(file_shape)
     if self.shape is not None:
       if [d for d in self.shape if d != 1] != [d for d in permuted if d != 1]:
-        raise ValueError(f'{self.keys[0]}: file shape {tuple(file_shape)} cannot be held as '
-                         f'{self.shape} (only size-1 axes may differ)')
+        raise ValueError(
+            f'{self.keys[0]}: file shape {tuple(file_shape)} cannot be held as '
+            f'{self.shape} (only size-1 axes may differ)'
+        )
       permuted = tuple(self.shape)
     return ((len(self.keys),) if self.stacked else ()) + permuted
 
@@ -81,8 +87,10 @@ def table_from_modules(model, leaf_types: tuple[type, ...], what: str) -> dict[s
   each with a static `sources(path, shapes)` giving its params' TensorSources (path: the leaf's
   dotted path; shapes: {dotted param path: our shape}). `model` may be abstract (nnx.eval_shape).
   ValueError (naming `what`) when a param is held by a module that is not such a leaf."""
-  shapes = {'.'.join(map(str, p)): tuple(v.get_value().shape)
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  shapes = {
+      '.'.join(map(str, p)): tuple(v.get_value().shape)
+      for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+  }
   table: dict[str, TensorSource] = {}
   for path, module in nnx.iter_modules(model):
     if isinstance(module, leaf_types):
@@ -101,13 +109,17 @@ def fill_params(model, table: KeyTable, state_dict: Mapping[str, np.ndarray], wh
   params = {'.'.join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   unset = sorted(set(params) - set(table))
   if unset:  # a module was added without a key-table entry
-    raise ValueError(f'{what}: the key table has no checkpoint source for our params: '
-                     f'{fmt_keys(unset)}')
+    raise ValueError(
+        f'{what}: the key table has no checkpoint source for our params: ' f'{fmt_keys(unset)}'
+    )
   expected, given = file_keys(table), set(state_dict.keys())
   missing, unexpected = expected - given, given - expected
   if missing or unexpected:
-    msg = [f'{label} diffusers keys ({len(keys)}): {fmt_keys(keys)}'
-           for label, keys in (('missing', missing), ('unexpected', unexpected)) if keys]
+    msg = [
+        f'{label} diffusers keys ({len(keys)}): {fmt_keys(keys)}'
+        for label, keys in (('missing', missing), ('unexpected', unexpected))
+        if keys
+    ]
     raise ValueError(f'{what} state dict does not match its config: ' + '; '.join(msg))
   for name, var in params.items():
     source, target = table[name], var.get_value()
@@ -115,11 +127,13 @@ def fill_params(model, table: KeyTable, state_dict: Mapping[str, np.ndarray], wh
     for key in source.keys:
       file_shape = tuple(np.shape(state_dict[key]))
       try:
-        got = source.our_shape(file_shape)[1 if source.stacked else 0:]
+        got = source.our_shape(file_shape)[1 if source.stacked else 0 :]
       except ValueError as e:
         got = f'none: {e}'
       if got != want:
-        raise ValueError(f'diffusers key {key!r} has shape {file_shape}, expected one that gives '
-                         f'{want} for our param {name} (it gives {got})')
+        raise ValueError(
+            f'diffusers key {key!r} has shape {file_shape}, expected one that gives '
+            f'{want} for our param {name} (it gives {got})'
+        )
     var.set_value(jnp.asarray(gather(source, state_dict.__getitem__), dtype=target.dtype))
   return model

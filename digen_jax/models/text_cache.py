@@ -33,6 +33,7 @@ A writer appends one shard at a time: the shard goes to a temp file and is renam
 then index.json is replaced the same way, so an interrupted run leaves the previous cache valid
 (and the prompts of every completed shard kept).
 """
+
 from __future__ import annotations
 
 import collections
@@ -49,7 +50,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 FORMAT = 'digen_jax.embedding_cache/2'
-_READABLE_FORMATS = ('digen_jax.embedding_cache/1', FORMAT)   # 1: a subset of 2 (see above)
+_READABLE_FORMATS = ('digen_jax.embedding_cache/1', FORMAT)  # 1: a subset of 2 (see above)
 INDEX = 'index.json'
 DTYPE = 'float32'
 
@@ -60,12 +61,12 @@ DTYPE = 'float32'
 QWENIMAGE_TEMPLATE = (
     '<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, '
     'quantity, text, spatial relationships of the objects and background:<|im_end|>\n'
-    '<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n')
+    '<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n'
+)
 QWENIMAGE_DROP_IDX = 34
 QWENIMAGE_MAX_SEQUENCE_LENGTH = 1024
 # Pipelines whose prompts are encoded this way, by model_index.json's _class_name.
-_QWENIMAGE_PIPELINES = ('QwenImagePipeline', 'QwenImageImg2ImgPipeline',
-                        'QwenImageInpaintPipeline')
+_QWENIMAGE_PIPELINES = ('QwenImagePipeline', 'QwenImageImg2ImgPipeline', 'QwenImageInpaintPipeline')
 
 # diffusers' FluxPipeline (0.42.1): CLIPTextModel's pooler_output of the prompt padded to the CLIP
 # tokenizer's model_max_length (77), and T5EncoderModel's last hidden state of the prompt padded
@@ -74,10 +75,12 @@ _QWENIMAGE_PIPELINES = ('QwenImagePipeline', 'QwenImageImg2ImgPipeline',
 FLUX_MAX_SEQUENCE_LENGTH = 512
 # The FLUX pipelines whose encode_prompt is a copy of FluxPipeline's.
 _FLUX_PIPELINES = ('FluxPipeline', 'FluxImg2ImgPipeline', 'FluxInpaintPipeline')
-_FLUX_CLASSES = {'text_encoder': 'transformers.CLIPTextModel',
-                 'text_encoder_2': 'transformers.T5EncoderModel'}
+_FLUX_CLASSES = {
+    'text_encoder': 'transformers.CLIPTextModel',
+    'text_encoder_2': 'transformers.T5EncoderModel',
+}
 
-_FINGERPRINT_CHUNK = 4 << 20      # bytes read from each end of a weights file
+_FINGERPRINT_CHUNK = 4 << 20  # bytes read from each end of a weights file
 _HASH_BLOCK = 16 << 20
 _SHARD_RE = re.compile(r'shard-\d{5}\.safetensors')
 
@@ -122,8 +125,9 @@ def _canonical(obj: Any) -> bytes:
   return json.dumps(obj, sort_keys=True, ensure_ascii=True, separators=(',', ':')).encode()
 
 
-def text_hidden_size(config: Mapping[str, Any], key: str = 'hidden_size',
-                     where: str = 'text_encoder/config.json') -> int:
+def text_hidden_size(
+    config: Mapping[str, Any], key: str = 'hidden_size', where: str = 'text_encoder/config.json'
+) -> int:
   """The text model's hidden size from a text_encoder/config.json (nested text_config in
   transformers >= 5 saves, flat in older ones, e.g. Qwen/Qwen-Image's); key: its name (T5's is
   d_model)."""
@@ -139,13 +143,17 @@ def _model_index(pipeline_folder: str) -> tuple[dict[str, Any], str, str]:
   folder = os.fspath(pipeline_folder)
   index_path = os.path.join(folder, 'model_index.json')
   if not os.path.isfile(index_path):
-    raise ValueError(f'{folder} is not a diffusers pipeline folder: {index_path} not found '
-                     '(set config.model.checkpoint to the folder holding model_index.json)')
+    raise ValueError(
+        f'{folder} is not a diffusers pipeline folder: {index_path} not found '
+        '(set config.model.checkpoint to the folder holding model_index.json)'
+    )
   model_index = _read_json(index_path, 'the pipeline description')
   pipeline = model_index.get('_class_name')
   if pipeline not in _QWENIMAGE_PIPELINES + _FLUX_PIPELINES:
-    raise ValueError(f'{index_path}: _class_name {pipeline!r} is not a supported pipeline; known: '
-                     f'{list(_QWENIMAGE_PIPELINES + _FLUX_PIPELINES)}')
+    raise ValueError(
+        f'{index_path}: _class_name {pipeline!r} is not a supported pipeline; known: '
+        f'{list(_QWENIMAGE_PIPELINES + _FLUX_PIPELINES)}'
+    )
   return model_index, index_path, pipeline
 
 
@@ -179,15 +187,18 @@ def _component_files(folder: str, encoder: str, tokenizer: str) -> dict[str, str
   te_dir = os.path.join(folder, encoder)
   weights = sorted(n for n in os.listdir(te_dir) if n.endswith('.safetensors'))
   if not weights:
-    raise ValueError(f'{te_dir} has no *.safetensors weights (only safetensors are read; convert '
-                     'pickled .bin weights with save_pretrained(safe_serialization=True))')
+    raise ValueError(
+        f'{te_dir} has no *.safetensors weights (only safetensors are read; convert '
+        'pickled .bin weights with save_pretrained(safe_serialization=True))'
+    )
   for name in weights:
     files[f'{encoder}/{name}'] = _weights_digest(os.path.join(te_dir, name))
   return files
 
 
-def encoder_fingerprint(pipeline_folder: str,
-                        max_sequence_length: Optional[int] = None) -> dict[str, Any]:
+def encoder_fingerprint(
+    pipeline_folder: str, max_sequence_length: Optional[int] = None
+) -> dict[str, Any]:
   """The identity of a diffusers pipeline folder's prompt encoding, computed without torch.
 
   max_sequence_length: FLUX only, the T5 length every prompt is padded (or truncated) to, as
@@ -206,8 +217,10 @@ def encoder_fingerprint(pipeline_folder: str,
   model_index, index_path, pipeline = _model_index(folder)
   if is_flux(pipeline):
     return _flux_fingerprint(folder, model_index, index_path, pipeline, max_sequence_length)
-  classes = {part: _component_class(model_index, index_path, part)
-             for part in ('text_encoder', 'tokenizer')}
+  classes = {
+      part: _component_class(model_index, index_path, part)
+      for part in ('text_encoder', 'tokenizer')
+  }
   config = _read_json(os.path.join(folder, 'text_encoder', 'config.json'), 'the text encoder')
   files = _component_files(folder, 'text_encoder', 'tokenizer')
   return {
@@ -224,47 +237,67 @@ def encoder_fingerprint(pipeline_folder: str,
   }
 
 
-def _flux_fingerprint(folder: str, model_index: Mapping[str, Any], index_path: str, pipeline: str,
-                      max_sequence_length: Optional[int]) -> dict[str, Any]:
+def _flux_fingerprint(
+    folder: str,
+    model_index: Mapping[str, Any],
+    index_path: str,
+    pipeline: str,
+    max_sequence_length: Optional[int],
+) -> dict[str, Any]:
   if max_sequence_length is None:
     max_sequence_length = FLUX_MAX_SEQUENCE_LENGTH
-  if (isinstance(max_sequence_length, bool) or not isinstance(max_sequence_length, int)
-      or not 1 <= max_sequence_length <= FLUX_MAX_SEQUENCE_LENGTH):
-    raise ValueError(f'max_sequence_length={max_sequence_length!r}: {pipeline} pads T5 prompts to '
-                     f'1..{FLUX_MAX_SEQUENCE_LENGTH} tokens (FLUX.1-dev is run with 512, -schnell '
-                     'with 256); a run sets it with config.text.max_length')
+  if (
+      isinstance(max_sequence_length, bool)
+      or not isinstance(max_sequence_length, int)
+      or not 1 <= max_sequence_length <= FLUX_MAX_SEQUENCE_LENGTH
+  ):
+    raise ValueError(
+        f'max_sequence_length={max_sequence_length!r}: {pipeline} pads T5 prompts to '
+        f'1..{FLUX_MAX_SEQUENCE_LENGTH} tokens (FLUX.1-dev is run with 512, -schnell '
+        'with 256); a run sets it with config.text.max_length'
+    )
   encoders, files = {}, {}
   # (encoder, tokenizer, its config's width field, what FluxPipeline takes from its output)
-  for part, tok, width, output in (('text_encoder', 'tokenizer', 'hidden_size', 'pooler_output'),
-                                   ('text_encoder_2', 'tokenizer_2', 'd_model',
-                                    'last_hidden_state')):
+  for part, tok, width, output in (
+      ('text_encoder', 'tokenizer', 'hidden_size', 'pooler_output'),
+      ('text_encoder_2', 'tokenizer_2', 'd_model', 'last_hidden_state'),
+  ):
     cls = _component_class(model_index, index_path, part)
     if cls != _FLUX_CLASSES[part]:
-      raise ValueError(f'{index_path}: {part} is {cls}; {pipeline} encodes prompts with '
-                       f'{_FLUX_CLASSES[part]} there')
+      raise ValueError(
+          f'{index_path}: {part} is {cls}; {pipeline} encodes prompts with '
+          f'{_FLUX_CLASSES[part]} there'
+      )
     config = _read_json(os.path.join(folder, part, 'config.json'), f'the {part}')
     files.update(_component_files(folder, part, tok))
     if part == 'text_encoder':
       # FluxPipeline pads CLIP prompts to the tokenizer's own model_max_length.
-      limit = _read_json(os.path.join(folder, tok, 'tokenizer_config.json'),
-                         f'the {tok}').get('model_max_length')
+      limit = _read_json(os.path.join(folder, tok, 'tokenizer_config.json'), f'the {tok}').get(
+          'model_max_length'
+      )
       # (transformers writes 1e30 when a tokenizer was saved without a limit)
       if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1 << 20:
-        raise ValueError(f'{tok}/tokenizer_config.json has no usable model_max_length (got '
-                         f'{limit!r}); {pipeline} pads CLIP prompts to it (77 for CLIP)')
+        raise ValueError(
+            f'{tok}/tokenizer_config.json has no usable model_max_length (got '
+            f'{limit!r}); {pipeline} pads CLIP prompts to it (77 for CLIP)'
+        )
     else:
       limit = max_sequence_length
     encoders[part] = {
-        'class': cls, 'tokenizer_class': _component_class(model_index, index_path, tok),
-        'config': config, 'dim': text_hidden_size(config, width, f'{part}/config.json'),
-        'max_length': limit, 'output': output}
+        'class': cls,
+        'tokenizer_class': _component_class(model_index, index_path, tok),
+        'config': config,
+        'dim': text_hidden_size(config, width, f'{part}/config.json'),
+        'max_length': limit,
+        'output': output,
+    }
   return {
       'pipeline': pipeline,
       'encoders': encoders,
       'dim': encoders['text_encoder_2']['dim'],
       'pooled_dim': encoders['text_encoder']['dim'],
       'max_sequence_length': max_sequence_length,
-      'padding': 'max_length',       # every prompt padded to max_sequence_length, pads attended
+      'padding': 'max_length',  # every prompt padded to max_sequence_length, pads attended
       'files': files,
       'fingerprint': hashlib.sha256(_canonical(files)).hexdigest(),
   }
@@ -283,16 +316,18 @@ def identity_difference(cached: Mapping[str, Any], expected: Mapping[str, Any]) 
   """None if `cached` agrees with `expected` on every field `expected` has; else which differs."""
   for field in expected:
     if field == 'fingerprint':
-      continue                            # reported through `files`, which names the file
+      continue  # reported through `files`, which names the file
     want, got = expected[field], cached.get(field)
     if _canonical(want) == _canonical(got):
       continue
     if isinstance(want, dict) and isinstance(got, dict):
       fw, fg = _flat(want, field), _flat(got, field)
-      diffs = [k for k in sorted(set(fw) | set(fg))
-               if _canonical(fw.get(k)) != _canonical(fg.get(k))]
-      shown = ', '.join(f'{k}: cache {fg.get(k, "<absent>")!r} vs {fw.get(k, "<absent>")!r}'
-                        for k in diffs[:3])
+      diffs = [
+          k for k in sorted(set(fw) | set(fg)) if _canonical(fw.get(k)) != _canonical(fg.get(k))
+      ]
+      shown = ', '.join(
+          f'{k}: cache {fg.get(k, "<absent>")!r} vs {fw.get(k, "<absent>")!r}' for k in diffs[:3]
+      )
       return f'{shown}{" ..." if len(diffs) > 3 else ""}'
     return f'{field}: cache {got!r} vs {want!r}'
   return None
@@ -316,45 +351,71 @@ def encode_command(argv: Sequence[str], out: str) -> str:
 def _validate_index(folder: str, index: Any) -> None:
   """Structure and digest of a parsed index.json; ValueError naming the file."""
   path = os.path.join(folder, INDEX)
-  bad = lambda why: ValueError(f'{path}: corrupt embedding cache index ({why}); delete the '
-                               'folder and re-run python -m digen_jax.encode_prompts')
+  bad = lambda why: ValueError(
+      f'{path}: corrupt embedding cache index ({why}); delete the '
+      'folder and re-run python -m digen_jax.encode_prompts'
+  )
   if not isinstance(index, dict) or index.get('format') not in _READABLE_FORMATS:
     got = index.get('format') if isinstance(index, dict) else type(index).__name__
     raise bad(f'format {got!r}, expected one of {list(_READABLE_FORMATS)}')
-  for field, kind in (('dim', int), ('dtype', str), ('identity', dict), ('shards', dict),
-                      ('prompts', list), ('digest', str)):
+  for field, kind in (
+      ('dim', int),
+      ('dtype', str),
+      ('identity', dict),
+      ('shards', dict),
+      ('prompts', list),
+      ('digest', str),
+  ):
     if not isinstance(index.get(field), kind):
       raise bad(f'field {field!r} missing or not a {kind.__name__}')
   if index['dtype'] != DTYPE or index['dim'] < 1:
     raise bad(f"dtype {index['dtype']!r} / dim {index['dim']!r}")
   pooled_dim = index.get('pooled_dim')
   if (index['format'] == FORMAT and 'pooled_dim' not in index) or not (
-      pooled_dim is None or (isinstance(pooled_dim, int) and pooled_dim >= 1)):
+      pooled_dim is None or (isinstance(pooled_dim, int) and pooled_dim >= 1)
+  ):
     raise bad(f'pooled_dim {pooled_dim!r} (absent, or not null / a positive int)')
   identity = index['identity']
   encoders = identity.get('encoders') or {}
   padded = None
   if identity.get('padding') == 'max_length':
     padded = identity.get('max_sequence_length')
-    if not (isinstance(padded, int) and padded >= 1 and pooled_dim and isinstance(encoders, dict)
-            and all(isinstance((encoders.get(k) or {}).get('max_length'), int)
-                    for k in ('text_encoder', 'text_encoder_2'))):
+    if not (
+        isinstance(padded, int)
+        and padded >= 1
+        and pooled_dim
+        and isinstance(encoders, dict)
+        and all(
+            isinstance((encoders.get(k) or {}).get('max_length'), int)
+            for k in ('text_encoder', 'text_encoder_2')
+        )
+    ):
       raise bad(f'a padded (FLUX) identity without its lengths or pooled_dim: {identity!r}')
   body = {k: v for k, v in index.items() if k != 'digest'}
   if hashlib.sha256(_canonical(body)).hexdigest() != index['digest']:
     raise bad('its digest does not match its content: it was edited or partly written')
   for name, info in index['shards'].items():
-    if not _SHARD_RE.fullmatch(name) or not isinstance(info, dict) or not all(
-        isinstance(info.get(k), t) for k, t in (('bytes', int), ('sha256', str), ('count', int))):
+    if (
+        not _SHARD_RE.fullmatch(name)
+        or not isinstance(info, dict)
+        or not all(
+            isinstance(info.get(k), t) for k, t in (('bytes', int), ('sha256', str), ('count', int))
+        )
+    ):
       raise bad(f'shard entry {name!r}: {info!r}')
   seen = set()
   for entry in index['prompts']:
-    if not (isinstance(entry, dict) and isinstance(entry.get('text'), str)
-            and isinstance(entry.get('shard'), str) and entry['shard'] in index['shards']
-            and entry.get('key') == prompt_key(entry['text'])
-            and isinstance(entry.get('length'), int) and entry['length'] >= 0
-            and _valid_tokens(entry.get('tokens', {}), encoders)
-            and entry['length'] == (padded or entry['length'])):
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get('text'), str)
+        and isinstance(entry.get('shard'), str)
+        and entry['shard'] in index['shards']
+        and entry.get('key') == prompt_key(entry['text'])
+        and isinstance(entry.get('length'), int)
+        and entry['length'] >= 0
+        and _valid_tokens(entry.get('tokens', {}), encoders)
+        and entry['length'] == (padded or entry['length'])
+    ):
       raise bad(f'prompt entry {entry!r}')
     if entry['text'] in seen:
       raise bad(f"prompt {entry['text']!r} listed twice")
@@ -364,27 +425,34 @@ def _validate_index(folder: str, index: Any) -> None:
 def _valid_tokens(tokens: Any, encoders: Mapping[str, Any]) -> bool:
   """A prompt's {component: token count}, each component one of the identity's encoders."""
   return isinstance(tokens, dict) and all(
-      k in encoders and isinstance(n, int) and n >= 0 for k, n in tokens.items())
+      k in encoders and isinstance(n, int) and n >= 0 for k, n in tokens.items()
+  )
 
 
 def _read_index(folder: str, verify: bool) -> dict[str, Any]:
   """The validated index of a cache folder; verify: also hash every shard's bytes."""
   path = os.path.join(folder, INDEX)
   if not os.path.isfile(path):
-    raise ValueError(f'no embedding cache at {folder} ({INDEX} not found); create it with '
-                     f'python -m digen_jax.encode_prompts --config=... --out={folder}')
+    raise ValueError(
+        f'no embedding cache at {folder} ({INDEX} not found); create it with '
+        f'python -m digen_jax.encode_prompts --config=... --out={folder}'
+    )
   index = _read_json(path, 'the embedding cache index')
   _validate_index(folder, index)
   for name, info in index['shards'].items():
     shard = os.path.join(folder, name)
     if not os.path.isfile(shard):
-      raise ValueError(f'{shard} is missing (listed in {path}); the cache is incomplete: '
-                       're-run python -m digen_jax.encode_prompts into a new folder')
+      raise ValueError(
+          f'{shard} is missing (listed in {path}); the cache is incomplete: '
+          're-run python -m digen_jax.encode_prompts into a new folder'
+      )
     size = os.path.getsize(shard)
     if size != info['bytes'] or (verify and _sha256_file(shard) != info['sha256']):
-      raise ValueError(f'{shard} is corrupt (its {"size" if size != info["bytes"] else "sha256"} '
-                       f'differs from {path}); re-run python -m digen_jax.encode_prompts into a '
-                       'new folder')
+      raise ValueError(
+          f'{shard} is corrupt (its {"size" if size != info["bytes"] else "sha256"} '
+          f'differs from {path}); re-run python -m digen_jax.encode_prompts into a '
+          'new folder'
+      )
   return index
 
 
@@ -400,15 +468,16 @@ class EmbeddingCache:
   cache_bytes: bound of the in-memory LRU of decoded per-prompt arrays.
   """
 
-  def __init__(self, folder: str, max_length: int, *, verify: bool = True,
-               cache_bytes: int = 1 << 30):
+  def __init__(
+      self, folder: str, max_length: int, *, verify: bool = True, cache_bytes: int = 1 << 30
+  ):
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
       raise ValueError(f'max_length={max_length!r} must be a positive int')
     self.folder = os.fspath(folder)
     self.max_length = max_length
     index = _read_index(self.folder, verify)
     self.dim: int = index['dim']
-    self.pooled_dim: Optional[int] = index.get('pooled_dim')   # None: no pooled vectors
+    self.pooled_dim: Optional[int] = index.get('pooled_dim')  # None: no pooled vectors
     self.identity: dict[str, Any] = index['identity']
     padded = self.identity.get('padding') == 'max_length' and self.identity['max_sequence_length']
     if padded and max_length != padded:
@@ -416,7 +485,8 @@ class EmbeddingCache:
           f'embedding cache {self.folder} holds {self.identity.get("pipeline")} T5 embeddings '
           f'padded to {padded} positions, every one attended (FLUX passes no mask), but '
           f'config.text.max_length is {max_length}; set config.text.max_length={padded}, or '
-          f'encode into a new folder with --config.text.max_length={max_length}')
+          f'encode into a new folder with --config.text.max_length={max_length}'
+      )
     self._shards = index['shards']
     self._verified = set(self._shards) if verify else set()
     self._entries = {e['text']: e for e in index['prompts']}
@@ -454,8 +524,12 @@ class EmbeddingCache:
     """The prompts (distinct, in order) that the cache lacks."""
     return [p for p in dict.fromkeys(prompts) if p not in self._entries]
 
-  def check(self, prompts: Iterable[str], expected_identity: Optional[Mapping[str, Any]] = None,
-            command: Optional[str] = None) -> None:
+  def check(
+      self,
+      prompts: Iterable[str],
+      expected_identity: Optional[Mapping[str, Any]] = None,
+      command: Optional[str] = None,
+  ) -> None:
     """One ValueError, before anything compiles, if the cache cannot serve `prompts`.
 
     expected_identity: `encoder_fingerprint(pipeline folder)` of the run; every field it has must
@@ -469,15 +543,19 @@ class EmbeddingCache:
             f'embedding cache {self.folder} was made by a different text encoder than the '
             f'pipeline folder this run uses ({diff}); encode into a new folder with '
             f'python -m digen_jax.encode_prompts --config=... --out=NEW_FOLDER and set '
-            'config.text.cache to it')
+            'config.text.cache to it'
+        )
     prompts = list(dict.fromkeys(prompts))
     missing = self.missing(prompts)
     if missing:
-      cmd = command or ("python -m digen_jax.encode_prompts --config=<this run's config> "
-                        f'[its --config.* overrides] --out={self.folder}')
+      cmd = command or (
+          "python -m digen_jax.encode_prompts --config=<this run's config> "
+          f'[its --config.* overrides] --out={self.folder}'
+      )
       raise ValueError(
           f'embedding cache {self.folder} lacks {len(missing)} of the {len(prompts)} prompts this '
-          f'run needs, e.g. {", ".join(repr(p) for p in missing[:3])}; add them with\n  {cmd}')
+          f'run needs, e.g. {", ".join(repr(p) for p in missing[:3])}; add them with\n  {cmd}'
+      )
     too_long = [p for p in prompts if self._entries[p]['length'] > self.max_length]
     if too_long:
       raise self._too_long(too_long[0], len(too_long))
@@ -488,16 +566,19 @@ class EmbeddingCache:
     return ValueError(
         f'prompt {prompt!r} has {n} text tokens but config.text.max_length is '
         f'{self.max_length}{f" ({count} prompts are longer)" if count > 1 else ""}; raise '
-        f'config.text.max_length (the longest cached prompt has {longest}) or shorten the prompt')
+        f'config.text.max_length (the longest cached prompt has {longest}) or shorten the prompt'
+    )
 
   def _handle(self, shard: str):
     if shard not in self._handles:
       path = os.path.join(self.folder, shard)
       if shard not in self._verified:
         if _sha256_file(path) != self._shards[shard]['sha256']:
-          raise ValueError(f'{path} is corrupt (its sha256 differs from '
-                           f'{os.path.join(self.folder, INDEX)}); re-run python -m '
-                           'digen_jax.encode_prompts into a new folder')
+          raise ValueError(
+              f'{path} is corrupt (its sha256 differs from '
+              f'{os.path.join(self.folder, INDEX)}); re-run python -m '
+              'digen_jax.encode_prompts into a new folder'
+          )
         self._verified.add(shard)
       try:
         self._handles[shard] = safe_open(path, framework='np')
@@ -510,8 +591,10 @@ class EmbeddingCache:
     read-only; LRU-cached by tensor name)."""
     entry = self._entries.get(prompt)
     if entry is None:
-      raise ValueError(f'prompt {prompt!r} is not in embedding cache {self.folder}; add it with '
-                       f'python -m digen_jax.encode_prompts --config=... --out={self.folder}')
+      raise ValueError(
+          f'prompt {prompt!r} is not in embedding cache {self.folder}; add it with '
+          f'python -m digen_jax.encode_prompts --config=... --out={self.folder}'
+      )
     name = entry['key'] + ('.pooled' if pooled else '')
     if name in self._lru:
       self._lru.move_to_end(name)
@@ -525,8 +608,10 @@ class EmbeddingCache:
       raise ValueError(f'{path}: cannot read prompt {prompt!r} (key {name}): {e}') from e
     shape = (self.pooled_dim,) if pooled else (entry['length'], self.dim)
     if arr.dtype != np.float32 or arr.shape != shape:
-      raise ValueError(f'{path}: prompt {prompt!r} has {arr.dtype} {arr.shape} at {name}, '
-                       f'expected float32 {shape}')
+      raise ValueError(
+          f'{path}: prompt {prompt!r} has {arr.dtype} {arr.shape} at {name}, '
+          f'expected float32 {shape}'
+      )
     arr.setflags(write=False)
     self._lru[name] = arr
     self._lru_bytes += arr.nbytes
@@ -546,8 +631,10 @@ class EmbeddingCache:
     return self._read(prompt, pooled=True)
 
   def _no_pooled(self) -> ValueError:
-    return ValueError(f'embedding cache {self.folder} has no pooled vectors: its text encoder '
-                      f'({self.identity.get("class")}) conditions by its sequence alone')
+    return ValueError(
+        f'embedding cache {self.folder} has no pooled vectors: its text encoder '
+        f'({self.identity.get("class")}) conditions by its sequence alone'
+    )
 
   def encode(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(prompts, str):
@@ -558,8 +645,8 @@ class EmbeddingCache:
       if p in self._entries and self._entries[p]['length'] > self.max_length:
         raise self._too_long(p)
       e = self.embedding(p)
-      emb[i, :len(e)] = e
-      mask[i, :len(e)] = 1
+      emb[i, : len(e)] = e
+      mask[i, : len(e)] = 1
     return emb, mask
 
   def encode_pooled(self, prompts: list[str]) -> np.ndarray:
@@ -585,6 +672,7 @@ class Entry(NamedTuple):
   embeddings: [length, dim]. pooled: [pooled_dim], in a cache with pooled vectors only.
   tokens: {component: token count before truncation} for tokenizers that can cut the prompt.
   """
+
   text: str
   embeddings: np.ndarray
   pooled: Optional[np.ndarray] = None
@@ -599,8 +687,9 @@ class CacheWriter:
   (None: the cache has none). Holds an exclusive lock on the folder until `close`.
   """
 
-  def __init__(self, folder: str, identity: Mapping[str, Any], dim: int,
-               pooled_dim: Optional[int] = None):
+  def __init__(
+      self, folder: str, identity: Mapping[str, Any], dim: int, pooled_dim: Optional[int] = None
+  ):
     self.folder = os.fspath(folder)
     os.makedirs(self.folder, exist_ok=True)
     self._lock = open(os.path.join(self.folder, '.lock'), 'a+')
@@ -617,27 +706,39 @@ class CacheWriter:
 
   def _open(self, identity, dim, pooled_dim):
     for name in os.listdir(self.folder):
-      if name.startswith('.tmp-'):     # left by an interrupted writer; never listed in an index
+      if name.startswith('.tmp-'):  # left by an interrupted writer; never listed in an index
         os.remove(os.path.join(self.folder, name))
     if os.path.exists(os.path.join(self.folder, INDEX)):
       index = _read_index(self.folder, verify=True)
-      diff = (identity_difference(index['identity'], identity)
-              or identity_difference(identity, index['identity']))
+      diff = identity_difference(index['identity'], identity) or identity_difference(
+          identity, index['identity']
+      )
       if not diff and index['dim'] != dim:
         diff = f"dim: cache {index['dim']} vs {dim}"
       if not diff and index.get('pooled_dim') != pooled_dim:
         diff = f"pooled_dim: cache {index.get('pooled_dim')} vs {pooled_dim}"
       if diff:
-        raise ValueError(f'embedding cache {self.folder} was made by a different text encoder '
-                         f'({diff}); write to a new --out folder')
+        raise ValueError(
+            f'embedding cache {self.folder} was made by a different text encoder '
+            f'({diff}); write to a new --out folder'
+        )
     else:
       if os.listdir(self.folder) != ['.lock']:
-        raise ValueError(f'{self.folder} is not empty and has no {INDEX}: not an embedding cache; '
-                         'choose an empty or new --out folder')
-      index = {'format': FORMAT, 'dim': dim, 'pooled_dim': pooled_dim, 'dtype': DTYPE,
-               'identity': dict(identity), 'shards': {}, 'prompts': []}
+        raise ValueError(
+            f'{self.folder} is not empty and has no {INDEX}: not an embedding cache; '
+            'choose an empty or new --out folder'
+        )
+      index = {
+          'format': FORMAT,
+          'dim': dim,
+          'pooled_dim': pooled_dim,
+          'dtype': DTYPE,
+          'identity': dict(identity),
+          'shards': {},
+          'prompts': [],
+      }
     index.pop('digest', None)
-    index.update(format=FORMAT, pooled_dim=index.get('pooled_dim'))   # format 1 -> 2 on append
+    index.update(format=FORMAT, pooled_dim=index.get('pooled_dim'))  # format 1 -> 2 on append
     self._index = index
     self._texts = {e['text'] for e in index['prompts']}
 
@@ -662,20 +763,27 @@ class CacheWriter:
         raise ValueError(f'prompt must be a str; got {type(text).__name__}')
       arr = np.ascontiguousarray(arr, dtype=np.float32)
       if arr.ndim != 2 or arr.shape[1] != dim or arr.shape[0] != (padded or arr.shape[0]):
-        raise ValueError(f'embeddings of prompt {text!r} have shape {arr.shape}; expected '
-                         f'[{padded or "len"}, {dim}]')
+        raise ValueError(
+            f'embeddings of prompt {text!r} have shape {arr.shape}; expected '
+            f'[{padded or "len"}, {dim}]'
+        )
       if (pooled is None) != (pooled_dim is None):
-        raise ValueError(f'prompt {text!r}: a pooled vector is required exactly when the cache has '
-                         f'pooled_dim (it has {pooled_dim})')
+        raise ValueError(
+            f'prompt {text!r}: a pooled vector is required exactly when the cache has '
+            f'pooled_dim (it has {pooled_dim})'
+        )
       if pooled is not None:
         pooled = np.ascontiguousarray(pooled, dtype=np.float32)
         if pooled.shape != (pooled_dim,):
-          raise ValueError(f'pooled vector of prompt {text!r} has shape {pooled.shape}; expected '
-                           f'[{pooled_dim}]')
+          raise ValueError(
+              f'pooled vector of prompt {text!r} has shape {pooled.shape}; expected '
+              f'[{pooled_dim}]'
+          )
       tokens = {k: int(n) for k, n in (tokens or {}).items()}
       if not _valid_tokens(tokens, identity.get('encoders') or {}):
-        raise ValueError(f'token counts of prompt {text!r} ({tokens}) must name the identity\'s '
-                         'encoders')
+        raise ValueError(
+            f"token counts of prompt {text!r} ({tokens}) must name the identity's " 'encoders'
+        )
       key = prompt_key(text)
       if text in self._texts or key in tensors:
         continue
@@ -692,11 +800,14 @@ class CacheWriter:
     path = os.path.join(self.folder, name)
     tmp = os.path.join(self.folder, f'.tmp-{os.getpid()}-{name}')
     save_file(tensors, tmp, metadata={'format': FORMAT})
-    os.chmod(tmp, 0o666 & ~_umask())   # safetensors creates 0600; readers may be other users
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates 0600; readers may be other users
     _fsync(tmp)
-    os.replace(tmp, path)            # a stale shard of that name was never in the index
-    self._index['shards'][name] = {'bytes': os.path.getsize(path), 'sha256': _sha256_file(path),
-                                   'count': len(entries)}
+    os.replace(tmp, path)  # a stale shard of that name was never in the index
+    self._index['shards'][name] = {
+        'bytes': os.path.getsize(path),
+        'sha256': _sha256_file(path),
+        'count': len(entries),
+    }
     for e in entries:
       e['shard'] = name
     self._index['prompts'].extend(entries)

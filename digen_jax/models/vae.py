@@ -25,6 +25,7 @@ flux_vae.py (FLUX.1's AutoencoderKL) shares this file's convs and resamplers, at
 chunking, tiled decode, 1x1-conv leaf and packed entry points (decode_packed / encode_packed take
 any VAE with latent_channels, normalize / denormalize, encode / decode).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,16 +53,49 @@ NORM_EPS = 1e-12
 # 3 GiB float32 logits matrix); queries go in chunks of this many rows to bound that.
 ATTN_QUERY_CHUNK = 4096
 
-_QWEN_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134,
-                      -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
-_QWEN_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687,
-                     2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+_QWEN_LATENTS_MEAN = (
+    -0.7571,
+    -0.7089,
+    -0.9113,
+    0.1075,
+    -0.1745,
+    0.9653,
+    -0.1517,
+    1.5508,
+    0.4134,
+    -0.0715,
+    0.5517,
+    -0.3632,
+    -0.1922,
+    -0.9497,
+    0.2503,
+    -0.2921,
+)
+_QWEN_LATENTS_STD = (
+    2.8184,
+    1.4541,
+    2.3275,
+    2.6558,
+    1.2196,
+    1.7708,
+    2.6052,
+    2.0743,
+    3.2687,
+    2.1526,
+    2.8652,
+    1.5579,
+    1.6382,
+    1.1253,
+    2.8251,
+    1.9160,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class VAEConfig:
   """Architecture of an AutoencoderKLQwenImage; defaults are diffusers' (the Qwen-Image VAE).
   Field names (including the spelling `temperal_downsample`) are diffusers' config keys."""
+
   base_dim: int = 96
   z_dim: int = 16
   dim_mult: tuple[int, ...] = (1, 2, 4, 4)
@@ -83,24 +117,29 @@ class VAEConfig:
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
         raise ValueError(f'VAEConfig.{name} must be a positive int, got {value!r}')
-    if not self.dim_mult or any(not isinstance(m, (int, np.integer)) or m <= 0
-                                for m in self.dim_mult):
+    if not self.dim_mult or any(
+        not isinstance(m, (int, np.integer)) or m <= 0 for m in self.dim_mult
+    ):
       raise ValueError(f'VAEConfig.dim_mult must be positive ints, got {self.dim_mult}')
     if len(self.temperal_downsample) != len(self.dim_mult) - 1:
       raise ValueError(
           f'VAEConfig.temperal_downsample needs len(dim_mult) - 1 = {len(self.dim_mult) - 1} '
-          f'entries (one per downsampling stage), got {self.temperal_downsample}')
+          f'entries (one per downsampling stage), got {self.temperal_downsample}'
+      )
     if self.attn_scales:
       # diffusers' encoder calls its down-block attention with (x, feat_cache, feat_idx), which
       # QwenImageAttentionBlock.forward does not accept: no usable checkpoint has them.
-      raise ValueError(f'VAEConfig.attn_scales={list(self.attn_scales)} is not supported '
-                       f'(diffusers cannot encode with it either); Qwen-Image uses []')
+      raise ValueError(
+          f'VAEConfig.attn_scales={list(self.attn_scales)} is not supported '
+          f'(diffusers cannot encode with it either); Qwen-Image uses []'
+      )
     if not 0.0 <= self.dropout < 1.0:
       raise ValueError(f'VAEConfig.dropout must be in [0, 1), got {self.dropout}')
     for name in ('latents_mean', 'latents_std'):
       if len(getattr(self, name)) != self.z_dim:
-        raise ValueError(f'VAEConfig.{name} needs z_dim={self.z_dim} values, '
-                         f'got {len(getattr(self, name))}')
+        raise ValueError(
+            f'VAEConfig.{name} needs z_dim={self.z_dim} values, ' f'got {len(getattr(self, name))}'
+        )
     if any(not s > 0 for s in self.latents_std):
       raise ValueError(f'VAEConfig.latents_std must all be > 0, got {self.latents_std}')
 
@@ -126,8 +165,9 @@ def config_from_diffusers(cfg: Mapping[str, Any]) -> VAEConfig:
     raise ValueError(f'VAE config _class_name is {cls!r}; expected {DIFFUSERS_CLASS_NAME!r}')
   unknown = sorted(k for k in cfg if not k.startswith('_') and k not in _CONFIG_KEYS)
   if unknown:
-    raise ValueError(f'unknown VAE config keys {unknown}; VAEConfig understands '
-                     f'{list(_CONFIG_KEYS)}')
+    raise ValueError(
+        f'unknown VAE config keys {unknown}; VAEConfig understands ' f'{list(_CONFIG_KEYS)}'
+    )
   return VAEConfig(**{k: cfg[k] for k in _CONFIG_KEYS if k in cfg})
 
 
@@ -135,6 +175,7 @@ def config_from_diffusers(cfg: Mapping[str, Any]) -> VAEConfig:
 class TileConfig:
   """Spatial tiling of decode, in output pixels (diffusers' enable_tiling arguments; its defaults).
   Tiles of `height` x `width` pixels start every `stride_*` pixels; overlaps are blended."""
+
   height: int = 256
   width: int = 256
   stride_height: int = 192
@@ -144,8 +185,10 @@ class TileConfig:
     for name in ('height', 'width', 'stride_height', 'stride_width'):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or value <= 0 or value % compression:
-        raise ValueError(f'TileConfig.{name} must be a positive multiple of the VAE compression '
-                         f'{compression} (diffusers floors it otherwise), got {value!r}')
+        raise ValueError(
+            f'TileConfig.{name} must be a positive multiple of the VAE compression '
+            f'{compression} (diffusers floors it otherwise), got {value!r}'
+        )
     if self.stride_height > self.height or self.stride_width > self.width:
       raise ValueError(f'TileConfig strides must not exceed the tile size, got {self}')
 
@@ -163,8 +206,9 @@ def rms_norm(x: jax.Array, gamma: jax.Array) -> jax.Array:
   return (x32 / jnp.maximum(norm, NORM_EPS) * scale * gamma.astype(jnp.float32)).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, query_chunk: int = ATTN_QUERY_CHUNK
-              ) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, query_chunk: int = ATTN_QUERY_CHUNK
+) -> jax.Array:
   """Single-head softmax attention, scale 1/sqrt(C). q, k, v: [B, N, C] -> [B, N, C].
   Queries go `query_chunk` rows at a time (lax.map) so the logits never exceed [B, chunk, N]."""
   b, n, c = q.shape
@@ -182,15 +226,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, query_chunk: int = ATTN_
   # Padded query rows only add rows that are sliced off: softmax is per row.
   qp = jnp.pad(q, ((0, 0), (0, m * query_chunk - n), (0, 0)))
   chunks = qp.reshape(b, m, query_chunk, c).transpose(1, 0, 2, 3)
-  out = jax.lax.map(rows, chunks)                            # [m, B, chunk, C]
+  out = jax.lax.map(rows, chunks)  # [m, B, chunk, C]
   return out.transpose(1, 0, 2, 3).reshape(b, m * query_chunk, c)[:, :n]
 
 
 def conv2d(x, kernel, bias, *, stride=1, padding):
   """NHWC conv in the kernel's dtype. kernel [kh, kw, in, out], bias [out]."""
   y = jax.lax.conv_general_dilated(
-      x.astype(kernel.dtype), kernel, (stride, stride), padding,
-      dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+      x.astype(kernel.dtype),
+      kernel,
+      (stride, stride),
+      padding,
+      dimension_numbers=('NHWC', 'HWIO', 'NHWC'),
+  )
   return y + bias.astype(y.dtype)
 
 
@@ -216,10 +264,10 @@ def map_chunks(fn: Callable[[jax.Array], jax.Array], x: jax.Array, chunk: int) -
   if chunk <= 0 or chunk >= b:
     return fn(x)
   n = b // chunk
-  head = jax.lax.map(fn, x[:n * chunk].reshape(n, chunk, *x.shape[1:]))
+  head = jax.lax.map(fn, x[: n * chunk].reshape(n, chunk, *x.shape[1:]))
   out = head.reshape(n * chunk, *head.shape[2:])
   if b % chunk:
-    out = jnp.concatenate([out, fn(x[n * chunk:])], axis=0)
+    out = jnp.concatenate([out, fn(x[n * chunk :])], axis=0)
   return out
 
 
@@ -234,7 +282,7 @@ def _blend_v(a: jax.Array, b: jax.Array, extent: int) -> jax.Array:
   if e == 0:
     return b
   w = _blend_weights(e, b.dtype)[None, :, None, None]
-  return b.at[:, :e].set(a[:, a.shape[1] - e:] * (1 - w) + b[:, :e] * w)
+  return b.at[:, :e].set(a[:, a.shape[1] - e :] * (1 - w) + b[:, :e] * w)
 
 
 def _blend_h(a: jax.Array, b: jax.Array, extent: int) -> jax.Array:
@@ -243,11 +291,12 @@ def _blend_h(a: jax.Array, b: jax.Array, extent: int) -> jax.Array:
   if e == 0:
     return b
   w = _blend_weights(e, b.dtype)[None, None, :, None]
-  return b.at[:, :, :e].set(a[:, :, a.shape[2] - e:] * (1 - w) + b[:, :, :e] * w)
+  return b.at[:, :, :e].set(a[:, :, a.shape[2] - e :] * (1 - w) + b[:, :, :e] * w)
 
 
-def tiled_decode(decode: Callable[[jax.Array], jax.Array], z: jax.Array, tile: TileConfig,
-                 compression: int) -> jax.Array:
+def tiled_decode(
+    decode: Callable[[jax.Array], jax.Array], z: jax.Array, tile: TileConfig, compression: int
+) -> jax.Array:
   """diffusers' tiled decode of latents z [B, h, w, C]: `decode` (latents -> unclipped pixels,
   `compression` pixels per latent) runs on overlapping latent tiles, blended and cropped in
   diffusers' order. This is AutoencoderKLQwenImage.tiled_decode for one frame, and
@@ -267,7 +316,7 @@ def tiled_decode(decode: Callable[[jax.Array], jax.Array], z: jax.Array, tile: T
     groups.setdefault((min(min_h, h - i), min(min_w, w - j)), []).append((i, j))
   decoded = {}
   for (th, tw), where in groups.items():
-    stack = jnp.stack([z[:, i:i + th, j:j + tw] for i, j in where])
+    stack = jnp.stack([z[:, i : i + th, j : j + tw] for i, j in where])
     out = jax.lax.map(decode, stack)
     decoded.update({ij: out[n] for n, ij in enumerate(where)})
   # Blend in diffusers' order. diffusers blends in place, so a tile's above and left
@@ -285,9 +334,9 @@ def tiled_decode(decode: Callable[[jax.Array], jax.Array], z: jax.Array, tile: T
       if b > 0:
         t = _blend_h(rows[a][b - 1], t, blend_w)
       rows[a][b] = t
-      pieces.append(t[:, :tile.stride_height, :tile.stride_width])
+      pieces.append(t[:, : tile.stride_height, : tile.stride_width])
     out_rows.append(jnp.concatenate(pieces, axis=2))
-  return jnp.concatenate(out_rows, axis=1)[:, :h * r, :w * r]
+  return jnp.concatenate(out_rows, axis=1)[:, : h * r, : w * r]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,8 +352,9 @@ class CausalConv(nnx.Module):
   """diffusers QwenImageCausalConv3d on one frame: a 2-D conv with the kernel's last temporal tap
   (the earlier taps only ever see the causal zero padding). [B, H, W, in] -> [B, H, W, out]."""
 
-  def __init__(self, cin: int, cout: int, kernel: tuple[int, int, int], *, param_dtype,
-               rngs: nnx.Rngs):
+  def __init__(
+      self, cin: int, cout: int, kernel: tuple[int, int, int], *, param_dtype, rngs: nnx.Rngs
+  ):
     self.kernel = nnx.Param(kernel_init(rngs, (*kernel, cin, cout), param_dtype))
     self.bias = nnx.Param(jnp.zeros((cout,), param_dtype))
 
@@ -316,8 +366,10 @@ class CausalConv(nnx.Module):
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
     del shapes
-    return {f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(2, 3, 4, 1, 0)),
-            f'{path}.bias': TensorSource((f'{path}.bias',))}
+    return {
+        f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(2, 3, 4, 1, 0)),
+        f'{path}.bias': TensorSource((f'{path}.bias',)),
+    }
 
 
 class ResampleConv(nnx.Module):
@@ -331,8 +383,10 @@ class ResampleConv(nnx.Module):
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
     del shapes
-    return {f'{path}.kernel': TensorSource((f'{path}.1.weight',), perm=(2, 3, 1, 0)),
-            f'{path}.bias': TensorSource((f'{path}.1.bias',))}
+    return {
+        f'{path}.kernel': TensorSource((f'{path}.1.weight',), perm=(2, 3, 1, 0)),
+        f'{path}.bias': TensorSource((f'{path}.1.bias',)),
+    }
 
 
 class Pointwise(nnx.Module):
@@ -349,9 +403,12 @@ class Pointwise(nnx.Module):
 
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
-    return {f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(2, 3, 1, 0),
-                                           shape=shapes[f'{path}.kernel']),
-            f'{path}.bias': TensorSource((f'{path}.bias',))}
+    return {
+        f'{path}.kernel': TensorSource(
+            (f'{path}.weight',), perm=(2, 3, 1, 0), shape=shapes[f'{path}.kernel']
+        ),
+        f'{path}.bias': TensorSource((f'{path}.bias',)),
+    }
 
 
 class RMSNorm(nnx.Module):
@@ -379,8 +436,11 @@ class ResidualBlock(nnx.Module):
     self.conv1 = CausalConv(cin, cout, (3, 3, 3), param_dtype=param_dtype, rngs=rngs)
     self.norm2 = RMSNorm(cout, param_dtype=param_dtype)
     self.conv2 = CausalConv(cout, cout, (3, 3, 3), param_dtype=param_dtype, rngs=rngs)
-    self.conv_shortcut = (CausalConv(cin, cout, (1, 1, 1), param_dtype=param_dtype, rngs=rngs)
-                          if cin != cout else None)
+    self.conv_shortcut = (
+        CausalConv(cin, cout, (1, 1, 1), param_dtype=param_dtype, rngs=rngs)
+        if cin != cout
+        else None
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     h = x if self.conv_shortcut is None else self.conv_shortcut(x)
@@ -430,8 +490,9 @@ class MidBlock(nnx.Module):
   """diffusers QwenImageMidBlock (num_layers=1): resnet, attention, resnet."""
 
   def __init__(self, dim: int, *, param_dtype, rngs: nnx.Rngs):
-    self.resnets = nnx.List([ResidualBlock(dim, dim, param_dtype=param_dtype, rngs=rngs)
-                             for _ in range(2)])
+    self.resnets = nnx.List(
+        [ResidualBlock(dim, dim, param_dtype=param_dtype, rngs=rngs) for _ in range(2)]
+    )
     self.attentions = nnx.List([AttentionBlock(dim, param_dtype=param_dtype, rngs=rngs)])
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -472,11 +533,20 @@ class Encoder(nnx.Module):
 class UpBlock(nnx.Module):
   """diffusers QwenImageUpBlock: num_res_blocks + 1 resnets, then an optional upsampler."""
 
-  def __init__(self, cin: int, cout: int, num_res_blocks: int, mode: str | None, *, param_dtype,
-               rngs: nnx.Rngs):
+  def __init__(
+      self,
+      cin: int,
+      cout: int,
+      num_res_blocks: int,
+      mode: str | None,
+      *,
+      param_dtype,
+      rngs: nnx.Rngs,
+  ):
     kw = dict(param_dtype=param_dtype, rngs=rngs)
-    self.resnets = nnx.List([ResidualBlock(cin if i == 0 else cout, cout, **kw)
-                             for i in range(num_res_blocks + 1)])
+    self.resnets = nnx.List(
+        [ResidualBlock(cin if i == 0 else cout, cout, **kw) for i in range(num_res_blocks + 1)]
+    )
     self.upsamplers = nnx.List([Resample(cout, mode, **kw)] if mode else [])
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -548,8 +618,10 @@ class QwenImageVAE(nnx.Module):
     [B, H/8, W/8, z_dim], float32, not normalised. batch_chunk > 0: that many images at a time."""
     r, c = self.config.spatial_compression, self.config.input_channels
     if images.ndim != 4 or images.shape[-1] != c or images.shape[1] % r or images.shape[2] % r:
-      raise ValueError(f'VAE encode needs images [B, H, W, {c}] with H and W multiples of {r}, '
-                       f'got shape {images.shape}')
+      raise ValueError(
+          f'VAE encode needs images [B, H, W, {c}] with H and W multiples of {r}, '
+          f'got shape {images.shape}'
+      )
     z = self.config.z_dim
 
     def run(x):
@@ -557,8 +629,9 @@ class QwenImageVAE(nnx.Module):
 
     return map_chunks(run, images, batch_chunk).astype(jnp.float32)
 
-  def decode(self, latents: jax.Array, *, batch_chunk: int = 0, tile: TileConfig | None = None
-             ) -> jax.Array:
+  def decode(
+      self, latents: jax.Array, *, batch_chunk: int = 0, tile: TileConfig | None = None
+  ) -> jax.Array:
     """[B, h, w, z_dim] (not normalised) -> images [B, 8h, 8w, C] float32 clipped to [-1, 1].
     batch_chunk > 0: decode that many images at a time (lax.map; same result). tile: decode
     overlapping spatial tiles and blend them exactly as diffusers' tiled_decode."""
@@ -599,9 +672,15 @@ def denormalize_latents(z: jax.Array, config: VAEConfig) -> jax.Array:
   return z.astype(jnp.float32) / inv_std + mean
 
 
-def decode_packed(model: QwenImageVAE, tokens: jax.Array, latent_hw: tuple[int, int],
-                  patch: int = 2, *, batch_chunk: int = 0, tile: TileConfig | None = None
-                  ) -> jax.Array:
+def decode_packed(
+    model: QwenImageVAE,
+    tokens: jax.Array,
+    latent_hw: tuple[int, int],
+    patch: int = 2,
+    *,
+    batch_chunk: int = 0,
+    tile: TileConfig | None = None,
+) -> jax.Array:
   """Transformer output tokens [B, (h/p)(w/p), z_dim*p*p] (normalised latents, diffusers' packing)
   -> images [B, 8h, 8w, C] float32 in [-1, 1]: QwenImagePipeline's unpack, denormalise, decode.
   `model` may be any VAE with this interface (latent_channels, denormalize, decode), e.g.
@@ -609,22 +688,27 @@ def decode_packed(model: QwenImageVAE, tokens: jax.Array, latent_hw: tuple[int, 
   h, w = latent_hw
   want = (h // patch) * (w // patch), model.latent_channels * patch * patch
   if h % patch or w % patch or tokens.ndim != 3 or tuple(tokens.shape[1:]) != want:
-    raise ValueError(f'decode_packed: latent_hw={latent_hw} with patch={patch} needs tokens '
-                     f'[B, {want[0]}, {want[1]}] and h, w multiples of {patch}; got tokens '
-                     f'{tokens.shape}')
+    raise ValueError(
+        f'decode_packed: latent_hw={latent_hw} with patch={patch} needs tokens '
+        f'[B, {want[0]}, {want[1]}] and h, w multiples of {patch}; got tokens '
+        f'{tokens.shape}'
+    )
   z = model.denormalize(latents_lib.unpack(tokens, h, w, patch))
   return model.decode(z, batch_chunk=batch_chunk, tile=tile)
 
 
-def encode_packed(model: QwenImageVAE, images: jax.Array, patch: int = 2, *,
-                  batch_chunk: int = 0) -> jax.Array:
+def encode_packed(
+    model: QwenImageVAE, images: jax.Array, patch: int = 2, *, batch_chunk: int = 0
+) -> jax.Array:
   """Images [B, H, W, C] in [-1, 1] -> normalised latent means packed as transformer tokens
   [B, (H/8p)(W/8p), z_dim*p*p] float32 (the inverse of decode_packed up to the VAE's loss).
   `model`: as for decode_packed (config.spatial_compression, encode, normalize)."""
   r = model.config.spatial_compression * patch
   if images.ndim != 4 or images.shape[1] % r or images.shape[2] % r:
-    raise ValueError(f'encode_packed: images [B, H, W, C] need H and W multiples of {r} '
-                     f'(VAE compression x patch), got shape {images.shape}')
+    raise ValueError(
+        f'encode_packed: images [B, H, W, C] need H and W multiples of {r} '
+        f'(VAE compression x patch), got shape {images.shape}'
+    )
   z = model.normalize(model.encode(images, batch_chunk=batch_chunk))
   return latents_lib.pack(z, patch)
 

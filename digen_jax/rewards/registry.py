@@ -8,6 +8,7 @@ Rewards run on the host (numpy), outside jit: they are arbitrary code (parsers, 
 encoders, ...). Bad *values* (NaN, garbage) are the reward's business and must give a finite
 score; bad *shapes* (wrong rank, batch/prompt mismatch) are caller bugs and raise ValueError.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,182 +24,192 @@ _REGISTRY: dict[str, RewardFn] = {}
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: `@register("my_reward") def fn(images, prompts): ...`.
+  """Decorator: `@register("my_reward") def fn(images, prompts): ...`.
 
-    Re-registering a name raises ValueError unless it is the same function (same module and
-    qualified name, e.g. a module reload).
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"reward name must be a non-empty str; got {name!r}")
+  Re-registering a name raises ValueError unless it is the same function (same module and
+  qualified name, e.g. a module reload).
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"reward name must be a non-empty str; got {name!r}")
 
-    def deco(fn: RewardFn) -> RewardFn:
-        old = _REGISTRY.get(name)
-        if old is not None and _ident(old) != _ident(fn):
-            raise ValueError(f"reward {name!r} is already registered to {_ident(old)}; pick another name")
-        _REGISTRY[name] = fn
-        return fn
+  def deco(fn: RewardFn) -> RewardFn:
+    old = _REGISTRY.get(name)
+    if old is not None and _ident(old) != _ident(fn):
+      raise ValueError(f"reward {name!r} is already registered to {_ident(old)}; pick another name")
+    _REGISTRY[name] = fn
+    return fn
 
-    return deco
+  return deco
 
 
 def _ident(fn) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+  return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def registered_names() -> list[str]:
-    return sorted(_REGISTRY)
+  return sorted(_REGISTRY)
 
 
 def get_reward(name: str) -> RewardFn:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown reward {name!r}; registered rewards: {registered_names()}")
-    return _REGISTRY[name]
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown reward {name!r}; registered rewards: {registered_names()}")
+  return _REGISTRY[name]
 
 
 def check_batch(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-    """Validates the reward-call contract; returns images as a numpy array (no copy if possible)."""
-    images = np.asarray(images)
-    if images.ndim != 4 or images.shape[-1] != 3:
-        raise ValueError(f"images must have shape [B, H, W, 3]; got {images.shape}")
-    if isinstance(prompts, str) or len(prompts) != images.shape[0]:
-        raise ValueError(
-            f"prompts must be a list with one prompt per image ({images.shape[0]}); got "
-            f"{'a str' if isinstance(prompts, str) else len(prompts)}")
-    return images
+  """Validates the reward-call contract; returns images as a numpy array (no copy if possible)."""
+  images = np.asarray(images)
+  if images.ndim != 4 or images.shape[-1] != 3:
+    raise ValueError(f"images must have shape [B, H, W, 3]; got {images.shape}")
+  if isinstance(prompts, str) or len(prompts) != images.shape[0]:
+    raise ValueError(
+        f"prompts must be a list with one prompt per image ({images.shape[0]}); got "
+        f"{'a str' if isinstance(prompts, str) else len(prompts)}"
+    )
+  return images
 
 
 def call_reward(name: str, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-    """Runs one registered reward and checks that it returned [B] finite float32."""
-    images = check_batch(images, prompts)
-    out = np.asarray(get_reward(name)(images, list(prompts)), np.float32)
-    if out.shape != (images.shape[0],):
-        raise ValueError(f"reward {name!r} returned shape {out.shape}; expected ({images.shape[0]},)")
-    if not np.all(np.isfinite(out)):
-        raise ValueError(f"reward {name!r} returned non-finite values: {out}")
-    return out
+  """Runs one registered reward and checks that it returned [B] finite float32."""
+  images = check_batch(images, prompts)
+  out = np.asarray(get_reward(name)(images, list(prompts)), np.float32)
+  if out.shape != (images.shape[0],):
+    raise ValueError(f"reward {name!r} returned shape {out.shape}; expected ({images.shape[0]},)")
+  if not np.all(np.isfinite(out)):
+    raise ValueError(f"reward {name!r} returned non-finite values: {out}")
+  return out
 
 
 def parse_weights(spec: str) -> dict[str, float]:
-    """'name[:weight],...' -> {name: weight} (weight 1 when omitted), as config.reward.weights
-    holds it: 'shapes', 'shapes:1,shapes_strict:0.5'. ValueError names the bad part; unknown
-    names and non-finite weights are build_reward's to reject."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward weights {spec!r} are empty: name at least one reward, e.g. "
-                         "'shapes' or 'shapes:1,shapes_strict:0.5'")
-    out: dict[str, float] = {}
-    for part in spec.split(","):
-        name, sep, w = (x.strip() for x in part.partition(":"))
-        try:
-            weight = float(w) if sep else 1.0
-        except ValueError:
-            weight = None
-        if not name or weight is None:
-            raise ValueError(f"reward weights {spec!r}: {part.strip()!r} is not NAME or NAME:WEIGHT")
-        if name in out:
-            raise ValueError(f"reward weights {spec!r} name {name!r} twice")
-        out[name] = weight
-    return out
+  """'name[:weight],...' -> {name: weight} (weight 1 when omitted), as config.reward.weights
+  holds it: 'shapes', 'shapes:1,shapes_strict:0.5'. ValueError names the bad part; unknown
+  names and non-finite weights are build_reward's to reject."""
+  if not isinstance(spec, str) or not spec.strip():
+    raise ValueError(
+        f"reward weights {spec!r} are empty: name at least one reward, e.g. "
+        "'shapes' or 'shapes:1,shapes_strict:0.5'"
+    )
+  out: dict[str, float] = {}
+  for part in spec.split(","):
+    name, sep, w = (x.strip() for x in part.partition(":"))
+    try:
+      weight = float(w) if sep else 1.0
+    except ValueError:
+      weight = None
+    if not name or weight is None:
+      raise ValueError(f"reward weights {spec!r}: {part.strip()!r} is not NAME or NAME:WEIGHT")
+    if name in out:
+      raise ValueError(f"reward weights {spec!r} name {name!r} twice")
+    out[name] = weight
+  return out
 
 
 def build_reward(weights: Mapping[str, float]) -> RewardFn:
-    """sum_k weights[k] * reward_k(images, prompts): one [B] float32 reward from several.
+  """sum_k weights[k] * reward_k(images, prompts): one [B] float32 reward from several.
 
-    The returned function carries `.weights` (a copy) and `.components(images, prompts)`, which
-    returns {name: [B] float32} for logging each term.
-    """
-    if not isinstance(weights, Mapping) or not weights:
-        raise ValueError(f"weights must be a non-empty dict name -> float; got {weights!r}")
-    unknown = [k for k in weights if k not in _REGISTRY]
-    if unknown:
-        raise ValueError(f"unknown reward(s) {unknown}; registered rewards: {registered_names()}")
-    w = {}
-    for k, v in weights.items():
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(float(v)):
-            raise ValueError(f"weight for reward {k!r} must be a finite number; got {v!r}")
-        w[k] = float(v)
+  The returned function carries `.weights` (a copy) and `.components(images, prompts)`, which
+  returns {name: [B] float32} for logging each term.
+  """
+  if not isinstance(weights, Mapping) or not weights:
+    raise ValueError(f"weights must be a non-empty dict name -> float; got {weights!r}")
+  unknown = [k for k in weights if k not in _REGISTRY]
+  if unknown:
+    raise ValueError(f"unknown reward(s) {unknown}; registered rewards: {registered_names()}")
+  w = {}
+  for k, v in weights.items():
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float, np.floating, np.integer))
+        or not math.isfinite(float(v))
+    ):
+      raise ValueError(f"weight for reward {k!r} must be a finite number; got {v!r}")
+    w[k] = float(v)
 
-    def components(images: np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
-        return {k: call_reward(k, images, prompts) for k in w}
+  def components(images: np.ndarray, prompts: Sequence[str]) -> dict[str, np.ndarray]:
+    return {k: call_reward(k, images, prompts) for k in w}
 
-    def combined(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-        parts = components(images, prompts)
-        total = np.zeros(np.asarray(images).shape[0], np.float32)
-        for k, r in parts.items():
-            total += np.float32(w[k]) * r
-        return total
+  def combined(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+    parts = components(images, prompts)
+    total = np.zeros(np.asarray(images).shape[0], np.float32)
+    for k, r in parts.items():
+      total += np.float32(w[k]) * r
+    return total
 
-    combined.weights = dict(w)
-    combined.components = components
-    return combined
+  combined.weights = dict(w)
+  combined.components = components
+  return combined
 
 
 def _uint8(images: np.ndarray) -> np.ndarray:
-    """[B, H, W, 3] float in [-1, 1] (NaN-safe) -> uint8, as visualize.to_uint8 writes PNGs."""
-    x = np.nan_to_num(np.asarray(images, np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
-    return np.clip((x + 1.0) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+  """[B, H, W, 3] float in [-1, 1] (NaN-safe) -> uint8, as visualize.to_uint8 writes PNGs."""
+  x = np.nan_to_num(np.asarray(images, np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
+  return np.clip((x + 1.0) * 127.5 + 0.5, 0, 255).astype(np.uint8)
 
 
 def _import_callable(target: str, field: str):
-    """'module.path:function' or '/path/to/file.py:function' -> the function."""
-    import importlib
-    import importlib.util
-    import os
+  """'module.path:function' or '/path/to/file.py:function' -> the function."""
+  import importlib
+  import importlib.util
+  import os
 
-    module_name, sep, fn_name = target.rpartition(":")
-    if not sep or not module_name or not fn_name.isidentifier():
-        raise ValueError(f"{field}: {target!r} is not 'module.path:function' or 'file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise ValueError(f"{field}: file {module_name!r} does not exist")
-            spec = importlib.util.spec_from_file_location(
-                "digen_user_reward_" + os.path.splitext(os.path.basename(module_name))[0], module_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{field}: cannot import {module_name!r} ({e}); put it on PYTHONPATH or give "
-                         "a file path") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"{field}: {module_name!r} has no function {fn_name!r}")
-    return fn
+  module_name, sep, fn_name = target.rpartition(":")
+  if not sep or not module_name or not fn_name.isidentifier():
+    raise ValueError(f"{field}: {target!r} is not 'module.path:function' or 'file.py:function'")
+  try:
+    if module_name.endswith(".py"):
+      if not os.path.isfile(module_name):
+        raise ValueError(f"{field}: file {module_name!r} does not exist")
+      spec = importlib.util.spec_from_file_location(
+          "digen_user_reward_" + os.path.splitext(os.path.basename(module_name))[0], module_name
+      )
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+    else:
+      module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ValueError(
+        f"{field}: cannot import {module_name!r} ({e}); put it on PYTHONPATH or give " "a file path"
+    ) from e
+  fn = getattr(module, fn_name, None)
+  if not callable(fn):
+    raise ValueError(f"{field}: {module_name!r} has no function {fn_name!r}")
+  return fn
 
 
 _USER_TARGETS: dict[str, str] = {}
 
 
 def register_callables(spec: str, field: str = "config.reward.callables") -> list[str]:
-    """Registers a user's rewards from 'name=module:function,...' (see configlib: reward.callables).
+  """Registers a user's rewards from 'name=module:function,...' (see configlib: reward.callables).
 
-    Each function takes (uint8 images [B, H, W, 3], prompts: list[str]) and returns [B] scores;
-    it is wrapped into the float [-1, 1] contract above. Returns the registered names. The same
-    spec may be registered again (idempotent); a name taken by another reward raises."""
-    names = []
-    for part in (p.strip() for p in (spec or "").split(",")):
-        if not part:
-            continue
-        name, sep, target = (x.strip() for x in part.partition("="))
-        if not sep or not name or not target:
-            raise ValueError(f"{field}: {part!r} is not NAME=module.path:function")
-        if _USER_TARGETS.get(name) == target:
-            names.append(name)
-            continue
-        if name in _REGISTRY:
-            raise ValueError(f"{field}: reward name {name!r} is already registered "
-                             f"({_ident(_REGISTRY[name])}); pick another name")
-        fn = _import_callable(target, field)
+  Each function takes (uint8 images [B, H, W, 3], prompts: list[str]) and returns [B] scores;
+  it is wrapped into the float [-1, 1] contract above. Returns the registered names. The same
+  spec may be registered again (idempotent); a name taken by another reward raises."""
+  names = []
+  for part in (p.strip() for p in (spec or "").split(",")):
+    if not part:
+      continue
+    name, sep, target = (x.strip() for x in part.partition("="))
+    if not sep or not name or not target:
+      raise ValueError(f"{field}: {part!r} is not NAME=module.path:function")
+    if _USER_TARGETS.get(name) == target:
+      names.append(name)
+      continue
+    if name in _REGISTRY:
+      raise ValueError(
+          f"{field}: reward name {name!r} is already registered "
+          f"({_ident(_REGISTRY[name])}); pick another name"
+      )
+    fn = _import_callable(target, field)
 
-        def wrapped(images, prompts, _fn=fn):
-            return np.asarray(_fn(_uint8(images), list(prompts)), np.float32)
+    def wrapped(images, prompts, _fn=fn):
+      return np.asarray(_fn(_uint8(images), list(prompts)), np.float32)
 
-        wrapped.__qualname__ = f"user:{target}"
-        _REGISTRY[name] = wrapped
-        _USER_TARGETS[name] = target
-        names.append(name)
-    return names
+    wrapped.__qualname__ = f"user:{target}"
+    _REGISTRY[name] = wrapped
+    _USER_TARGETS[name] = target
+    names.append(name)
+  return names
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,108 +218,116 @@ def register_callables(spec: str, field: str = "config.reward.callables") -> lis
 
 
 class RewardTimeout(RuntimeError):
-    """A reward call did not return within its time limit."""
+  """A reward call did not return within its time limit."""
 
 
 def _short(prompt: str, limit: int = 120) -> str:
-    return prompt if len(prompt) <= limit else prompt[:limit - 3] + "..."
+  return prompt if len(prompt) <= limit else prompt[: limit - 3] + "..."
 
 
 def _prompt_list(prompts: Sequence[str], limit: int = 4) -> str:
-    uniq = list(dict.fromkeys(prompts))
-    shown = ", ".join(repr(_short(p)) for p in uniq[:limit])
-    return shown + (f" and {len(uniq) - limit} more" if len(uniq) > limit else "")
+  uniq = list(dict.fromkeys(prompts))
+  shown = ", ".join(repr(_short(p)) for p in uniq[:limit])
+  return shown + (f" and {len(uniq) - limit} more" if len(uniq) > limit else "")
 
 
 class _TimedCaller:
-    """fn(*args) in a daemon thread, abandoned after timeout_s (Python cannot stop a thread: a
-    hung call keeps its thread, and calls made while it still runs fail at once instead of
-    piling up more threads)."""
+  """fn(*args) in a daemon thread, abandoned after timeout_s (Python cannot stop a thread: a
+  hung call keeps its thread, and calls made while it still runs fail at once instead of
+  piling up more threads)."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = float(timeout_s)
-        self._hung: threading.Thread | None = None
+  def __init__(self, timeout_s: float):
+    self.timeout_s = float(timeout_s)
+    self._hung: threading.Thread | None = None
 
-    def __call__(self, fn, *args):
-        if self.timeout_s <= 0:
-            return fn(*args)
-        if self._hung is not None and self._hung.is_alive():
-            raise RewardTimeout("an earlier call that timed out is still running")
-        box = {}
+  def __call__(self, fn, *args):
+    if self.timeout_s <= 0:
+      return fn(*args)
+    if self._hung is not None and self._hung.is_alive():
+      raise RewardTimeout("an earlier call that timed out is still running")
+    box = {}
 
-        def target():
-            try:
-                box["out"] = fn(*args)
-            except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
-                box["err"] = e
+    def target():
+      try:
+        box["out"] = fn(*args)
+      except BaseException as e:  # pylint: disable=broad-except  (re-raised below)
+        box["err"] = e
 
-        t = threading.Thread(target=target, name="reward", daemon=True)
-        t.start()
-        t.join(self.timeout_s)
-        if t.is_alive():
-            self._hung = t
-            raise RewardTimeout(f"no result within {self.timeout_s:g} s")
-        if "err" in box:
-            raise box["err"]
-        return box["out"]
+    t = threading.Thread(target=target, name="reward", daemon=True)
+    t.start()
+    t.join(self.timeout_s)
+    if t.is_alive():
+      self._hung = t
+      raise RewardTimeout(f"no result within {self.timeout_s:g} s")
+    if "err" in box:
+      raise box["err"]
+    return box["out"]
 
 
-def guarded(fn: RewardFn, timeout_s: float = 0.0,
-            field: str = "config.reward.timeout_s") -> RewardFn:
-    """`fn` whose faults become NaN scores, logged as errors with the prompts that caused them.
+def guarded(
+    fn: RewardFn, timeout_s: float = 0.0, field: str = "config.reward.timeout_s"
+) -> RewardFn:
+  """`fn` whose faults become NaN scores, logged as errors with the prompts that caused them.
 
-    A NaN score makes its group's advantages NaN, and the update programs skip a batch with a
-    non-finite advantage and count it (metrics.jsonl: nonfinite, skipped_updates); too many
-    consecutive skips stop the run (config.runtime.max_consecutive_skips). So:
-      - a call that raises is retried one sample at a time to find the prompt(s) that raise
-        (a non-finite score counts as raising); those samples score NaN, the others keep the
-        scores they get alone (a reward scores each image on its own);
-      - a call that returns nothing within timeout_s (> 0; `field` names the setting) scores
-        the whole batch NaN.
-    The returned function keeps fn's attributes (.weights, .components) and adds .faults, the
-    messages of its last call."""
-    call = _TimedCaller(timeout_s)
+  A NaN score makes its group's advantages NaN, and the update programs skip a batch with a
+  non-finite advantage and count it (metrics.jsonl: nonfinite, skipped_updates); too many
+  consecutive skips stop the run (config.runtime.max_consecutive_skips). So:
+    - a call that raises is retried one sample at a time to find the prompt(s) that raise
+      (a non-finite score counts as raising); those samples score NaN, the others keep the
+      scores they get alone (a reward scores each image on its own);
+    - a call that returns nothing within timeout_s (> 0; `field` names the setting) scores
+      the whole batch NaN.
+  The returned function keeps fn's attributes (.weights, .components) and adds .faults, the
+  messages of its last call."""
+  call = _TimedCaller(timeout_s)
 
-    def scored(images, prompts) -> np.ndarray:
-        prompts = list(prompts)
-        n = len(prompts)
-        faults: list[str] = []
+  def scored(images, prompts) -> np.ndarray:
+    prompts = list(prompts)
+    n = len(prompts)
+    faults: list[str] = []
+    try:
+      out = np.asarray(call(fn, images, prompts), np.float32)
+      if out.shape != (n,):
+        raise ValueError(f"returned shape {out.shape}; expected ({n},)")
+      if not np.all(np.isfinite(out)):
+        raise ValueError(f"returned non-finite values {out[~np.isfinite(out)][:4]}")
+    except RewardTimeout as e:
+      out = np.full((n,), np.nan, np.float32)
+      faults.append(
+          f"reward timed out ({e}; {field}) on a batch of {n} samples with "
+          f"prompts {_prompt_list(prompts)}"
+      )
+    except Exception as batch_error:  # pylint: disable=broad-except  (user code)
+      out = np.full((n,), np.nan, np.float32)
+      for i in range(n):
         try:
-            out = np.asarray(call(fn, images, prompts), np.float32)
-            if out.shape != (n,):
-                raise ValueError(f"returned shape {out.shape}; expected ({n},)")
-            if not np.all(np.isfinite(out)):
-                raise ValueError(f"returned non-finite values {out[~np.isfinite(out)][:4]}")
+          one = np.asarray(call(fn, images[i : i + 1], prompts[i : i + 1]), np.float32)
+          if one.shape != (1,) or not np.isfinite(one[0]):
+            raise ValueError(f"returned {one!r} for one sample")
+          out[i] = one[0]
         except RewardTimeout as e:
-            out = np.full((n,), np.nan, np.float32)
-            faults.append(f"reward timed out ({e}; {field}) on a batch of {n} samples with "
-                          f"prompts {_prompt_list(prompts)}")
-        except Exception as batch_error:  # pylint: disable=broad-except  (user code)
-            out = np.full((n,), np.nan, np.float32)
-            for i in range(n):
-                try:
-                    one = np.asarray(call(fn, images[i:i + 1], prompts[i:i + 1]), np.float32)
-                    if one.shape != (1,) or not np.isfinite(one[0]):
-                        raise ValueError(f"returned {one!r} for one sample")
-                    out[i] = one[0]
-                except RewardTimeout as e:
-                    faults.append(f"reward timed out ({e}; {field}) on prompt "
-                                  f"{_short(prompts[i])!r}")
-                    break
-                except Exception as e:  # pylint: disable=broad-except
-                    faults.append(f"reward raised {type(e).__name__}: {_short(str(e), 200)} "
-                                  f"on prompt {_short(prompts[i])!r} (sample {i} of {n})")
-            if not faults:   # every sample scores alone: keep those scores (one per image)
-                logging.warning("reward raised %s: %s on a batch of %d samples, but scored each "
-                                "alone; using those scores", type(batch_error).__name__,
-                                _short(str(batch_error), 200), n)
-        for f in faults:
-            logging.error("%s; these samples score NaN and the update is skipped", f)
-        scored.faults = faults
-        return out
+          faults.append(f"reward timed out ({e}; {field}) on prompt " f"{_short(prompts[i])!r}")
+          break
+        except Exception as e:  # pylint: disable=broad-except
+          faults.append(
+              f"reward raised {type(e).__name__}: {_short(str(e), 200)} "
+              f"on prompt {_short(prompts[i])!r} (sample {i} of {n})"
+          )
+      if not faults:  # every sample scores alone: keep those scores (one per image)
+        logging.warning(
+            "reward raised %s: %s on a batch of %d samples, but scored each "
+            "alone; using those scores",
+            type(batch_error).__name__,
+            _short(str(batch_error), 200),
+            n,
+        )
+    for f in faults:
+      logging.error("%s; these samples score NaN and the update is skipped", f)
+    scored.faults = faults
+    return out
 
-    scored.faults = []
-    for attr in ("weights", "components"):
-        if hasattr(fn, attr):
-            setattr(scored, attr, getattr(fn, attr))
-    return scored
+  scored.faults = []
+  for attr in ("weights", "components"):
+    if hasattr(fn, attr):
+      setattr(scored, attr, getattr(fn, attr))
+  return scored

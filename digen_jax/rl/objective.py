@@ -15,6 +15,7 @@ Time-step parallelism (TSP, DESIGN.md §3) is the 'vmap' loop with ``step_constr
 timestep axis of the gathered steps over the trainer mesh (so one parameter all-gather serves all
 K steps); ``step_weights`` [K] zero out padding steps that make K divisible by the mesh size.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -33,16 +34,16 @@ _F32 = jnp.float32
 
 
 def gather_steps(traj: Trajectory, step_indices: jax.Array) -> dict:
-    """Per selected step: x_t, x_{t+1} [K, B, N, C], sigma, sigma_next [K], logp_old [K, B], sde [K]."""
-    idx = jnp.asarray(step_indices, jnp.int32)
-    return {
-        "x": traj.latents[idx],
-        "x_next": traj.latents[idx + 1],
-        "sigma": traj.sigmas[idx],
-        "sigma_next": traj.sigmas[idx + 1],
-        "logp_old": traj.log_probs[idx],
-        "sde": traj.sde_steps[idx],
-    }
+  """Per selected step: x_t, x_{t+1} [K, B, N, C], sigma, sigma_next [K], logp_old [K, B], sde [K]."""
+  idx = jnp.asarray(step_indices, jnp.int32)
+  return {
+      "x": traj.latents[idx],
+      "x_next": traj.latents[idx + 1],
+      "sigma": traj.sigmas[idx],
+      "sigma_next": traj.sigmas[idx + 1],
+      "logp_old": traj.log_probs[idx],
+      "sde": traj.sde_steps[idx],
+  }
 
 
 def step_log_probs(
@@ -60,46 +61,46 @@ def step_log_probs(
     step_loop: str = "vmap",
     step_constraint: Callable[[Any], Any] | None = None,
 ) -> tuple[jax.Array, jax.Array, dict]:
-    """Recompute the log-probs of the stored transitions at ``step_indices`` under ``params``.
+  """Recompute the log-probs of the stored transitions at ``step_indices`` under ``params``.
 
-    Returns (logp_new float32 [K, B], kl [K, B], gathered steps). kl is the exact Gaussian KL of
-    the transition under params vs ``ref_params`` (reference velocity under stop_gradient), zeros
-    if ref_params is None. Deterministic steps (sde_steps False) get log-prob 0 and KL 0.
-    step_constraint: with 'vmap', applied to the per-step inputs and outputs (pytrees with a
-    leading K axis), e.g. a sharding constraint putting K on the mesh (TSP).
-    """
-    if step_loop not in STEP_LOOPS:
-        raise ValueError(f"step_log_probs: step_loop={step_loop!r}: use one of {STEP_LOOPS}.")
-    g = gather_steps(traj_batch, step_indices)
-    b = g["x"].shape[1]
-    use_kl = ref_params is not None
+  Returns (logp_new float32 [K, B], kl [K, B], gathered steps). kl is the exact Gaussian KL of
+  the transition under params vs ``ref_params`` (reference velocity under stop_gradient), zeros
+  if ref_params is None. Deterministic steps (sde_steps False) get log-prob 0 and KL 0.
+  step_constraint: with 'vmap', applied to the per-step inputs and outputs (pytrees with a
+  leading K axis), e.g. a sharding constraint putting K on the mesh (TSP).
+  """
+  if step_loop not in STEP_LOOPS:
+    raise ValueError(f"step_log_probs: step_loop={step_loop!r}: use one of {STEP_LOOPS}.")
+  g = gather_steps(traj_batch, step_indices)
+  b = g["x"].shape[1]
+  use_kl = ref_params is not None
 
-    def one_step(x, x_next, s, sn, stochastic):
-        sb = jnp.broadcast_to(s, (b,))
-        snb = jnp.broadcast_to(sn, (b,))
-        v = cfg_velocity(velocity_fn, params, x, sb, cond, uncond, guidance_scale, norm_rescale)
-        logp = jnp.where(stochastic, sde_log_prob(x_next, x, v, sb, snb, sde_cfg), 0.0)
-        if use_kl:
-            v_ref = jax.lax.stop_gradient(
-                cfg_velocity(velocity_fn, ref_params, x, sb, cond, uncond, guidance_scale, norm_rescale)
-            )
-            mean, std = sde_mean_std(x, v, sb, snb, sde_cfg)
-            mean_ref, _ = sde_mean_std(x, v_ref, sb, snb, sde_cfg)
-            kl = jnp.where(stochastic, gaussian_kl(mean, mean_ref, std, sde_cfg.logprob_reduce), 0.0)
-        else:
-            kl = jnp.zeros((b,), _F32)
-        return logp, kl
-
-    xs = (g["x"], g["x_next"], g["sigma"], g["sigma_next"], g["sde"])
-    if step_loop == "vmap":
-        if step_constraint is not None:
-            xs = step_constraint(xs)
-        logp_new, kl = jax.vmap(one_step)(*xs)
-        if step_constraint is not None:
-            logp_new, kl = step_constraint((logp_new, kl))
+  def one_step(x, x_next, s, sn, stochastic):
+    sb = jnp.broadcast_to(s, (b,))
+    snb = jnp.broadcast_to(sn, (b,))
+    v = cfg_velocity(velocity_fn, params, x, sb, cond, uncond, guidance_scale, norm_rescale)
+    logp = jnp.where(stochastic, sde_log_prob(x_next, x, v, sb, snb, sde_cfg), 0.0)
+    if use_kl:
+      v_ref = jax.lax.stop_gradient(
+          cfg_velocity(velocity_fn, ref_params, x, sb, cond, uncond, guidance_scale, norm_rescale)
+      )
+      mean, std = sde_mean_std(x, v, sb, snb, sde_cfg)
+      mean_ref, _ = sde_mean_std(x, v_ref, sb, snb, sde_cfg)
+      kl = jnp.where(stochastic, gaussian_kl(mean, mean_ref, std, sde_cfg.logprob_reduce), 0.0)
     else:
-        _, (logp_new, kl) = jax.lax.scan(lambda c, a: (c, one_step(*a)), None, xs)
-    return logp_new, kl, g
+      kl = jnp.zeros((b,), _F32)
+    return logp, kl
+
+  xs = (g["x"], g["x_next"], g["sigma"], g["sigma_next"], g["sde"])
+  if step_loop == "vmap":
+    if step_constraint is not None:
+      xs = step_constraint(xs)
+    logp_new, kl = jax.vmap(one_step)(*xs)
+    if step_constraint is not None:
+      logp_new, kl = step_constraint((logp_new, kl))
+  else:
+    _, (logp_new, kl) = jax.lax.scan(lambda c, a: (c, one_step(*a)), None, xs)
+  return logp_new, kl, g
 
 
 def grpo_objective(
@@ -124,64 +125,66 @@ def grpo_objective(
     step_constraint: Callable[[Any], Any] | None = None,
     behaviour: str = "stored",
 ) -> tuple[jax.Array, dict]:
-    """Loss (scalar) and metrics; differentiate w.r.t. ``params``.
+  """Loss (scalar) and metrics; differentiate w.r.t. ``params``.
 
-    Args:
-      velocity_fn: (params, latents [B, N, C], sigma [B], cond) -> v [B, N, C].
-      params: current policy params.
-      traj_batch: the rollout's Trajectory for these B samples.
-      cond / uncond / guidance_scale / norm_rescale: exactly as passed to the rollout.
-      adv: float [B] advantages; valid: bool [B] (samples of zero-spread groups are False).
-      step_indices: int32 [K] trained steps (``select_timesteps``).
-      sde_cfg: the rollout's SDEConfig.
-      clip_range: PPO ε.
-      kl_beta: β of the KL penalty (0 disables; > 0 needs ``ref_params``).
-      step_loop: 'vmap' or 'scan' over the K steps.
-      denominator: loss normaliser (default: number of weighted pairs; see rl/loss.py).
-      step_weights: optional float [K] per-step multiplier of the pair weights (0 = padding step).
-      step_constraint: see ``step_log_probs`` (TSP).
-      behaviour: 'stored' takes the behaviour log-probs the rollout stored in the trajectory;
-        'self' takes this very forward's log-probs under stop_gradient (on-policy, one epoch:
-        the ratio is exactly 1 and the gradient the policy gradient, whatever precision or
-        layout the rollout computed in). metrics['rollout_ratio_max_dev'] then still reports how
-        far the rollout's stored log-probs are from the trainer's.
-    Returns:
-      (loss, metrics): the scalar metrics of ``ppo_clip_loss`` plus 'loss' and 'kl' (weighted mean
-      exact KL per pair; only computed when kl_beta > 0, else 0).
-    Pairs (t, b) are weighted by valid[b] · sde_steps[t]: a deterministic step has no log-prob.
-    """
-    if kl_beta < 0:
-        raise ValueError(f"grpo_objective: kl_beta={kl_beta} must be >= 0.")
-    use_kl = kl_beta > 0
-    if use_kl and ref_params is None:
-        raise ValueError("grpo_objective: kl_beta > 0 needs ref_params (the frozen reference model).")
-    logp_new, kl, g = step_log_probs(
-        velocity_fn,
-        params,
-        traj_batch,
-        cond,
-        step_indices,
-        sde_cfg=sde_cfg,
-        ref_params=ref_params if use_kl else None,
-        guidance_scale=guidance_scale,
-        uncond=uncond,
-        norm_rescale=norm_rescale,
-        step_loop=step_loop,
-        step_constraint=step_constraint,
-    )
-    weights = jnp.asarray(valid, _F32)[None, :] * g["sde"].astype(_F32)[:, None]
-    if step_weights is not None:
-        weights = weights * jnp.asarray(step_weights, _F32)[:, None]
-    if behaviour not in ("stored", "self"):
-        raise ValueError(f"grpo_objective: behaviour={behaviour!r}: use 'stored' or 'self'.")
-    logp_old = g["logp_old"] if behaviour == "stored" else jax.lax.stop_gradient(logp_new)
-    loss, metrics = ppo_clip_loss(logp_new, logp_old, adv, clip_range, weights, denominator=denominator)
-    dev = jnp.abs(jnp.exp(jax.lax.stop_gradient(logp_new) - g["logp_old"]) - 1.0)
-    metrics["rollout_ratio_max_dev"] = jnp.max(jnp.where(weights > 0, dev, 0.0))
-    w_sum = metrics["weight_sum"]
-    kl_sum = jnp.sum(weights * kl)
-    if use_kl:
-        den = w_sum if denominator is None else jnp.asarray(denominator, _F32)
-        loss = loss + kl_beta * kl_sum / jnp.where(den > 0, den, 1.0)
-    metrics = dict(metrics, loss=loss, kl=kl_sum / jnp.where(w_sum > 0, w_sum, 1.0))
-    return loss, metrics
+  Args:
+    velocity_fn: (params, latents [B, N, C], sigma [B], cond) -> v [B, N, C].
+    params: current policy params.
+    traj_batch: the rollout's Trajectory for these B samples.
+    cond / uncond / guidance_scale / norm_rescale: exactly as passed to the rollout.
+    adv: float [B] advantages; valid: bool [B] (samples of zero-spread groups are False).
+    step_indices: int32 [K] trained steps (``select_timesteps``).
+    sde_cfg: the rollout's SDEConfig.
+    clip_range: PPO ε.
+    kl_beta: β of the KL penalty (0 disables; > 0 needs ``ref_params``).
+    step_loop: 'vmap' or 'scan' over the K steps.
+    denominator: loss normaliser (default: number of weighted pairs; see rl/loss.py).
+    step_weights: optional float [K] per-step multiplier of the pair weights (0 = padding step).
+    step_constraint: see ``step_log_probs`` (TSP).
+    behaviour: 'stored' takes the behaviour log-probs the rollout stored in the trajectory;
+      'self' takes this very forward's log-probs under stop_gradient (on-policy, one epoch:
+      the ratio is exactly 1 and the gradient the policy gradient, whatever precision or
+      layout the rollout computed in). metrics['rollout_ratio_max_dev'] then still reports how
+      far the rollout's stored log-probs are from the trainer's.
+  Returns:
+    (loss, metrics): the scalar metrics of ``ppo_clip_loss`` plus 'loss' and 'kl' (weighted mean
+    exact KL per pair; only computed when kl_beta > 0, else 0).
+  Pairs (t, b) are weighted by valid[b] · sde_steps[t]: a deterministic step has no log-prob.
+  """
+  if kl_beta < 0:
+    raise ValueError(f"grpo_objective: kl_beta={kl_beta} must be >= 0.")
+  use_kl = kl_beta > 0
+  if use_kl and ref_params is None:
+    raise ValueError("grpo_objective: kl_beta > 0 needs ref_params (the frozen reference model).")
+  logp_new, kl, g = step_log_probs(
+      velocity_fn,
+      params,
+      traj_batch,
+      cond,
+      step_indices,
+      sde_cfg=sde_cfg,
+      ref_params=ref_params if use_kl else None,
+      guidance_scale=guidance_scale,
+      uncond=uncond,
+      norm_rescale=norm_rescale,
+      step_loop=step_loop,
+      step_constraint=step_constraint,
+  )
+  weights = jnp.asarray(valid, _F32)[None, :] * g["sde"].astype(_F32)[:, None]
+  if step_weights is not None:
+    weights = weights * jnp.asarray(step_weights, _F32)[:, None]
+  if behaviour not in ("stored", "self"):
+    raise ValueError(f"grpo_objective: behaviour={behaviour!r}: use 'stored' or 'self'.")
+  logp_old = g["logp_old"] if behaviour == "stored" else jax.lax.stop_gradient(logp_new)
+  loss, metrics = ppo_clip_loss(
+      logp_new, logp_old, adv, clip_range, weights, denominator=denominator
+  )
+  dev = jnp.abs(jnp.exp(jax.lax.stop_gradient(logp_new) - g["logp_old"]) - 1.0)
+  metrics["rollout_ratio_max_dev"] = jnp.max(jnp.where(weights > 0, dev, 0.0))
+  w_sum = metrics["weight_sum"]
+  kl_sum = jnp.sum(weights * kl)
+  if use_kl:
+    den = w_sum if denominator is None else jnp.asarray(denominator, _F32)
+    loss = loss + kl_beta * kl_sum / jnp.where(den > 0, den, 1.0)
+  metrics = dict(metrics, loss=loss, kl=kl_sum / jnp.where(w_sum > 0, w_sum, 1.0))
+  return loss, metrics

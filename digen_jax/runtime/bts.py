@@ -18,6 +18,7 @@ online (exponential moving averages of measured device spans):
 and inserts only if the prediction goes down (DESIGN.md §3). Every decision is returned as a
 record the schedule logs and stores in the trace.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,6 +27,7 @@ import dataclasses
 @dataclasses.dataclass
 class Costs:
   """Online per-fragment cost profile (seconds); None = not measured yet."""
+
   roll: float | None = None
   tag: float | None = None
   switch: float = 0.0
@@ -33,7 +35,7 @@ class Costs:
   gap: float = 0.0
   start: float = 0.0
   train: float | None = None
-  alpha: float = 0.5          # EMA weight of a new measurement
+  alpha: float = 0.5  # EMA weight of a new measurement
   counts: dict = dataclasses.field(default_factory=dict)
 
   def observe(self, name: str, seconds: float) -> None:
@@ -45,10 +47,21 @@ class Costs:
     setattr(self, name, seconds if n <= 1 else (1 - self.alpha) * old + self.alpha * seconds)
 
 
-def predict_makespan(*, now: float, rollout_free_at: float, in_flight: int, unclaimed: int,
-                     backlog: int, c_roll: float, c_train: float, c_tag: float = 0.0,
-                     c_switch: float = 0.0, c_deliver: float = 0.0, c_gap: float = 0.0,
-                     insert: bool = False) -> float:
+def predict_makespan(
+    *,
+    now: float,
+    rollout_free_at: float,
+    in_flight: int,
+    unclaimed: int,
+    backlog: int,
+    c_roll: float,
+    c_train: float,
+    c_tag: float = 0.0,
+    c_switch: float = 0.0,
+    c_deliver: float = 0.0,
+    c_gap: float = 0.0,
+    insert: bool = False,
+) -> float:
   """Predicted time at which the trainer has trained every fragment of the batch.
 
   now: current time; rollout_free_at: when the rollout's device finishes its fragment in
@@ -80,9 +93,17 @@ def predict_makespan(*, now: float, rollout_free_at: float, in_flight: int, uncl
   return t
 
 
-def decide(costs: Costs, *, now: float, rollout_free_at: float, in_flight: int,
-           unclaimed: int, backlog: int, trainer_speed: float = 1.0,
-           rollout_speed: float = 1.0) -> dict:
+def decide(
+    costs: Costs,
+    *,
+    now: float,
+    rollout_free_at: float,
+    in_flight: int,
+    unclaimed: int,
+    backlog: int,
+    trainer_speed: float = 1.0,
+    rollout_speed: float = 1.0,
+) -> dict:
   """{'action': 'insert'|'wait', 'reason', predicted makespans...}. Without a measured c_tag the
   trainer's sampling cost is estimated from c_roll and the roles' speed labels."""
   rec = {'now': now, 'unclaimed': unclaimed, 'in_flight': in_flight, 'backlog': backlog}
@@ -92,15 +113,33 @@ def decide(costs: Costs, *, now: float, rollout_free_at: float, in_flight: int,
     # Nothing profiled yet: no prediction is possible; wait for a measurement.
     return dict(rec, action='wait', reason='costs not profiled yet')
   c_tag = costs.tag if costs.tag is not None else costs.roll * rollout_speed / trainer_speed
-  kw = dict(now=now, rollout_free_at=rollout_free_at, in_flight=in_flight, unclaimed=unclaimed,
-            backlog=backlog, c_roll=costs.roll, c_train=costs.train, c_tag=c_tag,
-            c_switch=costs.switch, c_deliver=costs.deliver, c_gap=costs.gap)
+  kw = dict(
+      now=now,
+      rollout_free_at=rollout_free_at,
+      in_flight=in_flight,
+      unclaimed=unclaimed,
+      backlog=backlog,
+      c_roll=costs.roll,
+      c_train=costs.train,
+      c_tag=c_tag,
+      c_switch=costs.switch,
+      c_deliver=costs.deliver,
+      c_gap=costs.gap,
+  )
   base = predict_makespan(**kw, insert=False)
   ins = predict_makespan(**kw, insert=True)
-  rec.update(makespan_wait=base - now, makespan_insert=ins - now, c_roll=costs.roll,
-             c_tag=c_tag, c_tag_measured=costs.tag is not None, c_switch=costs.switch,
-             c_train=costs.train, c_deliver=costs.deliver, c_gap=costs.gap,
-             rollout_free_at=rollout_free_at)
+  rec.update(
+      makespan_wait=base - now,
+      makespan_insert=ins - now,
+      c_roll=costs.roll,
+      c_tag=c_tag,
+      c_tag_measured=costs.tag is not None,
+      c_switch=costs.switch,
+      c_train=costs.train,
+      c_deliver=costs.deliver,
+      c_gap=costs.gap,
+      rollout_free_at=rollout_free_at,
+  )
   if ins < base:
     return dict(rec, action='insert', reason='predicted makespan drops')
   return dict(rec, action='wait', reason='predicted makespan does not drop')

@@ -15,6 +15,7 @@ Multi-process runs: each role lives in exactly one process, every process has a 
 trainer is process 0 (it owns params and optimizer state and writes checkpoints and metrics;
 orbax 0.12 writes host data from process 0 only).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +33,7 @@ ROLES = ('trainer', 'rollout')
 @dataclasses.dataclass(frozen=True)
 class Role:
   """One role's devices and mesh. speed: relative device speed label (1.0 = reference)."""
+
   name: str
   devices: tuple[jax.Device, ...]
   mesh: Mesh
@@ -54,17 +56,20 @@ class Role:
 
   def describe(self) -> str:
     shape = ', '.join(f'{k}={v}' for k, v in self.mesh.shape.items())
-    return (f'{self.name}: {self.size} device(s) {[d.id for d in self.devices]} in process(es) '
-            f'{list(self.processes)}, mesh ({shape}), speed {self.speed:g}')
+    return (
+        f'{self.name}: {self.size} device(s) {[d.id for d in self.devices]} in process(es) '
+        f'{list(self.processes)}, mesh ({shape}), speed {self.speed:g}'
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
   """The two roles, and how the rollout copy of the weights is laid out."""
+
   trainer: Role
   rollout: Role
-  rollout_param_dtype: str = 'float32'          # 'float32' | 'bfloat16'
-  rollout_param_sharding: str = 'replicated'    # 'replicated' | 'fsdp'
+  rollout_param_dtype: str = 'float32'  # 'float32' | 'bfloat16'
+  rollout_param_sharding: str = 'replicated'  # 'replicated' | 'fsdp'
 
   @property
   def is_colocated(self) -> bool:
@@ -91,8 +96,10 @@ class Cluster:
     return 'both' if t and r else 'trainer' if t else 'rollout' if r else 'none'
 
   def describe(self) -> str:
-    return (f'{self.trainer.describe()}; {self.rollout.describe()}; rollout weights '
-            f'{self.rollout_param_dtype} {self.rollout_param_sharding}')
+    return (
+        f'{self.trainer.describe()}; {self.rollout.describe()}; rollout weights '
+        f'{self.rollout_param_dtype} {self.rollout_param_sharding}'
+    )
 
 
 def colocated(devices: Sequence[jax.Device]) -> Cluster:
@@ -114,9 +121,11 @@ def _auto_layout(config, devices: list) -> dict[str, list]:
   for role in ROLES:
     for field in ('devices', 'processes'):
       if tuple(cl[role][field]):
-        raise ValueError(f"config.cluster.{role}.{field}={tuple(cl[role][field])} is set but "
-                         "config.cluster.layout='auto' ignores it; add "
-                         '--config.cluster.layout=explicit')
+        raise ValueError(
+            f'config.cluster.{role}.{field}={tuple(cl[role][field])} is set but '
+            "config.cluster.layout='auto' ignores it; add "
+            '--config.cluster.layout=explicit'
+        )
   procs = sorted({d.process_index for d in devices})
   if len(procs) == 1:
     n = len(devices)
@@ -125,14 +134,19 @@ def _auto_layout(config, devices: list) -> dict[str, list]:
           f"config.cluster.layout='auto' splits this process's devices in half, but it has {n}; "
           'run two processes (python launch/local.py --num_processes=2 -- python -m '
           'digen_jax.main ...), force an even number of CPU devices (XLA_FLAGS='
-          '--xla_force_host_platform_device_count=4), or set config.cluster.layout=explicit')
-    return {'trainer': devices[:n // 2], 'rollout': devices[n // 2:]}
+          '--xla_force_host_platform_device_count=4), or set config.cluster.layout=explicit'
+      )
+    return {'trainer': devices[: n // 2], 'rollout': devices[n // 2 :]}
   if len(procs) == 2:
-    return {'trainer': [d for d in devices if d.process_index == procs[0]],
-            'rollout': [d for d in devices if d.process_index == procs[1]]}
-  raise ValueError(f"config.cluster.layout='auto' handles 1 or 2 processes; this job has "
-                   f'{len(procs)}. Launch 2 processes, or one per role with '
-                   'config.cluster.layout=explicit and config.cluster.<role>.processes')
+    return {
+        'trainer': [d for d in devices if d.process_index == procs[0]],
+        'rollout': [d for d in devices if d.process_index == procs[1]],
+    }
+  raise ValueError(
+      f"config.cluster.layout='auto' handles 1 or 2 processes; this job has "
+      f'{len(procs)}. Launch 2 processes, or one per role with '
+      'config.cluster.layout=explicit and config.cluster.<role>.processes'
+  )
 
 
 def _explicit_layout(config, devices: list) -> dict[str, list]:
@@ -144,31 +158,41 @@ def _explicit_layout(config, devices: list) -> dict[str, list]:
     spec = cl[role]
     ids, pids = tuple(spec.devices), tuple(spec.processes)
     if ids and pids:
-      raise ValueError(f'config.cluster.{role}: give devices or processes, not both '
-                       f'(devices={ids}, processes={pids})')
+      raise ValueError(
+          f'config.cluster.{role}: give devices or processes, not both '
+          f'(devices={ids}, processes={pids})'
+      )
     if not ids and not pids:
-      raise ValueError(f'config.cluster.{role} is empty: set config.cluster.{role}.devices '
-                       f'(positions in jax.devices(), 0..{n - 1}) or '
-                       f'config.cluster.{role}.processes (0..{procs[-1]})')
+      raise ValueError(
+          f'config.cluster.{role} is empty: set config.cluster.{role}.devices '
+          f'(positions in jax.devices(), 0..{n - 1}) or '
+          f'config.cluster.{role}.processes (0..{procs[-1]})'
+      )
     if ids:
       for i in ids:
         if not isinstance(i, int) or not 0 <= i < n:
-          raise ValueError(f'config.cluster.{role}.devices={ids} names device {i!r}, but '
-                           f'jax.devices() has {n} (positions 0..{n - 1})')
+          raise ValueError(
+              f'config.cluster.{role}.devices={ids} names device {i!r}, but '
+              f'jax.devices() has {n} (positions 0..{n - 1})'
+          )
       if len(set(ids)) != len(ids):
         raise ValueError(f'config.cluster.{role}.devices={ids} lists a device twice')
       chosen[role] = [devices[i] for i in ids]
     else:
       for p in pids:
         if p not in procs:
-          raise ValueError(f'config.cluster.{role}.processes={pids} names process {p!r}, but '
-                           f'this job has processes {procs}')
+          raise ValueError(
+              f'config.cluster.{role}.processes={pids} names process {p!r}, but '
+              f'this job has processes {procs}'
+          )
       chosen[role] = [d for d in devices if d.process_index in set(pids)]
   overlap = set(chosen['trainer']) & set(chosen['rollout'])
   if overlap:
     pos = sorted(devices.index(d) for d in overlap)
-    raise ValueError(f'config.cluster.trainer and config.cluster.rollout overlap on device(s) '
-                     f'{pos} (positions in jax.devices()): each device belongs to one role')
+    raise ValueError(
+        f'config.cluster.trainer and config.cluster.rollout overlap on device(s) '
+        f'{pos} (positions in jax.devices()): each device belongs to one role'
+    )
   return chosen
 
 
@@ -179,18 +203,26 @@ def _check_processes(chosen: dict[str, list], devices: list) -> None:
   by_role = {r: sorted({d.process_index for d in chosen[r]}) for r in ROLES}
   idle = sorted(set(procs) - set(by_role['trainer']) - set(by_role['rollout']))
   if idle:
-    raise ValueError(f'config.cluster: process(es) {idle} have no role; every process of a '
-                     'multi-process run must be the trainer or the rollout')
+    raise ValueError(
+        f'config.cluster: process(es) {idle} have no role; every process of a '
+        'multi-process run must be the trainer or the rollout'
+    )
   for r in ROLES:
     if len(by_role[r]) > 1:
-      raise ValueError(f'config.cluster.{r} spans processes {by_role[r]}; in a multi-process run '
-                       'each role lives in one process')
+      raise ValueError(
+          f'config.cluster.{r} spans processes {by_role[r]}; in a multi-process run '
+          'each role lives in one process'
+      )
   if by_role['trainer'] == by_role['rollout']:
-    raise ValueError(f'config.cluster: both roles are in process {by_role["trainer"][0]} while '
-                     f'the job has {len(procs)} processes; give each role its own process')
+    raise ValueError(
+        f'config.cluster: both roles are in process {by_role["trainer"][0]} while '
+        f'the job has {len(procs)} processes; give each role its own process'
+    )
   if by_role['trainer'] != [procs[0]]:
-    raise ValueError(f'config.cluster.trainer must be process {procs[0]} in a multi-process run '
-                     f'(it is {by_role["trainer"]}): that process writes checkpoints and metrics')
+    raise ValueError(
+        f'config.cluster.trainer must be process {procs[0]} in a multi-process run '
+        f'(it is {by_role["trainer"]}): that process writes checkpoints and metrics'
+    )
 
 
 def _role(config, name: str, devices: list) -> Role:
@@ -198,17 +230,22 @@ def _role(config, name: str, devices: list) -> Role:
   shape = tuple(int(s) for s in spec.mesh_shape) or (len(devices),)
   names = _axis_names(spec.axis_names)
   if any(s < 1 for s in shape) or math.prod(shape) != len(devices):
-    raise ValueError(f'config.cluster.{name}.mesh_shape={tuple(spec.mesh_shape)} holds '
-                     f'{math.prod(shape)} devices but the {name} role has {len(devices)}')
+    raise ValueError(
+        f'config.cluster.{name}.mesh_shape={tuple(spec.mesh_shape)} holds '
+        f'{math.prod(shape)} devices but the {name} role has {len(devices)}'
+    )
   if len(names) != len(shape):
-    raise ValueError(f'config.cluster.{name}.axis_names={names} must name each of the '
-                     f'{len(shape)} mesh axes of mesh_shape={shape}')
+    raise ValueError(
+        f'config.cluster.{name}.axis_names={names} must name each of the '
+        f'{len(shape)} mesh axes of mesh_shape={shape}'
+    )
   if len(set(names)) != len(names):
     raise ValueError(f'config.cluster.{name}.axis_names={names} repeats a name')
   if not spec.speed > 0:
     raise ValueError(f'config.cluster.{name}.speed={spec.speed} must be > 0')
-  return Role(name, tuple(devices), mesh_lib.make_role_mesh(devices, shape, names),
-              float(spec.speed))
+  return Role(
+      name, tuple(devices), mesh_lib.make_role_mesh(devices, shape, names), float(spec.speed)
+  )
 
 
 def resolve(config, devices: Sequence[jax.Device] | None = None) -> Cluster:
@@ -225,14 +262,19 @@ def resolve(config, devices: Sequence[jax.Device] | None = None) -> Cluster:
   batch = config.rl.prompts_per_step * config.rl.group_size
   for r in ROLES:
     if batch % roles[r].size:
-      raise ValueError(f'batch = rl.prompts_per_step * rl.group_size = {batch} is not divisible '
-                       f'by the {roles[r].size} devices of config.cluster.{r}; change '
-                       f'rl.prompts_per_step or the role\'s devices')
+      raise ValueError(
+          f'batch = rl.prompts_per_step * rl.group_size = {batch} is not divisible '
+          f'by the {roles[r].size} devices of config.cluster.{r}; change '
+          f"rl.prompts_per_step or the role's devices"
+      )
   dtype, sharding = cl.rollout.param_dtype, cl.rollout.param_sharding
   if dtype not in ('float32', 'bfloat16'):
-    raise ValueError(f"config.cluster.rollout.param_dtype={dtype!r} is not one of "
-                     "('float32', 'bfloat16')")
+    raise ValueError(
+        f'config.cluster.rollout.param_dtype={dtype!r} is not one of ' "('float32', 'bfloat16')"
+    )
   if sharding not in ('replicated', 'fsdp'):
-    raise ValueError(f"config.cluster.rollout.param_sharding={sharding!r} is not one of "
-                     "('replicated', 'fsdp')")
+    raise ValueError(
+        f'config.cluster.rollout.param_sharding={sharding!r} is not one of '
+        "('replicated', 'fsdp')"
+    )
   return Cluster(roles['trainer'], roles['rollout'], dtype, sharding)

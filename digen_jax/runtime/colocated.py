@@ -6,6 +6,7 @@ decode + reward on the host -> advantages -> update program (FSDP params/optimiz
 donated) -> metrics + checkpoint. The loop is runtime/synchronous.py with both roles on one
 mesh; naive disaggregation runs the same loop with a mesh per role.
 """
+
 from __future__ import annotations
 
 import jax
@@ -21,6 +22,6 @@ def train(exp, workdir: str, devices=None) -> dict:
   tests can compare runs."""
   devices = devices if devices is not None else jax.local_devices()
   cluster = cluster_lib.colocated(devices)
-  if pipeline.enabled(exp.config):        # GAP on one mesh (TAG/TCSS need disagg: validate)
+  if pipeline.enabled(exp.config):  # GAP on one mesh (TAG/TCSS need disagg: validate)
     return pipeline.train(exp, workdir, cluster)
   return synchronous.train(exp, workdir, cluster)

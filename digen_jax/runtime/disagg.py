@@ -21,6 +21,7 @@ batch; the trainer encodes them itself, which is cheap and deterministic), so th
 has one owner; the trainer checkpoints it and tells the rollout where to resume through the
 jax.distributed key-value store.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,9 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
   tracer = trace_lib.Tracer(config.schedule.trace)
   run = steps_lib.TrainerRun(exp, workdir, cluster, tracer)
   trainer, level, start = run.trainer, run.level, run.start
-  distributed.kv_set(f'{_KV}/start', json.dumps({'step': start,
-                                                 'data_position': trainer.data_position}))
+  distributed.kv_set(
+      f'{_KV}/start', json.dumps({'step': start, 'data_position': trainer.data_position})
+  )
   chan = transfer.Channel(cluster.rollout.process, name='disagg', timeout_s=PEER_TIMEOUT_S)
   batch_abstract = workers.with_shardings(workers.abstract_batch(exp), trainer.batch_shardings)
 
@@ -82,26 +84,37 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
     with workers.guard(level):
       batch, info, t_move = publish.receive_batch(chan, batch_abstract)
     if info['step'] != step or info['policy_version'] != step:
-      raise RuntimeError(f'trainer at step {step} got the batch of step {info["step"]} sampled '
-                         f'by policy version {info["policy_version"]}; the naive schedule is '
-                         'strictly on-policy')
+      raise RuntimeError(
+          f'trainer at step {step} got the batch of step {info["step"]} sampled '
+          f'by policy version {info["policy_version"]}; the naive schedule is '
+          'strictly on-policy'
+      )
     run.write_rows(info['evals'])
     tracer.extend(trace_lib.Span.from_json(s) for s in info['spans'])
-    t0 += info['eval_s']                         # the step's wall time excludes eval
+    t0 += info['eval_s']  # the step's wall time excludes eval
     t_start += info['eval_s']
-    chan.wait_delivered(publish.WEIGHTS_TAG)     # the rollout holds its copy: params may be donated
+    chan.wait_delivered(publish.WEIGHTS_TAG)  # the rollout holds its copy: params may be donated
     m, update_s = trainer.train_step(batch, info['batch_prompts'], step, tracer)
     wall = time.perf_counter() - t0
     t_end = time.time()
     run.end_step(
-        step, data_position=info['data_position'], prompts=info['batch_prompts'],
+        step,
+        data_position=info['data_position'],
+        prompts=info['batch_prompts'],
         policy_version=info['policy_version'],
-        rewards=np.asarray(info['rewards'], np.float32), valid_frac=info['valid_frac'],
-        metrics=m, wall_s=wall, rollout_s=info['rollout_s'], reward_s=info['reward_s'],
-        update_s=update_s, publish_s=send_s + info['publish_pull_s'], batch_move_s=t_move,
-        utilization=tracer.utilization(t_start, t_end, cluster.num_devices))
+        rewards=np.asarray(info['rewards'], np.float32),
+        valid_frac=info['valid_frac'],
+        metrics=m,
+        wall_s=wall,
+        rollout_s=info['rollout_s'],
+        reward_s=info['reward_s'],
+        update_s=update_s,
+        publish_s=send_s + info['publish_pull_s'],
+        batch_move_s=t_move,
+        utilization=tracer.utilization(t_start, t_end, cluster.num_devices),
+    )
   if run.final_eval:
-    run.publish(send, config.total_steps)                           # the final policy
+    run.publish(send, config.total_steps)  # the final policy
     run.write_rows(json.loads(distributed.kv_get(f'{_KV}/final_evals', PEER_TIMEOUT_S)))
     chan.wait_delivered(publish.WEIGHTS_TAG)
   return run.finish('disagg (synchronous, 2 processes)')
@@ -114,13 +127,19 @@ def _rollout_process(exp, workdir: str, cluster) -> dict:
   start = int(start_info['step'])
   exp.prompts.restore(int(start_info['data_position']))
   chan = transfer.Channel(cluster.trainer.process, name='disagg', timeout_s=PEER_TIMEOUT_S)
-  rollout = workers.RolloutWorker(exp, cluster.rollout.mesh,
-                                  publish.rollout_param_shardings(cluster, exp.params), level,
-                                  frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
-  weights_abstract = transfer.abstract(exp.params, rollout.param_shardings,
-                                       publish.rollout_param_dtype(cluster))
-  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir,
-                             frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
+  rollout = workers.RolloutWorker(
+      exp,
+      cluster.rollout.mesh,
+      publish.rollout_param_shardings(cluster, exp.params),
+      level,
+      frozen_fsdp=publish.rollout_frozen_fsdp(cluster),
+  )
+  weights_abstract = transfer.abstract(
+      exp.params, rollout.param_shardings, publish.rollout_param_dtype(cluster)
+  )
+  evals = workers.EvalRunner(
+      exp, cluster.rollout.mesh, workdir, frozen_fsdp=publish.rollout_frozen_fsdp(cluster)
+  )
   tracer = trace_lib.Tracer(config.schedule.trace)
 
   def receive(version: int):
@@ -139,20 +158,36 @@ def _rollout_process(exp, workdir: str, cluster) -> dict:
       eval_rows.append(evals(policy))
     t_eval = time.perf_counter() - t_eval
     out = rollout.generate(policy, exp.prompts.next_batch(), step, tracer)
-    info = {'spans': tracer.take_new(), 'step': step, 'policy_version': out.policy_version,
-            'batch_prompts': out.batch_prompts, 'data_position': exp.prompts.position,
-            'rewards': [float(r) for r in out.rewards], 'valid_frac': out.valid_frac,
-            'rollout_s': out.rollout_s, 'reward_s': out.reward_s, 'publish_pull_s': pull_s,
-            'eval_s': t_eval, 'evals': eval_rows}
+    info = {
+        'spans': tracer.take_new(),
+        'step': step,
+        'policy_version': out.policy_version,
+        'batch_prompts': out.batch_prompts,
+        'data_position': exp.prompts.position,
+        'rewards': [float(r) for r in out.rewards],
+        'valid_frac': out.valid_frac,
+        'rollout_s': out.rollout_s,
+        'reward_s': out.reward_s,
+        'publish_pull_s': pull_s,
+        'eval_s': t_eval,
+        'evals': eval_rows,
+    }
     with workers.guard(level):
       publish.send_batch(chan, out.batch, info)
     if config.sample_grid_every and (step + 1) % config.sample_grid_every == 0:
       synchronous.write_samples(None, workdir, out, step + 1, G)
     # Keep the batch alive until the trainer has pulled it (it does so at once).
     chan.wait_delivered(publish.BATCH_TAG, timeout_s=PEER_TIMEOUT_S)
-    logging.info('rollout step %d/%d: policy v%d, reward_mean=%.4g, sampling %.2fs, '
-                 'weights pulled in %.3fs', step + 1, config.total_steps, policy.version,
-                 float(np.mean(out.rewards)), out.rollout_s, pull_s)
+    logging.info(
+        'rollout step %d/%d: policy v%d, reward_mean=%.4g, sampling %.2fs, '
+        'weights pulled in %.3fs',
+        step + 1,
+        config.total_steps,
+        policy.version,
+        float(np.mean(out.rewards)),
+        out.rollout_s,
+        pull_s,
+    )
   if evals.enabled and start < config.total_steps:
     policy, _ = receive(config.total_steps)
     distributed.kv_set(f'{_KV}/final_evals', json.dumps([evals(policy)]))

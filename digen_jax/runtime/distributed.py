@@ -17,6 +17,7 @@ Every process then sees the global device list (`jax.devices()`), its own device
 to exchange short strings, e.g. transfer-server addresses (see `runtime/transfer.py`).
 Cross-process collectives on CPU use gloo.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ LAUNCHER_ENV_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:
   """Where this process sits in the job."""
+
   process_id: int
   num_processes: int
   coordinator_address: str | None = None
@@ -53,8 +55,10 @@ def _parse_int(name: str, value: str) -> int:
   try:
     return int(value)
   except ValueError:
-    raise ValueError(f'{name}={value!r} is not an integer; launch through launch/local.py or '
-                     'launch/slurm.sh, or unset it to run as a single process.') from None
+    raise ValueError(
+        f'{name}={value!r} is not an integer; launch through launch/local.py or '
+        'launch/slurm.sh, or unset it to run as a single process.'
+    ) from None
 
 
 def launcher_env(environ=None) -> dict | None:
@@ -69,8 +73,10 @@ def launcher_env(environ=None) -> dict | None:
     return None
   missing = [k for k in LAUNCHER_ENV_VARS if not environ.get(k)]
   if missing:
-    raise ValueError(f'{", ".join(present)} set but {", ".join(missing)} missing: set all of '
-                     f'{", ".join(LAUNCHER_ENV_VARS)} (launch/local.py does) or none of them.')
+    raise ValueError(
+        f'{", ".join(present)} set but {", ".join(missing)} missing: set all of '
+        f'{", ".join(LAUNCHER_ENV_VARS)} (launch/local.py does) or none of them.'
+    )
   address = environ[ENV_COORDINATOR]
   host, sep, port = address.rpartition(':')
   if not sep or not host or not port.isdigit():
@@ -91,12 +97,15 @@ def launcher_env(environ=None) -> dict | None:
 def _global_state():
   # jax keeps the distributed client/service here; there is no public accessor for the client.
   from jax._src import distributed as _dist
+
   return _dist.global_state
 
 
-def maybe_initialize(initialization_timeout_s: int = 120,
-                     heartbeat_timeout_s: int = 100,
-                     exit_on_uncaught: bool = True) -> ProcessInfo:
+def maybe_initialize(
+    initialization_timeout_s: int = 120,
+    heartbeat_timeout_s: int = 100,
+    exit_on_uncaught: bool = True,
+) -> ProcessInfo:
   """Initializes jax.distributed from the launcher's environment variables, if they are set.
 
   Idempotent: a second call returns the running job's info. Without the variables this is a
@@ -159,8 +168,10 @@ def kv_client():
   """The jax.distributed client; raises RuntimeError in a single-process run."""
   client = _global_state().client
   if client is None:
-    raise RuntimeError('The key-value store needs jax.distributed: start the job with '
-                       'launch/local.py (or launch/slurm.sh) and call maybe_initialize() first.')
+    raise RuntimeError(
+        'The key-value store needs jax.distributed: start the job with '
+        'launch/local.py (or launch/slurm.sh) and call maybe_initialize() first.'
+    )
   return client
 
 

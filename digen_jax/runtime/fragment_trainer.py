@@ -7,6 +7,7 @@ choice the schedule sees only as a cost), and one optimizer step per logical bat
 noise key folds in its batch position, the loss denominator is the whole batch's pair weight,
 applied once at the end.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,28 +27,37 @@ from digen_jax.runtime import workers
 class FragmentTrainer:
   """The trainer role's per-fragment programs on top of a workers.TrainerWorker."""
 
-  def __init__(self, exp, trainer: workers.TrainerWorker, plan: frag_lib.FragmentPlan,
-               tsp: bool):
+  def __init__(self, exp, trainer: workers.TrainerWorker, plan: frag_lib.FragmentPlan, tsp: bool):
     self.exp, self.t, self.plan = exp, trainer, plan
     mesh = trainer.mesh
     self.mesh = mesh
     self.traj_shardings = workers.trajectory_shardings(mesh)
     self._zero = programs.make_zero_acc(trainer.param_shardings, mesh)
-    self._grad = programs.make_fragment_grad(exp, mesh, trainer.param_shardings,
-                                             self.traj_shardings, tsp=tsp, frozen=trainer.frozen)
+    self._grad = programs.make_fragment_grad(
+        exp, mesh, trainer.param_shardings, self.traj_shardings, tsp=tsp, frozen=trainer.frozen
+    )
     self._apply = programs.make_apply(exp, mesh, trainer.param_shardings, trainer.opt_shardings)
     self._select = programs.make_select(exp, mesh)
     self._rep = mesh_lib.replicated(mesh)
     self._uncond = workers.uncond(exp, plan.size, mesh)
     c = exp.config.rl
-    self._adv_fn = functools.partial(adv_lib.grpo_advantages, group_size=c.group_size,
-                                     std_mode=c.adv_std, eps=c.adv_eps, clip=c.adv_clip)
+    self._adv_fn = functools.partial(
+        adv_lib.grpo_advantages,
+        group_size=c.group_size,
+        std_mode=c.adv_std,
+        eps=c.adv_eps,
+        clip=c.adv_clip,
+    )
     self._advs: dict[tuple[int, int], Any] = {}
     self.devices = list(mesh.devices.flat)
     K, K_pad = programs.tsp_steps(exp, mesh)
     if tsp:
-      logging.info('TSP: %d timesteps per fragment (padded to %d) sharded over %d trainer '
-                   'devices', K, K_pad, mesh.devices.size)
+      logging.info(
+          'TSP: %d timesteps per fragment (padded to %d) sharded over %d trainer ' 'devices',
+          K,
+          K_pad,
+          mesh.devices.size,
+      )
 
   def _adv_program(self, n_groups: int, lo: int):
     key = (n_groups, lo)
@@ -56,7 +66,8 @@ class FragmentTrainer:
 
       def adv(rewards):
         a, v = self._adv_fn(rewards)
-        return a[lo:lo + size], v[lo:lo + size]
+        return a[lo : lo + size], v[lo : lo + size]
+
       self._advs[key] = jax.jit(adv, in_shardings=self._rep, out_shardings=(data, data))
     return self._advs[key]
 
@@ -65,7 +76,7 @@ class FragmentTrainer:
     groups of f need to be filled in)."""
     groups = self.plan.groups_of(f)
     G = self.plan.group_size
-    r = rewards[groups.start * G:groups.stop * G]
+    r = rewards[groups.start * G : groups.stop * G]
     lo = f * self.plan.size - groups.start * G
     return self._adv_program(len(groups), lo)(jax.device_put(r, self._rep))
 
@@ -80,10 +91,10 @@ class FragmentTrainer:
 
   def grad(self, acc, indices, traj, cond, adv, valid):
     uncond = self._uncond if self._uncond is not None else cond
-    return self._grad(self.t.params, acc, traj, cond, uncond, adv, valid, indices,
-                      self.t.ref_params)
+    return self._grad(
+        self.t.params, acc, traj, cond, uncond, adv, valid, indices, self.t.ref_params
+    )
 
   def apply(self, acc) -> dict:
     self.t.params, self.t.opt_state, m = self._apply(self.t.params, self.t.opt_state, acc)
     return m
-

@@ -5,6 +5,7 @@ samples [f*s, (f+1)*s) with s = B/M. With unit 'group' every fragment holds whol
 unit 'sample' a group may straddle fragments, and a fragment is trainable (its advantages are
 known) only once every fragment touching its groups has been scored. Pure bookkeeping: no JAX.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,7 @@ UNITS = ('group', 'sample')
 @dataclasses.dataclass(frozen=True)
 class FragmentPlan:
   """M fragments of `size` samples over a batch of `groups` groups of `group_size`."""
+
   groups: int
   group_size: int
   num: int
@@ -26,11 +28,15 @@ class FragmentPlan:
     if self.num < 1:
       raise ValueError(f'config.schedule.fragments={self.num} must be >= 1')
     if self.unit == 'group' and self.groups % self.num:
-      raise ValueError(f"config.schedule.fragments={self.num} must divide rl.prompts_per_step="
-                       f"{self.groups} with fragment_unit='group' (or use fragment_unit='sample')")
+      raise ValueError(
+          f'config.schedule.fragments={self.num} must divide rl.prompts_per_step='
+          f"{self.groups} with fragment_unit='group' (or use fragment_unit='sample')"
+      )
     if self.unit == 'sample' and self.batch % self.num:
-      raise ValueError(f'config.schedule.fragments={self.num} must divide the batch '
-                       f'rl.prompts_per_step * rl.group_size = {self.batch}')
+      raise ValueError(
+          f'config.schedule.fragments={self.num} must divide the batch '
+          f'rl.prompts_per_step * rl.group_size = {self.batch}'
+      )
 
   @property
   def batch(self) -> int:
@@ -50,8 +56,7 @@ class FragmentPlan:
     return range(s.start // self.group_size, (s.stop - 1) // self.group_size + 1)
 
   def fragments_of_group(self, g: int) -> range:
-    return range(g * self.group_size // self.size,
-                 ((g + 1) * self.group_size - 1) // self.size + 1)
+    return range(g * self.group_size // self.size, ((g + 1) * self.group_size - 1) // self.size + 1)
 
   def needs(self, f: int) -> frozenset[int]:
     """The fragments that must be scored before fragment f's advantages are known."""
@@ -59,12 +64,13 @@ class FragmentPlan:
 
   def trainable(self, scored: set[int], trained: set[int]) -> list[int]:
     """Fragments not yet trained whose groups are complete, given the scored ones."""
-    return [f for f in range(self.num)
-            if f not in trained and f in scored and self.needs(f) <= scored]
+    return [
+        f for f in range(self.num) if f not in trained and f in scored and self.needs(f) <= scored
+    ]
 
   def prompts(self, f: int, batch_prompts: list[str]) -> list[str]:
     """Per-sample prompts of fragment f (batch_prompts: one per sample)."""
-    return batch_prompts[f * self.size:(f + 1) * self.size]
+    return batch_prompts[f * self.size : (f + 1) * self.size]
 
 
 def stale_count(num: int, fraction: float) -> int:
@@ -74,5 +80,9 @@ def stale_count(num: int, fraction: float) -> int:
 
 def plan_of(config) -> FragmentPlan:
   """The fragment plan of a run's config (rl batch, config.schedule)."""
-  return FragmentPlan(config.rl.prompts_per_step, config.rl.group_size,
-                      config.schedule.fragments, config.schedule.fragment_unit)
+  return FragmentPlan(
+      config.rl.prompts_per_step,
+      config.rl.group_size,
+      config.schedule.fragments,
+      config.schedule.fragment_unit,
+  )

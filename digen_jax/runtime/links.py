@@ -9,6 +9,7 @@
                store for prompts, claims and eval rows (plain cross-process device_put hangs
                on CPU: DESIGN.md §3).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,19 +35,20 @@ FRAG_TAG = 'frag'
 @dataclasses.dataclass
 class Fragment:
   """A scored fragment. traj: Trajectory of plan.size samples (on the holder's mesh)."""
+
   step: int
   index: int
   version: int
   traj: Any
-  rewards: np.ndarray          # [size] float32
-  producer: str                # 'rollout' | 'trainer' (TAG)
-  sample_s: float = 0.0        # device span of sampling + decode
+  rewards: np.ndarray  # [size] float32
+  producer: str  # 'rollout' | 'trainer' (TAG)
+  sample_s: float = 0.0  # device span of sampling + decode
   reward_s: float = 0.0
   images: Any = None
-  t_start: float = 0.0         # wall clock (time.time()) of the span's start and end
+  t_start: float = 0.0  # wall clock (time.time()) of the span's start and end
   t_end: float = 0.0
-  arrived: float = 0.0         # wall clock at which the trainer held it (rollout fragments)
-  eval_s: float = 0.0          # the producer's eval before this step's first fragment
+  arrived: float = 0.0  # wall clock at which the trainer held it (rollout fragments)
+  eval_s: float = 0.0  # the producer's eval before this step's first fragment
 
 
 class Link(Protocol):
@@ -55,29 +57,54 @@ class Link(Protocol):
   error: BaseException | None
 
   # weights (trainer -> rollout)
-  def publish(self, params, version: int) -> None: ...
-  def weights_delivered(self) -> None: ...
-  def policy_ready(self, version: int) -> bool: ...
-  def wait_policy(self, version: int) -> tuple[publish.Policy, float]: ...
-  def release_before(self, step: int) -> None: ...
+  def publish(self, params, version: int) -> None:
+    ...
+
+  def weights_delivered(self) -> None:
+    ...
+
+  def policy_ready(self, version: int) -> bool:
+    ...
+
+  def wait_policy(self, version: int) -> tuple[publish.Policy, float]:
+    ...
+
+  def release_before(self, step: int) -> None:
+    ...
 
   # small shared values (prompts, eval rows)
-  def put(self, key: str, value) -> None: ...
-  def get(self, key: str): ...
+  def put(self, key: str, value) -> None:
+    ...
+
+  def get(self, key: str):
+    ...
 
   # claims: who samples a fragment; the first claim wins
-  def claim(self, step: int, f: int, who: str) -> bool: ...
-  def claims(self, step: int, num: int) -> dict[int, dict]: ...
+  def claim(self, step: int, f: int, who: str) -> bool:
+    ...
+
+  def claims(self, step: int, num: int) -> dict[int, dict]:
+    ...
 
   # fragments (rollout -> trainer)
-  def send_fragment(self, frag: Fragment, spans: list[dict]) -> None: ...
-  def poll(self) -> bool: ...
-  def receive_fragment(self) -> tuple[Fragment, list[dict], float]: ...
-  def finish_rollout(self) -> None: ...
+  def send_fragment(self, frag: Fragment, spans: list[dict]) -> None:
+    ...
+
+  def poll(self) -> bool:
+    ...
+
+  def receive_fragment(self) -> tuple[Fragment, list[dict], float]:
+    ...
+
+  def finish_rollout(self) -> None:
+    ...
 
   # lifetime
-  def fail(self, e: BaseException) -> None: ...
-  def close(self) -> None: ...
+  def fail(self, e: BaseException) -> None:
+    ...
+
+  def close(self) -> None:
+    ...
 
 
 class PeerFailed(Exception):
@@ -190,19 +217,32 @@ class ChannelLink:
   """Trainer and rollout in two processes: transfer.Channel for weights and fragments, the
   jax.distributed key-value store for prompts, claims and eval rows."""
 
-  def __init__(self, cluster, me: str, *, weights, weights_abstract=None, frag_abstract=None,
-               dtype=None, wait_for_pull: bool = False, shared_claims: bool = True):
+  def __init__(
+      self,
+      cluster,
+      me: str,
+      *,
+      weights,
+      weights_abstract=None,
+      frag_abstract=None,
+      dtype=None,
+      wait_for_pull: bool = False,
+      shared_claims: bool = True,
+  ):
     peer = cluster.rollout.process if me == 'trainer' else cluster.trainer.process
     self.wait_for_pull = wait_for_pull  # rollout side: see config.schedule.wait_for_pull
     # Claims go through the key-value store only when the trainer may sample too (TAG): each
     # store operation is a round trip to the coordinator, on the trainer's busy host.
     self.shared_claims = shared_claims
     self.chan = transfer.Channel(peer, name='pipeline', timeout_s=PEER_TIMEOUT_S)
-    self._weights = weights             # the run's Weights: LoRA manifests out and checks in
+    self._weights = weights  # the run's Weights: LoRA manifests out and checks in
     self._digest_sent = False
-    self._weights_abstract, self._frag_abstract, self._dtype = (weights_abstract, frag_abstract,
-                                                                dtype)
-    self._held: list[tuple[int, Fragment]] = []   # sent fragments kept alive until pulled
+    self._weights_abstract, self._frag_abstract, self._dtype = (
+        weights_abstract,
+        frag_abstract,
+        dtype,
+    )
+    self._held: list[tuple[int, Fragment]] = []  # sent fragments kept alive until pulled
     self._next_version: int | None = None
     self._weights_acked = True
     # Trainer side: a receiver thread pulls each fragment as soon as it is offered, so the
@@ -213,8 +253,9 @@ class ChannelLink:
     self.error: BaseException | None = None
     self._receiver = None
     if frag_abstract is not None:
-      self._receiver = threading.Thread(target=self._receive_loop, name='fragment-receiver',
-                                        daemon=True)
+      self._receiver = threading.Thread(
+          target=self._receive_loop, name='fragment-receiver', daemon=True
+      )
       self._receiver.start()
 
   def _receive_loop(self):
@@ -224,10 +265,20 @@ class ChannelLink:
           continue
         d = self.chan.receive_full(self._frag_abstract, FRAG_TAG)
         i = d.info
-        frag = Fragment(i['step'], i['fragment'], i['version'], d.tree,
-                        np.asarray(i['rewards'], np.float32), 'rollout', i['sample_s'],
-                        i['reward_s'], t_start=i['t_start'], t_end=i['t_end'],
-                        arrived=time.time(), eval_s=i['eval_s'])
+        frag = Fragment(
+            i['step'],
+            i['fragment'],
+            i['version'],
+            d.tree,
+            np.asarray(i['rewards'], np.float32),
+            'rollout',
+            i['sample_s'],
+            i['reward_s'],
+            t_start=i['t_start'],
+            t_end=i['t_end'],
+            arrived=time.time(),
+            eval_s=i['eval_s'],
+        )
         self._inbox.put((frag, i['spans'], d.pull_s))
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
@@ -272,7 +323,7 @@ class ChannelLink:
     return json.loads(distributed.kv_get(f'{KV}/{key}', PEER_TIMEOUT_S))
 
   def claim(self, step: int, f: int, who: str) -> bool:
-    if not self.shared_claims:   # only the rollout samples (no TAG): nothing to arbitrate
+    if not self.shared_claims:  # only the rollout samples (no TAG): nothing to arbitrate
       return True
     try:
       distributed.kv_set(f'{KV}/claim/{step}/{f}', json.dumps({'who': who, 't': time.time()}))
@@ -291,10 +342,18 @@ class ChannelLink:
     return out
 
   def send_fragment(self, frag: Fragment, spans: list[dict]) -> None:
-    info = {'step': frag.step, 'fragment': frag.index, 'version': frag.version,
-            'rewards': [float(r) for r in frag.rewards], 'sample_s': frag.sample_s,
-            'reward_s': frag.reward_s, 'spans': spans, 't_start': frag.t_start,
-            't_end': frag.t_end, 'eval_s': frag.eval_s}
+    info = {
+        'step': frag.step,
+        'fragment': frag.index,
+        'version': frag.version,
+        'rewards': [float(r) for r in frag.rewards],
+        'sample_s': frag.sample_s,
+        'reward_s': frag.reward_s,
+        'spans': spans,
+        't_start': frag.t_start,
+        't_end': frag.t_end,
+        'eval_s': frag.eval_s,
+    }
     seq = self.chan.send(frag.traj, FRAG_TAG, info=info)
     self._held.append((frag.step, frag))
     if self.wait_for_pull:  # schedule.wait_for_pull: hand over before the next program starts
@@ -320,5 +379,3 @@ class ChannelLink:
     if self.chan._sent.get(FRAG_TAG) and not self.wait_for_pull:  # pylint: disable=protected-access
       self.chan.wait_delivered(FRAG_TAG, timeout_s=PEER_TIMEOUT_S)
     self._held = []
-
-

@@ -4,6 +4,7 @@ A mesh may have several axes (a role's `cluster.<role>.mesh_shape`); batches and
 then go over all of them together (every device holds a distinct slice). On a 1-D mesh the
 specs name the single axis, exactly as before.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -21,13 +22,17 @@ def make_mesh(devices: Sequence[jax.Device], axis: str = DATA) -> Mesh:
   return Mesh(np.asarray(devices), (axis,), axis_types=(AxisType.Auto,))
 
 
-def make_role_mesh(devices: Sequence[jax.Device], shape: Sequence[int] = (),
-                   axis_names: Sequence[str] = (DATA,)) -> Mesh:
+def make_role_mesh(
+    devices: Sequence[jax.Device], shape: Sequence[int] = (), axis_names: Sequence[str] = (DATA,)
+) -> Mesh:
   """Mesh of `shape` (default: 1-D over all `devices`) with `axis_names`, devices in the given
   order (row-major). The caller checks that shape and names fit (runtime.cluster does)."""
   shape = tuple(shape) or (len(devices),)
-  return Mesh(np.asarray(devices).reshape(shape), tuple(axis_names),
-              axis_types=(AxisType.Auto,) * len(shape))
+  return Mesh(
+      np.asarray(devices).reshape(shape),
+      tuple(axis_names),
+      axis_types=(AxisType.Auto,) * len(shape),
+  )
 
 
 def data_axes(mesh: Mesh):

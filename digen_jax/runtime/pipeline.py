@@ -27,6 +27,7 @@ Roles run concurrently: in one process the rollout is a thread (a LocalLink betw
 meshes); across two processes (launch/local.py) a ChannelLink. Every device's busy spans go to
 a trace.Tracer (trace.json, timeline.png, per-step utilization).
 """
+
 from __future__ import annotations
 
 import json
@@ -74,22 +75,34 @@ def train(exp, workdir: str, cluster) -> dict:
   run = steps_lib.TrainerRun(exp, workdir, cluster, tracer)
   trainer, start = run.trainer, run.start
   ft = fragment_trainer.FragmentTrainer(exp, trainer, plan, config.schedule.tsp)
-  tag_sampler = (rollout_lib.FragmentSampler(exp, cluster.trainer.mesh, trainer.param_shardings,
-                                             plan, 'trainer', tracer, level)
-                 if config.schedule.tag else None)
+  tag_sampler = (
+      rollout_lib.FragmentSampler(
+          exp, cluster.trainer.mesh, trainer.param_shardings, plan, 'trainer', tracer, level
+      )
+      if config.schedule.tag
+      else None
+  )
   rollout_thread = None
   if cluster.multi_process:
-    distributed.kv_set(f'{links.KV}/start', json.dumps({'step': start,
-                                                        'data_position': trainer.data_position}))
-    link = links.ChannelLink(cluster, 'trainer', weights=exp.weights, dtype=run.rollout_dtype,
-                             frag_abstract=rollout_lib.abstract_fragment(exp, plan,
-                                                                         ft.traj_shardings))
+    distributed.kv_set(
+        f'{links.KV}/start', json.dumps({'step': start, 'data_position': trainer.data_position})
+    )
+    link = links.ChannelLink(
+        cluster,
+        'trainer',
+        weights=exp.weights,
+        dtype=run.rollout_dtype,
+        frag_abstract=rollout_lib.abstract_fragment(exp, plan, ft.traj_shardings),
+    )
   else:
     if start:
       exp.prompts.restore(trainer.data_position)
-    link = links.LocalLink(cluster, ft.traj_shardings,
-                           publish.rollout_param_shardings(cluster, exp.params),
-                           run.rollout_dtype)
+    link = links.LocalLink(
+        cluster,
+        ft.traj_shardings,
+        publish.rollout_param_shardings(cluster, exp.params),
+        run.rollout_dtype,
+    )
     sampler, evals = rollout_lib.rollout_role(exp, workdir, cluster, tracer, level)
 
     def run_rollout():
@@ -100,6 +113,7 @@ def train(exp, workdir: str, cluster) -> dict:
       except BaseException as e:  # pylint: disable=broad-except
         logging.exception('rollout thread failed')
         link.fail(e)
+
     rollout_thread = threading.Thread(target=run_rollout, name='rollout', daemon=True)
     rollout_thread.start()
   try:
@@ -129,16 +143,27 @@ class _Batch:
     self.rewards[list(self.plan.samples(frag.index))] = frag.rewards
 
 
-def _trainer_loop(run: steps_lib.TrainerRun, ft: fragment_trainer.FragmentTrainer, tag_sampler,
-                  link: links.Link, plan: frag_lib.FragmentPlan) -> dict:
+def _trainer_loop(
+    run: steps_lib.TrainerRun,
+    ft: fragment_trainer.FragmentTrainer,
+    tag_sampler,
+    link: links.Link,
+    plan: frag_lib.FragmentPlan,
+) -> dict:
   exp, cluster, tracer, level = run.exp, run.cluster, run.tracer, run.level
   config = exp.config
   tcss = config.schedule.tcss_fraction > 0
-  sm = sched_lib.Schedule(plan, start=run.start, total_steps=run.total, tag=tag_sampler is not None,
-                          tcss_fraction=config.schedule.tcss_fraction,
-                          final_policy=run.final_eval, trainer_speed=cluster.trainer.speed,
-                          rollout_speed=cluster.rollout.speed)
-  batches: dict[int, _Batch] = {}            # per step; later steps' fragments may come early
+  sm = sched_lib.Schedule(
+      plan,
+      start=run.start,
+      total_steps=run.total,
+      tag=tag_sampler is not None,
+      tcss_fraction=config.schedule.tcss_fraction,
+      final_policy=run.final_eval,
+      trainer_speed=cluster.trainer.speed,
+      rollout_speed=cluster.rollout.speed,
+  )
+  batches: dict[int, _Batch] = {}  # per step; later steps' fragments may come early
 
   def publish_next() -> float | None:
     """Runs the schedule's Publish, if it has one now. Returns its seconds (None: none)."""
@@ -155,9 +180,17 @@ def _trainer_loop(run: steps_lib.TrainerRun, ft: fragment_trainer.FragmentTraine
       frag, spans, pull_s = link.receive_fragment()
     tracer.extend(trace_lib.Span.from_json(s) for s in spans if cluster.multi_process)
     batches.setdefault(frag.step, _Batch(plan)).add(frag)
-    sm.fragment_arrived(frag.step, frag.index, frag.version, sched_lib.ROLLOUT,
-                        sample_s=frag.sample_s, t_start=frag.t_start, t_end=frag.t_end,
-                        arrived=frag.arrived, eval_s=frag.eval_s)
+    sm.fragment_arrived(
+        frag.step,
+        frag.index,
+        frag.version,
+        sched_lib.ROLLOUT,
+        sample_s=frag.sample_s,
+        t_start=frag.t_start,
+        t_end=frag.t_end,
+        arrived=frag.arrived,
+        eval_s=frag.eval_s,
+    )
     return pull_s
 
   # Step windows are contiguous: step n's wall time runs from the start of its policy's
@@ -177,8 +210,9 @@ def _trainer_loop(run: steps_lib.TrainerRun, ft: fragment_trainer.FragmentTraine
       while link.poll():
         move_s += take()
       if sm.needs_claims():
-        sm.note_claims(step, {f: (c['who'], c['t'])
-                              for f, c in link.claims(step, plan.num).items()})
+        sm.note_claims(
+            step, {f: (c['who'], c['t']) for f, c in link.claims(step, plan.num).items()}
+        )
       action = sm.trainer_action(time.time())
       if isinstance(action, sched_lib.Apply):
         break
@@ -188,8 +222,9 @@ def _trainer_loop(run: steps_lib.TrainerRun, ft: fragment_trainer.FragmentTraine
         with workers.guard(level):
           with tracer.span(ft.devices, 'trainer', 'grad', step=step, fragment=f, version=step):
             batch.adv_valid[f] = ft.advantages(f, batch.rewards)
-            acc = jax.block_until_ready(ft.grad(acc, indices, batch.frags[f].traj, conds[f],
-                                                *batch.adv_valid[f]))
+            acc = jax.block_until_ready(
+                ft.grad(acc, indices, batch.frags[f].traj, conds[f], *batch.adv_valid[f])
+            )
         dt = time.perf_counter() - t0
         grad_s += dt
         sm.trained(step, f, dt)
@@ -210,10 +245,16 @@ def _trainer_loop(run: steps_lib.TrainerRun, ft: fragment_trainer.FragmentTraine
         else:
           dec.update(action='wait', reason=f'fragment {f} was claimed by the rollout first')
       if dec is not None:
-        logging.info('BTS step %d: %s (%s)%s', step + 1, dec['action'], dec['reason'],
-                     '' if 'makespan_wait' not in dec else
-                     f" predicted {dec['makespan_wait']:.3f}s wait vs "
-                     f"{dec['makespan_insert']:.3f}s insert")
+        logging.info(
+            'BTS step %d: %s (%s)%s',
+            step + 1,
+            dec['action'],
+            dec['reason'],
+            ''
+            if 'makespan_wait' not in dec
+            else f" predicted {dec['makespan_wait']:.3f}s wait vs "
+            f"{dec['makespan_insert']:.3f}s insert",
+        )
         tracer.decision(dec)
         decisions.append(dec)
         if dec['action'] == 'insert':
@@ -222,7 +263,7 @@ def _trainer_loop(run: steps_lib.TrainerRun, ft: fragment_trainer.FragmentTraine
 
     evals_info = link.get(f'evals/{step}')
     run.write_rows(evals_info['rows'])
-    link.weights_delivered()        # the rollout holds its copy: params may be donated
+    link.weights_delivered()  # the rollout holds its copy: params may be donated
     t0 = time.perf_counter()
     m = _apply(run, ft, step, indices, acc, batch, conds)
     apply_s = time.perf_counter() - t0
@@ -240,25 +281,38 @@ def _trainer_loop(run: steps_lib.TrainerRun, ft: fragment_trainer.FragmentTraine
       link.weights_delivered()
     t_step = t_end
     frags = [batch.frags[f] for f in range(plan.num)]
-    valid_frac = float(np.mean([np.mean(jax.device_get(batch.adv_valid[f][1]))
-                                for f in range(plan.num)]))
+    valid_frac = float(
+        np.mean([np.mean(jax.device_get(batch.adv_valid[f][1])) for f in range(plan.num)])
+    )
     versions = np.repeat([x.version for x in frags], plan.size)
-    extra = dict(fragments=plan.num, tag_fragments=sum(x.producer == 'trainer' for x in frags),
-                 tag_s=tag_s, bts_decisions=len(decisions),
-                 bts_inserts=sum(d['action'] == 'insert' for d in decisions))
+    extra = dict(
+        fragments=plan.num,
+        tag_fragments=sum(x.producer == 'trainer' for x in frags),
+        tag_s=tag_s,
+        bts_decisions=len(decisions),
+        bts_inserts=sum(d['action'] == 'insert' for d in decisions),
+    )
     if tcss:
       lags = step - versions
       extra['staleness_mix'] = {str(k): float(np.mean(lags == k)) for k in range(2)}
     run.end_step(
-        step, data_position=link.get(f'prompts/{step}')['data_position'], extra=extra,
-        policy_version=int(versions.min()), rewards=batch.rewards, valid_frac=valid_frac,
-        metrics=m, wall_s=wall,
+        step,
+        data_position=link.get(f'prompts/{step}')['data_position'],
+        extra=extra,
+        policy_version=int(versions.min()),
+        rewards=batch.rewards,
+        valid_frac=valid_frac,
+        metrics=m,
+        wall_s=wall,
         rollout_s=sum(x.sample_s for x in frags if x.producer == 'rollout'),
-        reward_s=sum(x.reward_s for x in frags), update_s=grad_s + apply_s,
-        publish_s=(step_publish_s or 0.0) + evals_info['pull_s'], batch_move_s=move_s,
-        utilization=tracer.utilization(step_t0, t_end, cluster.num_devices))
+        reward_s=sum(x.reward_s for x in frags),
+        update_s=grad_s + apply_s,
+        publish_s=(step_publish_s or 0.0) + evals_info['pull_s'],
+        batch_move_s=move_s,
+        utilization=tracer.utilization(step_t0, t_end, cluster.num_devices),
+    )
     del batches[step]
-  if run.final_eval:   # policy total_steps was published after the last step
+  if run.final_eval:  # policy total_steps was published after the last step
     run.write_rows(link.get('final_evals'))
     link.weights_delivered()
   return run.finish(_title(config), decisions=tracer.decisions)

@@ -12,6 +12,7 @@ In one process both moves are `jax.device_put` onto the other mesh (`publish_loc
 device_put (it hangs on CPU). Everything stays device-to-device: these functions are legal
 under jax.transfer_guard('disallow').
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +34,7 @@ BATCH_TAG = 'batch'
 class Policy:
   """Rollout weights (on the rollout mesh) and the policy version they hold. manifest: with
   LoRA, the trainer's description of the adapters it sent (lora.manifest), checked on arrival."""
+
   params: Any
   version: int
   manifest: Any = None
@@ -57,8 +59,10 @@ def verify_policy(weights, policy: Policy) -> None:
     raise ValueError(f'policy v{policy.version} arrived without its LoRA adapter manifest')
   lora_lib.check_manifest(lora_lib.manifest(weights.params, digest=False), policy.manifest)
   digest = any(e.get('sha256') for e in policy.manifest.values())
-  lora_lib.check_manifest(policy.manifest, lora_lib.manifest(
-      jax.device_get(policy.params) if digest else policy.params, digest=digest))
+  lora_lib.check_manifest(
+      policy.manifest,
+      lora_lib.manifest(jax.device_get(policy.params) if digest else policy.params, digest=digest),
+  )
 
 
 def rollout_param_shardings(cluster, params):
@@ -85,9 +89,11 @@ def rollout_param_dtype(cluster):
 
 def publish_megabytes(params, dtype=None) -> float:
   """Size of one publish (the rollout copy of `params`, floating leaves cast to `dtype`)."""
+
   def nbytes(x):
     dt = dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
     return int(np.prod(x.shape)) * jnp.dtype(dt).itemsize
+
   return sum(nbytes(x) for x in jax.tree.leaves(params)) / 1e6
 
 
@@ -98,13 +104,13 @@ def publish_local(params, version: int, shardings, dtype=None) -> Policy:
   return Policy(transfer.publish_local(params, shardings, dtype), int(version))
 
 
-def send_weights(channel: transfer.Channel, params, version: int, dtype=None,
-                 manifest=None) -> int:
+def send_weights(channel: transfer.Channel, params, version: int, dtype=None, manifest=None) -> int:
   """Across processes, trainer side: offers `params` (cast to `dtype`) stamped with `version`
   (and a LoRA manifest). Returns at once; call channel.wait_delivered(WEIGHTS_TAG) before
   donating `params`."""
-  return channel.send(params, WEIGHTS_TAG, dtype=dtype,
-                      info={'version': int(version), 'manifest': manifest})
+  return channel.send(
+      params, WEIGHTS_TAG, dtype=dtype, info={'version': int(version), 'manifest': manifest}
+  )
 
 
 def receive_weights(channel: transfer.Channel, abstract_params) -> tuple[Policy, float]:

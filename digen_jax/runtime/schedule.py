@@ -28,6 +28,7 @@ virtual clock and modelled costs. In a run whose roles live in different threads
 processes, each role drives its own Schedule; claims are arbitrated outside (the link) and
 reported back with `claimed`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +44,7 @@ class SampleFragment:
   """Sample and score fragment `index` of step `step` on `role`'s mesh with policy `version`.
 
   decision: the BTS record behind a trainer-side (TAG) insertion."""
+
   step: int
   index: int
   role: str
@@ -80,6 +82,7 @@ class EndRolloutStep:
 class Wait:
   """Nothing to do until an event: the trainer waits for a fragment, the rollout for a
   policy. decision: the BTS record when BTS chose to wait."""
+
   role: str
   reason: str
   decision: dict | None = dataclasses.field(default=None, compare=False)
@@ -99,8 +102,9 @@ class Claim:
 @dataclasses.dataclass
 class StepState:
   """The fragments of one logical batch."""
+
   claims: dict[int, Claim] = dataclasses.field(default_factory=dict)
-  versions: dict[int, int] = dataclasses.field(default_factory=dict)   # scored -> policy
+  versions: dict[int, int] = dataclasses.field(default_factory=dict)  # scored -> policy
   producers: dict[int, str] = dataclasses.field(default_factory=dict)
   trained: set[int] = dataclasses.field(default_factory=set)
   applied: bool = False
@@ -120,10 +124,19 @@ class Schedule:
   final_policy: the trainer publishes policy `total_steps` after the last step (a final
   eval), and the rollout receives it."""
 
-  def __init__(self, plan: frag_lib.FragmentPlan, *, start: int, total_steps: int,
-               tag: bool = False, tcss_fraction: float = 0.0, final_policy: bool = False,
-               trainer_speed: float = 1.0, rollout_speed: float = 1.0,
-               costs: bts_lib.Costs | None = None):
+  def __init__(
+      self,
+      plan: frag_lib.FragmentPlan,
+      *,
+      start: int,
+      total_steps: int,
+      tag: bool = False,
+      tcss_fraction: float = 0.0,
+      final_policy: bool = False,
+      trainer_speed: float = 1.0,
+      rollout_speed: float = 1.0,
+      costs: bts_lib.Costs | None = None,
+  ):
     self.plan, self.start, self.total = plan, start, total_steps
     self.tag = tag
     self.max_stale = frag_lib.stale_count(plan.num, tcss_fraction)
@@ -131,10 +144,10 @@ class Schedule:
     self.trainer_speed, self.rollout_speed = trainer_speed, rollout_speed
     self.costs = costs if costs is not None else bts_lib.Costs()
     self._steps: dict[int, StepState] = {}
-    self.published_at: dict[int, float] = {}    # policy version -> time its publish ended
-    self.trainer_step = start                   # the batch the trainer accumulates
-    self.rollout_step = start                   # the batch the rollout works on
-    self.rollout_version: int | None = None     # the policy the rollout holds
+    self.published_at: dict[int, float] = {}  # policy version -> time its publish ended
+    self.trainer_step = start  # the batch the trainer accumulates
+    self.rollout_step = start  # the batch the rollout works on
+    self.rollout_version: int | None = None  # the policy the rollout holds
     self._last_arrival: dict[int, tuple[int, float]] = {}  # step -> (version, t_end) of the
     #                                             rollout's latest fragment of it (for costs)
 
@@ -152,9 +165,19 @@ class Schedule:
     for f, (role, t) in claims.items():
       self.claimed(step, f, role, t)
 
-  def fragment_arrived(self, step: int, index: int, version: int, producer: str, *,
-                       sample_s: float = 0.0, t_start: float = 0.0, t_end: float = 0.0,
-                       arrived: float = 0.0, eval_s: float = 0.0) -> None:
+  def fragment_arrived(
+      self,
+      step: int,
+      index: int,
+      version: int,
+      producer: str,
+      *,
+      sample_s: float = 0.0,
+      t_start: float = 0.0,
+      t_end: float = 0.0,
+      arrived: float = 0.0,
+      eval_s: float = 0.0,
+  ) -> None:
     """Fragment `index` of `step`, sampled with policy `version` by `producer`, is scored
     and held by the trainer. A rollout fragment's times profile the rollout's costs for BTS:
     its device span (c_roll), the hand-over (c_deliver: span end -> arrival), the rollout's
@@ -197,11 +220,14 @@ class Schedule:
     """The optimizer step of `step` is done: the trainer moves on to the next batch."""
     st = self.step(step)
     if len(st.trained) != self.plan.num or st.applied:
-      raise ValueError(f'step {step} applied with {len(st.trained)}/{self.plan.num} fragments '
-                       'trained' if not st.applied else f'step {step} applied twice')
+      raise ValueError(
+          f'step {step} applied with {len(st.trained)}/{self.plan.num} fragments ' 'trained'
+          if not st.applied
+          else f'step {step} applied twice'
+      )
     st.applied = True
     self.trainer_step = step + 1
-    for s in [s for s in self._steps if s < step]:   # keep the last one for callers
+    for s in [s for s in self._steps if s < step]:  # keep the last one for callers
       del self._steps[s]
 
   def published(self, version: int, t: float) -> None:
@@ -222,8 +248,13 @@ class Schedule:
     """Whether the trainer's next action is a BTS decision, which reads the rollout's claims
     (a caller whose claims live elsewhere syncs them with note_claims first)."""
     s = self.trainer_step
-    return (self.tag and s < self.total and self._publish_due() is None
-            and not self.trainable(s) and len(self.step(s).trained) < self.plan.num)
+    return (
+        self.tag
+        and s < self.total
+        and self._publish_due() is None
+        and not self.trainable(s)
+        and len(self.step(s).trained) < self.plan.num
+    )
 
   def _publish_due(self) -> int | None:
     v = self.trainer_step
@@ -233,8 +264,9 @@ class Schedule:
       return v
     return None
 
-  def trainer_action(self, now: float
-                     ) -> SampleFragment | TrainFragment | Apply | Publish | Wait | Done:
+  def trainer_action(
+      self, now: float
+  ) -> SampleFragment | TrainFragment | Apply | Publish | Wait | Done:
     """The trainer's next action at time `now`: publish the policy of the batch it starts,
     train the first trainable fragment, apply once all are trained, else (TAG) sample an
     unclaimed fragment if BTS predicts the batch ends sooner, else wait for a fragment."""
@@ -262,14 +294,20 @@ class Schedule:
     """BTS's decision record for an insertion into `step` now (runtime/bts.py)."""
     st = self.step(step)
     mine = st.in_flight(ROLLOUT)
-    if mine:     # the rollout's device is busy until about its claim + one fragment
+    if mine:  # the rollout's device is busy until about its claim + one fragment
       rollout_free_at = max(st.claims[f].t for f in mine) + (self.costs.roll or 0)
-    else:        # idle, or (at a step's start) still fetching the policy
+    else:  # idle, or (at a step's start) still fetching the policy
       rollout_free_at = self.published_at.get(step, now) + self.costs.start
-    dec = bts_lib.decide(self.costs, now=now, rollout_free_at=rollout_free_at,
-                         in_flight=min(1, len(mine)),
-                         unclaimed=self.plan.num - len(st.claims), backlog=0,
-                         trainer_speed=self.trainer_speed, rollout_speed=self.rollout_speed)
+    dec = bts_lib.decide(
+        self.costs,
+        now=now,
+        rollout_free_at=rollout_free_at,
+        in_flight=min(1, len(mine)),
+        unclaimed=self.plan.num - len(st.claims),
+        backlog=0,
+        trainer_speed=self.trainer_speed,
+        rollout_speed=self.rollout_speed,
+    )
     dec.update(step=step + 1, t=now)
     return dec
 
@@ -279,11 +317,16 @@ class Schedule:
     """Whether the rollout may start next-batch fragments with its previous policy now (if
     that policy's successor is not published yet): the caller then says whether it is."""
     s = self.rollout_step
-    return (self.max_stale > 0 and s < self.total and self.rollout_version == s - 1
-            and any(f not in self.step(s).claims for f in range(self.max_stale)))
+    return (
+        self.max_stale > 0
+        and s < self.total
+        and self.rollout_version == s - 1
+        and any(f not in self.step(s).claims for f in range(self.max_stale))
+    )
 
-  def rollout_action(self, next_policy_ready: bool = False
-                     ) -> SampleFragment | ReceivePolicy | EndRolloutStep | Done:
+  def rollout_action(
+      self, next_policy_ready: bool = False
+  ) -> SampleFragment | ReceivePolicy | EndRolloutStep | Done:
     """The rollout's next action: receive the policy of its batch, then sample its unclaimed
     fragments in order, then end the batch. Between batches (TCSS), while the next policy is
     not published (next_policy_ready), it samples up to max_stale fragments of the next batch

@@ -7,6 +7,7 @@ plus the eval rows, log progress, checkpoint, collect the final eval, and write 
 `TrainerRun` does these once; runtime/synchronous.py, runtime/disagg.py and
 runtime/pipeline.py only decide what happens inside a step.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,14 +36,17 @@ def _skip_reason(rewards, prompts: list[str] | None) -> str:
     names = list(dict.fromkeys(prompts[i] for i in bad))
     what += ' for prompt(s) ' + ', '.join(repr(p[:80]) for p in names[:3])
     what += f' and {len(names) - 3} more' if len(names) > 3 else ''
-  return what + ' (the reward\'s error is in the log of the process that scored them)'
+  return what + " (the reward's error is in the log of the process that scored them)"
 
 
 def checkpointer(config, workdir: str, multi_process: bool) -> ckpt_lib.Checkpointer:
   """<workdir>/checkpoints; a multi-process job saves from this (the trainer) process only."""
   cls = ckpt_lib.ProcessCheckpointer if multi_process else ckpt_lib.Checkpointer
-  return cls(os.path.join(workdir, 'checkpoints'), max_to_keep=config.keep_checkpoints,
-             save_every=config.checkpoint_every)
+  return cls(
+      os.path.join(workdir, 'checkpoints'),
+      max_to_keep=config.keep_checkpoints,
+      save_every=config.checkpoint_every,
+  )
 
 
 class TrainerRun:
@@ -53,8 +57,8 @@ class TrainerRun:
     self.exp, self.workdir, self.cluster, self.tracer = exp, workdir, cluster, tracer
     self.level = config.runtime.transfer_guard
     self.trainer = workers.TrainerWorker(
-        exp, cluster.trainer.mesh, checkpointer(config, workdir, cluster.multi_process),
-        self.level)
+        exp, cluster.trainer.mesh, checkpointer(config, workdir, cluster.multi_process), self.level
+    )
     self.start, self.total = self.trainer.start, config.total_steps
     self.rollout_dtype = publish.rollout_param_dtype(cluster)
     self.publish_mb = publish.publish_megabytes(exp.params, self.rollout_dtype)
@@ -62,12 +66,13 @@ class TrainerRun:
     self.final_eval = config.eval.every > 0 and self.start < self.total
     self.writer = metrics_lib.MetricsWriter(workdir)
     self.progress = metrics_lib.Progress(self.start, self.total)
-    self.published_at: dict[int, float] = {}   # policy version -> wall clock after its publish
+    self.published_at: dict[int, float] = {}  # policy version -> wall clock after its publish
     self.max_skips = config.runtime.max_consecutive_skips
-    self.skips: list[str] = []                 # why each update of the current run of skips was
+    self.skips: list[str] = []  # why each update of the current run of skips was
 
-  def publish(self, send: Callable[[Any, int], Any], version: int,
-              devices=None) -> tuple[Any, float]:
+  def publish(
+      self, send: Callable[[Any, int], Any], version: int, devices=None
+  ) -> tuple[Any, float]:
     """send(params, version) under the transfer guard, as a 'publish' span over `devices`
     (None: no span). Returns (what send returned, seconds)."""
     t = time.perf_counter()
@@ -86,8 +91,15 @@ class TrainerRun:
     for row in rows:
       self.writer.write(row)
 
-  def end_step(self, step: int, *, data_position: int, extra: dict | None = None,
-               prompts: list[str] | None = None, **row_fields) -> dict:
+  def end_step(
+      self,
+      step: int,
+      *,
+      data_position: int,
+      extra: dict | None = None,
+      prompts: list[str] | None = None,
+      **row_fields,
+  ) -> dict:
     """Step `step` is applied (or skipped, if its update was not finite): its metrics row
     (workers.step_row(**row_fields) + extra), progress, checkpoint. `prompts`: one per sample,
     to name the ones with non-finite rewards. Returns the row.
@@ -100,13 +112,19 @@ class TrainerRun:
       self.trainer.skipped_updates += 1
       why = _skip_reason(row_fields['rewards'], prompts)
       self.skips.append(f'step {step + 1}: {why}')
-      logging.error('step %d: update skipped (weights and optimizer state unchanged): %s; '
-                    '%d in a row, the run stops at %d (config.runtime.max_consecutive_skips)',
-                    step + 1, why, len(self.skips), self.max_skips)
+      logging.error(
+          'step %d: update skipped (weights and optimizer state unchanged): %s; '
+          '%d in a row, the run stops at %d (config.runtime.max_consecutive_skips)',
+          step + 1,
+          why,
+          len(self.skips),
+          self.max_skips,
+      )
     else:
       self.skips = []
-    row = workers.step_row(step=step + 1, cluster=self.cluster, publish_mb=self.publish_mb,
-                           **row_fields)
+    row = workers.step_row(
+        step=step + 1, cluster=self.cluster, publish_mb=self.publish_mb, **row_fields
+    )
     row['skipped_updates'] = self.trainer.skipped_updates
     row.update(extra or {})
     self.writer.write(row)
@@ -120,7 +138,8 @@ class TrainerRun:
           f'{len(self.skips)} consecutive updates skipped for non-finite values '
           f'({"; ".join(self.skips)}); the last checkpoint (step {last or 0}) holds the last '
           'good weights. Fix the reward, or lower config.optim.lr, then rerun to resume (or '
-          'raise config.runtime.max_consecutive_skips)')
+          'raise config.runtime.max_consecutive_skips)'
+      )
     self.trainer.save(step + 1, data_position, force=step + 1 == self.total)
     return row
 
@@ -130,5 +149,9 @@ class TrainerRun:
     self.tracer.write(self.workdir, title=title)
     self.trainer.close()
     self.writer.close()
-    return {'params': self.trainer.params, 'opt_state': self.trainer.opt_state,
-            'step': self.total, **extra}
+    return {
+        'params': self.trainer.params,
+        'opt_state': self.trainer.opt_state,
+        'step': self.total,
+        **extra,
+    }

@@ -7,6 +7,7 @@ both roles one mesh (the publish is then a replicate on the same devices); naive
 runs give each role its own mesh (DESIGN.md §3), with the same programs and the same math.
 Two-process disaggregated runs use the same workers over a transfer.Channel (runtime/disagg.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,12 @@ from digen_jax.runtime import workers
 def write_samples(writer, workdir: str, out, step: int, group_size: int):
   """samples/step_<step>.png: the rollout grid, one row per prompt group."""
   captions = [f'{p} | r={r:.3f}' for p, r in zip(out.batch_prompts, out.rewards)]
-  grid = visualize.save_grid(os.path.join(workdir, 'samples', f'step_{step:06d}.png'),
-                             out.images, captions, cols=group_size)
+  grid = visualize.save_grid(
+      os.path.join(workdir, 'samples', f'step_{step:06d}.png'),
+      out.images,
+      captions,
+      cols=group_size,
+  )
   if writer is not None:
     writer.write_image('samples', grid, step)
 
@@ -41,13 +46,19 @@ def train(exp, workdir: str, cluster) -> dict:
   start = run.start
   if start:
     exp.prompts.restore(trainer.data_position)
-  rollout = workers.RolloutWorker(exp, cluster.rollout.mesh,
-                                  publish.rollout_param_shardings(cluster, exp.params), level,
-                                  frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
-  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir,
-                             frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
+  rollout = workers.RolloutWorker(
+      exp,
+      cluster.rollout.mesh,
+      publish.rollout_param_shardings(cluster, exp.params),
+      level,
+      frozen_fsdp=publish.rollout_frozen_fsdp(cluster),
+  )
+  evals = workers.EvalRunner(
+      exp, cluster.rollout.mesh, workdir, frozen_fsdp=publish.rollout_frozen_fsdp(cluster)
+  )
   all_devices = list(cluster.trainer.devices) + [
-      d for d in cluster.rollout.devices if d not in cluster.trainer.devices]
+      d for d in cluster.rollout.devices if d not in cluster.trainer.devices
+  ]
 
   def send(params, version):
     policy = publish.publish_local(params, version, rollout.param_shardings, run.rollout_dtype)
@@ -62,7 +73,7 @@ def train(exp, workdir: str, cluster) -> dict:
     if evals.due(step, start):
       t_eval = time.perf_counter()
       run.write_rows([evals(policy)])
-      t0 += time.perf_counter() - t_eval                 # the step's wall time excludes eval
+      t0 += time.perf_counter() - t_eval  # the step's wall time excludes eval
       t_start += time.perf_counter() - t_eval
     out = rollout.generate(policy, exp.prompts.next_batch(), step, tracer)
     del policy  # the update below may donate buffers the rollout copy shares (colocated)
@@ -76,11 +87,21 @@ def train(exp, workdir: str, cluster) -> dict:
     if config.sample_grid_every and (step + 1) % config.sample_grid_every == 0:
       write_samples(run.writer, workdir, out, step + 1, G)
     run.end_step(
-        step, data_position=exp.prompts.position, prompts=out.batch_prompts,
+        step,
+        data_position=exp.prompts.position,
+        prompts=out.batch_prompts,
         policy_version=out.policy_version,
-        rewards=out.rewards, valid_frac=out.valid_frac, metrics=m, wall_s=wall,
-        rollout_s=out.rollout_s, reward_s=out.reward_s, update_s=update_s, publish_s=publish_s,
-        batch_move_s=t_move, utilization=tracer.utilization(t_start, t_end, cluster.num_devices))
+        rewards=out.rewards,
+        valid_frac=out.valid_frac,
+        metrics=m,
+        wall_s=wall,
+        rollout_s=out.rollout_s,
+        reward_s=out.reward_s,
+        update_s=update_s,
+        publish_s=publish_s,
+        batch_move_s=t_move,
+        utilization=tracer.utilization(t_start, t_end, cluster.num_devices),
+    )
   if run.final_eval:
     run.write_rows([evals(run.publish(send, config.total_steps, all_devices)[0])])
   return run.finish(f'{config.runtime.mode} (synchronous)')

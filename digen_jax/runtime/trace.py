@@ -10,6 +10,7 @@ files. On a multi-node job the clocks may differ by the NTP error (milliseconds)
 BTS decisions (runtime/bts.py) are recorded beside the spans and written as instant events
 plus a top-level "decisions" list in trace.json.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +27,7 @@ import jax
 @dataclasses.dataclass(frozen=True)
 class Span:
   """One busy interval of a set of devices (ids as jax.Device.id)."""
+
   devices: tuple[int, ...]
   role: str
   program: str
@@ -55,8 +57,8 @@ class Tracer:
     self._spans: list[Span] = []
     self._decisions: list[dict] = []
     self._lock = threading.Lock()
-    self._sent = 0          # spans already handed to `take_new` (the rollout process ships them)
-    self._scan_from = 0     # spans before this index ended before the last utilization window
+    self._sent = 0  # spans already handed to `take_new` (the rollout process ships them)
+    self._scan_from = 0  # spans before this index ended before the last utilization window
 
   def add(self, span: Span) -> None:
     with self._lock:
@@ -67,8 +69,16 @@ class Tracer:
       self._spans.extend(spans)
 
   @contextlib.contextmanager
-  def span(self, devices: Sequence[Any], role: str, program: str, *, step: int = -1,
-           fragment: int = -1, version: int = -1):
+  def span(
+      self,
+      devices: Sequence[Any],
+      role: str,
+      program: str,
+      *,
+      step: int = -1,
+      fragment: int = -1,
+      version: int = -1,
+  ):
     """Records the block as busy time of `devices` (jax.Device objects). The block must end
     with a jax.block_until_ready of what it dispatched."""
     t0 = time.time()
@@ -92,7 +102,7 @@ class Tracer:
   def take_new(self) -> list[dict]:
     """Spans recorded since the last call, as JSON (what the rollout process sends along)."""
     with self._lock:
-      new = self._spans[self._sent:]
+      new = self._spans[self._sent :]
       self._sent = len(self._spans)
     return [s.to_json() for s in new]
 
@@ -101,7 +111,7 @@ class Tracer:
     one device count once. Windows are asked in time order (one per step): spans that ended
     before an asked window are skipped from then on, so a long run does not rescan its past."""
     with self._lock:
-      spans = self._spans[self._scan_from:]
+      spans = self._spans[self._scan_from :]
       skip = 0
       while skip < len(spans) and spans[skip].t1 < t0:
         skip += 1
@@ -157,31 +167,62 @@ def write_chrome_trace(path: str, spans: Sequence[Span], decisions: Sequence[dic
     events.append({'ph': 'M', 'name': 'process_name', 'pid': pid[r], 'args': {'name': r}})
   for s in spans:
     for d in s.devices:
-      events.append({
-          'ph': 'X', 'name': s.program, 'cat': s.role, 'pid': pid[s.role], 'tid': d,
-          'ts': (s.t0 - origin) * 1e6, 'dur': (s.t1 - s.t0) * 1e6,
-          'args': {'step': s.step, 'fragment': s.fragment, 'version': s.version,
-                   'device': d}})
+      events.append(
+          {
+              'ph': 'X',
+              'name': s.program,
+              'cat': s.role,
+              'pid': pid[s.role],
+              'tid': d,
+              'ts': (s.t0 - origin) * 1e6,
+              'dur': (s.t1 - s.t0) * 1e6,
+              'args': {'step': s.step, 'fragment': s.fragment, 'version': s.version, 'device': d},
+          }
+      )
   for dec in decisions:
     if 't' in dec:
-      events.append({'ph': 'i', 's': 'g', 'name': f"bts:{dec.get('action', '?')}",
-                     'pid': 0, 'tid': 0, 'ts': (dec['t'] - origin) * 1e6, 'args': dec})
+      events.append(
+          {
+              'ph': 'i',
+              's': 'g',
+              'name': f"bts:{dec.get('action', '?')}",
+              'pid': 0,
+              'tid': 0,
+              'ts': (dec['t'] - origin) * 1e6,
+              'args': dec,
+          }
+      )
   with open(path, 'w') as f:
-    json.dump({'traceEvents': events, 'displayTimeUnit': 'ms', 'origin_unix_s': origin,
-               'decisions': list(decisions)}, f)
+    json.dump(
+        {
+            'traceEvents': events,
+            'displayTimeUnit': 'ms',
+            'origin_unix_s': origin,
+            'decisions': list(decisions),
+        },
+        f,
+    )
 
 
-_COLORS = {'rollout': 'tab:blue', 'tag_rollout': 'tab:cyan', 'grad': 'tab:orange',
-           'update': 'tab:orange', 'apply': 'tab:red', 'publish': 'tab:gray',
-           'eval': 'tab:olive'}
+_COLORS = {
+    'rollout': 'tab:blue',
+    'tag_rollout': 'tab:cyan',
+    'grad': 'tab:orange',
+    'update': 'tab:orange',
+    'apply': 'tab:red',
+    'publish': 'tab:gray',
+    'eval': 'tab:olive',
+}
 
 
-def write_timeline(path: str, spans: Sequence[Span], *, title: str = '',
-                   zoom_steps: int = 3) -> None:
+def write_timeline(
+    path: str, spans: Sequence[Span], *, title: str = '', zoom_steps: int = 3
+) -> None:
   """Gantt chart: one row per device, one bar per span, coloured by program (fragments sampled
   with a previous policy hatched). Top: the whole run; bottom: the last `zoom_steps` steps
   (the steady state, without compilation)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
@@ -194,8 +235,9 @@ def write_timeline(path: str, spans: Sequence[Span], *, title: str = '',
       role_of_dev.setdefault(d, s.role)
   steps = sorted({s.step for s in spans if s.step >= 0})
   last = [s for s in spans if steps and s.step >= steps[max(0, len(steps) - zoom_steps)]]
-  panels = [('whole run', spans)] + ([(f'last {zoom_steps} steps', last)]
-                                     if last and len(steps) > zoom_steps else [])
+  panels = [('whole run', spans)] + (
+      [(f'last {zoom_steps} steps', last)] if last and len(steps) > zoom_steps else []
+  )
   origin = min((s.t0 for s in spans), default=0.0)
   h = 0.8 + 0.4 * max(1, len(devs))
   fig, axes = plt.subplots(len(panels), 1, figsize=(12, h * len(panels) + 0.6), squeeze=False)
@@ -204,9 +246,14 @@ def write_timeline(path: str, spans: Sequence[Span], *, title: str = '',
       color = _COLORS.get(s.program, 'tab:purple')
       stale = s.program in ('rollout', 'tag_rollout') and 0 <= s.version < s.step
       for d in s.devices:
-        ax.broken_barh([(s.t0 - origin, s.t1 - s.t0)], (dev_row[d] - 0.4, 0.8),
-                       facecolors=color, edgecolor='black', linewidth=0.3,
-                       hatch='//' if stale else None)
+        ax.broken_barh(
+            [(s.t0 - origin, s.t1 - s.t0)],
+            (dev_row[d] - 0.4, 0.8),
+            facecolors=color,
+            edgecolor='black',
+            linewidth=0.3,
+            hatch='//' if stale else None,
+        )
     if group is not spans and group:
       ax.set_xlim(min(s.t0 for s in group) - origin, max(s.t1 for s in group) - origin)
     ax.set_yticks(range(len(devs)))
@@ -215,8 +262,12 @@ def write_timeline(path: str, spans: Sequence[Span], *, title: str = '',
     ax.set_title(f'{title or "device busy spans"} ({name})', fontsize=9)
   axes[-1, 0].set_xlabel('seconds since the first span')
   used = sorted({s.program for s in spans})
-  axes[0, 0].legend(handles=[Patch(color=_COLORS.get(p, 'tab:purple'), label=p) for p in used],
-                    loc='upper left', fontsize=7, ncol=len(used) or 1)
+  axes[0, 0].legend(
+      handles=[Patch(color=_COLORS.get(p, 'tab:purple'), label=p) for p in used],
+      loc='upper left',
+      fontsize=7,
+      ncol=len(used) or 1,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

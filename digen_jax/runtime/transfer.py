@@ -33,6 +33,7 @@ socket address *and* transport addresses (the defaults, '[::]:0' and none, make 
 
 Do not donate or delete sent arrays before `wait_delivered` returns for that send.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,10 @@ def _cast_dtype(dtype) -> np.dtype | None:
     return None
   dt = jnp.dtype(dtype)
   if not jnp.issubdtype(dt, jnp.floating):
-    raise ValueError(f'dtype={dt} must be a floating dtype (e.g. jnp.bfloat16); integer leaves '
-                     'are never cast.')
+    raise ValueError(
+        f'dtype={dt} must be a floating dtype (e.g. jnp.bfloat16); integer leaves '
+        'are never cast.'
+    )
   return dt
 
 
@@ -90,8 +93,10 @@ def _flat_shardings(target_shardings, treedef, what: str) -> list[Sharding]:
     return [target_shardings] * treedef.num_leaves
   flat, sdef = jax.tree.flatten(target_shardings, is_leaf=lambda s: isinstance(s, Sharding))
   if sdef != treedef:
-    raise ValueError(f'{what}: the sharding tree {sdef} does not match the array tree {treedef}; '
-                     'pass one Sharding per leaf (same structure) or a single Sharding for all.')
+    raise ValueError(
+        f'{what}: the sharding tree {sdef} does not match the array tree {treedef}; '
+        'pass one Sharding per leaf (same structure) or a single Sharding for all.'
+    )
   for s in flat:
     if not isinstance(s, Sharding):
       raise ValueError(f'{what}: {s!r} is not a jax.sharding.Sharding.')
@@ -141,12 +146,11 @@ def abstract(tree, shardings=None, dtype=None):
 _server = None
 _connections: dict[int, Any] = {}
 _pull_ids = itertools.count(1)
-_host = DEFAULT_HOST     # config.cluster.transfer_host (set_host)
+_host = DEFAULT_HOST  # config.cluster.transfer_host (set_host)
 
 
 def set_host(host: str) -> None:
-  """The interface this process's transfer server binds (before it starts: the first Channel).
-  """
+  """The interface this process's transfer server binds (before it starts: the first Channel)."""
   global _host
   _host = configlib.check_transfer_host(host)
 
@@ -155,12 +159,18 @@ def _transfer_host() -> str:
   """The one interface this process's transfer server binds, and peers reach it on."""
   host = socket.gethostbyname(socket.gethostname()) if _host == 'hostname' else _host
   coordinator = distributed.process_info().coordinator_address or ''
-  if (ipaddress.ip_address(host).is_loopback and coordinator
-      and coordinator.rpartition(':')[0] not in ('127.0.0.1', 'localhost', '[::1]')):
-    logging.warning('the transfer server listens on %s only, but the coordinator is at %s: '
-                    'peers on other machines cannot reach it; set '
-                    "--config.cluster.transfer_host=hostname (or this machine's address)",
-                    host, coordinator)
+  if (
+      ipaddress.ip_address(host).is_loopback
+      and coordinator
+      and coordinator.rpartition(':')[0] not in ('127.0.0.1', 'localhost', '[::1]')
+  ):
+    logging.warning(
+        'the transfer server listens on %s only, but the coordinator is at %s: '
+        'peers on other machines cannot reach it; set '
+        "--config.cluster.transfer_host=hostname (or this machine's address)",
+        host,
+        coordinator,
+    )
   return host
 
 
@@ -169,8 +179,9 @@ def start_server(host: str):
   local device. Both must be explicit: with the defaults ('[::]:0', none) pulls fail on CPU
   ("SocketServer: Connection closed"), and '[::]' would listen on every interface."""
   local = jax.local_devices()
-  return jax_transfer.start_transfer_server(local[0].client, f'{host}:0',
-                                            [f'{host}:0'] * len(local))
+  return jax_transfer.start_transfer_server(
+      local[0].client, f'{host}:0', [f'{host}:0'] * len(local)
+  )
 
 
 def _addr_key(process_id: int) -> str:
@@ -183,9 +194,11 @@ def transfer_server():
   if _server is None:
     info = distributed.process_info()
     if not info.is_distributed:
-      raise RuntimeError('Cross-process transfer needs jax.distributed: launch with '
-                         'launch/local.py and call distributed.maybe_initialize(); inside one '
-                         'process use publish_local instead.')
+      raise RuntimeError(
+          'Cross-process transfer needs jax.distributed: launch with '
+          'launch/local.py and call distributed.maybe_initialize(); inside one '
+          'process use publish_local instead.'
+      )
     server = start_server(_transfer_host())
     distributed.kv_set(_addr_key(info.process_id), server.address(), overwrite=True)
     _server = server
@@ -236,10 +249,15 @@ def _path_strings(tree) -> tuple[list[str], list, Any]:
 def _split(x: jax.Array) -> tuple[list[jax.Array], dict]:
   """The pieces `send` offers for `x` (one single-device array per distinct slice, so replicas
   go once) and their description for the receiver."""
-  shards = sorted((s for s in x.addressable_shards if s.replica_id == 0),
-                  key=lambda s: _norm_index(s.index, x.shape))
-  meta = {'shape': list(x.shape), 'dtype': jnp.dtype(x.dtype).name,
-          'pieces': [_norm_index(s.index, x.shape) for s in shards]}
+  shards = sorted(
+      (s for s in x.addressable_shards if s.replica_id == 0),
+      key=lambda s: _norm_index(s.index, x.shape),
+  )
+  meta = {
+      'shape': list(x.shape),
+      'dtype': jnp.dtype(x.dtype).name,
+      'pieces': [_norm_index(s.index, x.shape) for s in shards],
+  }
   return [s.data for s in shards], meta
 
 
@@ -248,8 +266,10 @@ def _plan(i: int, spec, m: dict) -> dict:
   shape = tuple(m['shape'])
   sharding = spec.sharding
   slices = [tuple(tuple(ab) for ab in p) for p in m['pieces']]
-  target = {d: _norm_index(idx, shape)
-            for d, idx in sharding.addressable_devices_indices_map(shape).items()}
+  target = {
+      d: _norm_index(idx, shape)
+      for d, idx in sharding.addressable_devices_indices_map(shape).items()
+  }
   devices = sorted(target, key=lambda d: d.id)
   home = devices[i % len(devices)]  # spreads leaves that need assembling over the devices
   if set(target.values()) <= set(slices):
@@ -258,11 +278,14 @@ def _plan(i: int, spec, m: dict) -> dict:
     first = {}
     for d in devices:
       first.setdefault(target[d], d)
-    return {'direct': True, 'slices': slices, 'target': target,
-            'devices': [first.get(sl, home) for sl in slices]}
+    return {
+        'direct': True,
+        'slices': slices,
+        'target': target,
+        'devices': [first.get(sl, home) for sl in slices],
+    }
   # Other slicing: pull every piece onto `home`, assemble the whole leaf there, then reshard.
-  return {'direct': False, 'slices': slices, 'target': target,
-          'devices': [home] * len(slices)}
+  return {'direct': False, 'slices': slices, 'target': target, 'devices': [home] * len(slices)}
 
 
 def _build(spec, pieces: list, plan: dict):
@@ -291,6 +314,7 @@ def _build(spec, pieces: list, plan: dict):
 @dataclasses.dataclass(frozen=True)
 class Delivery:
   """What Channel.receive_full returns."""
+
   tree: Any
   info: dict
   wait_s: float
@@ -308,14 +332,18 @@ class Channel:
   def __init__(self, peer: int, name: str = 'default', timeout_s: float = 300.0):
     info = distributed.process_info()
     if not info.is_distributed:
-      raise RuntimeError('Channel needs jax.distributed (launch/local.py + maybe_initialize()); '
-                         'in one process use publish_local.')
+      raise RuntimeError(
+          'Channel needs jax.distributed (launch/local.py + maybe_initialize()); '
+          'in one process use publish_local.'
+      )
     if not 0 <= peer < info.num_processes or peer == info.process_id:
-      raise ValueError(f'peer={peer} must be another process id in [0, {info.num_processes}) '
-                       f'(this is process {info.process_id}).')
+      raise ValueError(
+          f'peer={peer} must be another process id in [0, {info.num_processes}) '
+          f'(this is process {info.process_id}).'
+      )
     self.peer, self.name, self.timeout_s = peer, name, timeout_s
     self.process_id = info.process_id
-    self._sent: dict[str, int] = {}      # tag -> number of sends so far
+    self._sent: dict[str, int] = {}  # tag -> number of sends so far
     self._received: dict[str, int] = {}  # tag -> number of receives so far
     self._acks_consumed: set[tuple[str, int]] = set()  # (tag, seq) whose ack wait_delivered took
     transfer_server()  # start ours and publish its address now, so the peer never waits long
@@ -336,11 +364,15 @@ class Channel:
     pieces, meta_leaves = [], []
     for path, x in zip(paths, leaves):
       if not isinstance(x, jax.Array):
-        raise ValueError(f'send({tag!r}): leaf {path} is a {type(x).__name__}, not a jax.Array; '
-                         'jax.device_put it first.')
+        raise ValueError(
+            f'send({tag!r}): leaf {path} is a {type(x).__name__}, not a jax.Array; '
+            'jax.device_put it first.'
+        )
       if not x.is_fully_addressable:
-        raise ValueError(f'send({tag!r}): leaf {path} spans other processes; send only arrays '
-                         'on this process\'s devices.')
+        raise ValueError(
+            f'send({tag!r}): leaf {path} spans other processes; send only arrays '
+            "on this process's devices."
+        )
       if dt is not None and jnp.issubdtype(x.dtype, jnp.floating):
         x = lax.convert_element_type(x, dt)
       arrays, leaf_meta = _split(x)
@@ -352,8 +384,10 @@ class Channel:
       transfer_server().await_pull(pull_id, pieces)
     key = self._key(self.process_id, self.peer, tag, seq)
     # Published after await_pull, so a receiver that sees the key never pulls too early.
-    distributed.kv_set(key + '/meta', json.dumps({'pull_id': pull_id, 'paths': paths,
-                                                  'leaves': meta_leaves, 'info': info or {}}))
+    distributed.kv_set(
+        key + '/meta',
+        json.dumps({'pull_id': pull_id, 'paths': paths, 'leaves': meta_leaves, 'info': info or {}}),
+    )
     self._sent[tag] = seq + 1
     # Keep the KV store small: drop the previous send's ack once it is there (unless
     # wait_delivered already took it: one store round trip less per send).
@@ -417,13 +451,17 @@ class Channel:
     for path, s in zip(paths, specs):
       sh = getattr(s, 'sharding', None)
       if not isinstance(sh, Sharding):
-        raise ValueError(f'receive({tag!r}): leaf {path} needs a jax.sharding.Sharding on this '
-                         "process's devices, e.g. jax.ShapeDtypeStruct(shape, dtype, sharding="
-                         'NamedSharding(local_mesh, spec)); got sharding={sh!r}.')
+        raise ValueError(
+            f'receive({tag!r}): leaf {path} needs a jax.sharding.Sharding on this '
+            "process's devices, e.g. jax.ShapeDtypeStruct(shape, dtype, sharding="
+            'NamedSharding(local_mesh, spec)); got sharding={sh!r}.'
+        )
       if not sh.device_set <= local:
-        raise ValueError(f'receive({tag!r}): leaf {path} asks for devices of another process '
-                         f'({sorted(d.id for d in sh.device_set - local)}); use a mesh over '
-                         'jax.local_devices().')
+        raise ValueError(
+            f'receive({tag!r}): leaf {path} asks for devices of another process '
+            f'({sorted(d.id for d in sh.device_set - local)}); use a mesh over '
+            'jax.local_devices().'
+        )
     seq = self._received.get(tag, 0)
     key = self._key(self.peer, self.process_id, tag, seq)
     t_wait = time.perf_counter()
@@ -441,34 +479,46 @@ class Channel:
         pull_specs.append(jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(dev)))
     if pull_specs:
       deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.timeout_s)
-      pulled = _connection(self.peer, self.timeout_s).pull(meta['pull_id'], pull_specs,
-                                                           timeout=deadline)
+      pulled = _connection(self.peer, self.timeout_s).pull(
+          meta['pull_id'], pull_specs, timeout=deadline
+      )
     else:
       pulled = []
-    out = [_build(s, pulled[start:start + n], plan)
-           for s, (start, n, plan) in zip(specs, builders)]
+    out = [
+        _build(s, pulled[start : start + n], plan) for s, (start, n, plan) in zip(specs, builders)
+    ]
     # Ready before acking: after the ack the sender may free or donate its buffers.
     out = jax.block_until_ready(out)
     t_done = time.perf_counter()
     distributed.kv_set(key + '/ack', '1')
     distributed.kv_delete(key + '/meta')
     self._received[tag] = seq + 1
-    return Delivery(jax.tree.unflatten(treedef, out), meta.get('info', {}),
-                    wait_s=t_pull - t_wait, pull_s=t_done - t_pull)
+    return Delivery(
+        jax.tree.unflatten(treedef, out),
+        meta.get('info', {}),
+        wait_s=t_pull - t_wait,
+        pull_s=t_done - t_pull,
+    )
 
   @staticmethod
   def _check(meta: dict, paths: list[str], specs: list, tag: str) -> None:
     if meta['paths'] != paths:
       extra = sorted(set(paths) - set(meta['paths']))[:5]
       missing = sorted(set(meta['paths']) - set(paths))[:5]
-      raise ValueError(f'receive({tag!r}): tree structure differs from the sent one '
-                       f'({len(meta["paths"])} sent leaves, {len(paths)} asked; only asked: '
-                       f'{extra}, only sent: {missing}).')
+      raise ValueError(
+          f'receive({tag!r}): tree structure differs from the sent one '
+          f'({len(meta["paths"])} sent leaves, {len(paths)} asked; only asked: '
+          f'{extra}, only sent: {missing}).'
+      )
     for path, s, m in zip(paths, specs, meta['leaves']):
       if tuple(s.shape) != tuple(m['shape']):
-        raise ValueError(f'receive({tag!r}): leaf {path} has shape {tuple(m["shape"])} but '
-                         f'{tuple(s.shape)} was asked.')
+        raise ValueError(
+            f'receive({tag!r}): leaf {path} has shape {tuple(m["shape"])} but '
+            f'{tuple(s.shape)} was asked.'
+        )
       if jnp.dtype(s.dtype).name != m['dtype']:
-        raise ValueError(f'receive({tag!r}): leaf {path} was sent as {m["dtype"]} but '
-                         f'{jnp.dtype(s.dtype).name} was asked; ask for {m["dtype"]} or have the '
-                         'sender cast with send(..., dtype=...).')
+        raise ValueError(
+            f'receive({tag!r}): leaf {path} was sent as {m["dtype"]} but '
+            f'{jnp.dtype(s.dtype).name} was asked; ask for {m["dtype"]} or have the '
+            'sender cast with send(..., dtype=...).'
+        )

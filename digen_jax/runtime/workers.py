@@ -11,6 +11,7 @@ The device work of each step runs under jax.transfer_guard(config.runtime.transf
 ('disallow' by default): an implicit host<->device copy in the hot path is an error, not a
 silent slowdown. Host work (text encoding, reward scoring, metrics) stays outside the guard.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,16 +62,21 @@ def trajectory_shardings(mesh) -> sampler_lib.Trajectory:
   """Trajectory layout on `mesh`: batch-sharded per-sample fields, replicated schedule."""
   rep = mesh_lib.replicated(mesh)
   return sampler_lib.Trajectory(
-      latents=mesh_lib.batch_sharding(mesh, 4, 1),      # [T+1, B, N, C]
-      log_probs=mesh_lib.batch_sharding(mesh, 2, 1),    # [T, B]
-      sigmas=rep, sde_steps=rep,                        # [T+1], [T]
-      stds=mesh_lib.batch_sharding(mesh, 2, 1))         # [T, B]
+      latents=mesh_lib.batch_sharding(mesh, 4, 1),  # [T+1, B, N, C]
+      log_probs=mesh_lib.batch_sharding(mesh, 2, 1),  # [T, B]
+      sigmas=rep,
+      sde_steps=rep,  # [T+1], [T]
+      stds=mesh_lib.batch_sharding(mesh, 2, 1),
+  )  # [T, B]
 
 
 def trainer_batch_shardings(mesh) -> dict:
   """Where the update program takes a batch: {'traj', 'adv' [B], 'valid' [B]} batch-sharded."""
-  return {'traj': trajectory_shardings(mesh), 'adv': mesh_lib.batch_sharding(mesh, 1),
-          'valid': mesh_lib.batch_sharding(mesh, 1)}
+  return {
+      'traj': trajectory_shardings(mesh),
+      'adv': mesh_lib.batch_sharding(mesh, 1),
+      'valid': mesh_lib.batch_sharding(mesh, 1),
+  }
 
 
 def rollout_batch_shardings(mesh) -> dict:
@@ -95,24 +101,26 @@ def guard(level: str):
 @dataclasses.dataclass
 class RolloutOutput:
   """One step's rollout. batch: {'traj', 'adv', 'valid'} on the rollout mesh."""
+
   batch: Any
   step: int
   policy_version: int
-  prompts: list[str]          # one per group
-  batch_prompts: list[str]    # one per sample, group-contiguous
-  rewards: np.ndarray         # [B] float32
+  prompts: list[str]  # one per group
+  batch_prompts: list[str]  # one per sample, group-contiguous
+  rewards: np.ndarray  # [B] float32
   valid_frac: float
-  images: np.ndarray          # [B, H, W, 3] in [-1, 1]
-  rollout_s: float            # sampling + decode (device busy)
-  reward_s: float             # host reward scoring
+  images: np.ndarray  # [B, H, W, 3] in [-1, 1]
+  rollout_s: float  # sampling + decode (device busy)
+  reward_s: float  # host reward scoring
 
 
 class RolloutWorker:
   """The rollout role on `mesh`: one compiled sampling program for params laid out as
   `param_shardings` (the published rollout copy)."""
 
-  def __init__(self, exp, mesh, param_shardings, guard_level: str = 'allow', *,
-               frozen_fsdp: bool = False):
+  def __init__(
+      self, exp, mesh, param_shardings, guard_level: str = 'allow', *, frozen_fsdp: bool = False
+  ):
     self.exp, self.mesh, self.param_shardings = exp, mesh, param_shardings
     self.guard_level = guard_level
     c = exp.config
@@ -124,9 +132,16 @@ class RolloutWorker:
     self._rollout = programs.make_rollout(exp, mesh, param_shardings, traj_sh, frozen=self.frozen)
     self._rep = mesh_lib.replicated(mesh)
     self._advantages = jax.jit(
-        functools.partial(adv_lib.grpo_advantages, group_size=c.rl.group_size,
-                          std_mode=c.rl.adv_std, eps=c.rl.adv_eps, clip=c.rl.adv_clip),
-        in_shardings=self._rep, out_shardings=(self._rep, self._rep))
+        functools.partial(
+            adv_lib.grpo_advantages,
+            group_size=c.rl.group_size,
+            std_mode=c.rl.adv_std,
+            eps=c.rl.adv_eps,
+            clip=c.rl.adv_clip,
+        ),
+        in_shardings=self._rep,
+        out_shardings=(self._rep, self._rep),
+    )
     self._uncond = uncond(exp, exp.batch_size, mesh)
     self._base_key = jax.device_put(jax.random.key(c.seed), self._rep)
 
@@ -135,11 +150,13 @@ class RolloutWorker:
     scores on the host and computes the GRPO advantages. `tracer` (runtime.trace.Tracer)
     records the sampling + decode as a busy span of the rollout devices."""
     G = self.exp.config.rl.group_size
-    batch_prompts = [p for p in prompts for _ in range(G)]     # group-contiguous
+    batch_prompts = [p for p in prompts for _ in range(G)]  # group-contiguous
     t0 = time.perf_counter()
     cond = encode(self.exp, batch_prompts, self.mesh)
-    with guard(self.guard_level), _span(tracer, self.mesh, 'rollout', 'rollout', step,
-                                        policy.version):
+    with (
+        guard(self.guard_level),
+        _span(tracer, self.mesh, 'rollout', 'rollout', step, policy.version),
+    ):
       step_arr = jax.device_put(np.int32(step), self._rep)
       k_rollout, _ = _step_keys(self._base_key, step_arr)
       uncond = self._uncond if self._uncond is not None else cond
@@ -152,10 +169,17 @@ class RolloutWorker:
       adv, valid = self._advantages(jax.device_put(rewards, self._rep))
       valid_frac = float(np.mean(jax.device_get(valid)))
     return RolloutOutput(
-        batch={'traj': traj, 'adv': adv, 'valid': valid}, step=step,
-        policy_version=policy.version, prompts=list(prompts), batch_prompts=batch_prompts,
-        rewards=rewards, valid_frac=valid_frac, images=images, rollout_s=t1 - t0,
-        reward_s=t2 - t1)
+        batch={'traj': traj, 'adv': adv, 'valid': valid},
+        step=step,
+        policy_version=policy.version,
+        prompts=list(prompts),
+        batch_prompts=batch_prompts,
+        rewards=rewards,
+        valid_frac=valid_frac,
+        images=images,
+        rollout_s=t1 - t0,
+        reward_s=t2 - t1,
+    )
 
 
 def abstract_batch(exp) -> dict:
@@ -163,20 +187,27 @@ def abstract_batch(exp) -> dict:
   traced (not compiled) on one local device. Lay it out with `with_shardings`."""
   mesh = mesh_lib.make_mesh(jax.local_devices()[:1])
   sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
-  c, b = exp.config, exp.batch_size
+  b = exp.batch_size
   params = jax.tree.map(lambda x: sds(x.shape, x.dtype), exp.params)
   cond = exp.cond_abstract(b)
   frozen = exp.weights.frozen_abstract(decode=True)
-  traj, _ = jax.eval_shape(programs.make_rollout(exp, mesh, frozen=frozen), params, cond, cond,
-                           sds((), jax.random.key(0).dtype), sds((), jnp.int32))
+  traj, _ = jax.eval_shape(
+      programs.make_rollout(exp, mesh, frozen=frozen),
+      params,
+      cond,
+      cond,
+      sds((), jax.random.key(0).dtype),
+      sds((), jnp.int32),
+  )
   return {'traj': traj, 'adv': sds((b,), jnp.float32), 'valid': sds((b,), jnp.bool_)}
 
 
 def with_shardings(abstract, shardings):
   """ShapeDtypeStructs of `abstract` laid out on `shardings` (same tree): what Channel.receive
   takes."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      abstract, shardings)
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+  )
 
 
 class TrainerWorker:
@@ -196,34 +227,47 @@ class TrainerWorker:
     self.opt_state = jax.jit(exp.optimizer.init, out_shardings=self.opt_shardings)(self.params)
     # The KL reference is the initial model, also after a resume (with LoRA: the frozen base,
     # adapters off, with no second copy).
-    self.ref_params = (jax.tree.map(jnp.copy, self.params)
-                       if c.rl.kl_beta > 0 and exp.weights.lora is None else None)
+    self.ref_params = (
+        jax.tree.map(jnp.copy, self.params)
+        if c.rl.kl_beta > 0 and exp.weights.lora is None
+        else None
+    )
     base_key = jax.random.key(c.seed)
     self.start, self.data_position = 0, 0
-    self.skipped_updates = 0      # over the whole run, resumes included (checkpoint meta)
+    self.skipped_updates = 0  # over the whole run, resumes included (checkpoint meta)
     # The newest readable step (a corrupt newer one is set aside with a warning).
-    restored = checkpointer.restore_latest({
-        'params': self.params, 'opt_state': self.opt_state,
-        'rng': ckpt_lib.key_to_data(base_key)})
+    restored = checkpointer.restore_latest(
+        {'params': self.params, 'opt_state': self.opt_state, 'rng': ckpt_lib.key_to_data(base_key)}
+    )
     if restored is not None:
       self.start, state, meta = restored
       self.params, self.opt_state = state['params'], state['opt_state']
       base_key = ckpt_lib.data_to_key(state['rng'])
       self.data_position = int(meta['data_position'])
       self.skipped_updates = int(meta.get('skipped_updates', 0))
-      logging.info('resumed from %s at step %d (data position %d)', checkpointer.directory,
-                   self.start, self.data_position)
+      logging.info(
+          'resumed from %s at step %d (data position %d)',
+          checkpointer.directory,
+          self.start,
+          self.data_position,
+      )
     self._rng_data = ckpt_lib.key_to_data(base_key)
     self._rep = mesh_lib.replicated(mesh)
     self._base_key = jax.device_put(base_key, self._rep)
     self.batch_shardings = trainer_batch_shardings(mesh)
-    self._update = programs.make_update(exp, mesh, self.param_shardings, self.opt_shardings,
-                                        traj_shardings=self.batch_shardings['traj'],
-                                        frozen=self.frozen)
+    self._update = programs.make_update(
+        exp,
+        mesh,
+        self.param_shardings,
+        self.opt_shardings,
+        traj_shardings=self.batch_shardings['traj'],
+        frozen=self.frozen,
+    )
     self._uncond = uncond(exp, exp.batch_size, mesh)
 
-  def train_step(self, batch, batch_prompts: list[str], step: int,
-                 tracer=None) -> tuple[dict, float]:
+  def train_step(
+      self, batch, batch_prompts: list[str], step: int, tracer=None
+  ) -> tuple[dict, float]:
     """One GRPO update on `batch` (on self.batch_shardings). Returns (metrics, seconds)."""
     cond = encode(self.exp, batch_prompts, self.mesh)
     t0 = time.perf_counter()
@@ -232,31 +276,63 @@ class TrainerWorker:
       _, k_update = _step_keys(self._base_key, step_arr)
       uncond = self._uncond if self._uncond is not None else cond
       self.params, self.opt_state, m = self._update(
-          self.params, self.opt_state, batch['traj'], cond, uncond, batch['adv'],
-          batch['valid'], k_update, step_arr, self.ref_params)
+          self.params,
+          self.opt_state,
+          batch['traj'],
+          cond,
+          uncond,
+          batch['adv'],
+          batch['valid'],
+          k_update,
+          step_arr,
+          self.ref_params,
+      )
       m = jax.device_get(m)
     return {k: float(v) for k, v in m.items()}, time.perf_counter() - t0
 
   def save(self, step: int, data_position: int, *, force: bool = False):
-    self.checkpointer.save(step, {'params': self.params, 'opt_state': self.opt_state,
-                                  'rng': self._rng_data},
-                           {'step': step, 'data_position': int(data_position),
-                            'policy_version': step, 'skipped_updates': self.skipped_updates},
-                           force=force)
+    self.checkpointer.save(
+        step,
+        {'params': self.params, 'opt_state': self.opt_state, 'rng': self._rng_data},
+        {
+            'step': step,
+            'data_position': int(data_position),
+            'policy_version': step,
+            'skipped_updates': self.skipped_updates,
+        },
+        force=force,
+    )
     if force and self.exp.weights.lora is not None:
       # The run's adapters as diffusers' own LoRA loader reads them (README "Real models").
       folder = os.path.join(os.path.dirname(self.checkpointer.directory), 'lora')
-      lora_lib.save_diffusers_lora(folder, jax.device_get(self.params), self.exp.weights.lora,
-                                   family_lib.of(self.exp.config).key_table(self.exp.model_config))
+      lora_lib.save_diffusers_lora(
+          folder,
+          jax.device_get(self.params),
+          self.exp.weights.lora,
+          family_lib.of(self.exp.config).key_table(self.exp.model_config),
+      )
 
   def close(self):
     self.checkpointer.close()
 
 
-def step_row(*, step: int, policy_version: int, rewards: np.ndarray, valid_frac: float,
-             metrics: dict, wall_s: float, rollout_s: float, reward_s: float, update_s: float,
-             publish_s: float, publish_mb: float, batch_move_s: float, cluster,
-             utilization: float | None = None) -> dict:
+def step_row(
+    *,
+    step: int,
+    policy_version: int,
+    rewards: np.ndarray,
+    valid_frac: float,
+    metrics: dict,
+    wall_s: float,
+    rollout_s: float,
+    reward_s: float,
+    update_s: float,
+    publish_s: float,
+    publish_mb: float,
+    batch_move_s: float,
+    cluster,
+    utilization: float | None = None,
+) -> dict:
   """The metrics.jsonl row of one optimizer step.
 
   utilization = busy device-seconds / (devices x wall seconds): given from the trace spans
@@ -267,17 +343,25 @@ def step_row(*, step: int, policy_version: int, rewards: np.ndarray, valid_frac:
     utilization = busy / (cluster.num_devices * wall_s)
   batch = int(np.size(rewards))
   rewards = np.asarray(rewards, np.float32)
-  finite = rewards[np.isfinite(rewards)]        # a faulty reward's NaN must not hide the others
+  finite = rewards[np.isfinite(rewards)]  # a faulty reward's NaN must not hide the others
   return {
-      'step': step, 'policy_version': policy_version,
+      'step': step,
+      'policy_version': policy_version,
       'reward_mean': float(np.mean(finite)) if finite.size else float('nan'),
       'reward_std': float(np.std(finite)) if finite.size else float('nan'),
       'nonfinite_rewards': batch - int(finite.size),
-      'samples': batch, 'samples_per_s': batch / wall_s, 'wall_s': wall_s,
-      'rollout_s': rollout_s, 'reward_s': reward_s, 'update_s': update_s,
-      'publish_s': publish_s, 'publish_mb': publish_mb, 'batch_move_s': batch_move_s,
+      'samples': batch,
+      'samples_per_s': batch / wall_s,
+      'wall_s': wall_s,
+      'rollout_s': rollout_s,
+      'reward_s': reward_s,
+      'update_s': update_s,
+      'publish_s': publish_s,
+      'publish_mb': publish_mb,
+      'batch_move_s': batch_move_s,
       'utilization': min(1.0, utilization),
-      'valid_frac': valid_frac, **metrics,
+      'valid_frac': valid_frac,
+      **metrics,
   }
 
 
@@ -288,9 +372,13 @@ class EvalRunner:
   def __init__(self, exp, mesh, workdir: str, *, frozen_fsdp: bool = False):
     self.exp, self.workdir = exp, workdir
     self.every = exp.config.eval.every
-    self.evaluator = (evaluation.Evaluator(exp, mesh, evaluation.eval_prompts(exp, workdir),
-                                           frozen_fsdp=frozen_fsdp)
-                      if self.every > 0 else None)
+    self.evaluator = (
+        evaluation.Evaluator(
+            exp, mesh, evaluation.eval_prompts(exp, workdir), frozen_fsdp=frozen_fsdp
+        )
+        if self.every > 0
+        else None
+    )
 
   @property
   def enabled(self) -> bool:

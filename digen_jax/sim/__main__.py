@@ -11,6 +11,7 @@ overrides as the ladder run it predicts). OUT.json has the ladder's keys (DESIGN
 and stores it under 'comparison'. --timelines writes each simulated rung's timeline.png in a
 real run's format. For accelerator clusters see python -m digen_jax.plan.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,16 +54,22 @@ def parse_args(argv):
 
 
 def format_comparison(cmp: dict) -> str:
-  out = [f'{"variant":8} {"mode":18} {"measured":>9} {"predicted":>9} {"error":>7} '
-         f'{"util m":>7} {"util p":>7}']
+  out = [
+      f'{"variant":8} {"mode":18} {"measured":>9} {"predicted":>9} {"error":>7} '
+      f'{"util m":>7} {"util p":>7}'
+  ]
   for x in cmp['lines']:
     mu = x['measured_util']
-    out.append(f'{x["variant"]:8} {x["mode"]:18} {x["measured_sps"]:9.2f} '
-               f'{x["predicted_sps"]:9.2f} {100 * x["sps_error"]:+6.1f}% '
-               f'{mu if mu is None else round(mu, 3)!s:>7} {x["predicted_util"]:7.3f}')
-  out.append(f'samples/s: mean |error| {100 * cmp["sps_mae"]:.1f}%, largest '
-             f'{100 * cmp["sps_max"]:.1f}%; utilization: mean |error| '
-             f'{cmp["util_mae"] if cmp["util_mae"] is None else round(cmp["util_mae"], 3)}')
+    out.append(
+        f'{x["variant"]:8} {x["mode"]:18} {x["measured_sps"]:9.2f} '
+        f'{x["predicted_sps"]:9.2f} {100 * x["sps_error"]:+6.1f}% '
+        f'{mu if mu is None else round(mu, 3)!s:>7} {x["predicted_util"]:7.3f}'
+    )
+  out.append(
+      f'samples/s: mean |error| {100 * cmp["sps_mae"]:.1f}%, largest '
+      f'{100 * cmp["sps_max"]:.1f}%; utilization: mean |error| '
+      f'{cmp["util_mae"] if cmp["util_mae"] is None else round(cmp["util_mae"], 3)}'
+  )
   return '\n'.join(out)
 
 
@@ -71,26 +78,45 @@ def main(argv=None) -> int:
   with open(a.profile) as f:
     profile = json.load(f)
   try:
-    pred = predict.predict_ladder(profile, rungs=a.rungs, variants=a.variants, steps=a.steps,
-                                  fragments=a.fragments, unit=a.fragment_unit,
-                                  tcss_fraction=a.tcss_fraction)
+    pred = predict.predict_ladder(
+        profile,
+        rungs=a.rungs,
+        variants=a.variants,
+        steps=a.steps,
+        fragments=a.fragments,
+        unit=a.fragment_unit,
+        tcss_fraction=a.tcss_fraction,
+    )
   except ValueError as e:
     print(f'digen_jax.sim: {e}', file=sys.stderr)
     return 2
   if a.timelines:
     from digen_jax.runtime import trace as trace_lib  # pylint: disable=g-import-not-at-top
+
     os.makedirs(a.timelines, exist_ok=True)
     for r in pred['rows']:
-      trace_lib.write_timeline(os.path.join(a.timelines, f'sim_{r["name"]}.png'),
-                               r['result'].spans, title=f'simulated {r["name"]}')
+      trace_lib.write_timeline(
+          os.path.join(a.timelines, f'sim_{r["name"]}.png'),
+          r['result'].spans,
+          title=f'simulated {r["name"]}',
+      )
   for r in pred['rows']:
     del r['result']
-    print(f'{r["name"]:12} {r["samples_per_s"]:8.2f} samples/s  util {r["utilization"]:.3f}'
-          f'  x coloc {r["x_colocated"] or 0:.2f}  x disagg {r["x_disagg"] or 0:.2f}')
-  doc = {'source': 'simulator', 'profile': a.profile, 'profile_machine': profile.get('machine'),
-         'command': ' '.join(['python -m digen_jax.sim'] + (sys.argv[1:] if argv is None
-                                                             else list(argv))),
-         'steps': a.steps, 'variant': a.variants[0] if a.variants else '-', **pred}
+    print(
+        f'{r["name"]:12} {r["samples_per_s"]:8.2f} samples/s  util {r["utilization"]:.3f}'
+        f'  x coloc {r["x_colocated"] or 0:.2f}  x disagg {r["x_disagg"] or 0:.2f}'
+    )
+  doc = {
+      'source': 'simulator',
+      'profile': a.profile,
+      'profile_machine': profile.get('machine'),
+      'command': ' '.join(
+          ['python -m digen_jax.sim'] + (sys.argv[1:] if argv is None else list(argv))
+      ),
+      'steps': a.steps,
+      'variant': a.variants[0] if a.variants else '-',
+      **pred,
+  }
   if a.measured:
     with open(a.measured) as f:
       measured = json.load(f)

@@ -7,6 +7,7 @@ weight a ShapeDtypeStruct (the MMDiT under nnx.eval_shape, LoRA adapters under j
 lora.init_adapters, the VAE via the family's abstract_vae) and no text encoder, prompts or reward
 (the compiled programs do not take them).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,11 @@ def vae_config(config, spec: str):
 
   def from_file(path):
     if os.path.isdir(path):
-      path = os.path.join(path, 'vae', 'config.json') if os.path.isdir(
-          os.path.join(path, 'vae')) else os.path.join(path, 'config.json')
+      path = (
+          os.path.join(path, 'vae', 'config.json')
+          if os.path.isdir(os.path.join(path, 'vae'))
+          else os.path.join(path, 'config.json')
+      )
     with open(path) as f:
       return lib.config_from_diffusers(json.load(f)), f'config of {path}'
 
@@ -78,8 +82,10 @@ def vae_config(config, spec: str):
   else:
     cfg, what = from_file(spec)
   if cfg.latent_channels != z:
-    raise ValueError(f'vae={spec!r}: the VAE has {cfg.latent_channels} latent channels but '
-                         f'config.latent.channels={z}')
+    raise ValueError(
+        f'vae={spec!r}: the VAE has {cfg.latent_channels} latent channels but '
+        f'config.latent.channels={z}'
+    )
   return cfg, what
 
 
@@ -99,35 +105,60 @@ def abstract_experiment(config, vae: str = 'auto'):
   lo = config.model.lora
   lora_cfg, base_abstract = None, None
   if lo.rank > 0:
-    lora_cfg = lora_lib.LoraConfig(rank=int(lo.rank), alpha=float(lo.alpha or lo.rank),
-                                   targets=lo.targets)
+    lora_cfg = lora_lib.LoraConfig(
+        rank=int(lo.rank), alpha=float(lo.alpha or lo.rank), targets=lo.targets
+    )
     base_abstract = params
     paths = lora_lib.target_paths(base_abstract, family.key_table(mcfg), lora_cfg)
     params = jax.eval_shape(
         lambda key: lora_lib.init_adapters(base_abstract, paths, lora_cfg, key),
-        jax.random.key(config.seed + 1))
+        jax.random.key(config.seed + 1),
+    )
   vcfg, vae_what = vae_config(config, vae)
   vae = None
   if vcfg is not None:
     vgraph, vstate = family.vae.abstract_vae(vcfg, jnp.float32)
-    vae = weights_lib.VAESource(vcfg, family.vae, vgraph, weights_lib.abstract_of(vstate), folder='')
+    vae = weights_lib.VAESource(
+        vcfg, family.vae, vgraph, weights_lib.abstract_of(vstate), folder=''
+    )
   frozen_dtype = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}[config.model.frozen_dtype]
   weights = weights_lib.Weights(
-      graphdef=graphdef, params=params, frozen_dtype=frozen_dtype, lora=lora_cfg,
-      base_abstract=base_abstract, vae=vae,
-      latent_hw=(lat.height, lat.width), patch=p, vae_batch_chunk=int(lat.vae_batch_chunk),
-      vae_tile=int(lat.vae_tile))
+      graphdef=graphdef,
+      params=params,
+      frozen_dtype=frozen_dtype,
+      lora=lora_cfg,
+      base_abstract=base_abstract,
+      vae=vae,
+      latent_hw=(lat.height, lat.width),
+      patch=p,
+      vae_batch_chunk=int(lat.vae_batch_chunk),
+      vae_tile=int(lat.vae_tile),
+  )
   r = config.rl
   exp = experiment.Experiment(
-      config=config, model_config=mcfg, weights=weights, text_encoder=None, prompts=None,
-      reward_fn=None, sigmas=experiment.build_schedule(config, num_tokens),
-      sde_cfg=sde_lib.SDEConfig(kind=config.sampler.sde, noise_level=config.sampler.noise_level,
-                                logprob_reduce=config.sampler.logprob_reduce),
+      config=config,
+      model_config=mcfg,
+      weights=weights,
+      text_encoder=None,
+      prompts=None,
+      reward_fn=None,
+      sigmas=experiment.build_schedule(config, num_tokens),
+      sde_cfg=sde_lib.SDEConfig(
+          kind=config.sampler.sde,
+          noise_level=config.sampler.noise_level,
+          logprob_reduce=config.sampler.logprob_reduce,
+      ),
       selection=timesteps_lib.TimestepSelection(
-          kind=r.timesteps, fraction=r.timestep_fraction, window_start=r.window_start,
-          window_size=r.window_size, slide_every=r.slide_every),
-      optimizer=experiment.build_optimizer(config), img_shape=img_shape,
-      latent_shape=(num_tokens, config.model.in_channels))
+          kind=r.timesteps,
+          fraction=r.timestep_fraction,
+          window_start=r.window_start,
+          window_size=r.window_size,
+          slide_every=r.slide_every,
+      ),
+      optimizer=experiment.build_optimizer(config),
+      img_shape=img_shape,
+      latent_shape=(num_tokens, config.model.in_channels),
+  )
   return exp, vae_what
 
 
@@ -145,6 +176,7 @@ def laid_out(tree, shardings, dtype=None):
   def sds(x, s):
     d = dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
     return jax.ShapeDtypeStruct(x.shape, d, sharding=s)
+
   return jax.tree.map(sds, tree, shardings)
 
 
@@ -158,7 +190,7 @@ def per_device_bytes(tree) -> int:
   total = 0
   for x in jax.tree.leaves(tree):
     shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-    total += int(np.prod(shape)) * x.dtype.itemsize   # (typed PRNG keys too)
+    total += int(np.prod(shape)) * x.dtype.itemsize  # (typed PRNG keys too)
   return total
 
 
@@ -175,8 +207,14 @@ def abstract_trajectory(exp, batch: int):
   cond = {k: sds(v.shape, v.dtype) for k, v in abstract_cond(exp, batch, mesh).items()}
   params = jax.tree.map(lambda x: sds(x.shape, x.dtype), exp.params)
   frozen = exp.weights.frozen_abstract(decode=True)
-  traj, _ = jax.eval_shape(programs.make_rollout(exp, mesh, frozen=frozen), params, cond, cond,
-                           sds((), jax.random.key(0).dtype), sds((), jnp.int32))
+  traj, _ = jax.eval_shape(
+      programs.make_rollout(exp, mesh, frozen=frozen),
+      params,
+      cond,
+      cond,
+      sds((), jax.random.key(0).dtype),
+      sds((), jnp.int32),
+  )
   return traj
 
 

@@ -24,6 +24,7 @@ architecture sizes: ANALYTIC, not compiled. The planner treats them like XLA-cos
 Token counts: a video of F frames at H x W pixels is (1 + (F - 1) / 4) x H / 8 x W / 8 latent
 positions (the causal 3D VAEs' 4x temporal, 8x spatial compression), patchified 1 x 2 x 2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,32 +33,33 @@ from digen_jax.models import flux
 from digen_jax.sim import roles
 from digen_jax.sim import runmodel as rm
 
-ANALYTIC_DEVICES = 16     # the nominal compile the per-device figures are stated for
+ANALYTIC_DEVICES = 16  # the nominal compile the per-device figures are stated for
 
 
 @dataclasses.dataclass(frozen=True)
 class VideoDiT:
   """A video DiT's published sizes and the clip users post-train it on."""
+
   name: str
-  kind: str                     # 'hunyuan' (FLUX-like dual + single stream) | 'wan'
+  kind: str  # 'hunyuan' (FLUX-like dual + single stream) | 'wan'
   hidden: int
   heads: int
-  double_layers: int            # dual-stream blocks (Wan: its blocks)
-  single_layers: int            # single-stream blocks (Wan: 0)
-  ffn: int                      # MLP width (hunyuan: 4 x hidden)
+  double_layers: int  # dual-stream blocks (Wan: its blocks)
+  single_layers: int  # single-stream blocks (Wan: 0)
+  ffn: int  # MLP width (hunyuan: 4 x hidden)
   text_tokens: int
-  text_dim: int                 # the text encoder's hidden size
-  pooled_dim: int               # pooled text embedding (hunyuan: CLIP-L 768; wan: 0)
-  guidance_embeds: bool         # CFG-distilled (one row per sample) vs true CFG (two)
+  text_dim: int  # the text encoder's hidden size
+  pooled_dim: int  # pooled text embedding (hunyuan: CLIP-L 768; wan: 0)
+  guidance_embeds: bool  # CFG-distilled (one row per sample) vs true CFG (two)
   frames: int
   height: int
   width: int
-  cfg: bool                     # true CFG at rollout and training (2 rows per sample)
+  cfg: bool  # true CFG at rollout and training (2 rows per sample)
   source: str
 
   @property
   def latent_channels(self) -> int:
-    return 16 * 2 * 2           # 16 VAE channels, 1 x 2 x 2 patches
+    return 16 * 2 * 2  # 16 VAE channels, 1 x 2 x 2 patches
 
   @property
   def tokens(self) -> int:
@@ -69,21 +71,34 @@ class VideoDiT:
     return self.double_layers + self.single_layers
 
   def flux_config(self) -> flux.FluxConfig:
-    return flux.FluxConfig(patch_size=1, in_channels=self.latent_channels, out_channels=16,
-                           num_layers=self.double_layers, num_single_layers=self.single_layers,
-                           attention_head_dim=self.hidden // self.heads,
-                           num_attention_heads=self.heads, joint_attention_dim=self.text_dim,
-                           pooled_projection_dim=self.pooled_dim,
-                           guidance_embeds=self.guidance_embeds,
-                           axes_dims_rope=(16, 56, 56))
+    return flux.FluxConfig(
+        patch_size=1,
+        in_channels=self.latent_channels,
+        out_channels=16,
+        num_layers=self.double_layers,
+        num_single_layers=self.single_layers,
+        attention_head_dim=self.hidden // self.heads,
+        num_attention_heads=self.heads,
+        joint_attention_dim=self.text_dim,
+        pooled_projection_dim=self.pooled_dim,
+        guidance_embeds=self.guidance_embeds,
+        axes_dims_rope=(16, 56, 56),
+    )
 
   def params(self) -> int:
     if self.kind == 'hunyuan':
       return flux.count_params(self.flux_config())
     d, f = self.hidden, self.ffn
-    block = 2 * (4 * d * d + 4 * d) + 2 * d * f + d + f + 6 * d   # self + cross attn, MLP, mod
-    embed = (self.latent_channels * d + self.text_dim * d + d * d + 256 * d + d * d
-             + d * 6 * d + d * self.latent_channels)
+    block = 2 * (4 * d * d + 4 * d) + 2 * d * f + d + f + 6 * d  # self + cross attn, MLP, mod
+    embed = (
+        self.latent_channels * d
+        + self.text_dim * d
+        + d * d
+        + 256 * d
+        + d * d
+        + d * 6 * d
+        + d * self.latent_channels
+    )
     return self.double_layers * block + embed
 
   def flops_per_forward(self, rows: int) -> float:
@@ -98,11 +113,22 @@ def wan_flops_per_forward(m: VideoDiT, rows: int) -> float:
   on S tokens, k, v on the text, QK^T and PV against it), MLP d -> ffn -> d; the text embedding
   (text_dim -> d -> d), patch embedding, time embedding and head once."""
   d, s, L = m.hidden, m.tokens, m.text_tokens
-  block = (s * 4 * d * d + 2 * s * s * d            # self-attention
-           + s * 2 * d * d + L * 2 * d * d + 2 * s * L * d   # cross-attention
-           + s * 2 * d * m.ffn)                     # MLP
-  once = (L * (m.text_dim * d + d * d) + s * m.latent_channels * d + 256 * d + d * d
-          + 6 * d * d + s * d * m.latent_channels)
+  block = (
+      s * 4 * d * d
+      + 2 * s * s * d  # self-attention
+      + s * 2 * d * d
+      + L * 2 * d * d
+      + 2 * s * L * d  # cross-attention
+      + s * 2 * d * m.ffn
+  )  # MLP
+  once = (
+      L * (m.text_dim * d + d * d)
+      + s * m.latent_channels * d
+      + 256 * d
+      + d * d
+      + 6 * d * d
+      + s * d * m.latent_channels
+  )
   return 2.0 * rows * (m.double_layers * block + once)
 
 
@@ -115,53 +141,123 @@ def wan_flops_per_forward(m: VideoDiT, rows: int) -> float:
 # stride 4x8x8) and shared_config.py (text_len 512, umT5-XXL 4096); 480p (832 x 480) x 81
 # frames and guide scale 5.0 are its README's T2V-14B defaults.
 HUNYUAN_VIDEO = VideoDiT(
-    'HunyuanVideo-13B (analytic)', 'hunyuan', hidden=3072, heads=24, double_layers=20,
-    single_layers=40, ffn=4 * 3072, text_tokens=256, text_dim=4096, pooled_dim=768,
-    guidance_embeds=True, frames=129, height=544, width=960, cfg=False,
+    'HunyuanVideo-13B (analytic)',
+    'hunyuan',
+    hidden=3072,
+    heads=24,
+    double_layers=20,
+    single_layers=40,
+    ffn=4 * 3072,
+    text_tokens=256,
+    text_dim=4096,
+    pooled_dim=768,
+    guidance_embeds=True,
+    frames=129,
+    height=544,
+    width=960,
+    cfg=False,
     source='Tencent/HunyuanVideo hyvideo/modules/models.py HYVideo-T/2-cfgdistill; README '
-           '544p x 129 frames')
+    '544p x 129 frames',
+)
 WAN21_14B = VideoDiT(
-    'Wan2.1-T2V-14B (analytic)', 'wan', hidden=5120, heads=40, double_layers=40,
-    single_layers=0, ffn=13824, text_tokens=512, text_dim=4096, pooled_dim=0,
-    guidance_embeds=False, frames=81, height=480, width=832, cfg=True,
+    'Wan2.1-T2V-14B (analytic)',
+    'wan',
+    hidden=5120,
+    heads=40,
+    double_layers=40,
+    single_layers=0,
+    ffn=13824,
+    text_tokens=512,
+    text_dim=4096,
+    pooled_dim=0,
+    guidance_embeds=False,
+    frames=81,
+    height=480,
+    width=832,
+    cfg=True,
     source='Wan-Video/Wan2.1 wan/configs/wan_t2v_14B.py, shared_config.py; README 480p x 81 '
-           'frames, guide scale 5.0')
+    'frames, guide scale 5.0',
+)
 FAMILIES = {'hunyuanvideo': HUNYUAN_VIDEO, 'wan21': WAN21_14B}
 
 
-def run_model(m: VideoDiT, *, prompts: int = 4, group_size: int = 8, steps: int = 16,
-              trained_fraction: float = 0.6) -> rm.RunModel:
+def run_model(
+    m: VideoDiT,
+    *,
+    prompts: int = 4,
+    group_size: int = 8,
+    steps: int = 16,
+    trained_fraction: float = 0.6,
+) -> rm.RunModel:
   """An analytic RunModel of full fine-tuning of `m`: T = `steps` SDE sampler steps, K = the
   `trained_fraction` of the T - 1 stochastic ones (Flow-GRPO / DanceGRPO's 0.6), bf16."""
   rows = 2 if m.cfg else 1
   P = m.params()
   K = max(1, int((steps - 1) * trained_fraction))
-  fwd = m.flops_per_forward(rows)                     # one sample, all its rows
+  fwd = m.flops_per_forward(rows)  # one sample, all its rows
   act = 24.0 * rows * m.tokens * m.hidden * m.layers  # activation bytes of one forward
-  weights = 2.0 * P                                   # bf16
+  weights = 2.0 * P  # bf16
   n0 = ANALYTIC_DEVICES
 
   def prog(name, per_unit_flops, per_unit_bytes, temp_per_unit):
-    return roles.ProgramModel(name, n0=n0, batch0=n0, units0=1.0, flops0=per_unit_flops,
-                              bytes0=per_unit_bytes, per_unit=per_unit_flops,
-                              temp_per_unit=temp_per_unit, temp_fit='analytic')
-  rollout = prog('rollout', steps * fwd, steps * (weights + act),
-                 24.0 * rows * m.tokens * m.hidden)
+    return roles.ProgramModel(
+        name,
+        n0=n0,
+        batch0=n0,
+        units0=1.0,
+        flops0=per_unit_flops,
+        bytes0=per_unit_bytes,
+        per_unit=per_unit_flops,
+        temp_per_unit=temp_per_unit,
+        temp_fit='analytic',
+    )
+
+  rollout = prog('rollout', steps * fwd, steps * (weights + act), 24.0 * rows * m.tokens * m.hidden)
   grads = {}
   for remat in (True, False):
     passes = 4 if remat else 3
     per_token = (2 * m.layers + 34) if remat else 34 * m.layers
-    grads[remat] = prog('grad', passes * fwd, passes * (weights + act),
-                        float(per_token) * rows * m.tokens * m.hidden)
-  apply = roles.ProgramModel('apply', n0=n0, batch0=1, units0=1.0, flops0=12.0 * P / n0,
-                             bytes0=28.0 * P / n0, per_unit=0.0, sharded_flops=12.0 * P / n0,
-                             temp_const=4.0 * P / n0, temp_fit='analytic')
+    grads[remat] = prog(
+        'grad',
+        passes * fwd,
+        passes * (weights + act),
+        float(per_token) * rows * m.tokens * m.hidden,
+    )
+  apply = roles.ProgramModel(
+      'apply',
+      n0=n0,
+      batch0=1,
+      units0=1.0,
+      flops0=12.0 * P / n0,
+      bytes0=28.0 * P / n0,
+      per_unit=0.0,
+      sharded_flops=12.0 * P / n0,
+      temp_const=4.0 * P / n0,
+      temp_fit='analytic',
+  )
   return rm.RunModel(
-      name=m.name, source='analytic', prompts=prompts, group_size=group_size, T=steps, K=K,
-      image_tokens=m.tokens, latent_channels=m.latent_channels, layers=m.layers,
-      trainable_bytes=4 * P, optimizer_state_bytes=8 * P, frozen_base_bytes=0,
-      published_bytes=2 * P, rollout_param_bytes=2 * P, gathered_bytes=2 * P,
-      rollout=rollout, grads=grads, apply=apply, finetune='full',
-      notes=[f'analytic costs from published sizes ({m.source}): {P / 1e9:.2f}B params, '
-             f'{m.tokens} video tokens ({m.frames} frames at {m.width}x{m.height}) + '
-             f'{m.text_tokens} text tokens, {rows} row(s) per sample; no VAE decode counted'])
+      name=m.name,
+      source='analytic',
+      prompts=prompts,
+      group_size=group_size,
+      T=steps,
+      K=K,
+      image_tokens=m.tokens,
+      latent_channels=m.latent_channels,
+      layers=m.layers,
+      trainable_bytes=4 * P,
+      optimizer_state_bytes=8 * P,
+      frozen_base_bytes=0,
+      published_bytes=2 * P,
+      rollout_param_bytes=2 * P,
+      gathered_bytes=2 * P,
+      rollout=rollout,
+      grads=grads,
+      apply=apply,
+      finetune='full',
+      notes=[
+          f'analytic costs from published sizes ({m.source}): {P / 1e9:.2f}B params, '
+          f'{m.tokens} video tokens ({m.frames} frames at {m.width}x{m.height}) + '
+          f'{m.text_tokens} text tokens, {rows} row(s) per sample; no VAE decode counted'
+      ],
+  )

@@ -16,6 +16,7 @@ not find a stale one. Entries computed with method 'raw' at another batch are me
 the real program's memory at a second per-device batch (sim/roles.py fits temp memory in it);
 their FLOPs are not used.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,14 +32,36 @@ from digen_jax.sim import costs as costs_lib
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COSTS_DIR = os.path.join(REPO, 'benchmarks', 'costs')
 # Overrides that do not change the rollout, grad or apply programs.
-IGNORED_OVERRIDES = ('schedule.', 'runtime.', 'cluster.layout', 'cluster.trainer.',
-                     'eval.', 'data.', 'total_steps', 'checkpoint', 'keep_checkpoints',
-                     'sample_grid', 'log_every', 'seed', 'optim.lr', 'optim.schedule',
-                     'optim.warmup', 'model.checkpoint', 'text.cache', 'model.remat',
-                     'model.lora.rank', 'model.lora.alpha',
-                     # The batch is in the key; the planner models rl.step_loop's two loops.
-                     'rl.prompts_per_step', 'rl.group_size', 'rl.adv_std', 'rl.adv_eps',
-                     'rl.adv_clip', 'rl.clip_range', 'rl.step_loop')
+IGNORED_OVERRIDES = (
+    'schedule.',
+    'runtime.',
+    'cluster.layout',
+    'cluster.trainer.',
+    'eval.',
+    'data.',
+    'total_steps',
+    'checkpoint',
+    'keep_checkpoints',
+    'sample_grid',
+    'log_every',
+    'seed',
+    'optim.lr',
+    'optim.schedule',
+    'optim.warmup',
+    'model.checkpoint',
+    'text.cache',
+    'model.remat',
+    'model.lora.rank',
+    'model.lora.alpha',
+    # The batch is in the key; the planner models rl.step_loop's two loops.
+    'rl.prompts_per_step',
+    'rl.group_size',
+    'rl.adv_std',
+    'rl.adv_eps',
+    'rl.adv_clip',
+    'rl.clip_range',
+    'rl.step_loop',
+)
 # Config sections the compiled programs read (the digest of a cached entry).
 PROGRAM_SECTIONS = ('model', 'latent', 'text', 'sampler', 'rl', 'optim', 'cluster')
 
@@ -46,32 +69,39 @@ PROGRAM_SECTIONS = ('model', 'latent', 'text', 'sampler', 'rl', 'optim', 'cluste
 @dataclasses.dataclass(frozen=True)
 class Key:
   """What a cached entry was computed for."""
-  config: str                     # config file as given, e.g. configs/qwenimage.py
-  variant: str                    # '' or the ':variant' part
-  overrides: tuple[str, ...]      # sorted 'k=v' that reach the programs
-  finetune: str                   # 'lora' | 'full'
+
+  config: str  # config file as given, e.g. configs/qwenimage.py
+  variant: str  # '' or the ':variant' part
+  overrides: tuple[str, ...]  # sorted 'k=v' that reach the programs
+  finetune: str  # 'lora' | 'full'
   lora_rank: int
   remat: bool
   devices: int
   rollout_batch: int
   fragment_batch: int
-  method: str                     # extrapolate | unrolled | raw
+  method: str  # extrapolate | unrolled | raw
   programs: tuple[str, ...] = costs_lib.PROGRAMS
 
   def filename(self) -> str:
     stem = os.path.splitext(os.path.basename(self.config))[0]
-    parts = [stem + (f'-{self.variant.replace(",", "-")}' if self.variant else ''),
-             f'{self.finetune}{self.lora_rank if self.finetune == "lora" else ""}',
-             f'remat-{"on" if self.remat else "off"}', f'd{self.devices}',
-             f'r{self.rollout_batch}', f'f{self.fragment_batch}', self.method,
-             '-'.join(self.programs)]
+    parts = [
+        stem + (f'-{self.variant.replace(",", "-")}' if self.variant else ''),
+        f'{self.finetune}{self.lora_rank if self.finetune == "lora" else ""}',
+        f'remat-{"on" if self.remat else "off"}',
+        f'd{self.devices}',
+        f'r{self.rollout_batch}',
+        f'f{self.fragment_batch}',
+        self.method,
+        '-'.join(self.programs),
+    ]
     if self.overrides:
       parts.append(hashlib.sha256('\n'.join(self.overrides).encode()).hexdigest()[:8])
     return '_'.join(parts) + '.json'
 
   def to_json(self) -> dict:
-    return dict(dataclasses.asdict(self), overrides=list(self.overrides),
-                programs=list(self.programs))
+    return dict(
+        dataclasses.asdict(self), overrides=list(self.overrides), programs=list(self.programs)
+    )
 
   @staticmethod
   def from_json(d: dict) -> 'Key':
@@ -88,7 +118,7 @@ def program_overrides(overrides: list[str]) -> tuple[str, ...]:
   """The 'k=v' overrides (without '--config.') that change the programs, sorted."""
   out = []
   for o in overrides:
-    o = o[len('--config.'):] if o.startswith('--config.') else o
+    o = o[len('--config.') :] if o.startswith('--config.') else o
     if not o.startswith(IGNORED_OVERRIDES):
       out.append(o)
   return tuple(sorted(out))
@@ -115,8 +145,9 @@ def costs_from_json(d: dict) -> costs_lib.Costs:
   """A Costs back from Costs.to_json() (extra keys ignored)."""
   progs = {}
   for name, p in d['programs'].items():
-    mem = {k: p['memory'][k] for k in ('argument_bytes', 'output_bytes', 'alias_bytes',
-                                       'temp_bytes')}
+    mem = {
+        k: p['memory'][k] for k in ('argument_bytes', 'output_bytes', 'alias_bytes', 'temp_bytes')
+    }
     fields = {f.name for f in dataclasses.fields(costs_lib.ProgramCost)}
     kw = {k: v for k, v in p.items() if k in fields and k != 'memory'}
     progs[name] = costs_lib.ProgramCost(memory=costs_lib.Memory(**mem), **kw)
@@ -136,8 +167,13 @@ class Entry:
 def load(path: str) -> Entry:
   with open(path) as f:
     d = json.load(f)
-  return Entry(Key.from_json(d['key']), costs_from_json(d), path, d.get('config_digest', ''),
-               d.get('command', ''))
+  return Entry(
+      Key.from_json(d['key']),
+      costs_from_json(d),
+      path,
+      d.get('config_digest', ''),
+      d.get('command', ''),
+  )
 
 
 def save(entry_json: dict, key: Key, digest: str, directory: str = COSTS_DIR) -> str:
@@ -153,47 +189,76 @@ def save(entry_json: dict, key: Key, digest: str, directory: str = COSTS_DIR) ->
 def entries(directory: str = COSTS_DIR) -> list[Entry]:
   if not os.path.isdir(directory):
     return []
-  return [load(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
-          if n.endswith('.json')]
+  return [
+      load(os.path.join(directory, n)) for n in sorted(os.listdir(directory)) if n.endswith('.json')
+  ]
 
 
-def matching(config: str, digest: str, finetune: str, lora_rank: int,
-             directory: str = COSTS_DIR) -> list[Entry]:
+def matching(
+    config: str, digest: str, finetune: str, lora_rank: int, directory: str = COSTS_DIR
+) -> list[Entry]:
   """Every cached entry of this config file whose programs read the same config sections
   (`digest`: a variant or override that does not reach the programs matches too), with this
   fine-tuning (any remat, device count, batch or method)."""
   norm = os.path.normpath
-  return [e for e in entries(directory)
-          if norm(e.key.config) == norm(config) and e.digest == digest
-          and e.key.finetune == finetune and (finetune == 'full' or e.key.lora_rank == lora_rank)]
+  return [
+      e
+      for e in entries(directory)
+      if norm(e.key.config) == norm(config)
+      and e.digest == digest
+      and e.key.finetune == finetune
+      and (finetune == 'full' or e.key.lora_rank == lora_rank)
+  ]
 
 
 def stale(config: str, finetune: str, lora_rank: int, directory: str = COSTS_DIR) -> list[Entry]:
   """Entries of this config file and fine-tuning computed from other program settings (the
   config changed since, or another variant / override)."""
   norm = os.path.normpath
-  return [e for e in entries(directory)
-          if norm(e.key.config) == norm(config) and e.key.finetune == finetune
-          and (finetune == 'full' or e.key.lora_rank == lora_rank)]
+  return [
+      e
+      for e in entries(directory)
+      if norm(e.key.config) == norm(config)
+      and e.key.finetune == finetune
+      and (finetune == 'full' or e.key.lora_rank == lora_rank)
+  ]
 
 
-def compute(key: Key, overrides: list[str], digest: str, *, directory: str = COSTS_DIR,
-            log=sys.stderr) -> Entry:
+def compute(
+    key: Key, overrides: list[str], digest: str, *, directory: str = COSTS_DIR, log=sys.stderr
+) -> Entry:
   """Runs python -m digen_jax.sim.costs for `key` in a child process (it must fix the fake
   device count before jax starts), stores the result as the entry of `key` and returns it."""
   os.makedirs(directory, exist_ok=True)
   tmp = os.path.join(directory, '.' + key.filename() + '.part')
   arg = key.config + (f':{key.variant}' if key.variant else '')
-  cmd = [sys.executable, '-m', 'digen_jax.sim.costs', f'--config={arg}',
-         f'--devices={key.devices}', f'--remat={"on" if key.remat else "off"}',
-         f'--rollout_batch={key.rollout_batch}', f'--fragment_batch={key.fragment_batch}',
-         f'--method={key.method}', f'--programs={",".join(key.programs)}', f'--json={tmp}']
+  cmd = [
+      sys.executable,
+      '-m',
+      'digen_jax.sim.costs',
+      f'--config={arg}',
+      f'--devices={key.devices}',
+      f'--remat={"on" if key.remat else "off"}',
+      f'--rollout_batch={key.rollout_batch}',
+      f'--fragment_batch={key.fragment_batch}',
+      f'--method={key.method}',
+      f'--programs={",".join(key.programs)}',
+      f'--json={tmp}',
+  ]
   cmd += ['--full'] if key.finetune == 'full' else ['--lora', f'--lora_rank={key.lora_rank}']
   cmd += [o if o.startswith('--config.') else f'--config.{o}' for o in overrides]
-  print(f'[plan] computing costs (compiles the real programs; minutes for a 20B config): '
-        f'{" ".join(cmd[1:])}', file=log, flush=True)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [REPO] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
+  print(
+      f'[plan] computing costs (compiles the real programs; minutes for a 20B config): '
+      f'{" ".join(cmd[1:])}',
+      file=log,
+      flush=True,
+  )
+  env = dict(
+      os.environ,
+      PYTHONPATH=os.pathsep.join(
+          [REPO] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+      ),
+  )
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
   if proc.returncode != 0:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ['(no output)']
@@ -202,13 +267,15 @@ def compute(key: Key, overrides: list[str], digest: str, *, directory: str = COS
     doc: dict[str, Any] = json.load(f)
   os.remove(tmp)
   doc['command'] = 'python -m digen_jax.sim.costs ' + ' '.join(
-      a for a in cmd[3:] if not a.startswith('--json='))
+      a for a in cmd[3:] if not a.startswith('--json=')
+  )
   path = save(doc, key, digest, directory)
   return load(path)
 
 
 def describe(entry: Entry) -> str:
   k = entry.key
-  return (f'{os.path.relpath(entry.path, REPO)} ({k.finetune}, remat {"on" if k.remat else "off"},'
-          f' {k.devices} devices, batches {k.rollout_batch}/{k.fragment_batch}, {k.method})')
-
+  return (
+      f'{os.path.relpath(entry.path, REPO)} ({k.finetune}, remat {"on" if k.remat else "off"},'
+      f' {k.devices} devices, batches {k.rollout_batch}/{k.fragment_batch}, {k.method})'
+  )

@@ -37,13 +37,15 @@ XLA:CPU's: it has no native bf16 dot (bf16 operands are converted to f32, which 
 and temp memory; see benchmarks/memory.py's NOTES), and it fuses differently from XLA:GPU/TPU.
 FLOP counts are op-level and do not depend on the backend's fusion.
 """
+
 from __future__ import annotations
 
 import sys
 
 if __name__ == '__main__':
-  from digen_jax.sim import devices as _devices   # pylint: disable=g-import-not-at-top
-  _devices.force_host_devices(sys.argv[1:])        # before jax is imported
+  from digen_jax.sim import devices as _devices  # pylint: disable=g-import-not-at-top
+
+  _devices.force_host_devices(sys.argv[1:])  # before jax is imported
 
 # pylint: disable=g-import-not-at-top,wrong-import-position  (after force_host_devices)
 import contextlib
@@ -62,11 +64,12 @@ from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import workers
 from digen_jax.sim import abstract
+
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 PROGRAMS = ('rollout', 'grad', 'apply')
 METHODS = ('extrapolate', 'unrolled', 'raw')
-GIB = 1024 ** 3
+GIB = 1024**3
 _COST_KEYS = ('flops', 'bytes accessed', 'transcendentals')
 
 
@@ -77,9 +80,10 @@ _COST_KEYS = ('flops', 'bytes accessed', 'transcendentals')
 @dataclasses.dataclass(frozen=True)
 class Memory:
   """XLA's buffer assignment of one compiled program, bytes per device."""
+
   argument_bytes: int
   output_bytes: int
-  alias_bytes: int        # outputs written into donated arguments (counted once)
+  alias_bytes: int  # outputs written into donated arguments (counted once)
   temp_bytes: int
 
   @property
@@ -92,9 +96,10 @@ class ProgramCost:
   """One program on `devices` devices. FLOPs and bytes are per device, every loop iteration
   counted (see the module docstring); raw_* are XLA's figures for the real program (loop bodies
   once); analytic_flops counts the model's matmuls only (family.flops_per_forward)."""
+
   name: str
   devices: int
-  batch: int                      # samples in the program, all devices together
+  batch: int  # samples in the program, all devices together
   flops: float
   bytes_accessed: float
   transcendentals: float
@@ -102,10 +107,10 @@ class ProgramCost:
   memory: Memory
   raw_flops: float
   raw_bytes_accessed: float
-  trip_counts: dict[str, int]     # {'steps': T or K, 'layers': L, ..., 'cfg_branches': 1|2}
-  method: str                     # how loops were counted: extrapolate | unrolled | raw
-  compile_s: float                # lower + compile of the real program
-  count_compile_s: float          # lower + compile of the loop-free variants
+  trip_counts: dict[str, int]  # {'steps': T or K, 'layers': L, ..., 'cfg_branches': 1|2}
+  method: str  # how loops were counted: extrapolate | unrolled | raw
+  compile_s: float  # lower + compile of the real program
+  count_compile_s: float  # lower + compile of the loop-free variants
   # FLOP coefficients a, b, c_k, d_k of the extrapolation (empty for the other methods).
   fit: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -118,15 +123,16 @@ class ProgramCost:
 @dataclasses.dataclass
 class Costs:
   """Every program of a run on one mesh, plus the byte counts the time model's transfers use."""
+
   config: str
   devices: int
   settings: dict[str, Any]
-  trainable_bytes: int            # float32 trainable params (the MMDiT, or LoRA adapters)
+  trainable_bytes: int  # float32 trainable params (the MMDiT, or LoRA adapters)
   optimizer_state_bytes: int
-  frozen_base_bytes: int          # the LoRA base in model.frozen_dtype (0 for full fine-tuning)
-  published_bytes: int            # what the trainer publishes to the rollout per optimizer step
-  rollout_param_bytes: int        # the rollout's whole copy of the weights it samples with
-  gathered_bytes: int             # what one FSDP all-gather of the forward's weights moves, whole
+  frozen_base_bytes: int  # the LoRA base in model.frozen_dtype (0 for full fine-tuning)
+  published_bytes: int  # what the trainer publishes to the rollout per optimizer step
+  rollout_param_bytes: int  # the rollout's whole copy of the weights it samples with
+  gathered_bytes: int  # what one FSDP all-gather of the forward's weights moves, whole
   programs: dict[str, ProgramCost] = dataclasses.field(default_factory=dict)
 
   def to_json(self) -> dict:
@@ -146,12 +152,14 @@ def unrolled_loops():
   """While tracing inside, every jax.lax.scan and jax.lax.map is fully unrolled (no while loop
   reaches XLA, so its cost analysis counts every iteration). Patches jax.lax.scan and the scan
   that lax.map calls; restores both on exit. Trace-time only: the math is unchanged."""
-  from jax._src.lax.control_flow import loops   # pylint: disable=g-import-not-at-top
+  from jax._src.lax.control_flow import loops  # pylint: disable=g-import-not-at-top
+
   original_public, original_internal = jax.lax.scan, loops.scan
 
   def scan(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
     del unroll
     return original_internal(f, init, xs, length=length, reverse=reverse, unroll=True, **kw)
+
   jax.lax.scan = loops.scan = scan
   try:
     yield
@@ -195,14 +203,23 @@ def rollout_param_dtype(exp):
 def build_rollout(exp, mesh, batch: int, layout: str):
   """(lower() -> Lowered, held argument bytes) of the rollout as RolloutWorker compiles it."""
   rep = mesh_lib.replicated(mesh)
-  param_sh = (mesh_lib.fsdp_shardings(exp.params, mesh) if layout == 'fsdp'
-              else jax.tree.map(lambda _: rep, exp.params))
+  param_sh = (
+      mesh_lib.fsdp_shardings(exp.params, mesh)
+      if layout == 'fsdp'
+      else jax.tree.map(lambda _: rep, exp.params)
+  )
   frozen = abstract.frozen_tree(exp, mesh, base=layout, decode=True)
-  bound = programs.make_rollout(exp, mesh, param_sh, workers.trajectory_shardings(mesh),
-                                frozen=frozen)
+  bound = programs.make_rollout(
+      exp, mesh, param_sh, workers.trajectory_shardings(mesh), frozen=frozen
+  )
   cond = abstract.abstract_cond(exp, batch, mesh)
-  args = (abstract.laid_out(exp.params, param_sh, rollout_param_dtype(exp)), cond, cond,
-          _key(mesh), jax.ShapeDtypeStruct((), jnp.int32, sharding=rep))
+  args = (
+      abstract.laid_out(exp.params, param_sh, rollout_param_dtype(exp)),
+      cond,
+      cond,
+      _key(mesh),
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
+  )
   return lambda: bound.lower(*args).lowered
 
 
@@ -222,17 +239,23 @@ def build_grad(exp, mesh, batch: int):
   params = abstract.laid_out(exp.params, param_sh, jnp.float32)
   batch_sh = workers.trainer_batch_shardings(mesh)
   frozen = abstract.frozen_tree(exp, mesh, base='fsdp', decode=bool(c.schedule.tag))
-  bound = programs.make_fragment_grad(exp, mesh, param_sh, traj_shardings=batch_sh['traj'],
-                                      tsp=bool(c.schedule.tsp), frozen=frozen)
+  bound = programs.make_fragment_grad(
+      exp, mesh, param_sh, traj_shardings=batch_sh['traj'], tsp=bool(c.schedule.tsp), frozen=frozen
+  )
   k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
   cond = abstract.abstract_cond(exp, batch, mesh)
   ref = params if programs.ref_shardings(exp, param_sh) is not None else None
-  args = (params, {'grads': params, 'sums': _sums(mesh)},
-          abstract.laid_out(abstract.abstract_trajectory(exp, batch), batch_sh['traj']),
-          cond, cond,
-          jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=batch_sh['adv']),
-          jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_sh['valid']),
-          jax.ShapeDtypeStruct((k,), jnp.int32, sharding=rep), ref)
+  args = (
+      params,
+      {'grads': params, 'sums': _sums(mesh)},
+      abstract.laid_out(abstract.abstract_trajectory(exp, batch), batch_sh['traj']),
+      cond,
+      cond,
+      jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=batch_sh['adv']),
+      jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_sh['valid']),
+      jax.ShapeDtypeStruct((k,), jnp.int32, sharding=rep),
+      ref,
+  )
   return lambda: bound.lower(*args).lowered
 
 
@@ -244,8 +267,7 @@ def build_apply(exp, mesh, batch: int):
   opt_shapes = jax.eval_shape(exp.optimizer.init, params)
   opt_sh = mesh_lib.fsdp_shardings(opt_shapes, mesh)
   program = programs.make_apply(exp, mesh, param_sh, opt_sh)
-  args = (params, abstract.laid_out(opt_shapes, opt_sh),
-          {'grads': params, 'sums': _sums(mesh)})
+  args = (params, abstract.laid_out(opt_shapes, opt_sh), {'grads': params, 'sums': _sums(mesh)})
   return lambda: program.lower(*args)
 
 
@@ -263,8 +285,9 @@ def attention_flops(exp, batch: int) -> float:
 
 
 def forward_flops(exp, batch: int) -> float:
-  return exp.family.flops_per_forward(exp.model_config, batch, exp.latent_shape[0],
-                                      exp.config.text.max_length)
+  return exp.family.flops_per_forward(
+      exp.model_config, batch, exp.latent_shape[0], exp.config.text.max_length
+  )
 
 
 def lora_merge_flops(exp) -> float:
@@ -273,7 +296,7 @@ def lora_merge_flops(exp) -> float:
     return 0.0
   total = 0.0
   for entry in exp.params.values():
-    a, b = entry['a'], entry['b']          # [..., in, r], [..., r, out]
+    a, b = entry['a'], entry['b']  # [..., in, r], [..., r, out]
     total += 2.0 * np.prod(a.shape) * b.shape[-1]
   return total
 
@@ -288,7 +311,7 @@ def lora_weight_grad_flops(exp, rows: int) -> float:
   n_img, n_txt = exp.latent_shape[0], exp.config.text.max_length
   total = 0.0
   for path, entry in exp.params.items():
-    a, b = entry['a'], entry['b']          # [..., in, r], [..., r, out]
+    a, b = entry['a'], entry['b']  # [..., in, r], [..., r, out]
     if path.startswith('single_blocks.'):
       tokens = n_img + n_txt
     elif '.add_' in path or 'to_add_out' in path:
@@ -326,8 +349,9 @@ def analytic_flops(name: str, exp, mesh, batch: int) -> float:
   if exp.weights.lora is None:
     backward = 2 * fwd
   else:
-    backward = (fwd - attn) + 2 * attn + trained_steps(exp, mesh) * lora_weight_grad_flops(
-        exp, rows)
+    backward = (
+        (fwd - attn) + 2 * attn + trained_steps(exp, mesh) * lora_weight_grad_flops(exp, rows)
+    )
   remat = fwd if exp.model_config.remat else 0.0
   # The merge's backward: dA = dW B^T and dB = A^T dW, each the merge's size.
   return (fwd + backward + remat + 3 * merge) / n
@@ -339,15 +363,19 @@ def analytic_flops(name: str, exp, mesh, batch: int) -> float:
 
 def _cost_vector(compiled) -> np.ndarray:
   cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):          # older jax: one dict per device program
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per device program
     cost = cost[0] if cost else {}
   return np.array([float((cost or {}).get(k, 0.0)) for k in _COST_KEYS])
 
 
 def _memory(compiled) -> Memory:
   m = compiled.memory_analysis()
-  return Memory(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
-                int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
+  return Memory(
+      int(m.argument_size_in_bytes),
+      int(m.output_size_in_bytes),
+      int(m.alias_size_in_bytes),
+      int(m.temp_size_in_bytes),
+  )
 
 
 def compile_and_read(lower: Callable[[], Any], *, unrolled: bool = False):
@@ -385,8 +413,8 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str):
   kinds = layer_kinds(config)
   base = {k: 1 for k in kinds}
   if name == 'rollout':
-    ts, steps_of = (2, 3), (lambda t: t)                     # T sampler steps
-  else:                                                     # K = steps - 1 trained steps
+    ts, steps_of = (2, 3), (lambda t: t)  # T sampler steps
+  else:  # K = steps - 1 trained steps
     unit = mesh.devices.size if config.schedule.tsp else 1  # TSP pads K to the mesh size
     ts, steps_of = (unit, 2 * unit), (lambda t: t + 1)
   seconds = 0.0
@@ -396,13 +424,16 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str):
       layers = dict(base)
       if extra:
         layers[extra] += 1
-      _, lower = _build(name, variant_config(config, steps=steps_of(t), layers=layers), mesh,
-                        batch, layout, vae)
+      _, lower = _build(
+          name, variant_config(config, steps=steps_of(t), layers=layers), mesh, batch, layout, vae
+      )
       cost[t, extra], _, s = compile_and_read(lower, unrolled=True)
       seconds += s
   t1, t2 = ts
-  c = {k: ((cost[t2, k] - cost[t2, None]) - (cost[t1, k] - cost[t1, None])) / (t2 - t1)
-       for k in kinds}
+  c = {
+      k: ((cost[t2, k] - cost[t2, None]) - (cost[t1, k] - cost[t1, None])) / (t2 - t1)
+      for k in kinds
+  }
   d = {k: (cost[t1, k] - cost[t1, None]) - t1 * c[k] for k in kinds}
   slope = (cost[t2, None] - cost[t1, None]) / (t2 - t1)
   b = slope - sum(c.values())
@@ -410,10 +441,17 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str):
   exp, _ = abstract.abstract_experiment(config, vae)
   t_real = outer_trip(name, exp, mesh)
   real_layers = {k: int(config.model[k]) for k in kinds}
-  total = a + sum(real_layers[k] * d[k] for k in kinds) + t_real * (
-      b + sum(real_layers[k] * c[k] for k in kinds))
-  coefficients = {'a': a[0], 'b': b[0], **{f'c_{k}': c[k][0] for k in kinds},
-                  **{f'd_{k}': d[k][0] for k in kinds}}
+  total = (
+      a
+      + sum(real_layers[k] * d[k] for k in kinds)
+      + t_real * (b + sum(real_layers[k] * c[k] for k in kinds))
+  )
+  coefficients = {
+      'a': a[0],
+      'b': b[0],
+      **{f'c_{k}': c[k][0] for k in kinds},
+      **{f'd_{k}': d[k][0] for k in kinds},
+  }
   return total, coefficients, seconds
 
 
@@ -437,8 +475,16 @@ def trip_counts(name: str, exp, mesh) -> dict[str, int]:
   return out
 
 
-def program_cost(name: str, config, mesh, *, batch: int, method: str = 'extrapolate',
-                 rollout_layout: str | None = None, vae: str = 'auto') -> ProgramCost:
+def program_cost(
+    name: str,
+    config,
+    mesh,
+    *,
+    batch: int,
+    method: str = 'extrapolate',
+    rollout_layout: str | None = None,
+    vae: str = 'auto',
+) -> ProgramCost:
   """Compiles program `name` (rollout | grad | apply) of `config` for `mesh` and reads XLA's
   analyses; `method` says how loop iterations are counted (module docstring)."""
   if name not in PROGRAMS:
@@ -460,12 +506,22 @@ def program_cost(name: str, config, mesh, *, batch: int, method: str = 'extrapol
   else:
     counted, fit, count_s = fit_counts(name, config, mesh, batch, layout, vae)
   return ProgramCost(
-      name=name, devices=mesh.devices.size, batch=batch, flops=float(counted[0]),
-      bytes_accessed=float(counted[1]), transcendentals=float(counted[2]),
-      analytic_flops=analytic_flops(name, exp, mesh, batch), memory=memory,
-      raw_flops=float(raw[0]), raw_bytes_accessed=float(raw[1]),
-      trip_counts=trip_counts(name, exp, mesh), method=method, compile_s=round(compile_s, 2),
-      count_compile_s=round(count_s, 2), fit={k: float(v) for k, v in fit.items()})
+      name=name,
+      devices=mesh.devices.size,
+      batch=batch,
+      flops=float(counted[0]),
+      bytes_accessed=float(counted[1]),
+      transcendentals=float(counted[2]),
+      analytic_flops=analytic_flops(name, exp, mesh, batch),
+      memory=memory,
+      raw_flops=float(raw[0]),
+      raw_bytes_accessed=float(raw[1]),
+      trip_counts=trip_counts(name, exp, mesh),
+      method=method,
+      compile_s=round(compile_s, 2),
+      count_compile_s=round(count_s, 2),
+      fit={k: float(v) for k, v in fit.items()},
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,63 +544,95 @@ def default_batches(config, devices: int) -> tuple[int, int]:
   return whole, whole // max(1, config.schedule.fragments)
 
 
-def run_costs(config, devices: int, *, programs_: tuple[str, ...] = PROGRAMS,
-              method: str = 'extrapolate', rollout_batch: int = 0, fragment_batch: int = 0,
-              rollout_layout: str | None = None, vae: str = 'auto',
-              name: str = '') -> Costs:
+def run_costs(
+    config,
+    devices: int,
+    *,
+    programs_: tuple[str, ...] = PROGRAMS,
+    method: str = 'extrapolate',
+    rollout_batch: int = 0,
+    fragment_batch: int = 0,
+    rollout_layout: str | None = None,
+    vae: str = 'auto',
+    name: str = '',
+) -> Costs:
   """Costs of `config`'s programs on a 1-D mesh of the first `devices` jax devices (fake CPU
   devices: set --xla_force_host_platform_device_count before jax starts). Batches are global
   sample counts; 0 takes default_batches."""
   if jax.device_count() < devices:
-    raise ValueError(f'{devices} devices asked for but jax sees {jax.device_count()}: set '
-                     'XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts')
+    raise ValueError(
+        f'{devices} devices asked for but jax sees {jax.device_count()}: set '
+        'XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts'
+    )
   mesh = mesh_lib.make_mesh(jax.devices()[:devices])
   whole, fragment = default_batches(config, devices)
-  batches = {'rollout': rollout_batch or whole, 'grad': fragment_batch or fragment,
-             'apply': 0}
+  batches = {'rollout': rollout_batch or whole, 'grad': fragment_batch or fragment, 'apply': 0}
   exp, vae_what = abstract.abstract_experiment(config, vae)
   w = exp.weights
   lora = w.lora is not None
   compute = exp.compute_dtype
   trainable = _bytes(exp.params, jnp.float32)
-  opt = jax.eval_shape(exp.optimizer.init, abstract.laid_out(exp.params, mesh_lib.replicated(mesh),
-                                                             jnp.float32))
+  opt = jax.eval_shape(
+      exp.optimizer.init, abstract.laid_out(exp.params, mesh_lib.replicated(mesh), jnp.float32)
+  )
   base = _bytes(w.base_abstract, w.frozen_dtype) if lora else 0
   rollout_copy = _bytes(exp.params, rollout_param_dtype(exp))
   layout = rollout_layout or config.cluster.rollout.param_sharding
   costs = Costs(
-      config=name, devices=devices,
+      config=name,
+      devices=devices,
       settings={
-          'finetune': 'lora' if lora else 'full', 'lora_rank': int(config.model.lora.rank),
-          'remat': bool(exp.model_config.remat), 'cfg': cfg_branches(exp) == 2,
-          'compute_dtype': jnp.dtype(compute).name, 'num_steps': len(exp.sigmas) - 1,
-          'trained_steps': trained_steps(exp, mesh), 'tsp': bool(config.schedule.tsp),
-          'image_tokens': exp.latent_shape[0], 'text_tokens': int(config.text.max_length),
+          'finetune': 'lora' if lora else 'full',
+          'lora_rank': int(config.model.lora.rank),
+          'remat': bool(exp.model_config.remat),
+          'cfg': cfg_branches(exp) == 2,
+          'compute_dtype': jnp.dtype(compute).name,
+          'num_steps': len(exp.sigmas) - 1,
+          'trained_steps': trained_steps(exp, mesh),
+          'tsp': bool(config.schedule.tsp),
+          'image_tokens': exp.latent_shape[0],
+          'text_tokens': int(config.text.max_length),
           'latent_hw': [int(config.latent.height), int(config.latent.width)],
-          'rollout_layout': layout, 'rollout_batch': batches['rollout'],
-          'fragment_batch': batches['grad'], 'vae': vae_what, 'method': method,
-          'mmdit_params': int(exp.family.count_params(exp.model_config))},
-      trainable_bytes=trainable, optimizer_state_bytes=_bytes(opt), frozen_base_bytes=base,
-      published_bytes=rollout_copy, rollout_param_bytes=rollout_copy + base,
-      gathered_bytes=_bytes(exp.params, compute) + base)
+          'rollout_layout': layout,
+          'rollout_batch': batches['rollout'],
+          'fragment_batch': batches['grad'],
+          'vae': vae_what,
+          'method': method,
+          'mmdit_params': int(exp.family.count_params(exp.model_config)),
+      },
+      trainable_bytes=trainable,
+      optimizer_state_bytes=_bytes(opt),
+      frozen_base_bytes=base,
+      published_bytes=rollout_copy,
+      rollout_param_bytes=rollout_copy + base,
+      gathered_bytes=_bytes(exp.params, compute) + base,
+  )
   for p in programs_:
-    print(f'[costs] {p}: batch {batches[p]}, {devices} devices, method {method}', file=sys.stderr,
-          flush=True)
-    costs.programs[p] = program_cost(p, config, mesh, batch=batches[p], method=method,
-                                     rollout_layout=layout, vae=vae)
+    print(
+        f'[costs] {p}: batch {batches[p]}, {devices} devices, method {method}',
+        file=sys.stderr,
+        flush=True,
+    )
+    costs.programs[p] = program_cost(
+        p, config, mesh, batch=batches[p], method=method, rollout_layout=layout, vae=vae
+    )
   return costs
 
 
 def format_table(costs: Costs) -> str:
   """One row per program: counted and raw FLOPs against the analytic count, bytes, memory."""
   s = costs.settings
-  head = (f'{costs.config or "config"}: {s["finetune"]}, remat {"on" if s["remat"] else "off"}, '
-          f'CFG {"on" if s["cfg"] else "off"}, {costs.devices} devices, T={s["num_steps"]}, '
-          f'K={s["trained_steps"]}, {s["image_tokens"]}+{s["text_tokens"]} tokens, '
-          f'{s["mmdit_params"] / 1e9:.2f}B params; per device')
-  cols = (f'{"program":<9}{"batch":>6}{"TFLOP":>10}{"analytic":>10}{"ratio":>7}{"raw TFLOP":>11}'
-          f'{"GB acc.":>10}{"arg GiB":>9}{"temp GiB":>9}{"total GiB":>10}{"compile":>9}'
-          f'{"counting":>10}  trips')
+  head = (
+      f'{costs.config or "config"}: {s["finetune"]}, remat {"on" if s["remat"] else "off"}, '
+      f'CFG {"on" if s["cfg"] else "off"}, {costs.devices} devices, T={s["num_steps"]}, '
+      f'K={s["trained_steps"]}, {s["image_tokens"]}+{s["text_tokens"]} tokens, '
+      f'{s["mmdit_params"] / 1e9:.2f}B params; per device'
+  )
+  cols = (
+      f'{"program":<9}{"batch":>6}{"TFLOP":>10}{"analytic":>10}{"ratio":>7}{"raw TFLOP":>11}'
+      f'{"GB acc.":>10}{"arg GiB":>9}{"temp GiB":>9}{"total GiB":>10}{"compile":>9}'
+      f'{"counting":>10}  trips'
+  )
   rows = [head, cols]
   for p in costs.programs.values():
     m = p.memory
@@ -554,31 +642,37 @@ def format_table(costs: Costs) -> str:
         f'{ratio:>7}{p.raw_flops / 1e12:>11.4g}{p.bytes_accessed / 1e9:>10.4g}'
         f'{m.argument_bytes / GIB:>9.2f}{m.temp_bytes / GIB:>9.2f}{m.total_bytes / GIB:>10.2f}'
         f'{p.compile_s:>8.1f}s{p.count_compile_s:>9.1f}s  '
-        + ','.join(f'{k}={v}' for k, v in p.trip_counts.items()))
-  rows.append(f'trainable {costs.trainable_bytes / 1e9:.2f} GB f32, optimizer state '
-              f'{costs.optimizer_state_bytes / 1e9:.2f} GB, frozen base '
-              f'{costs.frozen_base_bytes / 1e9:.2f} GB, published per step '
-              f'{costs.published_bytes / 1e9:.3f} GB, one FSDP gather '
-              f'{costs.gathered_bytes / 1e9:.2f} GB')
+        + ','.join(f'{k}={v}' for k, v in p.trip_counts.items())
+    )
+  rows.append(
+      f'trainable {costs.trainable_bytes / 1e9:.2f} GB f32, optimizer state '
+      f'{costs.optimizer_state_bytes / 1e9:.2f} GB, frozen base '
+      f'{costs.frozen_base_bytes / 1e9:.2f} GB, published per step '
+      f'{costs.published_bytes / 1e9:.3f} GB, one FSDP gather '
+      f'{costs.gathered_bytes / 1e9:.2f} GB'
+  )
   return '\n'.join(rows)
 
 
 def format_times(costs: Costs, kinds: list[str], mfu: float) -> str:
   """Roofline seconds of each program per accelerator kind (sim/timing.py), and the step's parts
   when all three programs are there."""
-  from digen_jax.sim import hardware   # pylint: disable=g-import-not-at-top  (timing imports us)
-  from digen_jax.sim import timing     # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import hardware  # pylint: disable=g-import-not-at-top  (timing imports us)
+  from digen_jax.sim import timing  # pylint: disable=g-import-not-at-top
+
   eff = timing.Efficiency(mfu=mfu)
   rows = [f'roofline seconds per call (MFU {mfu:.0%}, {eff.hbm:.0%} of HBM and link bandwidth)']
   for kind in kinds:
     acc = hardware.get(kind)
     line = f'{acc.name:<10}' + ''.join(
-        f'  {p.name} {timing.program_seconds(p, acc, eff):.3g}s' for p in costs.programs.values())
+        f'  {p.name} {timing.program_seconds(p, acc, eff):.3g}s' for p in costs.programs.values()
+    )
     if {'rollout', 'grad', 'apply'} <= set(costs.programs):
       for mode in ('colocated', 'disagg'):
         parts = timing.step_breakdown(costs, acc, mode=mode, eff=eff)
         line += f'\n{"":<10}  step ({mode}, serial): ' + ', '.join(
-            f'{k} {v:.3g}s' for k, v in parts.items())
+            f'{k} {v:.3g}s' for k, v in parts.items()
+        )
     rows.append(line)
   return '\n'.join(rows)
 
@@ -588,7 +682,8 @@ def format_times(costs: Costs, kinds: list[str], mfu: float) -> str:
 
 
 def main(argv):
-  from absl import app   # pylint: disable=g-import-not-at-top
+  from absl import app  # pylint: disable=g-import-not-at-top
+
   del argv
   f = _FLAGS
   if f['config'].value is None or f['devices'].value is None:
@@ -607,18 +702,25 @@ def main(argv):
   if unknown:
     raise app.UsageError(f'--programs takes {",".join(PROGRAMS)}; got {sorted(unknown)}')
   name = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--config=')), '')
-  from digen_jax.sim import hardware   # pylint: disable=g-import-not-at-top
-  for kind in f['hardware'].value:     # before minutes of compiling
+  from digen_jax.sim import hardware  # pylint: disable=g-import-not-at-top
+
+  for kind in f['hardware'].value:  # before minutes of compiling
     try:
       hardware.get(kind)
     except ValueError as e:
       raise app.UsageError(f'--hardware: {e}') from e
   try:
-    costs = run_costs(config, f['devices'].value, programs_=tuple(f['programs'].value),
-                      method=f['method'].value, rollout_batch=f['rollout_batch'].value,
-                      fragment_batch=f['fragment_batch'].value,
-                      rollout_layout=f['rollout_layout'].value or None, vae=f['vae'].value,
-                      name=name)
+    costs = run_costs(
+        config,
+        f['devices'].value,
+        programs_=tuple(f['programs'].value),
+        method=f['method'].value,
+        rollout_batch=f['rollout_batch'].value,
+        fragment_batch=f['fragment_batch'].value,
+        rollout_layout=f['rollout_layout'].value or None,
+        vae=f['vae'].value,
+        name=name,
+    )
   except ValueError as e:
     raise app.UsageError(str(e)) from e
   print(format_table(costs), flush=True)
@@ -626,40 +728,61 @@ def main(argv):
     print(format_times(costs, f['hardware'].value, f['mfu'].value), flush=True)
   if f['json'].value:
     with open(f['json'].value, 'w') as out:
-      json.dump(dict(costs.to_json(), command=' '.join(['python -m digen_jax.sim.costs']
-                                                       + sys.argv[1:])), out, indent=2)
+      json.dump(
+          dict(costs.to_json(), command=' '.join(['python -m digen_jax.sim.costs'] + sys.argv[1:])),
+          out,
+          indent=2,
+      )
 
 
 def _define_flags() -> dict:
-  from absl import flags   # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags   # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+
   return {
       'config': config_flags.DEFINE_config_file('config', None, 'Config file[:variant].'),
-      'devices': flags.DEFINE_integer('devices', None, 'N fake CPU devices: the 1-D mesh.',
-                                      lower_bound=1),
+      'devices': flags.DEFINE_integer(
+          'devices', None, 'N fake CPU devices: the 1-D mesh.', lower_bound=1
+      ),
       'programs': flags.DEFINE_list('programs', list(PROGRAMS), 'Programs to compile.'),
-      'method': flags.DEFINE_enum('method', 'extrapolate', list(METHODS),
-                                  'How loop iterations are counted (module docstring).'),
+      'method': flags.DEFINE_enum(
+          'method',
+          'extrapolate',
+          list(METHODS),
+          'How loop iterations are counted (module docstring).',
+      ),
       'remat': flags.DEFINE_enum('remat', 'config', ['config', 'on', 'off'], 'model.remat.'),
-      'lora': flags.DEFINE_bool('lora', None, 'LoRA (the config\'s rank, else --lora_rank).'),
+      'lora': flags.DEFINE_bool('lora', None, "LoRA (the config's rank, else --lora_rank)."),
       'full': flags.DEFINE_bool('full', False, 'Full fine-tuning.'),
       'lora_rank': flags.DEFINE_integer('lora_rank', 64, 'Rank for --lora at config rank 0.'),
-      'rollout_batch': flags.DEFINE_integer('rollout_batch', 0, 'Rollout samples (0: the '
-                                            'logical batch).', lower_bound=0),
-      'fragment_batch': flags.DEFINE_integer('fragment_batch', 0, 'Samples per gradient '
-                                             'fragment (0: batch / schedule.fragments).',
-                                             lower_bound=0),
-      'rollout_layout': flags.DEFINE_enum('rollout_layout', '', ['', 'replicated', 'fsdp'],
-                                          'The rollout copy\'s layout (default: the config\'s).'),
+      'rollout_batch': flags.DEFINE_integer(
+          'rollout_batch', 0, 'Rollout samples (0: the ' 'logical batch).', lower_bound=0
+      ),
+      'fragment_batch': flags.DEFINE_integer(
+          'fragment_batch',
+          0,
+          'Samples per gradient ' 'fragment (0: batch / schedule.fragments).',
+          lower_bound=0,
+      ),
+      'rollout_layout': flags.DEFINE_enum(
+          'rollout_layout',
+          '',
+          ['', 'replicated', 'fsdp'],
+          "The rollout copy's layout (default: the config's).",
+      ),
       'vae': flags.DEFINE_string('vae', 'auto', "'auto', 'real', 'tiny' or a config path."),
       'json': flags.DEFINE_string('json', None, 'Also write the figures as JSON here.'),
-      'hardware': flags.DEFINE_list('hardware', [], 'Accelerator kinds (sim/hardware.py) to '
-                                    'print roofline seconds for, e.g. H100,H20.'),
+      'hardware': flags.DEFINE_list(
+          'hardware',
+          [],
+          'Accelerator kinds (sim/hardware.py) to ' 'print roofline seconds for, e.g. H100,H20.',
+      ),
       'mfu': flags.DEFINE_float('mfu', 0.4, 'Achieved fraction of peak FLOP/s for --hardware.'),
   }
 
 
 if __name__ == '__main__':
-  from absl import app as _app   # pylint: disable=g-import-not-at-top
+  from absl import app as _app  # pylint: disable=g-import-not-at-top
+
   _FLAGS = _define_flags()
   _app.run(main)

@@ -1,6 +1,7 @@
 """Fake host devices for ahead-of-time analysis. Imports nothing from jax: XLA reads
 --xla_force_host_platform_device_count once, when the CPU backend starts, so a command line must
 set it before anything touches a device (in practice: before jax is imported)."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,6 @@ def force_host_devices(argv: Sequence[str]) -> None:
   n = devices_flag(argv)
   if n is None:
     return
-  flags = re.sub(r'--xla_force_host_platform_device_count=\S+', '',
-                 os.environ.get('XLA_FLAGS', ''))
+  flags = re.sub(r'--xla_force_host_platform_device_count=\S+', '', os.environ.get('XLA_FLAGS', ''))
   os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={n}'.strip()
   os.environ['JAX_PLATFORMS'] = 'cpu'

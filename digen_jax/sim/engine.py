@@ -26,6 +26,7 @@ Output: per-step rows (wall from one optimizer step's end to the next, samples/s
 as trace.utilization computes it from the spans), the spans themselves (trace.Span, virtual
 seconds: trace.write_timeline draws them like a real run's) and the BTS decisions.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,6 +56,7 @@ class StepCosts:
   gap          rollout host time after each fragment before it starts the next
   trainer_host trainer host time per step after the publish (metrics, checkpoint, encode)
   """
+
   rollout: float
   grad: float
   apply: float = 0.0
@@ -86,21 +88,25 @@ class StepCosts:
 class Layout:
   """Where the roles run: device counts, whether they compete for one pool of compute
   (`shared`), whether they are the same devices (`colocated`, implies shared)."""
+
   trainer_devices: int = 1
   rollout_devices: int = 1
   shared: bool = False
   colocated: bool = False
-  cores: float = 0.0          # a shared pool's cores (0: each program alone fills it)
+  cores: float = 0.0  # a shared pool's cores (0: each program alone fills it)
 
   def __post_init__(self):
     if self.cores < 0:
       raise ValueError(f'Layout.cores={self.cores} must be >= 0')
     if self.trainer_devices < 1 or self.rollout_devices < 1:
-      raise ValueError(f'Layout: device counts must be >= 1, got trainer={self.trainer_devices} '
-                       f'rollout={self.rollout_devices}')
+      raise ValueError(
+          f'Layout: device counts must be >= 1, got trainer={self.trainer_devices} '
+          f'rollout={self.rollout_devices}'
+      )
     if self.colocated and self.trainer_devices != self.rollout_devices:
-      raise ValueError('Layout: a colocated layout has one device set (trainer_devices == '
-                       'rollout_devices)')
+      raise ValueError(
+          'Layout: a colocated layout has one device set (trainer_devices == ' 'rollout_devices)'
+      )
 
   def devices(self, role: str) -> tuple[int, ...]:
     """Device ids of `role` (colocated: the same ones for both)."""
@@ -119,6 +125,7 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """The schedule settings of a run (config.schedule's fields that change the order)."""
+
   fragments: int = 1
   unit: str = 'group'
   tsp: bool = False
@@ -137,10 +144,10 @@ class Schedule:
 class _Job:
   role: str
   program: str
-  remaining: float            # seconds of work left at speed 1
+  remaining: float  # seconds of work left at speed 1
   pool: str
   t0: float
-  done: Callable[[float, float], None]   # (t_end, duration)
+  done: Callable[[float, float], None]  # (t_end, duration)
   step: int = -1
   fragment: int = -1
   version: int = -1
@@ -149,8 +156,16 @@ class _Job:
 class Simulation:
   """One run of `steps` optimizer steps of a batch of `groups` x `group_size` samples."""
 
-  def __init__(self, costs: StepCosts, layout: Layout, schedule: Schedule, *, groups: int,
-               group_size: int, steps: int):
+  def __init__(
+      self,
+      costs: StepCosts,
+      layout: Layout,
+      schedule: Schedule,
+      *,
+      groups: int,
+      group_size: int,
+      steps: int,
+  ):
     if steps < 1:
       raise ValueError(f'steps={steps} must be >= 1')
     if schedule.tag and costs.tag_rollout is None:
@@ -159,21 +174,23 @@ class Simulation:
     self.plan = frag_lib.FragmentPlan(groups, group_size, schedule.fragments, schedule.unit)
     self.steps = steps
     # Each role drives its own Schedule, as in a run whose roles live in two processes.
-    self.trainer_sm = sched_lib.Schedule(self.plan, start=0, total_steps=steps,
-                                         tag=schedule.tag, costs=bts_lib.Costs())
-    self.rollout_sm = sched_lib.Schedule(self.plan, start=0, total_steps=steps,
-                                         tcss_fraction=schedule.tcss_fraction)
+    self.trainer_sm = sched_lib.Schedule(
+        self.plan, start=0, total_steps=steps, tag=schedule.tag, costs=bts_lib.Costs()
+    )
+    self.rollout_sm = sched_lib.Schedule(
+        self.plan, start=0, total_steps=steps, tcss_fraction=schedule.tcss_fraction
+    )
     self.now = 0.0
     self.jobs: list[_Job] = []
     self.timers: list[tuple[float, int, Callable[[], None]]] = []
     self._seq = 0
-    self.claims: dict[tuple[int, int], tuple[str, float]] = {}   # the arbiter (the link)
+    self.claims: dict[tuple[int, int], tuple[str, float]] = {}  # the arbiter (the link)
     self.published: dict[int, float] = {}
     self.spans: list[trace_lib.Span] = []
     self.decisions: list[dict] = []
     self.apply_end: dict[int, float] = {}
     self.publish_start: dict[int, float] = {}
-    self.busy = {TRAINER: False, ROLLOUT: False}    # a program or a latency in progress
+    self.busy = {TRAINER: False, ROLLOUT: False}  # a program or a latency in progress
     self.done = {TRAINER: False, ROLLOUT: False}
     self.rollout_policy: int | None = None
 
@@ -185,8 +202,7 @@ class Simulation:
 
   def _run(self, role: str, program: str, seconds: float, done, **where) -> None:
     self.busy[role] = True
-    self.jobs.append(_Job(role, program, seconds, self.layout.pool(role), self.now, done,
-                          **where))
+    self.jobs.append(_Job(role, program, seconds, self.layout.pool(role), self.now, done, **where))
 
   def _rates(self) -> dict[int, float]:
     """Each job's speed (1 = as profiled alone) given what shares its pool now."""
@@ -194,8 +210,9 @@ class Simulation:
     demand: dict[str, float] = {}
     for j in self.jobs:
       demand[j.pool] = demand.get(j.pool, 0.0) + self._demand(j)
-    return {id(j): (min(1.0, cap / demand[j.pool]) if cap else 1.0 / demand[j.pool])
-            for j in self.jobs}
+    return {
+        id(j): (min(1.0, cap / demand[j.pool]) if cap else 1.0 / demand[j.pool]) for j in self.jobs
+    }
 
   def _demand(self, job: _Job) -> float:
     """Cores `job` keeps busy alone (without a core count: 1, a whole pool)."""
@@ -205,8 +222,11 @@ class Simulation:
   def _advance(self) -> bool:
     """Moves the clock to the next event and handles it. False when nothing is pending."""
     rates = self._rates()
-    t_job, job = min(((self.now + j.remaining / rates[id(j)], j) for j in self.jobs),
-                     default=(float('inf'), None), key=lambda x: x[0])
+    t_job, job = min(
+        ((self.now + j.remaining / rates[id(j)], j) for j in self.jobs),
+        default=(float('inf'), None),
+        key=lambda x: x[0],
+    )
     t_timer = self.timers[0][0] if self.timers else float('inf')
     t = min(t_job, t_timer)
     if t == float('inf'):
@@ -216,8 +236,18 @@ class Simulation:
     self.now = t
     if job is not None and t_job <= t_timer:
       self.jobs.remove(job)
-      self.spans.append(trace_lib.Span(self.layout.devices(job.role), job.role, job.program,
-                                       job.t0, t, job.step, job.fragment, job.version))
+      self.spans.append(
+          trace_lib.Span(
+              self.layout.devices(job.role),
+              job.role,
+              job.program,
+              job.t0,
+              t,
+              job.step,
+              job.fragment,
+              job.version,
+          )
+      )
       self.busy[job.role] = False
       job.done(t, t - job.t0)
     else:
@@ -229,9 +259,11 @@ class Simulation:
     self._poll()
     while not all(self.done.values()):
       if not self._advance():
-        raise RuntimeError(f'the simulation is stuck at t={self.now:.3f}: trainer at step '
-                           f'{self.trainer_sm.trainer_step}, rollout at step '
-                           f'{self.rollout_sm.rollout_step}')
+        raise RuntimeError(
+            f'the simulation is stuck at t={self.now:.3f}: trainer at step '
+            f'{self.trainer_sm.trainer_step}, rollout at step '
+            f'{self.rollout_sm.rollout_step}'
+        )
       self._poll()
     return Result(self)
 
@@ -242,7 +274,7 @@ class Simulation:
       progress = False
       for role in (TRAINER, ROLLOUT):
         if not self.busy[role] and not self.done[role]:
-          progress |= (self._trainer_next() if role == TRAINER else self._rollout_next())
+          progress |= self._trainer_next() if role == TRAINER else self._rollout_next()
 
   def _hold(self, role: str, seconds: float, then: Callable[[], None] | None = None) -> None:
     """`role` is busy on its host (no device) for `seconds`, then runs `then`."""
@@ -252,6 +284,7 @@ class Simulation:
       self.busy[role] = False
       if then is not None:
         then()
+
     self._after(seconds, end)
 
   # ------------------------------------------------------------------------ the arbiter
@@ -277,21 +310,30 @@ class Simulation:
       def published(t, _):
         sm.published(v, t)
         self.published[v] = t
-        if v > 0 and not self.schedule.synchronous:   # the step's bookkeeping after its publish
+        if v > 0 and not self.schedule.synchronous:  # the step's bookkeeping after its publish
           self._hold(TRAINER, c.trainer_host)
+
       self.publish_start[v] = self.now
       self._run(TRAINER, 'publish', c.publish, published, step=v, version=v)
       return True
     if isinstance(action, sched_lib.TrainFragment):
       s, f = action.step, action.index
-      self._run(TRAINER, 'grad' if self.plan.num > 1 else 'update', c.grad,
-                lambda t, d: sm.trained(s, f, d), step=s, fragment=f, version=s)
+      self._run(
+          TRAINER,
+          'grad' if self.plan.num > 1 else 'update',
+          c.grad,
+          lambda t, d: sm.trained(s, f, d),
+          step=s,
+          fragment=f,
+          version=s,
+      )
       return True
     if isinstance(action, sched_lib.Apply):
       s = action.step
       if c.apply > 0:
-        self._run(TRAINER, 'apply', c.apply, lambda t, d: self._applied(s, t), step=s,
-                  version=s + 1)
+        self._run(
+            TRAINER, 'apply', c.apply, lambda t, d: self._applied(s, t), step=s, version=s + 1
+        )
       else:
         self._applied(s, self.now)
       return True
@@ -306,15 +348,16 @@ class Simulation:
         def sampled(t, d):
           sm.fragment_arrived(s, f, s, TRAINER)
           sm.sampled_by_trainer(d, d)
-        self._run(TRAINER, 'tag_rollout', c.tag_rollout, sampled, step=s, fragment=f,
-                  version=s)
+
+        self._run(TRAINER, 'tag_rollout', c.tag_rollout, sampled, step=s, fragment=f, version=s)
         return True
       dec.update(action='wait', reason=f'fragment {f} was claimed by the rollout first')
       self.decisions.append(dec)
       return False
     if isinstance(action, sched_lib.Wait):
-      if action.decision is not None and (not self.decisions
-                                          or self.decisions[-1] is not action.decision):
+      if action.decision is not None and (
+          not self.decisions or self.decisions[-1] is not action.decision
+      ):
         self.decisions.append(action.decision)
       return False
     if isinstance(action, sched_lib.Done):
@@ -325,7 +368,7 @@ class Simulation:
   def _applied(self, step: int, t: float) -> None:
     self.trainer_sm.applied(step)
     self.apply_end[step] = t
-    if step + 1 >= self.steps or self.schedule.synchronous:   # bookkeeping before the publish
+    if step + 1 >= self.steps or self.schedule.synchronous:  # bookkeeping before the publish
       self._hold(TRAINER, self.costs.trainer_host)
 
   # ------------------------------------------------------------------------ rollout
@@ -341,13 +384,14 @@ class Simulation:
     if isinstance(action, sched_lib.ReceivePolicy):
       v = action.version
       if v not in self.published:
-        return False                           # waits for the publish
-      self._hold(ROLLOUT, max(0.0, self.published[v] + c.pull - self.now),
-                 lambda: sm.policy_received(v))
+        return False  # waits for the publish
+      self._hold(
+          ROLLOUT, max(0.0, self.published[v] + c.pull - self.now), lambda: sm.policy_received(v)
+      )
       return True
     if isinstance(action, sched_lib.SampleFragment):
       s, f, v = action.step, action.index, action.version
-      if not self._claim(s, f, ROLLOUT):       # the trainer took it (TAG)
+      if not self._claim(s, f, ROLLOUT):  # the trainer took it (TAG)
         sm.claimed(s, f, TRAINER, self.now)
         return True
       sm.claimed(s, f, ROLLOUT, self.now)
@@ -355,10 +399,13 @@ class Simulation:
 
       def sampled(t_end, d):
         def arrive():
-          self.trainer_sm.fragment_arrived(s, f, v, ROLLOUT, sample_s=d, t_start=t_start,
-                                           t_end=t_end, arrived=self.now)
+          self.trainer_sm.fragment_arrived(
+              s, f, v, ROLLOUT, sample_s=d, t_start=t_start, t_end=t_end, arrived=self.now
+          )
+
         self._after(c.deliver, arrive)
         self._hold(ROLLOUT, c.gap)
+
       self._run(ROLLOUT, 'rollout', c.rollout, sampled, step=s, fragment=f, version=v)
       return True
     if isinstance(action, sched_lib.EndRolloutStep):
@@ -375,31 +422,47 @@ class Result:
     self.batch = sim.plan.batch
     self.num_devices = sim.layout.num_devices
     ends = [sim.apply_end[s] for s in range(sim.steps)]
-    if sim.schedule.synchronous:   # publish -> update end
+    if sim.schedule.synchronous:  # publish -> update end
       starts = [sim.publish_start[s] for s in range(sim.steps)]
-    else:                          # contiguous: one optimizer step's end to the next
+    else:  # contiguous: one optimizer step's end to the next
       starts = [0.0] + ends[:-1]
     self.rows = []
     for s, (t0, t1) in enumerate(zip(starts, ends)):
       wall = t1 - t0
-      self.rows.append({'step': s + 1, 'wall_s': wall, 'samples_per_s': self.batch / wall,
-                        'utilization': trace_lib.utilization(self.spans, t0, t1,
-                                                             self.num_devices),
-                        't0': t0, 't1': t1})
+      self.rows.append(
+          {
+              'step': s + 1,
+              'wall_s': wall,
+              'samples_per_s': self.batch / wall,
+              'utilization': trace_lib.utilization(self.spans, t0, t1, self.num_devices),
+              't0': t0,
+              't1': t1,
+          }
+      )
     self.makespan = sim.now
 
   def summary(self) -> dict:
     """The ladder's figures: median samples/s and mean utilization over the steps after the
     first (the first one fills the pipeline, and compiles in a real run)."""
     rows = self.rows[1:] or self.rows
-    return {'samples_per_s': statistics.median(r['samples_per_s'] for r in rows),
-            'utilization': statistics.fmean(r['utilization'] for r in rows),
-            'wall_s': statistics.median(r['wall_s'] for r in rows),
-            'steps': len(self.rows),
-            'bts_inserts': sum(d.get('action') == 'insert' for d in self.decisions)}
+    return {
+        'samples_per_s': statistics.median(r['samples_per_s'] for r in rows),
+        'utilization': statistics.fmean(r['utilization'] for r in rows),
+        'wall_s': statistics.median(r['wall_s'] for r in rows),
+        'steps': len(self.rows),
+        'bts_inserts': sum(d.get('action') == 'insert' for d in self.decisions),
+    }
 
 
-def simulate(costs: StepCosts, layout: Layout, schedule: Schedule, *, groups: int,
-             group_size: int, steps: int) -> Result:
-  return Simulation(costs, layout, schedule, groups=groups, group_size=group_size,
-                    steps=steps).run()
+def simulate(
+    costs: StepCosts,
+    layout: Layout,
+    schedule: Schedule,
+    *,
+    groups: int,
+    group_size: int,
+    steps: int,
+) -> Result:
+  return Simulation(
+      costs, layout, schedule, groups=groups, group_size=group_size, steps=steps
+  ).run()

@@ -17,13 +17,20 @@ rung's StepCosts (what each runtime loop does between its programs):
                                          apply; tag_rollout = encode + span + scoring on the
                                          trainer; trainer_host = the step's encodes + selection
 """
+
 from __future__ import annotations
 
 from digen_jax.sim import engine
 
 RUNGS = ('colocated', 'disagg', 'gap', 'tsp', 'tag', 'tcss')
-MODE_KEYS = {'colocated': 'colocated', 'disagg': 'disagg', 'gap': 'gap', 'tsp': 'gap_tsp',
-             'tag': 'gap_tsp_tag', 'tcss': 'gap_tsp_tag_tcss'}
+MODE_KEYS = {
+    'colocated': 'colocated',
+    'disagg': 'disagg',
+    'gap': 'gap',
+    'tsp': 'gap_tsp',
+    'tag': 'gap_tsp_tag',
+    'tcss': 'gap_tsp_tag_tcss',
+}
 VARIANTS = ('mp2', 'sp')
 
 
@@ -32,20 +39,27 @@ def rung_schedule(rung: str, fragments: int, unit: str, tcss_fraction: float) ->
   if rung not in RUNGS:
     raise ValueError(f'rung {rung!r} is not one of {RUNGS}')
   level = RUNGS.index(rung)
-  return engine.Schedule(fragments=fragments if level >= 2 else 1,
-                         unit=unit if level >= 2 else 'group', tsp=level >= 3, tag=level >= 4,
-                         tcss_fraction=tcss_fraction if level >= 5 else 0.0)
+  return engine.Schedule(
+      fragments=fragments if level >= 2 else 1,
+      unit=unit if level >= 2 else 'group',
+      tsp=level >= 3,
+      tag=level >= 4,
+      tcss_fraction=tcss_fraction if level >= 5 else 0.0,
+  )
 
 
 def _get(seconds: dict, key: str, layout: str) -> float:
   if key not in seconds:
-    raise ValueError(f'the profile of layout {layout!r} has no {key!r}; profile this config '
-                     'with the same --fragments (python -m digen_jax.sim.profile)')
+    raise ValueError(
+        f'the profile of layout {layout!r} has no {key!r}; profile this config '
+        'with the same --fragments (python -m digen_jax.sim.profile)'
+    )
   return float(seconds[key])
 
 
-def step_costs(prof: dict, layout_name: str, schedule: engine.Schedule,
-               single_core: dict | None = None) -> engine.StepCosts:
+def step_costs(
+    prof: dict, layout_name: str, schedule: engine.Schedule, single_core: dict | None = None
+) -> engine.StepCosts:
   """A profiled layout's seconds -> the StepCosts of `schedule` (see the module docstring).
 
   single_core: the seconds of the same programs on one core (the mp2 profile), which give
@@ -57,16 +71,26 @@ def step_costs(prof: dict, layout_name: str, schedule: engine.Schedule,
   def cores(pairs):
     if not single_core or not prof.get('shared') or prof.get('colocated'):
       return {}
-    return {prog: max(1.0, single_core[key] / s[key]) for prog, key in pairs
-            if key in single_core and key in s}
+    return {
+        prog: max(1.0, single_core[key] / s[key])
+        for prog, key in pairs
+        if key in single_core and key in s
+    }
+
   if schedule.synchronous:
-    return engine.StepCosts(rollout=g(f'rollout+reward/{B}'), grad=g(f'update/{B}'),
-                            publish=g('publish'), pull=g('pull'), deliver=g(f'move/{B}'),
-                            cores=cores([('rollout', f'rollout+reward/{B}'),
-                                         ('update', f'update/{B}')]))
+    return engine.StepCosts(
+        rollout=g(f'rollout+reward/{B}'),
+        grad=g(f'update/{B}'),
+        publish=g('publish'),
+        pull=g('pull'),
+        deliver=g(f'move/{B}'),
+        cores=cores([('rollout', f'rollout+reward/{B}'), ('update', f'update/{B}')]),
+    )
   if schedule.fragments != prof['fragments']:
-    raise ValueError(f'the profile holds M={prof["fragments"]} fragment programs, the rung '
-                     f'asks for M={schedule.fragments}')
+    raise ValueError(
+        f'the profile holds M={prof["fragments"]} fragment programs, the rung '
+        f'asks for M={schedule.fragments}'
+    )
   hand = g(f'reward/{n}') + g(f'handover/{n}')
   grad = f'grad_tsp/{n}' if schedule.tsp else f'grad/{n}'
   return engine.StepCosts(
@@ -74,24 +98,45 @@ def step_costs(prof: dict, layout_name: str, schedule: engine.Schedule,
       grad=g(f'adv/{n}') + g(grad),
       apply=g('apply'),
       tag_rollout=g(f'encode/{n}') + g(f'tag_rollout/{n}') + g(f'tag_reward/{n}'),
-      publish=g('publish'), pull=g('pull'), deliver=hand, gap=hand + g(f'encode/{n}'),
+      publish=g('publish'),
+      pull=g('pull'),
+      deliver=hand,
+      gap=hand + g(f'encode/{n}'),
       trainer_host=schedule.fragments * g(f'encode/{n}') + g('begin'),
-      cores=cores([('rollout', f'rollout/{n}'), ('grad', grad), ('apply', 'apply'),
-                   ('tag_rollout', f'tag_rollout/{n}')]))
+      cores=cores(
+          [
+              ('rollout', f'rollout/{n}'),
+              ('grad', grad),
+              ('apply', 'apply'),
+              ('tag_rollout', f'tag_rollout/{n}'),
+          ]
+      ),
+  )
 
 
 def layout_of(prof: dict, cores: int = 0) -> engine.Layout:
   """The profiled layout; a shared one with the host's `cores` when the programs' core use is
   known (0: each program fills the host)."""
   shared = prof['shared'] and not prof['colocated']
-  return engine.Layout(trainer_devices=prof['trainer_devices'],
-                       rollout_devices=prof['rollout_devices'], shared=prof['shared'],
-                       colocated=prof['colocated'], cores=cores if shared else 0)
+  return engine.Layout(
+      trainer_devices=prof['trainer_devices'],
+      rollout_devices=prof['rollout_devices'],
+      shared=prof['shared'],
+      colocated=prof['colocated'],
+      cores=cores if shared else 0,
+  )
 
 
-def predict_ladder(profile: dict, *, rungs=RUNGS, variants=VARIANTS, steps: int = 8,
-                   fragments: int = 16, unit: str = 'group', tcss_fraction: float = 0.5
-                   ) -> dict:
+def predict_ladder(
+    profile: dict,
+    *,
+    rungs=RUNGS,
+    variants=VARIANTS,
+    steps: int = 8,
+    fragments: int = 16,
+    unit: str = 'group',
+    tcss_fraction: float = 0.5,
+) -> dict:
   """Simulates every (rung, variant) the ladder runs. Returns {'rows': [...], 'modes': ...,
   'modes_by_variant': ...} with the ladder's keys (DESIGN.md §5)."""
   layouts = profile['layouts']
@@ -107,11 +152,22 @@ def predict_ladder(profile: dict, *, rungs=RUNGS, variants=VARIANTS, steps: int 
       # Core use on a shared host: from the same programs timed on one core (mp2's profile).
       single = layouts['mp2']['seconds'] if 'mp2' in layouts and name == 'sp' else None
       cores = len(profile.get('machine', {}).get('cores', ())) if single else 0
-      result = engine.simulate(step_costs(prof, name, schedule, single),
-                               layout_of(prof, cores), schedule, groups=B // gs,
-                               group_size=gs, steps=steps)
-      row = {'name': rung if rung == 'colocated' else f'{variant}-{rung}', 'rung': rung,
-             'variant': variant, 'status': 'ok', **result.summary(), 'result': result}
+      result = engine.simulate(
+          step_costs(prof, name, schedule, single),
+          layout_of(prof, cores),
+          schedule,
+          groups=B // gs,
+          group_size=gs,
+          steps=steps,
+      )
+      row = {
+          'name': rung if rung == 'colocated' else f'{variant}-{rung}',
+          'rung': rung,
+          'variant': variant,
+          'status': 'ok',
+          **result.summary(),
+          'result': result,
+      }
       rows.append(row)
   _add_ratios(rows)
   out = {'rows': rows, 'modes_by_variant': {v: _modes(rows, v) for v in variants}}
@@ -128,9 +184,14 @@ def _add_ratios(rows: list[dict]) -> None:
 
 
 def _modes(rows: list[dict], variant: str) -> dict:
-  return {MODE_KEYS[r['rung']]: {k: r.get(k) for k in (
-      'samples_per_s', 'utilization', 'x_colocated', 'x_disagg', 'bts_inserts')}
-          for r in rows if r['variant'] in ('-', variant)}
+  return {
+      MODE_KEYS[r['rung']]: {
+          k: r.get(k)
+          for k in ('samples_per_s', 'utilization', 'x_colocated', 'x_disagg', 'bts_inserts')
+      }
+      for r in rows
+      if r['variant'] in ('-', variant)
+  }
 
 
 def compare(predicted: dict, measured: dict, variants=VARIANTS) -> dict:
@@ -145,17 +206,29 @@ def compare(predicted: dict, measured: dict, variants=VARIANTS) -> dict:
       if p is None or m.get('samples_per_s') is None:
         continue
       if key == 'colocated' and any(x['mode'] == 'colocated' for x in lines):
-        continue                     # one colocated run is every variant's baseline
-      lines.append({'variant': v, 'mode': key, 'measured_sps': m['samples_per_s'],
-                    'predicted_sps': p['samples_per_s'],
-                    'sps_error': p['samples_per_s'] / m['samples_per_s'] - 1,
-                    'measured_util': m.get('utilization'), 'predicted_util': p['utilization'],
-                    'util_error': (p['utilization'] - m['utilization']
-                                   if m.get('utilization') is not None else None)})
+        continue  # one colocated run is every variant's baseline
+      lines.append(
+          {
+              'variant': v,
+              'mode': key,
+              'measured_sps': m['samples_per_s'],
+              'predicted_sps': p['samples_per_s'],
+              'sps_error': p['samples_per_s'] / m['samples_per_s'] - 1,
+              'measured_util': m.get('utilization'),
+              'predicted_util': p['utilization'],
+              'util_error': (
+                  p['utilization'] - m['utilization'] if m.get('utilization') is not None else None
+              ),
+          }
+      )
   if not lines:
     raise ValueError('no (variant, mode) is in both the prediction and the measurement')
   errs = [abs(x['sps_error']) for x in lines]
   uerrs = [abs(x['util_error']) for x in lines if x['util_error'] is not None]
-  return {'lines': lines, 'sps_mae': sum(errs) / len(errs), 'sps_max': max(errs),
-          'util_mae': sum(uerrs) / len(uerrs) if uerrs else None,
-          'util_max': max(uerrs) if uerrs else None}
+  return {
+      'lines': lines,
+      'sps_mae': sum(errs) / len(errs),
+      'sps_max': max(errs),
+      'util_mae': sum(uerrs) / len(uerrs) if uerrs else None,
+      'util_max': max(uerrs) if uerrs else None,
+  }

@@ -24,6 +24,7 @@ Output: {'config', 'overrides', 'machine', 'layouts': {name: {'trainer_devices',
 rollout/<n>, reward/<n>, update/<B>, move/<B>, grad/<n>, grad_tsp/<n>, adv/<n>, apply,
 tag_rollout/<n>, publish, pull, handover/<n>, encode/<n>, begin.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,7 +95,7 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
   from digen_jax import compile_cache  # pylint: disable=g-import-not-at-top
 
   info = distributed.maybe_initialize()
-  compile_cache.enable()     # the runs it predicts then start from the same compiled programs
+  compile_cache.enable()  # the runs it predicts then start from the same compiled programs
   config = _layout_config(config, layout, fragments, unit)
   workdir = tempfile.mkdtemp(prefix='digen_profile_')
   multi = info.num_processes > 1
@@ -109,13 +110,17 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
   level = 'allow'
   tracer = trace_lib.Tracer(False)
   plan = frag_lib.plan_of(config)
-  full = frag_lib.FragmentPlan(plan.groups, plan.group_size, 1, unit)
   B, n = plan.batch, plan.size
   prompts = exp.prompts.next_batch()
   batch_prompts = [p for p in prompts for _ in range(plan.group_size)]
   out: dict[str, float] = {}
-  chan = (transfer.Channel(cluster.rollout.process if is_trainer else cluster.trainer.process,
-                           name='profile') if multi else None)
+  chan = (
+      transfer.Channel(
+          cluster.rollout.process if is_trainer else cluster.trainer.process, name='profile'
+      )
+      if multi
+      else None
+  )
 
   def barrier(name):
     if multi:
@@ -128,12 +133,25 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
     trainer = run.trainer
   if is_rollout:
     policy = publish.publish_local(exp.params, 0, rollout_sh, dtype)
-    rollout = workers.RolloutWorker(exp, cluster.rollout.mesh, rollout_sh, level,
-                                    frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
+    rollout = workers.RolloutWorker(
+        exp,
+        cluster.rollout.mesh,
+        rollout_sh,
+        level,
+        frozen_fsdp=publish.rollout_frozen_fsdp(cluster),
+    )
   if is_rollout and layout != 'colocated':
-    sampler = rollout_lib.FragmentSampler(exp, cluster.rollout.mesh, rollout_sh, plan,
-                                          'rollout', tracer, level, dtype,
-                                          frozen_fsdp=publish.rollout_frozen_fsdp(cluster))
+    sampler = rollout_lib.FragmentSampler(
+        exp,
+        cluster.rollout.mesh,
+        rollout_sh,
+        plan,
+        'rollout',
+        tracer,
+        level,
+        dtype,
+        frozen_fsdp=publish.rollout_frozen_fsdp(cluster),
+    )
 
   # ---- the full-batch programs of the synchronous loops (M = 1).
   barrier('full')
@@ -142,6 +160,7 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
 
     def generate():
       gen['out'] = rollout.generate(policy, prompts, 0, tracer)
+
     out[f'rollout+reward/{B}'] = _median_time(generate, repeats)
     samples = [rollout.generate(policy, prompts, 0, tracer) for _ in range(repeats)]
     out[f'reward/{B}'] = statistics.median(s.reward_s for s in samples)
@@ -160,15 +179,17 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
       out[f'move/{B}'] = statistics.median(m[2] for m in moves[1:])
       trainer_batch = moves[-1][0]
   else:
+
     def move():
-      return jax.block_until_ready(
-          publish.move_batch_local(full_batch, trainer.batch_shardings))
+      return jax.block_until_ready(publish.move_batch_local(full_batch, trainer.batch_shardings))
+
     out[f'move/{B}'] = _median_time(move, repeats)
     trainer_batch = move()
   barrier('full_move')
   if is_trainer:
     out[f'update/{B}'] = _median_time(
-        lambda: trainer.train_step(trainer_batch, batch_prompts, 0, tracer), repeats)
+        lambda: trainer.train_step(trainer_batch, batch_prompts, 0, tracer), repeats
+    )
   barrier('full_update')
 
   # ---- the weight publish (trainer) and pull (rollout).
@@ -186,19 +207,32 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
       pulls = [publish.receive_weights(chan, ab)[1] for _ in range(repeats + 1)]
       out['pull'] = statistics.median(pulls[1:])
   else:
-    out['publish'] = _median_time(lambda: jax.block_until_ready(
-        publish.publish_local(trainer.params, 1, rollout_sh, dtype).params), repeats)
+    out['publish'] = _median_time(
+        lambda: jax.block_until_ready(
+            publish.publish_local(trainer.params, 1, rollout_sh, dtype).params
+        ),
+        repeats,
+    )
     out['pull'] = 0.0
   barrier('weights')
 
   # ---- the fragment programs of the pipelined schedule (M = plan.num; disagg only).
   if layout == 'colocated':
-    return {'trainer_devices': cluster.trainer.size, 'rollout_devices': cluster.rollout.size,
-            'shared': True, 'colocated': True, 'batch': B, 'fragment': n, 'fragments': plan.num,
-            'group_size': plan.group_size, 'seconds': out}
+    return {
+        'trainer_devices': cluster.trainer.size,
+        'rollout_devices': cluster.rollout.size,
+        'shared': True,
+        'colocated': True,
+        'batch': B,
+        'fragment': n,
+        'fragments': plan.num,
+        'group_size': plan.group_size,
+        'seconds': out,
+    }
   if is_rollout:
-    frags = [sampler.sample(policy.params, 0, batch_prompts, 0, f % plan.num)
-             for f in range(repeats + 1)][1:]
+    frags = [
+        sampler.sample(policy.params, 0, batch_prompts, 0, f % plan.num) for f in range(repeats + 1)
+    ][1:]
     out[f'rollout/{n}'] = statistics.median(f.sample_s for f in frags)
     out[f'reward/{n}'] = statistics.median(f.reward_s for f in frags)
     frag = frags[0]
@@ -211,13 +245,16 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
         chan.wait_delivered('frag')
     else:
       ab = workers.with_shardings(
-          rollout_lib.abstract_fragment(exp, plan, traj_shardings), traj_shardings)
+          rollout_lib.abstract_fragment(exp, plan, traj_shardings), traj_shardings
+      )
       pulls = [chan.receive_full(ab, 'frag') for _ in range(repeats + 1)]
       out[f'handover/{n}'] = statistics.median(d.pull_s for d in pulls[1:])
       traj = pulls[-1].tree
   else:
+
     def hand_over():
       return jax.block_until_ready(jax.device_put(frag.traj, traj_shardings))
+
     out[f'handover/{n}'] = _median_time(hand_over, repeats)
     traj = hand_over()
   barrier('frag_move')
@@ -229,27 +266,30 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
       indices, acc = ft.begin(0)
       cond = ft.encode(plan.prompts(0, batch_prompts))
       adv = ft.advantages(0, rewards)
-      state = {'acc': acc}          # the gradient accumulator is donated: thread it through
+      state = {'acc': acc}  # the gradient accumulator is donated: thread it through
 
       def grad():
         state['acc'] = jax.block_until_ready(ft.grad(state['acc'], indices, traj, cond, *adv))
+
       out[f'{"grad_tsp" if tsp else "grad"}/{n}'] = _median_time(grad, repeats)
     out[f'adv/{n}'] = _median_time(
-        lambda: jax.block_until_ready(ft.advantages(0, rewards)), repeats)
-    out[f'encode/{n}'] = _median_time(lambda: ft.encode(plan.prompts(0, batch_prompts)),
-                                      repeats)
+        lambda: jax.block_until_ready(ft.advantages(0, rewards)), repeats
+    )
+    out[f'encode/{n}'] = _median_time(lambda: ft.encode(plan.prompts(0, batch_prompts)), repeats)
     out['begin'] = _median_time(lambda: jax.block_until_ready(ft.begin(0)), repeats)
     applies = []
-    for _ in range(repeats + 1):    # apply donates the accumulator: a fresh one each time
+    for _ in range(repeats + 1):  # apply donates the accumulator: a fresh one each time
       acc = jax.block_until_ready(ft.grad(ft.begin(0)[1], indices, traj, cond, *adv))
       t0 = time.perf_counter()
       jax.device_get(ft.apply(acc))
       applies.append(time.perf_counter() - t0)
     out['apply'] = statistics.median(applies[1:])
-    tag = rollout_lib.FragmentSampler(exp, cluster.trainer.mesh, trainer.param_shardings, plan,
-                                      'trainer', tracer, level)
-    tags = [tag.sample(trainer.params, 0, batch_prompts, 0, f % plan.num)
-            for f in range(repeats + 1)][1:]
+    tag = rollout_lib.FragmentSampler(
+        exp, cluster.trainer.mesh, trainer.param_shardings, plan, 'trainer', tracer, level
+    )
+    tags = [
+        tag.sample(trainer.params, 0, batch_prompts, 0, f % plan.num) for f in range(repeats + 1)
+    ][1:]
     out[f'tag_rollout/{n}'] = statistics.median(f.sample_s for f in tags)
     out[f'tag_reward/{n}'] = statistics.median(f.reward_s for f in tags)
   barrier('done')
@@ -258,24 +298,35 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
       distributed.kv_set('digen/profile/rollout', json.dumps(out))
       return {}
     out.update(json.loads(distributed.kv_get('digen/profile/rollout', 600)))
-  return {'trainer_devices': cluster.trainer.size, 'rollout_devices': cluster.rollout.size,
-          'shared': layout == 'sp', 'colocated': layout == 'colocated', 'batch': B,
-          'fragment': n, 'fragments': plan.num, 'group_size': plan.group_size,
-          'seconds': out}
+  return {
+      'trainer_devices': cluster.trainer.size,
+      'rollout_devices': cluster.rollout.size,
+      'shared': layout == 'sp',
+      'colocated': layout == 'colocated',
+      'batch': B,
+      'fragment': n,
+      'fragments': plan.num,
+      'group_size': plan.group_size,
+      'seconds': out,
+  }
 
 
 def _child_command(layout: str, argv: list[str], out: str) -> tuple[list[str], dict]:
   """argv and environment of the processes that profile `layout`."""
   d = _DEVICES.value
   words = [a for a in argv[1:] if not a.startswith(('--out', '--layouts', '--child'))]
-  cmd = [sys.executable, '-m', 'digen_jax.sim.profile', *words, f'--child={layout}',
-         f'--out={out}']
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      p for p in (REPO, os.environ.get('PYTHONPATH')) if p), PYTHONUNBUFFERED='1')
+  cmd = [sys.executable, '-m', 'digen_jax.sim.profile', *words, f'--child={layout}', f'--out={out}']
+  env = dict(
+      os.environ,
+      PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get('PYTHONPATH')) if p),
+      PYTHONUNBUFFERED='1',
+  )
   launcher = [sys.executable, os.path.join(REPO, 'launch', 'local.py')]
   if layout == 'mp2':
-    return launcher + ['--num_processes=2', f'--devices_per_process={d}', '--cpu_pinning',
-                       '--'] + cmd, env
+    return (
+        launcher + ['--num_processes=2', f'--devices_per_process={d}', '--cpu_pinning', '--'] + cmd,
+        env,
+    )
   if layout == 'sp':
     cmd += ['--config.runtime.mode=disagg']
   return launcher + ['--num_processes=1', f'--devices_per_process={2 * d}', '--'] + cmd, env
@@ -284,14 +335,20 @@ def _child_command(layout: str, argv: list[str], out: str) -> tuple[list[str], d
 def machine() -> dict:
   """Where a profile was taken (the simulator's predictions hold for this machine)."""
   import platform  # pylint: disable=g-import-not-at-top
+
   cpu = ''
   try:
     with open('/proc/cpuinfo') as f:
       cpu = next((l.split(':', 1)[1].strip() for l in f if l.startswith('model name')), '')
   except OSError:
     pass
-  return {'platform': platform.platform(), 'cpu': cpu, 'cores': sorted(os.sched_getaffinity(0)),
-          'load_avg_1m': os.getloadavg()[0], 'date': time.strftime('%Y-%m-%d %H:%M:%S %Z')}
+  return {
+      'platform': platform.platform(),
+      'cpu': cpu,
+      'cores': sorted(os.sched_getaffinity(0)),
+      'load_avg_1m': os.getloadavg()[0],
+      'date': time.strftime('%Y-%m-%d %H:%M:%S %Z'),
+  }
 
 
 def main(argv):
@@ -320,14 +377,16 @@ def main(argv):
     with open(part) as f:
       layouts[layout] = json.load(f)
     os.remove(part)
-    print(f'[profile] {layout}: {time.time() - t0:.0f}s '
-          + ' '.join(f'{k}={v * 1e3:.1f}ms' for k, v in layouts[layout]['seconds'].items()),
-          flush=True)
+    print(
+        f'[profile] {layout}: {time.time() - t0:.0f}s '
+        + ' '.join(f'{k}={v * 1e3:.1f}ms' for k, v in layouts[layout]['seconds'].items()),
+        flush=True,
+    )
   with open(_OUT.value, 'w') as f:
     json.dump({'argv': sys.argv[1:], 'machine': machine(), 'layouts': layouts}, f, indent=1)
   print(f'[profile] {_OUT.value}')
 
 
 if __name__ == '__main__':
-  flags.FLAGS.set_default('workdir', tempfile.gettempdir())   # cli's flag; nothing is written there
+  flags.FLAGS.set_default('workdir', tempfile.gettempdir())  # cli's flag; nothing is written there
   app.run(main, flags_parser=cli.parse_flags)

@@ -25,6 +25,7 @@ each program is modelled in its unit of per-device work:
 A role with several kinds runs SPMD in lockstep: the slowest kind sets its seconds, the smallest
 memory its fit, and its collectives cross nodes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,12 +35,13 @@ from digen_jax.sim import costs as costs_lib
 from digen_jax.sim import hardware
 from digen_jax.sim import timing
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 @dataclasses.dataclass(frozen=True)
 class Group:
   """The devices of one role: (count, kind) parts."""
+
   parts: tuple[hardware.ClusterPart, ...]
 
   @property
@@ -66,46 +68,61 @@ class Group:
     # Kinds live in different nodes: a mixed role's collectives cross them.
     return devices_per_node if len(self.parts) == 1 else 1
 
-  def fsdp_seconds(self, gathered: int, grad: int, gathers: int, devices_per_node: int,
-                   eff: timing.Efficiency) -> float:
-    return max(timing.fsdp_seconds(gathered, grad, self.n, a, gathers=gathers,
-                                   devices_per_node=self.per_node(devices_per_node), eff=eff)
-               for a in self.kinds)
+  def fsdp_seconds(
+      self, gathered: int, grad: int, gathers: int, devices_per_node: int, eff: timing.Efficiency
+  ) -> float:
+    return max(
+        timing.fsdp_seconds(
+            gathered,
+            grad,
+            self.n,
+            a,
+            gathers=gathers,
+            devices_per_node=self.per_node(devices_per_node),
+            eff=eff,
+        )
+        for a in self.kinds
+    )
 
-  def gather_seconds(self, whole_bytes: int, devices_per_node: int,
-                     eff: timing.Efficiency) -> float:
+  def gather_seconds(
+      self, whole_bytes: int, devices_per_node: int, eff: timing.Efficiency
+  ) -> float:
     """One ring all-gather of `whole_bytes` over the group."""
     if self.n == 1:
       return 0.0
-    return max((self.n - 1) / self.n * whole_bytes
-               / timing.link_bw(a, self.n, self.per_node(devices_per_node), eff)
-               for a in self.kinds)
+    return max(
+        (self.n - 1)
+        / self.n
+        * whole_bytes
+        / timing.link_bw(a, self.n, self.per_node(devices_per_node), eff)
+        for a in self.kinds
+    )
 
 
 @dataclasses.dataclass
 class ProgramModel:
   """One program's per-device FLOPs, bytes and temp memory as functions of its units."""
+
   name: str
-  n0: int                   # devices of the compile
-  batch0: int               # the compile's global batch (samples)
-  units0: float             # per-device units of the compile
+  n0: int  # devices of the compile
+  batch0: int  # the compile's global batch (samples)
+  units0: float  # per-device units of the compile
   flops0: float
   bytes0: float
-  per_unit: float           # FLOPs per unit per device
+  per_unit: float  # FLOPs per unit per device
   batch_flops: float = 0.0  # per device, scales with the call's global batch (replicated decode)
   fixed_flops: float = 0.0  # per device per call (the rollout's LoRA merge)
   sharded_flops: float = 0.0  # per device at n0, scales as n0 / n
-  temp_const: float = 0.0   # temp bytes = temp_const + temp_per_unit * units (XLA's, per device)
+  temp_const: float = 0.0  # temp bytes = temp_const + temp_per_unit * units (XLA's, per device)
   temp_per_unit: float = 0.0
   temp_fit: str = 'proportional'
   upcast_bytes: float = 0.0  # XLA:CPU's f32 copy of bf16 weights inside temp_const (n0 devices)
 
-  def flops(self, n: int, units: float, call_batch: int, *, sharded_decode: bool = False
-            ) -> float:
+  def flops(self, n: int, units: float, call_batch: int, *, sharded_decode: bool = False) -> float:
     decode = self.batch_flops * call_batch / self.batch0
-    if sharded_decode:     # the decode mapped over each device's own samples
+    if sharded_decode:  # the decode mapped over each device's own samples
       decode *= self.n0 / n
-    return (self.per_unit * units + decode + self.fixed_flops + self.sharded_flops * self.n0 / n)
+    return self.per_unit * units + decode + self.fixed_flops + self.sharded_flops * self.n0 / n
 
   def bytes_for(self, flops: float) -> float:
     return self.bytes0 * flops / self.flops0 if self.flops0 else 0.0
@@ -125,14 +142,27 @@ def units_of(cost: costs_lib.ProgramCost, trained_steps: int, tsp: bool) -> floa
   return 1.0
 
 
-def program_model(cost: costs_lib.ProgramCost, *, trained_steps: int = 1, tsp: bool = False,
-                  memory_points: tuple[costs_lib.ProgramCost, ...] = (),
-                  upcast_bytes: float = 0.0) -> ProgramModel:
+def program_model(
+    cost: costs_lib.ProgramCost,
+    *,
+    trained_steps: int = 1,
+    tsp: bool = False,
+    memory_points: tuple[costs_lib.ProgramCost, ...] = (),
+    upcast_bytes: float = 0.0,
+) -> ProgramModel:
   """A ProgramModel from XLA's figures of `cost` (and of the same program at other per-device
   batches on the same device count: memory points)."""
   units0 = units_of(cost, trained_steps, tsp)
-  m = ProgramModel(cost.name, cost.devices, max(1, cost.batch), units0, cost.flops,
-                   cost.bytes_accessed, 0.0, upcast_bytes=upcast_bytes)
+  m = ProgramModel(
+      cost.name,
+      cost.devices,
+      max(1, cost.batch),
+      units0,
+      cost.flops,
+      cost.bytes_accessed,
+      0.0,
+      upcast_bytes=upcast_bytes,
+  )
   fit = cost.fit
   layers = {k[2:]: v for k, v in fit.items() if k.startswith('d_')}
   d_total = sum(cost.trip_counts.get(k, 0) * v for k, v in layers.items())
@@ -145,13 +175,18 @@ def program_model(cost: costs_lib.ProgramCost, *, trained_steps: int = 1, tsp: b
   else:
     m.per_unit = (cost.flops - m.batch_flops - m.fixed_flops - m.sharded_flops) / units0
   temp = cost.memory.temp_bytes
-  points = sorted({(units_of(p, trained_steps, tsp), p.memory.temp_bytes)
-                   for p in (cost,) + tuple(memory_points) if p.devices == cost.devices})
+  points = sorted(
+      {
+          (units_of(p, trained_steps, tsp), p.memory.temp_bytes)
+          for p in (cost,) + tuple(memory_points)
+          if p.devices == cost.devices
+      }
+  )
   if len(points) >= 2 and points[-1][0] > points[0][0]:
     (u1, t1), (u2, t2) = points[0], points[-1]
     m.temp_per_unit = (t2 - t1) / (u2 - u1)
     m.temp_const = t1 - u1 * m.temp_per_unit
-    if m.temp_const < 0:     # a fit through the origin's other side: keep it proportional
+    if m.temp_const < 0:  # a fit through the origin's other side: keep it proportional
       m.temp_const, m.temp_per_unit = 0.0, t2 / u2
     m.temp_fit = f'affine in {len(points)} points (units {", ".join(f"{u:g}" for u, _ in points)})'
   elif cost.name == 'apply':
@@ -165,9 +200,10 @@ def program_model(cost: costs_lib.ProgramCost, *, trained_steps: int = 1, tsp: b
 @dataclasses.dataclass
 class Option:
   """One way to run a program on a role: its seconds per work item and bytes per device."""
+
   label: str
   seconds: float
-  memory: dict[str, float]          # bytes per device by part, with 'total'
+  memory: dict[str, float]  # bytes per device by part, with 'total'
   fits: bool
   calls: int = 1
   detail: dict = dataclasses.field(default_factory=dict)

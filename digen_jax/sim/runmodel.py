@@ -23,6 +23,7 @@ and keeps the fastest that fits in its devices' memory (x `memory_fraction`):
 A batch that does not divide a role's device count is padded (ceil): the plan marks it, since
 the runtime needs it divisible.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,15 +36,16 @@ from digen_jax.sim import timing
 @dataclasses.dataclass
 class RunModel:
   """Everything the planner needs to know about a run, independent of the cluster."""
+
   name: str
-  source: str                       # 'xla' (cached Costs) | 'analytic'
-  prompts: int                      # rl.prompts_per_step
+  source: str  # 'xla' (cached Costs) | 'analytic'
+  prompts: int  # rl.prompts_per_step
   group_size: int
-  T: int                            # sampler steps
-  K: int                            # trained steps per trajectory
+  T: int  # sampler steps
+  K: int  # trained steps per trajectory
   image_tokens: int
-  latent_channels: int              # per token, as the trajectory stores latents
-  layers: int                       # transformer blocks (all kinds)
+  latent_channels: int  # per token, as the trajectory stores latents
+  layers: int  # transformer blocks (all kinds)
   trainable_bytes: int
   optimizer_state_bytes: int
   frozen_base_bytes: int
@@ -51,11 +53,11 @@ class RunModel:
   rollout_param_bytes: int
   gathered_bytes: int
   rollout: roles.ProgramModel
-  grads: dict[bool, roles.ProgramModel]      # by remat
+  grads: dict[bool, roles.ProgramModel]  # by remat
   apply: roles.ProgramModel
-  ref_bytes: int = 0                # the KL reference (rl.kl_beta > 0), FSDP
+  ref_bytes: int = 0  # the KL reference (rl.kl_beta > 0), FSDP
   finetune: str = 'lora'
-  tcss_fraction: float = 0.0        # the config's (0: the plan uses 0.5, the ladder's)
+  tcss_fraction: float = 0.0  # the config's (0: the plan uses 0.5, the ladder's)
   notes: list[str] = dataclasses.field(default_factory=list)
 
   @property
@@ -73,18 +75,23 @@ class RunModel:
   def trainer_persistent(self, n: int) -> float:
     """FSDP bytes per device: params and gradient accumulator (f32), optimizer state, the LoRA
     base, the KL reference."""
-    return (2 * self.trainable_bytes + self.optimizer_state_bytes + self.frozen_base_bytes
-            + self.ref_bytes) / n
+    return (
+        2 * self.trainable_bytes
+        + self.optimizer_state_bytes
+        + self.frozen_base_bytes
+        + self.ref_bytes
+    ) / n
 
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
   """Planner settings that are not the run's: efficiencies, node size, memory headroom."""
+
   eff: timing.Efficiency = timing.DEFAULT
   devices_per_node: int = 8
-  memory_fraction: float = 0.9      # of the accelerator's memory a program may use
-  sharded_decode: bool = False      # model the rollout's VAE decode sharded (not as compiled)
-  hbm: bool = True                  # False: compute-bound roofline (FLOPs only)
+  memory_fraction: float = 0.9  # of the accelerator's memory a program may use
+  sharded_decode: bool = False  # model the rollout's VAE decode sharded (not as compiled)
+  hbm: bool = True  # False: compute-bound roofline (FLOPs only)
 
   def seconds(self, group: roles.Group, flops: float, bytes_accessed: float) -> float:
     return group.seconds(flops, bytes_accessed if self.hbm else 0.0, self.eff)
@@ -94,9 +101,16 @@ def _limit(group: roles.Group, knobs: Knobs) -> float:
   return group.memory_bytes * knobs.memory_fraction
 
 
-def rollout_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs, *,
-                    layouts=('replicated', 'fsdp'), on_trainer: bool = False,
-                    persistent: float = 0.0) -> list[roles.Option]:
+def rollout_options(
+    run: RunModel,
+    group: roles.Group,
+    b: int,
+    knobs: Knobs,
+    *,
+    layouts=('replicated', 'fsdp'),
+    on_trainer: bool = False,
+    persistent: float = 0.0,
+) -> list[roles.Option]:
   """Ways to sample b samples on `group`. on_trainer (TAG): the trainer's own FSDP params,
   gathered per sampler step, beside `persistent` bytes of trainer state."""
   n, prog = group.n, run.rollout
@@ -110,8 +124,7 @@ def rollout_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs, *,
       sec = knobs.seconds(group, flops, prog.bytes_for(flops))
       gather = 0.0
       if layout in ('fsdp', 'trainer'):
-        gather = run.T * group.gather_seconds(run.gathered_bytes, knobs.devices_per_node,
-                                              knobs.eff)
+        gather = run.T * group.gather_seconds(run.gathered_bytes, knobs.devices_per_node, knobs.eff)
       if layout == 'replicated':
         copy = run.rollout_param_bytes
       elif layout == 'fsdp':
@@ -120,17 +133,25 @@ def rollout_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs, *,
         copy = 0.0
       # The sharded layouts hold one gathered block at a time besides the copy.
       block = run.gathered_bytes / run.layers if layout != 'replicated' else 0.0
-      mem = roles.memory_dict(state=persistent, rollout_copy=copy, gathered_block=block,
-                              temp=prog.temp(c))
-      out.append(roles.Option(
-          f'{layout} layout, {c} sample{"s" if c > 1 else ""}/device/call', calls * (sec + gather),
-          mem, mem['total'] <= _limit(group, knobs), calls,
-          {'layout': layout, 'chunk': c, 'padded': b % n != 0, 'gather_s': calls * gather}))
+      mem = roles.memory_dict(
+          state=persistent, rollout_copy=copy, gathered_block=block, temp=prog.temp(c)
+      )
+      out.append(
+          roles.Option(
+              f'{layout} layout, {c} sample{"s" if c > 1 else ""}/device/call',
+              calls * (sec + gather),
+              mem,
+              mem['total'] <= _limit(group, knobs),
+              calls,
+              {'layout': layout, 'chunk': c, 'padded': b % n != 0, 'gather_s': calls * gather},
+          )
+      )
   return out
 
 
-def grad_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs, *, tsp: bool
-                 ) -> list[roles.Option]:
+def grad_options(
+    run: RunModel, group: roles.Group, b: int, knobs: Knobs, *, tsp: bool
+) -> list[roles.Option]:
   """Ways to compute the gradient of b samples on `group` (a GAP fragment, or the whole batch
   by gradient accumulation). Memory: the trainer's state plus the larger of the gradient's and
   the optimizer apply's temp."""
@@ -139,9 +160,10 @@ def grad_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs, *, tsp
   apply = apply_temp(run, n)
   out = []
   for remat, prog in sorted(run.grads.items()):
-    if tsp:   # chunks of the fragment's samples, K padded to the mesh
-      plans = [('vmap', bc, math.ceil(b / bc), bc * math.ceil(run.K / n), bc)
-               for bc in roles.chunks(b)]
+    if tsp:  # chunks of the fragment's samples, K padded to the mesh
+      plans = [
+          ('vmap', bc, math.ceil(b / bc), bc * math.ceil(run.K / n), bc) for bc in roles.chunks(b)
+      ]
     else:
       s = math.ceil(b / n)
       plans = []
@@ -153,15 +175,28 @@ def grad_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs, *, tsp
       flops = prog.flops(n, units, call_batch)
       gathers = 2 if loop == 'vmap' else 2 * run.K
       sec = knobs.seconds(group, flops, prog.bytes_for(flops))
-      fsdp = group.fsdp_seconds(run.gathered_bytes, run.trainable_bytes, gathers,
-                                knobs.devices_per_node, knobs.eff)
+      fsdp = group.fsdp_seconds(
+          run.gathered_bytes, run.trainable_bytes, gathers, knobs.devices_per_node, knobs.eff
+      )
       mem = roles.memory_dict(state=persistent, temp=max(prog.temp(mem_units), apply))
       what = f'{c} sample{"s" if c > 1 else ""}' + ('/call (TSP)' if tsp else '/device/call')
-      out.append(roles.Option(
-          f'remat {"on" if remat else "off"}, {loop} over K, {what}', calls * (sec + fsdp), mem,
-          mem['total'] <= _limit(group, knobs), calls,
-          {'remat': remat, 'loop': loop, 'chunk': c, 'padded': b % n != 0,
-           'fsdp_s': calls * fsdp, 'compute_s': calls * sec}))
+      out.append(
+          roles.Option(
+              f'remat {"on" if remat else "off"}, {loop} over K, {what}',
+              calls * (sec + fsdp),
+              mem,
+              mem['total'] <= _limit(group, knobs),
+              calls,
+              {
+                  'remat': remat,
+                  'loop': loop,
+                  'chunk': c,
+                  'padded': b % n != 0,
+                  'fsdp_s': calls * fsdp,
+                  'compute_s': calls * sec,
+              },
+          )
+      )
   return out
 
 
@@ -191,44 +226,67 @@ def trainer_fits(run: RunModel, group: roles.Group, knobs: Knobs) -> bool:
   return total <= _limit(group, knobs)
 
 
-def publish_seconds(run: RunModel, trainer: roles.Group, rollout: roles.Group, layout: str,
-                    knobs: Knobs) -> float:
+def publish_seconds(
+    run: RunModel, trainer: roles.Group, rollout: roles.Group, layout: str, knobs: Knobs
+) -> float:
   """Trainer -> rollout weights, once per step; the slowest receiving NIC. Within one node
   (both roles of one kind on <= devices_per_node devices) over the intra-node link."""
-  within = (len(trainer.parts) == len(rollout.parts) == 1
-            and trainer.kinds == rollout.kinds
-            and trainer.n + rollout.n <= knobs.devices_per_node)
+  within = (
+      len(trainer.parts) == len(rollout.parts) == 1
+      and trainer.kinds == rollout.kinds
+      and trainer.n + rollout.n <= knobs.devices_per_node
+  )
   lay = 'fsdp' if layout == 'fsdp' else 'replicated'
-  return max(timing.publish_seconds(run.published_bytes, a, rollout_devices=rollout.n,
-                                    layout=lay, across_nodes=not within, eff=knobs.eff)
-             for a in trainer.kinds + rollout.kinds)
+  return max(
+      timing.publish_seconds(
+          run.published_bytes,
+          a,
+          rollout_devices=rollout.n,
+          layout=lay,
+          across_nodes=not within,
+          eff=knobs.eff,
+      )
+      for a in trainer.kinds + rollout.kinds
+  )
 
 
-def deliver_seconds(run: RunModel, samples: int, trainer: roles.Group, rollout: roles.Group,
-                    knobs: Knobs) -> float:
+def deliver_seconds(
+    run: RunModel, samples: int, trainer: roles.Group, rollout: roles.Group, knobs: Knobs
+) -> float:
   """A fragment's trajectories rollout -> trainer over the NICs of the rollout's devices."""
   bw = min(a.inter_node_bw for a in trainer.kinds + rollout.kinds) * knobs.eff.link
   return run.trajectory_bytes(samples) / (bw * min(trainer.n, rollout.n))
 
 
-def switch_seconds(run: RunModel, group: roles.Group, layout: str, offload: bool,
-                   knobs: Knobs) -> float:
+def switch_seconds(
+    run: RunModel, group: roles.Group, layout: str, offload: bool, knobs: Knobs
+) -> float:
   """Colocated: the rollout copy built from the trainer's shards (+ the optimizer state's trip
   to host memory and back when offloaded), once per step."""
-  return max(timing.switch_seconds(run.rollout_param_bytes, run.optimizer_state_bytes, group.n,
-                                   a, layout=layout, offload_optimizer=offload,
-                                   devices_per_node=group.per_node(knobs.devices_per_node),
-                                   eff=knobs.eff)['total']
-             for a in group.kinds)
+  return max(
+      timing.switch_seconds(
+          run.rollout_param_bytes,
+          run.optimizer_state_bytes,
+          group.n,
+          a,
+          layout=layout,
+          offload_optimizer=offload,
+          devices_per_node=group.per_node(knobs.devices_per_node),
+          eff=knobs.eff,
+      )['total']
+      for a in group.kinds
+  )
 
 
-def colocated_rollout_options(run: RunModel, group: roles.Group, b: int, knobs: Knobs
-                              ) -> list[roles.Option]:
+def colocated_rollout_options(
+    run: RunModel, group: roles.Group, b: int, knobs: Knobs
+) -> list[roles.Option]:
   """The colocated rollout beside the trainer's state (optimizer state offloaded or not)."""
   out = []
   for offload in (False, True):
-    state = run.trainer_persistent(group.n) - (run.optimizer_state_bytes / group.n
-                                               if offload else 0.0)
+    state = run.trainer_persistent(group.n) - (
+        run.optimizer_state_bytes / group.n if offload else 0.0
+    )
     for o in rollout_options(run, group, b, knobs, persistent=state):
       # A LoRA base is the trainer's own (its FSDP shard is in `state`): the replicated copy
       # adds the rest of it, the FSDP layout samples from the trainer's shards.
@@ -267,29 +325,45 @@ def from_cache(name: str, config, entries: list, *, notes: list[str] | None = No
   upcast = 2 * c.gathered_bytes if bf16 and s['rollout_layout'] == 'replicated' else 0
   T, K, tsp = int(s['num_steps']), int(s['trained_steps']), bool(s['tsp'])
   rollout = roles.program_model(
-      c.programs['rollout'], memory_points=tuple(p.programs['rollout'] for p in points
-                                                 if 'rollout' in p.programs),
-      upcast_bytes=upcast)
+      c.programs['rollout'],
+      memory_points=tuple(p.programs['rollout'] for p in points if 'rollout' in p.programs),
+      upcast_bytes=upcast,
+  )
   grads = {}
   for e in sorted(counted, key=lambda e: e is not main):
     g = e.costs.programs.get('grad')
     if g is None or e.key.remat in grads or e.costs.settings['tsp'] != tsp:
       continue
-    same = [p.programs['grad'] for p in points if 'grad' in p.programs
-            and p.settings['remat'] == e.key.remat]
-    grads[e.key.remat] = roles.program_model(g, trained_steps=K, tsp=tsp,
-                                             memory_points=tuple(same))
+    same = [
+        p.programs['grad']
+        for p in points
+        if 'grad' in p.programs and p.settings['remat'] == e.key.remat
+    ]
+    grads[e.key.remat] = roles.program_model(g, trained_steps=K, tsp=tsp, memory_points=tuple(same))
   m = config.model
   layers = int(m.num_layers) + (int(m.num_single_layers) if m.family == 'flux' else 0)
   lora = s['finetune'] == 'lora'
   return RunModel(
-      name=name, source='xla', prompts=int(config.rl.prompts_per_step),
-      group_size=int(config.rl.group_size), T=T, K=K, image_tokens=int(s['image_tokens']),
-      latent_channels=int(m.in_channels), layers=layers, trainable_bytes=c.trainable_bytes,
-      optimizer_state_bytes=c.optimizer_state_bytes, frozen_base_bytes=c.frozen_base_bytes,
-      published_bytes=c.published_bytes, rollout_param_bytes=c.rollout_param_bytes,
-      gathered_bytes=c.gathered_bytes, rollout=rollout, grads=grads,
+      name=name,
+      source='xla',
+      prompts=int(config.rl.prompts_per_step),
+      group_size=int(config.rl.group_size),
+      T=T,
+      K=K,
+      image_tokens=int(s['image_tokens']),
+      latent_channels=int(m.in_channels),
+      layers=layers,
+      trainable_bytes=c.trainable_bytes,
+      optimizer_state_bytes=c.optimizer_state_bytes,
+      frozen_base_bytes=c.frozen_base_bytes,
+      published_bytes=c.published_bytes,
+      rollout_param_bytes=c.rollout_param_bytes,
+      gathered_bytes=c.gathered_bytes,
+      rollout=rollout,
+      grads=grads,
       apply=roles.program_model(c.programs['apply']),
       ref_bytes=c.trainable_bytes if config.rl.kl_beta > 0 and not lora else 0,
-      finetune=s['finetune'], tcss_fraction=float(config.schedule.tcss_fraction),
-      notes=list(notes or []))
+      finetune=s['finetune'],
+      tcss_fraction=float(config.schedule.tcss_fraction),
+      notes=list(notes or []),
+  )

@@ -21,6 +21,7 @@ device) and every M is ranked by a bound (pipelined modes: the busier role's sec
 naive modes: the serial sum); the best `simulate_top` of each mode and the best of each M are
 simulated and the best simulated one is kept. Every simulated candidate is reported (`tried`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,7 +35,7 @@ from digen_jax.sim import predict
 from digen_jax.sim import roles
 from digen_jax.sim import runmodel as rm
 
-MODES = tuple(predict.MODE_KEYS[r] for r in predict.RUNGS)   # the ladder's JSON keys
+MODES = tuple(predict.MODE_KEYS[r] for r in predict.RUNGS)  # the ladder's JSON keys
 RUNG_OF = {v: k for k, v in predict.MODE_KEYS.items()}
 # Not ladder rungs: TAG (and TCSS) without TSP, for configs where TSP's padding costs more than
 # it saves (the planner reports them beside the ladder's cumulative rungs).
@@ -43,10 +44,17 @@ EXTRA_MODES = ('gap_tag', 'gap_tag_tcss')
 
 def schedule_of(mode: str, fragments: int, tcss_fraction: float) -> engine.Schedule:
   if mode in EXTRA_MODES:
-    return engine.Schedule(fragments=fragments, unit='group', tsp=False, tag=True,
-                           tcss_fraction=tcss_fraction if mode.endswith('tcss') else 0.0)
+    return engine.Schedule(
+        fragments=fragments,
+        unit='group',
+        tsp=False,
+        tag=True,
+        tcss_fraction=tcss_fraction if mode.endswith('tcss') else 0.0,
+    )
   return predict.rung_schedule(RUNG_OF[mode], fragments, 'group', tcss_fraction)
-TCSS_DEFAULT = 0.5     # the ladder's phi when the config has none
+
+
+TCSS_DEFAULT = 0.5  # the ladder's phi when the config has none
 
 
 class PlanError(ValueError):
@@ -69,8 +77,8 @@ def part_counts(count: int, grid: int = 16) -> list[int]:
   if count <= grid:
     return list(range(count + 1))
   out = {0, count} | {round(count * j / grid) for j in range(1, grid)}
-  out |= {2 ** k for k in range(int(math.log2(count)) + 1)}
-  out |= {count - 2 ** k for k in range(int(math.log2(count)) + 1)}
+  out |= {2**k for k in range(int(math.log2(count)) + 1)}
+  out |= {count - 2**k for k in range(int(math.log2(count)) + 1)}
   return sorted(c for c in out if 0 <= c <= count)
 
 
@@ -79,8 +87,11 @@ def splits(parts: tuple[hardware.ClusterPart, ...], grid: int = 16) -> list[Spli
   out = []
   for counts in itertools.product(*(part_counts(p.count, grid) for p in parts)):
     t = tuple(hardware.ClusterPart(c, p.accelerator) for c, p in zip(counts, parts) if c)
-    r = tuple(hardware.ClusterPart(p.count - c, p.accelerator)
-              for c, p in zip(counts, parts) if p.count - c)
+    r = tuple(
+        hardware.ClusterPart(p.count - c, p.accelerator)
+        for c, p in zip(counts, parts)
+        if p.count - c
+    )
     if t and r:
       out.append(Split(roles.Group(t), roles.Group(r)))
   return out
@@ -89,14 +100,14 @@ def splits(parts: tuple[hardware.ClusterPart, ...], grid: int = 16) -> list[Spli
 @dataclasses.dataclass(eq=False)
 class Candidate:
   mode: str
-  split: Split | None               # None: colocated
+  split: Split | None  # None: colocated
   fragments: int
   costs: engine.StepCosts
   layout: engine.Layout
   schedule: engine.Schedule
-  bound_s: float                    # the ranking bound: seconds per step
-  choices: dict                     # the options taken per work item
-  result: dict | None = None        # the simulation's summary
+  bound_s: float  # the ranking bound: seconds per step
+  choices: dict  # the options taken per work item
+  result: dict | None = None  # the simulation's summary
 
   @property
   def samples_per_s(self) -> float:
@@ -114,8 +125,11 @@ def weighted_utilization(res: engine.Result, layout: engine.Layout) -> float:
   for r in rows:
     busy = trace_lib.busy_seconds(res.spans, r['t0'], r['t1'])
     wall = r['t1'] - r['t0']
-    total.append(min(1.0, (n_t * busy.get(0, 0.0) + n_r * busy.get(1, 0.0))
-                     / ((n_t + n_r) * wall)) if wall > 0 else 0.0)
+    total.append(
+        min(1.0, (n_t * busy.get(0, 0.0) + n_r * busy.get(1, 0.0)) / ((n_t + n_r) * wall))
+        if wall > 0
+        else 0.0
+    )
   return sum(total) / len(total)
 
 
@@ -126,8 +140,11 @@ def role_busy(res: engine.Result) -> dict[str, float]:
   out = {}
   for role in (engine.TRAINER, engine.ROLLOUT):
     spans = [dataclasses.replace(s, devices=(0,)) for s in res.spans if s.role == role]
-    fr = [trace_lib.busy_seconds(spans, r['t0'], r['t1']).get(0, 0.0) / (r['t1'] - r['t0'])
-          for r in rows if r['t1'] > r['t0']]
+    fr = [
+        trace_lib.busy_seconds(spans, r['t0'], r['t1']).get(0, 0.0) / (r['t1'] - r['t0'])
+        for r in rows
+        if r['t1'] > r['t0']
+    ]
     out[role] = sum(fr) / len(fr) if fr else 0.0
   return out
 
@@ -135,14 +152,23 @@ def role_busy(res: engine.Result) -> dict[str, float]:
 class Planner:
   """The modes of one RunModel on one cluster."""
 
-  def __init__(self, run: rm.RunModel, parts: tuple[hardware.ClusterPart, ...],
-               knobs: rm.Knobs | None = None, *, steps: int = 6, simulate_top: int = 6,
-               grid: int = 16, tcss_fraction: float | None = None,
-               fixed: Split | None = None, pad: bool = False):
+  def __init__(
+      self,
+      run: rm.RunModel,
+      parts: tuple[hardware.ClusterPart, ...],
+      knobs: rm.Knobs | None = None,
+      *,
+      steps: int = 6,
+      simulate_top: int = 6,
+      grid: int = 16,
+      tcss_fraction: float | None = None,
+      fixed: Split | None = None,
+      pad: bool = False,
+  ):
     self.run, self.parts, self.knobs = run, parts, knobs or rm.Knobs()
     self.fixed, self.pad = fixed, pad
-    self.indivisible: dict[str, int] = {}   # mode -> candidates left out (batch vs devices)
-    self.costed = 0                          # candidates whose batch divides (memory decides)
+    self.indivisible: dict[str, int] = {}  # mode -> candidates left out (batch vs devices)
+    self.costed = 0  # candidates whose batch divides (memory decides)
     self.steps, self.simulate_top, self.grid = steps, simulate_top, grid
     self.tcss = tcss_fraction or run.tcss_fraction or TCSS_DEFAULT
     self._memo: dict = {}
@@ -156,17 +182,30 @@ class Planner:
     return self._memo[key]
 
   def rollout(self, group: roles.Group, b: int) -> roles.Option | None:
-    return self._memo_get(('r', group, b), lambda: rm.best(
-        rm.rollout_options(self.run, group, b, self.knobs)))
+    return self._memo_get(
+        ('r', group, b), lambda: rm.best(rm.rollout_options(self.run, group, b, self.knobs))
+    )
 
   def grad(self, group: roles.Group, b: int, tsp: bool) -> roles.Option | None:
-    return self._memo_get(('g', group, b, tsp), lambda: rm.best(
-        rm.grad_options(self.run, group, b, self.knobs, tsp=tsp)))
+    return self._memo_get(
+        ('g', group, b, tsp),
+        lambda: rm.best(rm.grad_options(self.run, group, b, self.knobs, tsp=tsp)),
+    )
 
   def tag(self, group: roles.Group, b: int) -> roles.Option | None:
-    return self._memo_get(('t', group, b), lambda: rm.best(rm.rollout_options(
-        self.run, group, b, self.knobs, on_trainer=True,
-        persistent=self.run.trainer_persistent(group.n))))
+    return self._memo_get(
+        ('t', group, b),
+        lambda: rm.best(
+            rm.rollout_options(
+                self.run,
+                group,
+                b,
+                self.knobs,
+                on_trainer=True,
+                persistent=self.run.trainer_persistent(group.n),
+            )
+        ),
+    )
 
   # ------------------------------------------------------------------------ candidates
 
@@ -187,16 +226,25 @@ class Planner:
     opts = [o for o in rm.colocated_rollout_options(run, g, run.batch, k) if o.fits]
     if not opts:
       return None
-    switch = {id(o): rm.switch_seconds(run, g, o.detail['layout'], o.detail['offload'], k)
-              for o in opts}
+    switch = {
+        id(o): rm.switch_seconds(run, g, o.detail['layout'], o.detail['offload'], k) for o in opts
+    }
     roll = min(opts, key=lambda o: o.seconds + switch[id(o)])
     apply = rm.apply_seconds(run, g, k)
-    costs = engine.StepCosts(rollout=roll.seconds, grad=grad.seconds + apply,
-                             publish=switch[id(roll)])
+    costs = engine.StepCosts(
+        rollout=roll.seconds, grad=grad.seconds + apply, publish=switch[id(roll)]
+    )
     bound = costs.rollout + costs.grad + costs.publish
-    return Candidate('colocated', None, 1, costs,
-                     engine.Layout(g.n, g.n, colocated=True), engine.Schedule(), bound,
-                     {'rollout': roll, 'grad': grad, 'apply_s': apply})
+    return Candidate(
+        'colocated',
+        None,
+        1,
+        costs,
+        engine.Layout(g.n, g.n, colocated=True),
+        engine.Schedule(),
+        bound,
+        {'rollout': roll, 'grad': grad, 'apply_s': apply},
+    )
 
   def disagg(self, mode: str, split: Split, m: int) -> Candidate | None:
     run, k = self.run, self.knobs
@@ -212,32 +260,54 @@ class Planner:
       return None
     apply = rm.apply_seconds(run, split.trainer, k)
     tag = self.tag(split.trainer, b) if schedule.tag else None
-    if schedule.tag and tag is None:    # TAG's sampling does not fit beside the trainer state
+    if schedule.tag and tag is None:  # TAG's sampling does not fit beside the trainer state
       schedule = dataclasses.replace(schedule, tag=False)
     publish = rm.publish_seconds(run, split.trainer, split.rollout, roll.detail['layout'], k)
     deliver = rm.deliver_seconds(run, b, split.trainer, split.rollout, k)
     if m == 1 and schedule.synchronous:
-      costs = engine.StepCosts(rollout=roll.seconds, grad=grad.seconds + apply,
-                               publish=publish, deliver=deliver)
+      costs = engine.StepCosts(
+          rollout=roll.seconds, grad=grad.seconds + apply, publish=publish, deliver=deliver
+      )
       bound = roll.seconds + grad.seconds + apply + publish + deliver
     else:
-      costs = engine.StepCosts(rollout=roll.seconds, grad=grad.seconds, apply=apply,
-                               tag_rollout=tag.seconds if tag else None, publish=publish,
-                               deliver=deliver)
+      costs = engine.StepCosts(
+          rollout=roll.seconds,
+          grad=grad.seconds,
+          apply=apply,
+          tag_rollout=tag.seconds if tag else None,
+          publish=publish,
+          deliver=deliver,
+      )
       bound = max(m * roll.seconds, m * grad.seconds + apply + publish)
-    return Candidate(mode, split, m, costs,
-                     engine.Layout(split.trainer.n, split.rollout.n), schedule, bound,
-                     {'rollout': roll, 'grad': grad, 'tag': tag, 'apply_s': apply})
+    return Candidate(
+        mode,
+        split,
+        m,
+        costs,
+        engine.Layout(split.trainer.n, split.rollout.n),
+        schedule,
+        bound,
+        {'rollout': roll, 'grad': grad, 'tag': tag, 'apply_s': apply},
+    )
 
   def simulate(self, c: Candidate, *, real_layout: bool = False) -> Candidate:
     """Runs the engine. Samples/s does not depend on the device counts (they are in the
     costs), so the search simulates one device per role and weights its utilization by the
     roles' device counts; `real_layout` simulates every device (for a trace)."""
     layout = c.layout if real_layout else engine.Layout(colocated=c.layout.colocated)
-    res = engine.simulate(c.costs, layout, c.schedule, groups=self.run.prompts,
-                          group_size=self.run.group_size, steps=self.steps)
-    c.result = dict(res.summary(), makespan_s=res.makespan,
-                    **{f'{k}_busy': v for k, v in role_busy(res).items()})
+    res = engine.simulate(
+        c.costs,
+        layout,
+        c.schedule,
+        groups=self.run.prompts,
+        group_size=self.run.group_size,
+        steps=self.steps,
+    )
+    c.result = dict(
+        res.summary(),
+        makespan_s=res.makespan,
+        **{f'{k}_busy': v for k, v in role_busy(res).items()},
+    )
     if not real_layout:
       c.result['utilization'] = weighted_utilization(res, c.layout)
     c.result['_sim'] = res
@@ -254,14 +324,12 @@ class Planner:
     modes['colocated'], tried['colocated'] = col, [col] if col else []
     all_splits = [self.fixed] if self.fixed else splits(self.parts, self.grid)
     for mode in MODES[1:] + EXTRA_MODES:
-      ms = [1] if mode == 'disagg' else ([m for m in self.run.fragment_counts() if m > 1]
-                                         or [1])
-      cands = [c for s in all_splits for m in ms
-               if (c := self.disagg(mode, s, m)) is not None]
+      ms = [1] if mode == 'disagg' else ([m for m in self.run.fragment_counts() if m > 1] or [1])
+      cands = [c for s in all_splits for m in ms if (c := self.disagg(mode, s, m)) is not None]
       cands.sort(key=lambda c: c.bound_s)
       # The best bounds, and the best bound of each M (the bound misses the pipeline's fill
       # and drain, which M trades against the per-fragment costs).
-      pick = cands[:self.simulate_top]
+      pick = cands[: self.simulate_top]
       for m in ms:
         pick += [c for c in cands if c.fragments == m][:1]
       top = [self.simulate(c) for c in dict.fromkeys(pick)]
@@ -281,16 +349,30 @@ class Planner:
           f'fragment gradient shards the timestep axis alone over the trainer mesh '
           f'(programs.make_fragment_grad), so K={self.run.K} runs as {k_pad} padded steps on '
           f'{n} devices, while without TSP the K steps are already one vmap with one FSDP '
-          "all-gather per fragment (rl.step_loop 'auto')")
+          "all-gather per fragment (rl.step_loop 'auto')"
+      )
     tag = modes.get('gap_tsp_tag')
     if tag and tag.result and tag.result['bts_inserts'] == 0:
-      out.append('BTS inserted no trainer-side rollout (TAG): the trainer is busy for the whole '
-                 'step, so sampling on it would lengthen the makespan')
-    padded = sorted({k for k, c in modes.items() if c is not None and any(
-        o is not None and o.detail.get('padded') for o in c.choices.values()
-        if isinstance(o, roles.Option))})
+      out.append(
+          'BTS inserted no trainer-side rollout (TAG): the trainer is busy for the whole '
+          'step, so sampling on it would lengthen the makespan'
+      )
+    padded = sorted(
+        {
+            k
+            for k, c in modes.items()
+            if c is not None
+            and any(
+                o is not None and o.detail.get('padded')
+                for o in c.choices.values()
+                if isinstance(o, roles.Option)
+            )
+        }
+    )
     if padded:
-      out.append(f'{", ".join(padded)}: a batch does not divide its role\'s devices and is '
-                 'costed padded; the runtime needs it divisible (change the split, '
-                 'rl.prompts_per_step or rl.group_size)')
+      out.append(
+          f'{", ".join(padded)}: a batch does not divide its role\'s devices and is '
+          'costed padded; the runtime needs it divisible (change the split, '
+          'rl.prompts_per_step or rl.group_size)'
+      )
     return out

@@ -18,6 +18,7 @@ are typical large-model figures; calibrate them against a measured step before t
 absolute number. Overlap between these terms is the schedule's business (sim's virtual clock):
 nothing here overlaps anything.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,9 +30,10 @@ from digen_jax.sim import hardware
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
   """Achieved fractions of the accelerator's peaks."""
-  mfu: float = 0.4            # of peak dense bf16 FLOP/s
-  hbm: float = 0.8            # of HBM bandwidth
-  link: float = 0.8           # of interconnect / NIC / host-link bandwidth
+
+  mfu: float = 0.4  # of peak dense bf16 FLOP/s
+  hbm: float = 0.8  # of HBM bandwidth
+  link: float = 0.8  # of interconnect / NIC / host-link bandwidth
 
   def __post_init__(self):
     for field in ('mfu', 'hbm', 'link'):
@@ -43,31 +45,41 @@ class Efficiency:
 DEFAULT = Efficiency()
 
 
-def roofline_seconds(flops: float, bytes_accessed: float, acc: hardware.Accelerator,
-                     eff: Efficiency = DEFAULT) -> float:
+def roofline_seconds(
+    flops: float, bytes_accessed: float, acc: hardware.Accelerator, eff: Efficiency = DEFAULT
+) -> float:
   """Seconds of one device's work: bound by compute or by memory traffic, whichever is slower."""
   if flops < 0 or bytes_accessed < 0:
     raise ValueError(f'flops={flops} and bytes_accessed={bytes_accessed} must be >= 0')
   return max(flops / (acc.peak_bf16_flops * eff.mfu), bytes_accessed / (acc.hbm_bw * eff.hbm))
 
 
-def program_seconds(cost: costs_lib.ProgramCost, acc: hardware.Accelerator,
-                    eff: Efficiency = DEFAULT) -> float:
+def program_seconds(
+    cost: costs_lib.ProgramCost, acc: hardware.Accelerator, eff: Efficiency = DEFAULT
+) -> float:
   """One call of a compiled program (its per-device counts) on `acc`."""
   return roofline_seconds(cost.flops, cost.bytes_accessed, acc, eff)
 
 
-def link_bw(acc: hardware.Accelerator, devices: int, devices_per_node: int,
-            eff: Efficiency = DEFAULT) -> float:
+def link_bw(
+    acc: hardware.Accelerator, devices: int, devices_per_node: int, eff: Efficiency = DEFAULT
+) -> float:
   """Bytes/s of the slowest link a collective over `devices` uses: the intra-node link when they
   fit one node, else the NIC."""
   bw = acc.intra_node_bw if devices <= devices_per_node else acc.inter_node_bw
   return bw * eff.link
 
 
-def fsdp_seconds(gathered_bytes: int, grad_bytes: int, devices: int, acc: hardware.Accelerator,
-                 *, gathers: int = 2, devices_per_node: int = 8,
-                 eff: Efficiency = DEFAULT) -> float:
+def fsdp_seconds(
+    gathered_bytes: int,
+    grad_bytes: int,
+    devices: int,
+    acc: hardware.Accelerator,
+    *,
+    gathers: int = 2,
+    devices_per_node: int = 8,
+    eff: Efficiency = DEFAULT,
+) -> float:
   """FSDP collectives of one fragment: `gathers` ring all-gathers of the weights (whole bytes
   `gathered_bytes`) and one ring reduce-scatter of the gradient (`grad_bytes`). 0 on 1 device."""
   if devices < 1:
@@ -76,9 +88,15 @@ def fsdp_seconds(gathered_bytes: int, grad_bytes: int, devices: int, acc: hardwa
   return moved / link_bw(acc, devices, devices_per_node, eff)
 
 
-def publish_seconds(published_bytes: int, acc: hardware.Accelerator, *, rollout_devices: int = 1,
-                    layout: str = 'replicated', across_nodes: bool = True,
-                    eff: Efficiency = DEFAULT) -> float:
+def publish_seconds(
+    published_bytes: int,
+    acc: hardware.Accelerator,
+    *,
+    rollout_devices: int = 1,
+    layout: str = 'replicated',
+    across_nodes: bool = True,
+    eff: Efficiency = DEFAULT,
+) -> float:
   """Trainer -> rollout weight publish: bytes each rollout device receives over its link."""
   if layout not in ('replicated', 'fsdp'):
     raise ValueError(f"layout={layout!r}: expected 'replicated' or 'fsdp'")
@@ -87,29 +105,45 @@ def publish_seconds(published_bytes: int, acc: hardware.Accelerator, *, rollout_
   return per_device / (bw * eff.link)
 
 
-def switch_seconds(rollout_param_bytes: int, optimizer_state_bytes: int, devices: int,
-                   acc: hardware.Accelerator, *, layout: str = 'replicated',
-                   offload_optimizer: bool = False, devices_per_node: int = 8,
-                   eff: Efficiency = DEFAULT) -> dict[str, float]:
+def switch_seconds(
+    rollout_param_bytes: int,
+    optimizer_state_bytes: int,
+    devices: int,
+    acc: hardware.Accelerator,
+    *,
+    layout: str = 'replicated',
+    offload_optimizer: bool = False,
+    devices_per_node: int = 8,
+    eff: Efficiency = DEFAULT,
+) -> dict[str, float]:
   """Colocated mode's switch between the training and sampling layouts, once per step:
   {'reshard': building the rollout copy from FSDP shards, 'offload': the optimizer state to host
   and back (0 unless offloaded), 'total'}."""
   if layout == 'replicated':
-    reshard = ((devices - 1) / devices * rollout_param_bytes
-               / link_bw(acc, devices, devices_per_node, eff))
+    reshard = (
+        (devices - 1) / devices * rollout_param_bytes / link_bw(acc, devices, devices_per_node, eff)
+    )
   elif layout == 'fsdp':
     # Each device casts its own shard: read it and write the copy (HBM traffic only).
     reshard = 2 * rollout_param_bytes / devices / (acc.hbm_bw * eff.hbm)
   else:
     raise ValueError(f"layout={layout!r}: expected 'replicated' or 'fsdp'")
-  offload = (2 * optimizer_state_bytes / devices / (acc.host_bw * eff.link)
-             if offload_optimizer else 0.0)
+  offload = (
+      2 * optimizer_state_bytes / devices / (acc.host_bw * eff.link) if offload_optimizer else 0.0
+  )
   return {'reshard': reshard, 'offload': offload, 'total': reshard + offload}
 
 
-def step_breakdown(costs: costs_lib.Costs, acc: hardware.Accelerator, *, mode: str = 'colocated',
-                   rollout_devices: int | None = None, devices_per_node: int = 8,
-                   offload_optimizer: bool = False, eff: Efficiency = DEFAULT) -> dict[str, float]:
+def step_breakdown(
+    costs: costs_lib.Costs,
+    acc: hardware.Accelerator,
+    *,
+    mode: str = 'colocated',
+    rollout_devices: int | None = None,
+    devices_per_node: int = 8,
+    offload_optimizer: bool = False,
+    eff: Efficiency = DEFAULT,
+) -> dict[str, float]:
   """Seconds of each part of one optimizer step, nothing overlapped: the rollout of the logical
   batch, its fragments' gradients and FSDP collectives, the apply, and the publish ('disagg') or
   the layout switch ('colocated'). Needs costs.programs rollout, grad and apply."""
@@ -124,19 +158,35 @@ def step_breakdown(costs: costs_lib.Costs, acc: hardware.Accelerator, *, mode: s
   out = {
       'rollout': program_seconds(p['rollout'], acc, eff),
       'grad': fragments * program_seconds(p['grad'], acc, eff),
-      'fsdp': fragments * fsdp_seconds(costs.gathered_bytes, costs.trainable_bytes,
-                                       costs.devices, acc, devices_per_node=devices_per_node,
-                                       eff=eff),
+      'fsdp': fragments
+      * fsdp_seconds(
+          costs.gathered_bytes,
+          costs.trainable_bytes,
+          costs.devices,
+          acc,
+          devices_per_node=devices_per_node,
+          eff=eff,
+      ),
       'apply': program_seconds(p['apply'], acc, eff),
   }
   if mode == 'disagg':
-    out['publish'] = publish_seconds(costs.published_bytes, acc,
-                                     rollout_devices=rollout_devices or costs.devices,
-                                     layout=layout, eff=eff)
+    out['publish'] = publish_seconds(
+        costs.published_bytes,
+        acc,
+        rollout_devices=rollout_devices or costs.devices,
+        layout=layout,
+        eff=eff,
+    )
   else:
-    out['switch'] = switch_seconds(costs.rollout_param_bytes, costs.optimizer_state_bytes,
-                                   costs.devices, acc, layout=layout,
-                                   offload_optimizer=offload_optimizer,
-                                   devices_per_node=devices_per_node, eff=eff)['total']
+    out['switch'] = switch_seconds(
+        costs.rollout_param_bytes,
+        costs.optimizer_state_bytes,
+        costs.devices,
+        acc,
+        layout=layout,
+        offload_optimizer=offload_optimizer,
+        devices_per_node=devices_per_node,
+        eff=eff,
+    )['total']
   out['total'] = sum(out.values())
   return out

@@ -4,6 +4,7 @@ Every rank >= 1 starts a sleeping grandchild, writes "<own pid> <grandchild pid>
 SCRATCH_DIR/pids.<rank> and sleeps. Rank 0, in MODE 'fail', waits until all those files exist
 and exits with code 3; in MODE 'sleep' it writes its own file and sleeps like the others.
 """
+
 import os
 import subprocess
 import sys
@@ -29,7 +30,8 @@ if rank > 0 or mode == 'sleep':
   write_pids_and_sleep()
 deadline = time.time() + 60
 while time.time() < deadline and not all(
-    os.path.exists(os.path.join(scratch, f'pids.{r}')) for r in range(1, world)):
+    os.path.exists(os.path.join(scratch, f'pids.{r}')) for r in range(1, world)
+):
   time.sleep(0.05)
 print('failing with 3', flush=True)
 sys.exit(3)

@@ -1,4 +1,5 @@
 """Runs launch/local.py from tests with a hard timeout and no leftovers, whatever happens."""
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,14 @@ SCRIPTS = os.path.join(REPO, 'tests', 'mp_scripts')
 
 def start(launcher_flags: list[str], cmd: list[str]) -> subprocess.Popen:
   """Starts the launcher in its own session (so it and everything under it can be killed)."""
-  return subprocess.Popen([sys.executable, LAUNCHER, *launcher_flags, '--', *cmd],
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
+  return subprocess.Popen(
+      [sys.executable, LAUNCHER, *launcher_flags, '--', *cmd],
+      cwd=REPO,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+  )
 
 
 def descendants(pid: int) -> list[int]:

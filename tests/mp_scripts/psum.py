@@ -1,4 +1,5 @@
 """Launched by tests/test_launch.py: a cross-process sum over all processes' devices (gloo)."""
+
 import sys
 
 from digen_jax.runtime import distributed
@@ -31,6 +32,9 @@ peer = (info.process_id + 1) % info.num_processes
 greeting = distributed.kv_get(f'psum/greeting/{peer}', timeout_s=30)
 assert distributed.kv_try_get('psum/never-set') is None
 distributed.barrier('psum/done', timeout_s=30)
-print(f'RESULT process={info.process_id} sum={float(total.addressable_data(0))} '
-      f'allgather={np.asarray(gathered).tolist()} kv={greeting!r}', flush=True)
+print(
+    f'RESULT process={info.process_id} sum={float(total.addressable_data(0))} '
+    f'allgather={np.asarray(gathered).tolist()} kv={greeting!r}',
+    flush=True,
+)
 sys.exit(0)

@@ -4,6 +4,7 @@ Process 0 sends pytrees (f32 + bf16 + int32, several shapes and shardings) to pr
 receives them on several layouts of its own devices; then process 1 sends to process 0. Every
 received leaf is compared for exact equality with the same tree rebuilt locally.
 """
+
 import sys
 
 from digen_jax.runtime import distributed
@@ -30,8 +31,10 @@ def host_tree(seed: int) -> dict:
   r = np.random.default_rng(seed)
   return {
       'w': r.standard_normal((8, 6)).astype(np.float32),
-      'blocks': [r.standard_normal((4, 3, 2)).astype(jnp.bfloat16),
-                 r.standard_normal((5,)).astype(jnp.bfloat16)],
+      'blocks': [
+          r.standard_normal((4, 3, 2)).astype(jnp.bfloat16),
+          r.standard_normal((5,)).astype(jnp.bfloat16),
+      ],
       'scale': np.float32(r.standard_normal()),
       'step': np.arange(6, dtype=np.int32) * (seed + 1),
   }
@@ -70,20 +73,25 @@ if me == 0:
   chan.wait_delivered('weights', timeout_s=60)
   # 2) reverse direction: receive what process 1 sends, on an Explicit mesh.
   want = host_tree(10)
-  layout = transfer.abstract(want, jax.tree.map(lambda s: NamedSharding(xmesh, s),
-                                                specs(xmesh, 'x')))
+  layout = transfer.abstract(
+      want, jax.tree.map(lambda s: NamedSharding(xmesh, s), specs(xmesh, 'x'))
+  )
   checks += check(chan.receive(layout, 'traj'), want, 'traj', layout)
 else:
   # seq 0: exactly the sender's layout (pieces land where they belong).
   want = host_tree(1)
-  same = transfer.abstract(want, jax.tree.map(lambda s: NamedSharding(mesh, s), specs(mesh, 'data')))
+  same = transfer.abstract(
+      want, jax.tree.map(lambda s: NamedSharding(mesh, s), specs(mesh, 'data'))
+  )
   bad = dict(same, w=jax.ShapeDtypeStruct((6, 8), jnp.float32, sharding=same['w'].sharding))
   try:
     chan.receive(bad, 'weights')
     raise AssertionError('shape mismatch not detected')
   except ValueError as e:
     assert "['w']" in str(e) and 'shape' in str(e), e
-  wrong_dtype = dict(same, w=jax.ShapeDtypeStruct((8, 6), jnp.bfloat16, sharding=same['w'].sharding))
+  wrong_dtype = dict(
+      same, w=jax.ShapeDtypeStruct((8, 6), jnp.bfloat16, sharding=same['w'].sharding)
+  )
   try:
     chan.receive(wrong_dtype, 'weights')
     raise AssertionError('dtype mismatch not detected')
@@ -92,19 +100,21 @@ else:
   checks += check(chan.receive(same, 'weights'), want, 'same', same)  # retry after the errors
   # seq 1: another layout: replicated <-> sharded flipped, one leaf on a single device.
   want = host_tree(2)
-  other = transfer.abstract(want, {
-      'w': NamedSharding(mesh, P(None, 'data')),       # sent sharded on dim 0
-      'blocks': [NamedSharding(mesh, P()),              # sent sharded on dim 2
-                 NamedSharding(mesh, P())],
-      'scale': SingleDeviceSharding(local[1]),
-      'step': SingleDeviceSharding(local[0]),           # sent sharded on dim 0
-  })
+  other = transfer.abstract(
+      want,
+      {
+          'w': NamedSharding(mesh, P(None, 'data')),  # sent sharded on dim 0
+          'blocks': [NamedSharding(mesh, P()), NamedSharding(mesh, P())],  # sent sharded on dim 2
+          'scale': SingleDeviceSharding(local[1]),
+          'step': SingleDeviceSharding(local[0]),  # sent sharded on dim 0
+      },
+  )
   checks += check(chan.receive(other, 'weights'), want, 'other', other)
   # seq 2: sent as bf16.
-  want = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == np.float32 else x,
-                      host_tree(3))
-  cast = transfer.abstract(want, jax.tree.map(lambda s: NamedSharding(xmesh, s),
-                                              specs(xmesh, 'x')))
+  want = jax.tree.map(
+      lambda x: x.astype(jnp.bfloat16) if x.dtype == np.float32 else x, host_tree(3)
+  )
+  cast = transfer.abstract(want, jax.tree.map(lambda s: NamedSharding(xmesh, s), specs(xmesh, 'x')))
   checks += check(chan.receive(cast, 'weights'), want, 'cast', cast)
   # reverse direction: send from this process's devices (single-device + sharded leaves).
   chan.send(to_device(host_tree(10), mesh, 'data'), 'traj')

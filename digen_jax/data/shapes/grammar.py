@@ -32,6 +32,7 @@ A model trained on the train split has therefore never seen e.g. "red circle" in
 object has which shape): pretraining on a share of such pairs gives a base that can draw every
 concept but binds them to the prompt unreliably, the regime RL post-training works in.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,80 +77,81 @@ _BG_NAMES = tuple(BACKGROUNDS)
 
 @dataclasses.dataclass(frozen=True)
 class ShapeObject:
-    """One object phrase: `count` copies of a `color` `shape`."""
+  """One object phrase: `count` copies of a `color` `shape`."""
 
-    color: str
-    shape: str
-    count: int = 1
+  color: str
+  shape: str
+  count: int = 1
 
-    def __post_init__(self):
-        if self.color not in COLORS:
-            raise ValueError(f"color={self.color!r} is not an object colour; use one of {_COLOR_NAMES}")
-        if self.shape not in SHAPES:
-            raise ValueError(f"shape={self.shape!r} is not a shape; use one of {SHAPES}")
-        if not isinstance(self.count, (int, np.integer)) or not 1 <= self.count <= MAX_COUNT:
-            raise ValueError(f"count={self.count!r} must be an int in 1..{MAX_COUNT}")
+  def __post_init__(self):
+    if self.color not in COLORS:
+      raise ValueError(f"color={self.color!r} is not an object colour; use one of {_COLOR_NAMES}")
+    if self.shape not in SHAPES:
+      raise ValueError(f"shape={self.shape!r} is not a shape; use one of {SHAPES}")
+    if not isinstance(self.count, (int, np.integer)) or not 1 <= self.count <= MAX_COUNT:
+      raise ValueError(f"count={self.count!r} must be an int in 1..{MAX_COUNT}")
 
-    def phrase(self) -> str:
-        noun = self.shape if self.count == 1 else PLURALS[self.shape]
-        return f"{COUNT_WORDS[int(self.count)]} {self.color} {noun}"
+  def phrase(self) -> str:
+    noun = self.shape if self.count == 1 else PLURALS[self.shape]
+    return f"{COUNT_WORDS[int(self.count)]} {self.color} {noun}"
 
 
 @dataclasses.dataclass(frozen=True)
 class ShapesPrompt:
-    """A structured ShapesBench prompt.
+  """A structured ShapesBench prompt.
 
-    objects: one object (any count) or two objects (count 1 each, different colours).
-    relation: None for one object, else one of RELATIONS ("objects[0] <relation> objects[1]").
-    background: one of BACKGROUNDS.
-    """
+  objects: one object (any count) or two objects (count 1 each, different colours).
+  relation: None for one object, else one of RELATIONS ("objects[0] <relation> objects[1]").
+  background: one of BACKGROUNDS.
+  """
 
-    objects: tuple[ShapeObject, ...]
-    relation: Optional[str]
-    background: str
+  objects: tuple[ShapeObject, ...]
+  relation: Optional[str]
+  background: str
 
-    def __post_init__(self):
-        objs = tuple(self.objects)
-        object.__setattr__(self, "objects", objs)
-        if self.background not in BACKGROUNDS:
-            raise ValueError(f"background={self.background!r} must be one of {_BG_NAMES}")
-        if len(objs) == 1:
-            if self.relation is not None:
-                raise ValueError(f"relation={self.relation!r} needs two objects; got one")
-        elif len(objs) == 2:
-            if self.relation not in RELATIONS:
-                raise ValueError(f"relation={self.relation!r} must be one of {RELATIONS}")
-            if any(o.count != 1 for o in objs):
-                raise ValueError("relation prompts need count 1 for both objects; got "
-                                 f"{[o.count for o in objs]}")
-            if objs[0].color == objs[1].color:
-                raise ValueError(f"relation objects must differ in colour; both are {objs[0].color!r}")
-        else:
-            raise ValueError(f"objects must hold 1 or 2 ShapeObject; got {len(objs)}")
+  def __post_init__(self):
+    objs = tuple(self.objects)
+    object.__setattr__(self, "objects", objs)
+    if self.background not in BACKGROUNDS:
+      raise ValueError(f"background={self.background!r} must be one of {_BG_NAMES}")
+    if len(objs) == 1:
+      if self.relation is not None:
+        raise ValueError(f"relation={self.relation!r} needs two objects; got one")
+    elif len(objs) == 2:
+      if self.relation not in RELATIONS:
+        raise ValueError(f"relation={self.relation!r} must be one of {RELATIONS}")
+      if any(o.count != 1 for o in objs):
+        raise ValueError(
+            "relation prompts need count 1 for both objects; got " f"{[o.count for o in objs]}"
+        )
+      if objs[0].color == objs[1].color:
+        raise ValueError(f"relation objects must differ in colour; both are {objs[0].color!r}")
+    else:
+      raise ValueError(f"objects must hold 1 or 2 ShapeObject; got {len(objs)}")
 
-    @property
-    def is_relation(self) -> bool:
-        return self.relation is not None
+  @property
+  def is_relation(self) -> bool:
+    return self.relation is not None
 
-    def pairs(self) -> frozenset[tuple[str, str]]:
-        """The (colour, shape) pairs this prompt mentions."""
-        return frozenset((o.color, o.shape) for o in self.objects)
+  def pairs(self) -> frozenset[tuple[str, str]]:
+    """The (colour, shape) pairs this prompt mentions."""
+    return frozenset((o.color, o.shape) for o in self.objects)
 
-    def to_text(self) -> str:
-        tail = f"on a {self.background} background"
-        if self.relation is None:
-            return f"{self.objects[0].phrase()} {tail}"
-        a, b = self.objects
-        return f"{a.phrase()} {self.relation} {b.phrase()} {tail}"
+  def to_text(self) -> str:
+    tail = f"on a {self.background} background"
+    if self.relation is None:
+      return f"{self.objects[0].phrase()} {tail}"
+    a, b = self.objects
+    return f"{a.phrase()} {self.relation} {b.phrase()} {tail}"
 
-    @staticmethod
-    def parse(text: str) -> "ShapesPrompt":
-        """Inverse of `to_text` (case and outer whitespace are ignored); ValueError if not in the grammar."""
-        return parse(text)
+  @staticmethod
+  def parse(text: str) -> "ShapesPrompt":
+    """Inverse of `to_text` (case and outer whitespace are ignored); ValueError if not in the grammar."""
+    return parse(text)
 
 
 def _alt(words: Sequence[str]) -> str:
-    return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+  return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
 
 
 _COLOR_RE = _alt(_COLOR_NAMES)
@@ -166,122 +168,140 @@ _WORD_TO_COUNT = {w: n for n, w in COUNT_WORDS.items()}
 
 
 def parse(text: str) -> ShapesPrompt:
-    """Parses a ShapesBench prompt; raises ValueError naming the text if it is not in the grammar."""
-    if not isinstance(text, str):
-        raise ValueError(f"prompt must be a str; got {type(text).__name__}")
-    norm = text.strip().lower()
-    m = _REL_RE.fullmatch(norm)
-    if m:
-        return ShapesPrompt(
-            objects=(ShapeObject(m["c1"], m["s1"]), ShapeObject(m["c2"], m["s2"])),
-            relation=m["rel"],
-            background=m["bg"],
-        )
-    m = _SINGLE_RE.fullmatch(norm)
-    if m:
-        count = _WORD_TO_COUNT[m["n"]]
-        if (count == 1) == bool(m["pl"]):
-            raise ValueError(f"prompt {text!r}: count word {m['n']!r} disagrees with noun number")
-        return ShapesPrompt(objects=(ShapeObject(m["c"], m["s"], count),), relation=None,
-                            background=m["bg"])
-    raise ValueError(f"prompt {text!r} is not a ShapesBench prompt (e.g. "
-                     f"'two red circles on a white background' or "
-                     f"'a red circle left of a blue square on a black background')")
+  """Parses a ShapesBench prompt; raises ValueError naming the text if it is not in the grammar."""
+  if not isinstance(text, str):
+    raise ValueError(f"prompt must be a str; got {type(text).__name__}")
+  norm = text.strip().lower()
+  m = _REL_RE.fullmatch(norm)
+  if m:
+    return ShapesPrompt(
+        objects=(ShapeObject(m["c1"], m["s1"]), ShapeObject(m["c2"], m["s2"])),
+        relation=m["rel"],
+        background=m["bg"],
+    )
+  m = _SINGLE_RE.fullmatch(norm)
+  if m:
+    count = _WORD_TO_COUNT[m["n"]]
+    if (count == 1) == bool(m["pl"]):
+      raise ValueError(f"prompt {text!r}: count word {m['n']!r} disagrees with noun number")
+    return ShapesPrompt(
+        objects=(ShapeObject(m["c"], m["s"], count),), relation=None, background=m["bg"]
+    )
+  raise ValueError(
+      f"prompt {text!r} is not a ShapesBench prompt (e.g. "
+      f"'two red circles on a white background' or "
+      f"'a red circle left of a blue square on a black background')"
+  )
 
 
 def grammar_words() -> list[str]:
-    """Every word `to_text` can emit, sorted."""
-    words = {"a", "on", "background", *COUNT_WORDS.values(), *COLORS, *BACKGROUNDS, *SHAPES,
-             *PLURALS.values()}
-    for rel in RELATIONS:
-        words.update(rel.split())
-    return sorted(words)
+  """Every word `to_text` can emit, sorted."""
+  words = {
+      "a",
+      "on",
+      "background",
+      *COUNT_WORDS.values(),
+      *COLORS,
+      *BACKGROUNDS,
+      *SHAPES,
+      *PLURALS.values(),
+  }
+  for rel in RELATIONS:
+    words.update(rel.split())
+  return sorted(words)
 
 
 def iter_all_prompts() -> Iterator[ShapesPrompt]:
-    """Every prompt of the grammar in a fixed canonical order (singles first, then relations)."""
-    for bg in BACKGROUNDS:
-        for c in COLORS:
-            for s in SHAPES:
-                for n in range(1, MAX_COUNT + 1):
-                    yield ShapesPrompt((ShapeObject(c, s, n),), None, bg)
-    for bg in BACKGROUNDS:
-        for c1 in COLORS:
-            for s1 in SHAPES:
-                for rel in RELATIONS:
-                    for c2 in COLORS:
-                        if c2 == c1:
-                            continue
-                        for s2 in SHAPES:
-                            yield ShapesPrompt((ShapeObject(c1, s1), ShapeObject(c2, s2)), rel, bg)
+  """Every prompt of the grammar in a fixed canonical order (singles first, then relations)."""
+  for bg in BACKGROUNDS:
+    for c in COLORS:
+      for s in SHAPES:
+        for n in range(1, MAX_COUNT + 1):
+          yield ShapesPrompt((ShapeObject(c, s, n),), None, bg)
+  for bg in BACKGROUNDS:
+    for c1 in COLORS:
+      for s1 in SHAPES:
+        for rel in RELATIONS:
+          for c2 in COLORS:
+            if c2 == c1:
+              continue
+            for s2 in SHAPES:
+              yield ShapesPrompt((ShapeObject(c1, s1), ShapeObject(c2, s2)), rel, bg)
 
 
 def all_prompts() -> list[ShapesPrompt]:
-    return list(iter_all_prompts())
+  return list(iter_all_prompts())
 
 
 def is_held_out(prompt: ShapesPrompt) -> bool:
-    """True iff the prompt mentions a held-out (colour, shape) pair."""
-    return bool(prompt.pairs() & HELD_OUT_PAIRS)
+  """True iff the prompt mentions a held-out (colour, shape) pair."""
+  return bool(prompt.pairs() & HELD_OUT_PAIRS)
 
 
 def split_prompts(
-    num_eval_relations: int = NUM_EVAL_RELATIONS, seed: int = EVAL_SAMPLE_SEED,
+    num_eval_relations: int = NUM_EVAL_RELATIONS,
+    seed: int = EVAL_SAMPLE_SEED,
     num_val_relations: int = NUM_VAL_RELATIONS,
 ) -> dict[str, list[ShapesPrompt]]:
-    """The train/eval/val split described in the module docstring (deterministic)."""
-    train, eval_single, eval_rel = [], [], []
-    for p in iter_all_prompts():
-        if not is_held_out(p):
-            train.append(p)
-        elif p.is_relation:
-            eval_rel.append(p)
-        else:
-            eval_single.append(p)
-    if not 0 <= num_eval_relations <= len(eval_rel):
-        raise ValueError(f"num_eval_relations={num_eval_relations} must be in 0..{len(eval_rel)}")
-    idx = np.sort(np.random.default_rng(seed).choice(len(eval_rel), num_eval_relations, replace=False))
-    rest = np.setdiff1d(np.arange(len(eval_rel)), idx)
-    if not 0 <= num_val_relations <= len(rest):
-        raise ValueError(f"num_val_relations={num_val_relations} must be in 0..{len(rest)}")
-    val_idx = np.sort(np.random.default_rng(seed + 1).choice(rest, num_val_relations, replace=False))
-    return {"train": train, "eval": eval_single + [eval_rel[i] for i in idx],
-            "val": [eval_rel[i] for i in val_idx]}
+  """The train/eval/val split described in the module docstring (deterministic)."""
+  train, eval_single, eval_rel = [], [], []
+  for p in iter_all_prompts():
+    if not is_held_out(p):
+      train.append(p)
+    elif p.is_relation:
+      eval_rel.append(p)
+    else:
+      eval_single.append(p)
+  if not 0 <= num_eval_relations <= len(eval_rel):
+    raise ValueError(f"num_eval_relations={num_eval_relations} must be in 0..{len(eval_rel)}")
+  idx = np.sort(
+      np.random.default_rng(seed).choice(len(eval_rel), num_eval_relations, replace=False)
+  )
+  rest = np.setdiff1d(np.arange(len(eval_rel)), idx)
+  if not 0 <= num_val_relations <= len(rest):
+    raise ValueError(f"num_val_relations={num_val_relations} must be in 0..{len(rest)}")
+  val_idx = np.sort(np.random.default_rng(seed + 1).choice(rest, num_val_relations, replace=False))
+  return {
+      "train": train,
+      "eval": eval_single + [eval_rel[i] for i in idx],
+      "val": [eval_rel[i] for i in val_idx],
+  }
 
 
 def miscaption(prompt: ShapesPrompt, kind: str, rng: np.random.Generator) -> Optional[ShapesPrompt]:
-    """`prompt` made wrong in one attribute, or None where `kind` does not apply to it.
+  """`prompt` made wrong in one attribute, or None where `kind` does not apply to it.
 
-    kind 'count': a count of 2 or 3 becomes the other (one object is never miscounted, so
-      single-object captions stay exact); 'relation': the relation becomes another one;
-      'binding': the two objects swap shapes (relation prompts whose shapes differ).
-    """
-    if kind not in MISCAPTION_KINDS:
-        raise ValueError(f"kind={kind!r} must be one of {MISCAPTION_KINDS}")
-    objs = prompt.objects
-    if kind == "count":
-        if prompt.is_relation or objs[0].count < 2:
-            return None
-        other = [n for n in range(2, MAX_COUNT + 1) if n != objs[0].count]
-        obj = dataclasses.replace(objs[0], count=int(other[rng.integers(len(other))]))
-        return dataclasses.replace(prompt, objects=(obj,))
-    if not prompt.is_relation:
-        return None
-    if kind == "relation":
-        other = [r for r in RELATIONS if r != prompt.relation]
-        return dataclasses.replace(prompt, relation=other[rng.integers(len(other))])
-    a, b = objs
-    if a.shape == b.shape:
-        return None
-    return dataclasses.replace(prompt, objects=(dataclasses.replace(a, shape=b.shape),
-                                                dataclasses.replace(b, shape=a.shape)))
+  kind 'count': a count of 2 or 3 becomes the other (one object is never miscounted, so
+    single-object captions stay exact); 'relation': the relation becomes another one;
+    'binding': the two objects swap shapes (relation prompts whose shapes differ).
+  """
+  if kind not in MISCAPTION_KINDS:
+    raise ValueError(f"kind={kind!r} must be one of {MISCAPTION_KINDS}")
+  objs = prompt.objects
+  if kind == "count":
+    if prompt.is_relation or objs[0].count < 2:
+      return None
+    other = [n for n in range(2, MAX_COUNT + 1) if n != objs[0].count]
+    obj = dataclasses.replace(objs[0], count=int(other[rng.integers(len(other))]))
+    return dataclasses.replace(prompt, objects=(obj,))
+  if not prompt.is_relation:
+    return None
+  if kind == "relation":
+    other = [r for r in RELATIONS if r != prompt.relation]
+    return dataclasses.replace(prompt, relation=other[rng.integers(len(other))])
+  a, b = objs
+  if a.shape == b.shape:
+    return None
+  return dataclasses.replace(
+      prompt, objects=(dataclasses.replace(a, shape=b.shape), dataclasses.replace(b, shape=a.shape))
+  )
 
 
 def sample_prompts(n: int, seed: int, split: str = "train") -> list[ShapesPrompt]:
-    """n prompts drawn uniformly (with replacement) from `split`, deterministic in `seed`."""
-    splits = split_prompts()
-    if split not in splits:
-        raise ValueError(f"split={split!r} must be one of {sorted(splits)}")
-    pool = splits[split]
-    idx = np.random.default_rng(seed).integers(0, len(pool), size=n)
-    return [pool[i] for i in idx]
+  """n prompts drawn uniformly (with replacement) from `split`, deterministic in `seed`."""
+  splits = split_prompts()
+  if split not in splits:
+    raise ValueError(f"split={split!r} must be one of {sorted(splits)}")
+  pool = splits[split]
+  idx = np.random.default_rng(seed).integers(0, len(pool), size=n)
+  return [pool[i] for i in idx]

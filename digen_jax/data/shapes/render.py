@@ -12,6 +12,7 @@ pixel is exactly background + coverage * (colour - background). Shapes are axis-
 circle (diameter = extent), square (side = extent), triangle pointing up (base = height = extent),
 whose bounding-box fill ratios are pi/4, 1 and 1/2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,179 +29,190 @@ _MAX_TRIES = 200
 
 @dataclasses.dataclass(frozen=True)
 class Placed:
-    """One drawn object: centre (cx, cy) and extent e in pixels (its box is e x e)."""
+  """One drawn object: centre (cx, cy) and extent e in pixels (its box is e x e)."""
 
-    color: str
-    shape: str
-    cx: float
-    cy: float
-    e: float
+  color: str
+  shape: str
+  cx: float
+  cy: float
+  e: float
 
-    @property
-    def box(self) -> tuple[float, float, float, float]:
-        """(x0, y0, x1, y1)."""
-        h = self.e / 2
-        return (self.cx - h, self.cy - h, self.cx + h, self.cy + h)
+  @property
+  def box(self) -> tuple[float, float, float, float]:
+    """(x0, y0, x1, y1)."""
+    h = self.e / 2
+    return (self.cx - h, self.cy - h, self.cx + h, self.cy + h)
 
 
 def _as_prompt(prompt: Union[ShapesPrompt, str]) -> ShapesPrompt:
-    return parse(prompt) if isinstance(prompt, str) else prompt
+  return parse(prompt) if isinstance(prompt, str) else prompt
 
 
 def _as_rng(rng: Union[np.random.Generator, int, None]) -> np.random.Generator:
-    if isinstance(rng, np.random.Generator):
-        return rng
-    return np.random.default_rng(rng)
+  if isinstance(rng, np.random.Generator):
+    return rng
+  return np.random.default_rng(rng)
 
 
 def _box_gap(a: Placed, b: Placed) -> float:
-    """Chebyshev distance between two boxes (0 if they overlap)."""
-    ax0, ay0, ax1, ay1 = a.box
-    bx0, by0, bx1, by1 = b.box
-    return max(bx0 - ax1, ax0 - bx1, by0 - ay1, ay0 - by1, 0.0)
+  """Chebyshev distance between two boxes (0 if they overlap)."""
+  ax0, ay0, ax1, ay1 = a.box
+  bx0, by0, bx1, by1 = b.box
+  return max(bx0 - ax1, ax0 - bx1, by0 - ay1, ay0 - by1, 0.0)
 
 
 def default_margin(size: int) -> float:
-    return max(1.5, 0.06 * size)
+  return max(1.5, 0.06 * size)
 
 
 def default_gap(size: int) -> float:
-    return max(2.0, 0.08 * size)
+  return max(2.0, 0.08 * size)
 
 
 def _layout_count(prompt: ShapesPrompt, size: int, rng: np.random.Generator) -> list[Placed]:
-    obj = prompt.objects[0]
-    lo, hi = _EXTENT_FRAC[obj.count]
-    margin, gap = default_margin(size), default_gap(size)
-    scale = 1.0
-    for attempt in range(_MAX_TRIES * 10):
-        if attempt and attempt % _MAX_TRIES == 0:
-            scale *= 0.95  # crowded draw: shrink a little rather than fail
-        placed: list[Placed] = []
-        for _ in range(obj.count):
-            e = rng.uniform(lo, hi) * size * scale
-            cx = rng.uniform(margin + e / 2, size - margin - e / 2)
-            cy = rng.uniform(margin + e / 2, size - margin - e / 2)
-            p = Placed(obj.color, obj.shape, cx, cy, e)
-            if any(_box_gap(p, q) < gap for q in placed):
-                break
-            placed.append(p)
-        if len(placed) == obj.count:
-            return placed
-    raise RuntimeError(f"could not place {obj.count} objects in a {size}px image")
+  obj = prompt.objects[0]
+  lo, hi = _EXTENT_FRAC[obj.count]
+  margin, gap = default_margin(size), default_gap(size)
+  scale = 1.0
+  for attempt in range(_MAX_TRIES * 10):
+    if attempt and attempt % _MAX_TRIES == 0:
+      scale *= 0.95  # crowded draw: shrink a little rather than fail
+    placed: list[Placed] = []
+    for _ in range(obj.count):
+      e = rng.uniform(lo, hi) * size * scale
+      cx = rng.uniform(margin + e / 2, size - margin - e / 2)
+      cy = rng.uniform(margin + e / 2, size - margin - e / 2)
+      p = Placed(obj.color, obj.shape, cx, cy, e)
+      if any(_box_gap(p, q) < gap for q in placed):
+        break
+      placed.append(p)
+    if len(placed) == obj.count:
+      return placed
+  raise RuntimeError(f"could not place {obj.count} objects in a {size}px image")
 
 
 def _layout_relation(prompt: ShapesPrompt, size: int, rng: np.random.Generator) -> list[Placed]:
-    a, b = prompt.objects
-    lo, hi = _EXTENT_FRAC["relation"]
-    margin, gap = default_margin(size), default_gap(size)
-    for _ in range(_MAX_TRIES):
-        ea, eb = rng.uniform(lo, hi, size=2) * size
-        # Work in (u, v): u is the relation axis, low-u object first; v is the other axis.
-        first_is_a = prompt.relation in ("left of", "above")
-        e_lo, e_hi = (ea, eb) if first_is_a else (eb, ea)
-        room = size - 2 * margin - e_lo - e_hi
-        if room < gap:
-            continue
-        gu = rng.uniform(gap, min(room, max(gap, 0.35 * size)))
-        du = e_lo / 2 + gu + e_hi / 2  # centre distance along u
-        dv = rng.uniform(-0.3, 0.3) * du
-        u0 = rng.uniform(margin, size - margin - (e_lo + gu + e_hi))
-        u_lo, u_hi = u0 + e_lo / 2, u0 + e_lo + gu + e_hi / 2
-        # Centre v of the pair chosen so both objects stay inside the margins.
-        v_min = max(margin + e_lo / 2 + dv / 2, margin + e_hi / 2 - dv / 2)
-        v_max = min(size - margin - e_lo / 2 + dv / 2, size - margin - e_hi / 2 - dv / 2)
-        if v_min > v_max:
-            continue
-        vc = rng.uniform(v_min, v_max)
-        v_lo, v_hi = vc - dv / 2, vc + dv / 2
-        horizontal = prompt.relation in ("left of", "right of")
-        pts = [(u_lo, v_lo, e_lo), (u_hi, v_hi, e_hi)]
-        if not first_is_a:
-            pts = pts[::-1]
-        out = []
-        for obj, (u, v, e) in zip((a, b), pts):
-            cx, cy = (u, v) if horizontal else (v, u)
-            out.append(Placed(obj.color, obj.shape, cx, cy, e))
-        return out
-    raise RuntimeError(f"could not place a relation pair in a {size}px image")
+  a, b = prompt.objects
+  lo, hi = _EXTENT_FRAC["relation"]
+  margin, gap = default_margin(size), default_gap(size)
+  for _ in range(_MAX_TRIES):
+    ea, eb = rng.uniform(lo, hi, size=2) * size
+    # Work in (u, v): u is the relation axis, low-u object first; v is the other axis.
+    first_is_a = prompt.relation in ("left of", "above")
+    e_lo, e_hi = (ea, eb) if first_is_a else (eb, ea)
+    room = size - 2 * margin - e_lo - e_hi
+    if room < gap:
+      continue
+    gu = rng.uniform(gap, min(room, max(gap, 0.35 * size)))
+    du = e_lo / 2 + gu + e_hi / 2  # centre distance along u
+    dv = rng.uniform(-0.3, 0.3) * du
+    u0 = rng.uniform(margin, size - margin - (e_lo + gu + e_hi))
+    u_lo, u_hi = u0 + e_lo / 2, u0 + e_lo + gu + e_hi / 2
+    # Centre v of the pair chosen so both objects stay inside the margins.
+    v_min = max(margin + e_lo / 2 + dv / 2, margin + e_hi / 2 - dv / 2)
+    v_max = min(size - margin - e_lo / 2 + dv / 2, size - margin - e_hi / 2 - dv / 2)
+    if v_min > v_max:
+      continue
+    vc = rng.uniform(v_min, v_max)
+    v_lo, v_hi = vc - dv / 2, vc + dv / 2
+    horizontal = prompt.relation in ("left of", "right of")
+    pts = [(u_lo, v_lo, e_lo), (u_hi, v_hi, e_hi)]
+    if not first_is_a:
+      pts = pts[::-1]
+    out = []
+    for obj, (u, v, e) in zip((a, b), pts):
+      cx, cy = (u, v) if horizontal else (v, u)
+      out.append(Placed(obj.color, obj.shape, cx, cy, e))
+    return out
+  raise RuntimeError(f"could not place a relation pair in a {size}px image")
 
 
-def layout(prompt: Union[ShapesPrompt, str], size: int = 32,
-           rng: Union[np.random.Generator, int, None] = None) -> list[Placed]:
-    """Random object placement satisfying the prompt (see module docstring)."""
-    if not isinstance(size, (int, np.integer)) or size < 16:
-        raise ValueError(f"size={size!r} must be an int >= 16 (objects need a few pixels each)")
-    prompt, rng = _as_prompt(prompt), _as_rng(rng)
-    if prompt.is_relation:
-        return _layout_relation(prompt, int(size), rng)
-    return _layout_count(prompt, int(size), rng)
+def layout(
+    prompt: Union[ShapesPrompt, str],
+    size: int = 32,
+    rng: Union[np.random.Generator, int, None] = None,
+) -> list[Placed]:
+  """Random object placement satisfying the prompt (see module docstring)."""
+  if not isinstance(size, (int, np.integer)) or size < 16:
+    raise ValueError(f"size={size!r} must be an int >= 16 (objects need a few pixels each)")
+  prompt, rng = _as_prompt(prompt), _as_rng(rng)
+  if prompt.is_relation:
+    return _layout_relation(prompt, int(size), rng)
+  return _layout_count(prompt, int(size), rng)
 
 
 def _inside(shape: str, x: np.ndarray, y: np.ndarray, p: Placed) -> np.ndarray:
-    dx, dy, h = x - p.cx, y - p.cy, p.e / 2
-    if shape == "circle":
-        return dx * dx + dy * dy <= h * h
-    if shape == "square":
-        return (np.abs(dx) <= h) & (np.abs(dy) <= h)
-    if shape == "triangle":
-        t = (dy + h) / p.e  # 0 at apex (top), 1 at base
-        return (t >= 0) & (t <= 1) & (np.abs(dx) <= h * t)
-    raise ValueError(f"shape={shape!r} must be one of {SHAPES}")
+  dx, dy, h = x - p.cx, y - p.cy, p.e / 2
+  if shape == "circle":
+    return dx * dx + dy * dy <= h * h
+  if shape == "square":
+    return (np.abs(dx) <= h) & (np.abs(dy) <= h)
+  if shape == "triangle":
+    t = (dy + h) / p.e  # 0 at apex (top), 1 at base
+    return (t >= 0) & (t <= 1) & (np.abs(dx) <= h * t)
+  raise ValueError(f"shape={shape!r} must be one of {SHAPES}")
 
 
 def coverage(p: Placed, size: int, supersample: int = 4) -> np.ndarray:
-    """[size, size] float32 fraction of each pixel covered by the object."""
-    cov = np.zeros((size, size), np.float32)
-    x0, y0, x1, y1 = p.box
-    c0, r0 = max(int(np.floor(x0)), 0), max(int(np.floor(y0)), 0)
-    c1, r1 = min(int(np.ceil(x1)), size), min(int(np.ceil(y1)), size)
-    if c1 <= c0 or r1 <= r0:
-        return cov
-    s = supersample
-    offs = (np.arange(s) + 0.5) / s
-    xs = (np.arange(c0, c1)[:, None] + offs[None, :]).reshape(-1)
-    ys = (np.arange(r0, r1)[:, None] + offs[None, :]).reshape(-1)
-    hit = _inside(p.shape, xs[None, :], ys[:, None], p).astype(np.float32)
-    cov[r0:r1, c0:c1] = hit.reshape(r1 - r0, s, c1 - c0, s).mean(axis=(1, 3))
+  """[size, size] float32 fraction of each pixel covered by the object."""
+  cov = np.zeros((size, size), np.float32)
+  x0, y0, x1, y1 = p.box
+  c0, r0 = max(int(np.floor(x0)), 0), max(int(np.floor(y0)), 0)
+  c1, r1 = min(int(np.ceil(x1)), size), min(int(np.ceil(y1)), size)
+  if c1 <= c0 or r1 <= r0:
     return cov
+  s = supersample
+  offs = (np.arange(s) + 0.5) / s
+  xs = (np.arange(c0, c1)[:, None] + offs[None, :]).reshape(-1)
+  ys = (np.arange(r0, r1)[:, None] + offs[None, :]).reshape(-1)
+  hit = _inside(p.shape, xs[None, :], ys[:, None], p).astype(np.float32)
+  cov[r0:r1, c0:c1] = hit.reshape(r1 - r0, s, c1 - c0, s).mean(axis=(1, 3))
+  return cov
 
 
-def rasterize(objects: Sequence[Placed], background: str, size: int = 32,
-              supersample: int = 4) -> np.ndarray:
-    """[size, size, 3] float32 in [-1, 1]: background plus anti-aliased objects."""
-    if background not in BACKGROUNDS:
-        raise ValueError(f"background={background!r} must be one of {tuple(BACKGROUNDS)}")
-    bg = np.asarray(BACKGROUNDS[background], np.float32)
-    img = np.broadcast_to(bg, (size, size, 3)).copy()
-    for p in objects:
-        col = np.asarray(COLORS[p.color], np.float32)
-        img += coverage(p, size, supersample)[..., None] * (col - bg)
-    return np.clip(img * 2.0 - 1.0, -1.0, 1.0).astype(np.float32)
+def rasterize(
+    objects: Sequence[Placed], background: str, size: int = 32, supersample: int = 4
+) -> np.ndarray:
+  """[size, size, 3] float32 in [-1, 1]: background plus anti-aliased objects."""
+  if background not in BACKGROUNDS:
+    raise ValueError(f"background={background!r} must be one of {tuple(BACKGROUNDS)}")
+  bg = np.asarray(BACKGROUNDS[background], np.float32)
+  img = np.broadcast_to(bg, (size, size, 3)).copy()
+  for p in objects:
+    col = np.asarray(COLORS[p.color], np.float32)
+    img += coverage(p, size, supersample)[..., None] * (col - bg)
+  return np.clip(img * 2.0 - 1.0, -1.0, 1.0).astype(np.float32)
 
 
 def shape_coverage(objects: Sequence[Placed], size: int = 32, supersample: int = 4) -> np.ndarray:
-    """[size, size, len(SHAPES)] float32: per pixel, the coverage by objects of each shape (in
-    SHAPES order); what an autoencoder with shape channels is taught to put in its latents."""
-    maps = np.zeros((size, size, len(SHAPES)), np.float32)
-    for p in objects:
-        maps[..., SHAPES.index(p.shape)] += coverage(p, size, supersample)
-    return np.clip(maps, 0.0, 1.0)
+  """[size, size, len(SHAPES)] float32: per pixel, the coverage by objects of each shape (in
+  SHAPES order); what an autoencoder with shape channels is taught to put in its latents."""
+  maps = np.zeros((size, size, len(SHAPES)), np.float32)
+  for p in objects:
+    maps[..., SHAPES.index(p.shape)] += coverage(p, size, supersample)
+  return np.clip(maps, 0.0, 1.0)
 
 
-def render(prompt: Union[ShapesPrompt, str], size: int = 32,
-           rng: Union[np.random.Generator, int, None] = None,
-           supersample: int = 4) -> np.ndarray:
-    """Renders an image satisfying `prompt`: [size, size, 3] float32 in [-1, 1]."""
-    prompt = _as_prompt(prompt)
-    return rasterize(layout(prompt, size, rng), prompt.background, size, supersample)
+def render(
+    prompt: Union[ShapesPrompt, str],
+    size: int = 32,
+    rng: Union[np.random.Generator, int, None] = None,
+    supersample: int = 4,
+) -> np.ndarray:
+  """Renders an image satisfying `prompt`: [size, size, 3] float32 in [-1, 1]."""
+  prompt = _as_prompt(prompt)
+  return rasterize(layout(prompt, size, rng), prompt.background, size, supersample)
 
 
-def render_batch(prompts: Sequence[Union[ShapesPrompt, str]], size: int = 32,
-                 seed: Optional[int] = 0, supersample: int = 4) -> np.ndarray:
-    """[B, size, size, 3] float32; one generator seeded by `seed` drives the whole batch."""
-    rng = np.random.default_rng(seed)
-    out = np.empty((len(prompts), size, size, 3), np.float32)
-    for i, p in enumerate(prompts):
-        out[i] = render(p, size, rng, supersample)
-    return out
+def render_batch(
+    prompts: Sequence[Union[ShapesPrompt, str]],
+    size: int = 32,
+    seed: Optional[int] = 0,
+    supersample: int = 4,
+) -> np.ndarray:
+  """[B, size, size, 3] float32; one generator seeded by `seed` drives the whole batch."""
+  rng = np.random.default_rng(seed)
+  out = np.empty((len(prompts), size, size, 3), np.float32)
+  for i, p in enumerate(prompts):
+    out[i] = render(p, size, rng, supersample)
+  return out

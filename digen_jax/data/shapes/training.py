@@ -9,6 +9,7 @@ few ms), and a resumed or repeated run sees the same data.
 A miscaptioned pair never names a held-out (colour, shape) pair: the caption is left true when
 every applicable corruption would name one, so the eval split's compositions stay unseen.
 """
+
 from __future__ import annotations
 
 import collections
@@ -32,6 +33,7 @@ class BatchSpec:
     `noise_kinds` that apply to the prompt (grammar.MISCAPTION_KINDS).
   shape_maps: also return each image's per-shape coverage maps (render.shape_coverage).
   """
+
   batch: int
   size: int
   seed: int
@@ -48,14 +50,17 @@ class BatchSpec:
       raise ValueError(f'caption_noise={self.caption_noise} must be in [0, 1)')
     bad = [k for k in self.noise_kinds if k not in grammar.MISCAPTION_KINDS]
     if bad or not self.noise_kinds:
-      raise ValueError(f'noise_kinds={self.noise_kinds!r}: use a non-empty subset of '
-                       f'{grammar.MISCAPTION_KINDS}')
+      raise ValueError(
+          f'noise_kinds={self.noise_kinds!r}: use a non-empty subset of '
+          f'{grammar.MISCAPTION_KINDS}'
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
   """images [B, size, size, 3] float32 in [-1, 1]; captions (what the model is told); truths (what
   was drawn); miscaptioned [B] bool; shape_maps [B, size, size, len(SHAPES)] or None."""
+
   images: np.ndarray
   captions: list[str]
   truths: list[str]
@@ -79,8 +84,9 @@ def _pools(split: str) -> _Pools:
     if split not in splits:
       raise ValueError(f'split={split!r} must be one of {sorted(splits)}')
     pool = splits[split]
-    _POOLS[split] = _Pools([p for p in pool if not p.is_relation], [p for p in pool if p.is_relation],
-                           list(pool))
+    _POOLS[split] = _Pools(
+        [p for p in pool if not p.is_relation], [p for p in pool if p.is_relation], list(pool)
+    )
   return _POOLS[split]
 
 
@@ -90,12 +96,17 @@ def sample_prompts(spec: BatchSpec, rng: np.random.Generator, n: int) -> list[gr
   if spec.single_fraction < 0:
     return [pools.everything[i] for i in rng.integers(0, len(pools.everything), n)]
   is_single = rng.random(n) < spec.single_fraction
-  return [pools.singles[rng.integers(len(pools.singles))] if s
-          else pools.relations[rng.integers(len(pools.relations))] for s in is_single]
+  return [
+      pools.singles[rng.integers(len(pools.singles))]
+      if s
+      else pools.relations[rng.integers(len(pools.relations))]
+      for s in is_single
+  ]
 
 
-def caption_for(prompt: grammar.ShapesPrompt, spec: BatchSpec,
-                rng: np.random.Generator) -> grammar.ShapesPrompt:
+def caption_for(
+    prompt: grammar.ShapesPrompt, spec: BatchSpec, rng: np.random.Generator
+) -> grammar.ShapesPrompt:
   """The caption of one pair: the prompt itself, or with probability spec.caption_noise the prompt
   wrong in one applicable attribute that names no held-out pair."""
   if spec.caption_noise <= 0 or rng.random() >= spec.caption_noise:
@@ -113,16 +124,27 @@ def training_batch(spec: BatchSpec, step: int) -> Batch:
   """Batch number `step` of the stream `spec` describes (deterministic in (spec, step))."""
   # One stream each for prompts, layouts and captions: the same step draws the same prompts and
   # images whatever the caption noise, so noise levels compare on identical data.
-  prompt_rng, image_rng, caption_rng = (np.random.default_rng([spec.seed, step, i]) for i in range(3))
+  prompt_rng, image_rng, caption_rng = (
+      np.random.default_rng([spec.seed, step, i]) for i in range(3)
+  )
   truths = sample_prompts(spec, prompt_rng, spec.batch)
   captions = [caption_for(p, spec, caption_rng) for p in truths]
   layouts = [render_lib.layout(p, spec.size, image_rng) for p in truths]
-  images = np.stack([render_lib.rasterize(objs, p.background, spec.size)
-                     for objs, p in zip(layouts, truths)])
-  maps = (np.stack([render_lib.shape_coverage(objs, spec.size) for objs in layouts])
-          if spec.shape_maps else None)
-  return Batch(images, [c.to_text() for c in captions], [p.to_text() for p in truths],
-               np.array([c != p for c, p in zip(captions, truths)]), maps)
+  images = np.stack(
+      [render_lib.rasterize(objs, p.background, spec.size) for objs, p in zip(layouts, truths)]
+  )
+  maps = (
+      np.stack([render_lib.shape_coverage(objs, spec.size) for objs in layouts])
+      if spec.shape_maps
+      else None
+  )
+  return Batch(
+      images,
+      [c.to_text() for c in captions],
+      [p.to_text() for p in truths],
+      np.array([c != p for c, p in zip(captions, truths)]),
+      maps,
+  )
 
 
 class BatchStream:
@@ -158,8 +180,9 @@ class BatchStream:
       self.next_step += 1
       return batch
     while len(self._pending) < self.depth:
-      self._pending.append(self._pool.apply_async(
-          training_batch, (self.spec, self.next_step + len(self._pending))))
+      self._pending.append(
+          self._pool.apply_async(training_batch, (self.spec, self.next_step + len(self._pending)))
+      )
     batch = self._pending.popleft().get()
     self.next_step += 1
     return batch
