@@ -128,10 +128,15 @@ def layouts_of(s: Scenario) -> list[str]:
   return (['colocated'] if 'colocated' in s.rungs else []) + list(s.variants)
 
 
-def run_scenario(s: Scenario, out: str, *, python: str = sys.executable) -> dict:
-  """Profile, ladder and prediction of one scenario. Returns its comparison."""
+def run_scenario(
+    s: Scenario, out: str, *, python: str = sys.executable, predict_only: bool = False
+) -> dict:
+  """Profile, ladder and prediction of one scenario. Returns its comparison. predict_only:
+  reuse OUT/<scenario>'s profile and ladder (e.g. after a change to the simulator)."""
   d = os.path.join(out, s.name)
   os.makedirs(d, exist_ok=True)
+  if predict_only:
+    return _predict(s, d, python, 0.0, 0.0)
   cores = sorted(os.sched_getaffinity(0))
   hog = cores[1 % len(cores)] if s.hog_rollout_core else None  # mp2 pins the rollout there
   t0 = time.time()
@@ -175,6 +180,10 @@ def run_scenario(s: Scenario, out: str, *, python: str = sys.executable) -> dict
       ladder += ['--set', word]
     _run(ladder, f'{d}/ladder.log')
   t_ladder = time.time() - t0 - t_profile
+  return _predict(s, d, python, t_profile, t_ladder)
+
+
+def _predict(s: Scenario, d: str, python: str, t_profile: float, t_ladder: float) -> dict:
   _run(
       [
           python,
@@ -242,6 +251,11 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--out', required=True)
   p.add_argument('--scenarios', default='balanced,rollout_bound,trainer_bound,hetero')
+  p.add_argument(
+      '--predict_only',
+      action='store_true',
+      help="re-predict from OUT/<scenario>'s profile and ladder (runs nothing)",
+  )
   a = p.parse_args(argv)
   names = [n for n in a.scenarios.split(',') if n]
   bad = [n for n in names if n not in SCENARIOS]
@@ -251,7 +265,7 @@ def main(argv=None) -> int:
   results = []
   for n in names:
     print(f'[validation] {n} ...', flush=True)
-    results.append(run_scenario(SCENARIOS[n], a.out))
+    results.append(run_scenario(SCENARIOS[n], a.out, predict_only=a.predict_only))
     r = results[-1]
     print(
         f'[validation] {n}: mean |error| {100 * r["sps_mae"]:.1f}%, largest '
