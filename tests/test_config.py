@@ -66,7 +66,9 @@ def test_architecture_fields_reach_the_model_and_are_validated():
     experiment.build_model(c)
   c = shapes.get_config()
   c.model.rope_theta = 0.0
-  with pytest.raises(ValueError, match='rope_theta=0.0 must be > 0'):
+  with pytest.raises(
+      ValueError, match=r'config.model.rope_theta=0.0 must be a finite number in \(0, inf\)'
+  ):
     configlib.validate(c, 1)
 
 
