@@ -49,6 +49,7 @@ IGNORED_OVERRIDES = (
     'optim.schedule',
     'optim.warmup',
     'model.checkpoint',
+    'cluster.transfer_host',  # where the transfer server listens: no program reads it
     'text.cache',
     'model.remat',
     'model.lora.rank',
