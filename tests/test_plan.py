@@ -284,3 +284,22 @@ def test_analytic_video_families():
 def test_scaled_batch_keeps_the_model(qwen):
   twice = dataclasses.replace(qwen, prompts=2 * qwen.prompts)
   assert twice.batch == 2 * qwen.batch and twice.rollout is qwen.rollout
+
+
+def test_committed_costs_match_the_configs_they_were_computed_for():
+  """A config change that reaches the digest without reaching the programs (a new field) would
+  make every plan recompile the 20B programs: each committed entry must match its config."""
+  import importlib.util
+
+  from digen_jax.sim import cache as cache_lib
+
+  entries = cache_lib.entries()
+  assert entries, 'benchmarks/costs/ holds no cached costs'
+  for e in entries:
+    if e.key.overrides:
+      continue
+    spec = importlib.util.spec_from_file_location('cfg', os.path.join(cache_lib.REPO, e.key.config))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    config = mod.get_config(e.key.variant or None)
+    assert cache_lib.config_digest(config) == e.digest, (e.path, e.key)
