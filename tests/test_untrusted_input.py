@@ -136,7 +136,6 @@ def _hex_ipv4(addr: str) -> str:
   return socket.inet_aton(addr)[::-1].hex().upper()
 
 
-@pytest.mark.skipif(not os.path.exists('/proc/net/tcp'), reason='needs Linux /proc/net/tcp')
 def test_transfer_server_listens_on_the_configured_interface_only():
   assert configlib.base_config().cluster.transfer_host == '127.0.0.1'
   transfer.set_host(configlib.base_config().cluster.transfer_host)
