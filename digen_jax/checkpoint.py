@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from digen_jax import faults
 
 DIGEST_FILE = 'digest.json'
+TMP_MARKER = '.orbax-checkpoint-tmp'  # orbax names an uncommitted step <step>.orbax-checkpoint-tmp[-<time>]
 _CHUNK = 1 << 22
 
 
@@ -85,11 +86,29 @@ def verify_digest(step_dir: str) -> str | None:
   return None
 
 
+def remove_partial_saves(directory: str) -> list[str]:
+  """Deletes the temporary directories of saves that never committed (a crash or a full disk
+  mid-write); returns their names. orbax's own cleanup_tmp_directories is not relied on alone:
+  whether it recognises a temporary directory depends on process-global orbax state, so a partial
+  step could survive in one process and not in another."""
+  if not os.path.isdir(directory):
+    return []
+  removed = []
+  for name in sorted(os.listdir(directory)):
+    if TMP_MARKER in name and os.path.isdir(os.path.join(directory, name)):
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+      removed.append(name)
+  if removed:
+    logging.warning('checkpoints: removed partial saves %s in %s', removed, directory)
+  return removed
+
+
 class Checkpointer:
   """Thin wrapper over ocp.CheckpointManager with a Composite of standard + JSON items."""
 
   def __init__(self, directory: str, *, max_to_keep: int = 2, save_every: int = 1):
     self.directory = os.path.abspath(directory)
+    remove_partial_saves(self.directory)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -271,6 +290,7 @@ class ProcessCheckpointer(Checkpointer):
       )
     self.directory = os.path.abspath(directory)
     os.makedirs(self.directory, exist_ok=True)  # orbax cannot create it with active_processes
+    remove_partial_saves(self.directory)
     mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid})
     self._manager = ocp.CheckpointManager(
         self.directory,

@@ -86,7 +86,7 @@ def _assert_same_update(params, opt_state, rows, ref):
         ({'schedule.fragments': 2, 'rl.adv_std': 'global'}, "rl.adv_std='group'"),
         ({'schedule.fragment_unit': 'prompt'}, 'schedule.fragment_unit'),
         ({'schedule.tag': True}, 'runtime.mode=disagg'),
-        ({'schedule.tcss_fraction': 1.5}, r'tcss_fraction=1.5 must be in \[0, 1\]'),
+        ({'schedule.tcss_fraction': 1.5}, r'tcss_fraction=1.5 must be a finite number in \[0, 1\]'),
         ({'schedule.fragments': 2, 'schedule.tcss_fraction': 0.25}, 'allows no stale fragment'),
     ],
 )
