@@ -31,7 +31,9 @@ import orbax.checkpoint as ocp
 from digen_jax import faults
 
 DIGEST_FILE = 'digest.json'
-TMP_MARKER = '.orbax-checkpoint-tmp'  # orbax names an uncommitted step <step>.orbax-checkpoint-tmp[-<time>]
+TMP_MARKER = (
+    '.orbax-checkpoint-tmp'  # orbax names an uncommitted step <step>.orbax-checkpoint-tmp[-<time>]
+)
 _CHUNK = 1 << 22
 
 

@@ -13,6 +13,9 @@ def enable(directory: str | None = None) -> str:
   """Turns the cache on (DIGEN_COMPILATION_CACHE overrides the folder; '0' disables it)."""
   directory = directory or os.environ.get('DIGEN_COMPILATION_CACHE', DEFAULT_DIR)
   if directory == '0':
+    jax.config.update(
+        'jax_enable_compilation_cache', False
+    )  # also when JAX_COMPILATION_CACHE_DIR is set
     return ''
   os.makedirs(directory, exist_ok=True)
   jax.config.update('jax_compilation_cache_dir', directory)

@@ -175,6 +175,9 @@ def base_config() -> ml_collections.ConfigDict:
   # (weights and optimizer state unchanged, counted in metrics.jsonl); this many in a row stop
   # the run with an error, the last checkpoint holding the last good weights.
   c.runtime.max_consecutive_skips = 3
+  # SIGTERM/SIGINT: the trainer checkpoints its last completed step and every process exits
+  # within this many seconds (after it, a process still busy exits anyway; see interrupt.py).
+  c.runtime.shutdown_timeout_s = 60.0
 
   # --- cluster: roles and meshes of runtime.mode='disagg' (colocated ignores it) -------------
   # layout 'auto': 2 processes -> process 0 trains, process 1 rolls out; 1 process -> the first
@@ -380,6 +383,7 @@ _FLOAT_RANGES = {  # field: (lo, lo_inclusive, hi, hi_inclusive, hint)
     'model.rope_theta': (0.0, False, _INF, False, 'diffusers: 10000.0'),
     'model.lora.alpha': (0.0, True, _INF, False, '0 = rank'),
     'reward.timeout_s': (0.0, True, _INF, False, '0 = no limit'),
+    'runtime.shutdown_timeout_s': (0.0, False, _INF, False, 'SIGTERM/SIGINT -> exit, default 60'),
     'schedule.tcss_fraction': (0.0, True, 1.0, True, ''),
     'cluster.trainer.speed': (0.0, False, _INF, False, ''),
     'cluster.rollout.speed': (0.0, False, _INF, False, ''),

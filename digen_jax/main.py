@@ -16,6 +16,7 @@ from absl import logging
 
 from digen_jax import cli
 from digen_jax import faults
+from digen_jax import interrupt
 
 
 def main(argv):
@@ -30,6 +31,9 @@ def main(argv):
   try:
     try:
       _run(info)
+    except interrupt.Interrupted as e:  # SIGTERM/SIGINT: checkpointed; 128 + signum
+      print(f'digen_jax: {e}', file=sys.stderr, flush=True)
+      sys.exit(e.exit_code)
     except faults.RunError as e:  # a fault with its own explanation: one line, no traceback
       cli.fail(str(e))
   except SystemExit as e:
@@ -90,6 +94,7 @@ def _run(info):
   from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
 
   config, workdir, n = cli.setup()
+  interrupt.install(config.runtime.shutdown_timeout_s)  # after jax.distributed's own handler
   tiny_pipeline = config.model.get('build_tiny_pipeline', False)
   if config.runtime.mode != 'disagg':
     if info.num_processes > 1:
@@ -128,11 +133,12 @@ def _run(info):
   if writer:
     cli.write_config(config, workdir)
   logging.info(
-      'workdir %s  mode disagg  process %d/%d (%s)  batch %d  %s',
+      'workdir %s  mode disagg  process %d/%d (%s, pid %d)  batch %d  %s',
       workdir,
       info.process_id,
       info.num_processes,
       cluster.role_of(info.process_id),
+      os.getpid(),
       exp.batch_size,
       cluster.describe(),
   )

@@ -19,14 +19,14 @@ installed, else os.sched_setaffinity).
 Output: stdout and stderr of copy i are merged and every line is printed as "[i] line".
 Exit: 0 when every copy exits 0. On the first copy that fails (nonzero exit or a signal), all
 other copies are terminated (SIGTERM to their process groups, SIGKILL after --grace_s) and the
-launcher exits with the failing copy's code (128+signal for a signal). SIGINT/SIGTERM to the
-launcher terminate every copy the same way (exit 130/143); --timeout_s>0 does so after T seconds
-(exit 124). Each copy runs in its own process group, so whatever it starts is terminated with it.
-Should the launcher itself be SIGKILLed, the copies still die (PDEATHSIG); only processes they
-started themselves could then outlive them.
-
-Note: jax.distributed catches SIGTERM in its children (preemption notifier), so stopping a
-jax copy takes --grace_s before the SIGKILL.
+launcher exits with the failing copy's code (128+signal for a signal), naming the copy.
+SIGINT/SIGTERM to the launcher are forwarded to every copy as SIGTERM (a digen_jax.main copy
+checkpoints its last completed step and exits within its config.runtime.shutdown_timeout_s,
+default 60 s) and the launcher exits 130/143 once they are gone, listing their exit codes;
+--timeout_s>0 stops everything the same way after T seconds (exit 124). --grace_s (default 90,
+above the runtime's bound) is the SIGTERM -> SIGKILL backstop. Each copy runs in its own process
+group, so whatever it starts is terminated with it. Should the launcher itself be SIGKILLed, the
+copies still die (PDEATHSIG); only processes they started themselves could then outlive them.
 """
 
 from __future__ import annotations
@@ -66,7 +66,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   p.add_argument(
       '--timeout_s', type=float, default=0.0, help='kill everything after this (0=never)'
   )
-  p.add_argument('--grace_s', type=float, default=5.0, help='SIGTERM -> SIGKILL delay')
+  p.add_argument(
+      '--grace_s',
+      type=float,
+      default=90.0,
+      help="SIGTERM -> SIGKILL delay (above the copies' runtime.shutdown_timeout_s)",
+  )
   args = p.parse_args(flags)
   if args.num_processes < 1:
     p.error(f'--num_processes={args.num_processes} must be >= 1')
@@ -189,6 +194,13 @@ class Launcher:
       except subprocess.TimeoutExpired:
         pass
 
+  def exit_codes(self) -> str:
+    """'0: 143, 1: 143' (128 + signal for a copy a signal killed; '?' if still running)."""
+    codes = [p.poll() for p in self.procs]
+    return ', '.join(
+        f'{i}: {"?" if c is None else (128 - c if c < 0 else c)}' for i, c in enumerate(codes)
+    )
+
   def wait(self) -> int:
     """Polls the children; returns the launcher's exit code."""
     deadline = time.monotonic() + self.args.timeout_s if self.args.timeout_s > 0 else None
@@ -240,19 +252,26 @@ def main(argv: list[str]) -> int:
     raise _Interrupted(signum)
 
   old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-  code = 1
+  code, interrupted = 1, False
   try:
     launcher.spawn()
     code = launcher.wait()
   except _Interrupted as e:
-    launcher._note(f'got signal {e.signum}; terminating all processes')
-    code = 128 + e.signum
+    name = signal.Signals(e.signum).name
+    launcher._note(f'interrupted by {name}: forwarding SIGTERM to every process')
+    code, interrupted = 128 + e.signum, True
   finally:
     # Ignore further Ctrl-C while cleaning up so that no child is left behind.
     for s in old:
       signal.signal(s, signal.SIG_IGN)
+    t0 = time.monotonic()
     launcher.kill_all()
     launcher.join_readers()
+    if code != 0 and launcher.procs:
+      launcher._note(
+          f'{"interrupted: " if interrupted else ""}every process stopped within '
+          f'{time.monotonic() - t0:.1f} s (exit codes {launcher.exit_codes()})'
+      )
   return code
 
 

@@ -13,6 +13,12 @@
 # Port: $DIGEN_COORDINATOR_PORT, else derived from the job id. JAX_PLATFORMS is left alone.
 # Over several nodes, give digen_jax.main --config.cluster.transfer_host=hostname: the transfer
 # servers listen on 127.0.0.1 only by default.
+#
+# Preemption and time limits: SLURM sends SIGTERM to every task (srun forwards it; each task execs
+# the command itself), then SIGKILL after KillWait. digen_jax.main then checkpoints its last
+# completed step and exits 143 within config.runtime.shutdown_timeout_s (default 60 s); rerunning
+# the same command resumes. Ask for the signal ahead of the time limit with more than that to
+# spare, e.g. `sbatch --signal=TERM@120 ...`, and keep the cluster's KillWait above the timeout.
 set -euo pipefail
 
 if [[ $# -eq 0 ]]; then

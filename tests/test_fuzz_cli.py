@@ -513,7 +513,7 @@ def _argv(entry, args, d, w):
 def run_cases(cases, env_extra=None, timeout_s=120):
   """[(id, argv, workdir)] through tests/cli_zygote.py -> {id: result}."""
   payload = [{'id': i, 'argv': argv, 'cwd': REPO, 'timeout_s': timeout_s} for i, argv, _ in cases]
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'DIGEN_COMPILATION_CACHE': '0', **(env_extra or {})}
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', **(env_extra or {})}
   env['XLA_FLAGS'] = ' '.join(
       [f for f in env.get('XLA_FLAGS', '').split() if 'device_count' not in f]
       + ['--xla_force_host_platform_device_count=4']

@@ -20,6 +20,7 @@ def _within_targets(cmp) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # timed runs: alone on the machine (tests/run.py)
 def test_simulator_predicts_measured_ladder_runs(tmp_path):
   cmp = sim_validation.run_scenario(sim_validation.SCENARIOS['small'], str(tmp_path / 'a'))
   if not _within_targets(cmp):

@@ -30,6 +30,7 @@ import time
 from absl import logging
 import numpy as np
 
+from digen_jax import interrupt
 from digen_jax.runtime import distributed
 from digen_jax.runtime import pipeline
 from digen_jax.runtime import publish
@@ -77,42 +78,43 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
     manifest = publish.adapter_manifest(exp.weights, params, digest=version == start)
     publish.send_weights(chan, params, version, run.rollout_dtype, manifest)
 
-  for step in range(start, config.total_steps):
-    t0 = time.perf_counter()
-    t_start = time.time()
-    _, send_s = run.publish(send, step)
-    with workers.guard(level):
-      batch, info, t_move = publish.receive_batch(chan, batch_abstract)
-    if info['step'] != step or info['policy_version'] != step:
-      raise RuntimeError(
-          f'trainer at step {step} got the batch of step {info["step"]} sampled '
-          f'by policy version {info["policy_version"]}; the naive schedule is '
-          'strictly on-policy'
+  with run.stops_cleanly():
+    for step in range(start, config.total_steps):
+      t0 = time.perf_counter()
+      t_start = time.time()
+      _, send_s = run.publish(send, step)
+      with workers.guard(level):
+        batch, info, t_move = publish.receive_batch(chan, batch_abstract)
+      if info['step'] != step or info['policy_version'] != step:
+        raise RuntimeError(
+            f'trainer at step {step} got the batch of step {info["step"]} sampled '
+            f'by policy version {info["policy_version"]}; the naive schedule is '
+            'strictly on-policy'
+        )
+      run.write_rows(info['evals'])
+      tracer.extend(trace_lib.Span.from_json(s) for s in info['spans'])
+      t0 += info['eval_s']  # the step's wall time excludes eval
+      t_start += info['eval_s']
+      chan.wait_delivered(publish.WEIGHTS_TAG)  # the rollout holds its copy: params may be donated
+      m, update_s = trainer.train_step(batch, info['batch_prompts'], step, tracer)
+      wall = time.perf_counter() - t0
+      t_end = time.time()
+      run.end_step(
+          step,
+          data_position=info['data_position'],
+          prompts=info['batch_prompts'],
+          policy_version=info['policy_version'],
+          rewards=np.asarray(info['rewards'], np.float32),
+          valid_frac=info['valid_frac'],
+          metrics=m,
+          wall_s=wall,
+          rollout_s=info['rollout_s'],
+          reward_s=info['reward_s'],
+          update_s=update_s,
+          publish_s=send_s + info['publish_pull_s'],
+          batch_move_s=t_move,
+          utilization=tracer.utilization(t_start, t_end, cluster.num_devices),
       )
-    run.write_rows(info['evals'])
-    tracer.extend(trace_lib.Span.from_json(s) for s in info['spans'])
-    t0 += info['eval_s']  # the step's wall time excludes eval
-    t_start += info['eval_s']
-    chan.wait_delivered(publish.WEIGHTS_TAG)  # the rollout holds its copy: params may be donated
-    m, update_s = trainer.train_step(batch, info['batch_prompts'], step, tracer)
-    wall = time.perf_counter() - t0
-    t_end = time.time()
-    run.end_step(
-        step,
-        data_position=info['data_position'],
-        prompts=info['batch_prompts'],
-        policy_version=info['policy_version'],
-        rewards=np.asarray(info['rewards'], np.float32),
-        valid_frac=info['valid_frac'],
-        metrics=m,
-        wall_s=wall,
-        rollout_s=info['rollout_s'],
-        reward_s=info['reward_s'],
-        update_s=update_s,
-        publish_s=send_s + info['publish_pull_s'],
-        batch_move_s=t_move,
-        utilization=tracer.utilization(t_start, t_end, cluster.num_devices),
-    )
   if run.final_eval:
     run.publish(send, config.total_steps)  # the final policy
     run.write_rows(json.loads(distributed.kv_get(f'{_KV}/final_evals', PEER_TIMEOUT_S)))
@@ -152,6 +154,7 @@ def _rollout_process(exp, workdir: str, cluster) -> dict:
 
   G = config.rl.group_size
   for step in range(start, config.total_steps):
+    interrupt.check(f'in the rollout of step {step + 1}')
     policy, pull_s = receive(step)
     eval_rows, t_eval = [], time.perf_counter()
     if evals.due(step, start):

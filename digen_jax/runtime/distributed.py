@@ -23,14 +23,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 
 import jax
+
+from digen_jax import interrupt
 
 ENV_COORDINATOR = 'DIGEN_COORDINATOR_ADDRESS'
 ENV_NUM_PROCESSES = 'DIGEN_NUM_PROCESSES'
 ENV_PROCESS_ID = 'DIGEN_PROCESS_ID'
 ENV_LOCAL_DEVICE_IDS = 'DIGEN_LOCAL_DEVICE_IDS'
 LAUNCHER_ENV_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+KV_POLL_S = 1.0  # longest uninterruptible wait for a key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +184,23 @@ def kv_set(key: str, value: str, overwrite: bool = False) -> None:
   kv_client().key_value_set(key, value, allow_overwrite=overwrite)
 
 
+def timed_out(e: Exception) -> bool:
+  return 'DEADLINE_EXCEEDED' in str(e) or 'timed out' in str(e).lower()
+
+
 def kv_get(key: str, timeout_s: float = 60.0) -> str:
-  """Blocks until some process has set `key` (or raises after timeout_s) and returns its value."""
-  return kv_client().blocking_key_value_get(key, int(timeout_s * 1000))
+  """Blocks until some process has set `key` (or raises after timeout_s) and returns its value.
+  Waits in slices of at most KV_POLL_S so that a SIGTERM/SIGINT (digen_jax.interrupt) stops a
+  process waiting for a peer that will never answer."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    left = deadline - time.monotonic()
+    try:
+      return kv_client().blocking_key_value_get(key, max(1, int(min(left, KV_POLL_S) * 1000)))
+    except jax.errors.JaxRuntimeError as e:
+      if not timed_out(e) or left <= KV_POLL_S:
+        raise
+    interrupt.check(f'while waiting for {key!r} from another process')
 
 
 def kv_try_get(key: str) -> str | None:

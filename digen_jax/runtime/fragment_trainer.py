@@ -81,6 +81,7 @@ class FragmentTrainer:
     return self._adv_program(len(groups), lo)(jax.device_put(r, self._rep))
 
   def begin(self, step: int):
+    self._step = step
     step_arr = jax.device_put(np.int32(step), self._rep)
     _, k_update = workers._step_keys(self.t._base_key, step_arr)  # pylint: disable=protected-access
     return self._select(k_update, step_arr), self._zero(self.t.params)
@@ -97,4 +98,5 @@ class FragmentTrainer:
 
   def apply(self, acc) -> dict:
     self.t.params, self.t.opt_state, m = self._apply(self.t.params, self.t.opt_state, acc)
+    self.t.params_step = self._step + 1
     return m

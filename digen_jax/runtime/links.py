@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from digen_jax import interrupt
 from digen_jax.runtime import distributed
 from digen_jax.runtime import publish
 from digen_jax.runtime import transfer
@@ -133,6 +134,7 @@ class LocalLink:
       while not pred():
         if self.error is not None:
           raise PeerFailed(f'peer failed while waiting for {what}') from self.error
+        interrupt.check(f'while waiting for {what}')
         self._cv.wait(0.2)
 
   def fail(self, e: BaseException):
@@ -205,6 +207,7 @@ class LocalLink:
       except queue.Empty:
         if self.error is not None:
           raise PeerFailed('rollout failed') from self.error
+        interrupt.check('while waiting for a fragment')
 
   def release_before(self, step: int) -> None:
     pass
@@ -369,6 +372,7 @@ class ChannelLink:
       except queue.Empty:
         if self.error is not None:
           raise RuntimeError('receiving a fragment from the rollout failed') from self.error
+        interrupt.check('while waiting for a fragment')
 
   def release_before(self, step: int) -> None:
     """Policy `step` arrived: the trainer has pulled every fragment of earlier steps."""

@@ -38,6 +38,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from digen_jax import interrupt
 from digen_jax.runtime import distributed
 from digen_jax.runtime import fragment_trainer
 from digen_jax.runtime import fragments as frag_lib
@@ -108,8 +109,8 @@ def train(exp, workdir: str, cluster) -> dict:
     def run_rollout():
       try:
         rollout_lib.rollout_loop(exp, workdir, link, tracer, start, sampler, evals)
-      except links.PeerFailed:
-        pass
+      except (links.PeerFailed, interrupt.Interrupted):
+        pass  # the trainer stops the run (and says why)
       except BaseException as e:  # pylint: disable=broad-except
         logging.exception('rollout thread failed')
         link.fail(e)
@@ -117,9 +118,12 @@ def train(exp, workdir: str, cluster) -> dict:
     rollout_thread = threading.Thread(target=run_rollout, name='rollout', daemon=True)
     rollout_thread.start()
   try:
-    out = _trainer_loop(run, ft, tag_sampler, link, plan)
+    with run.stops_cleanly():
+      out = _trainer_loop(run, ft, tag_sampler, link, plan)
   except BaseException as e:
     link.fail(e)
+    if rollout_thread is not None and isinstance(e, interrupt.Interrupted):
+      rollout_thread.join(timeout=30)  # it stops between fragments; the watchdog bounds this
     raise
   link.close()
   if rollout_thread is not None:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from digen_jax import interrupt
 from digen_jax import programs
 from digen_jax.runtime import distributed
 from digen_jax.runtime import fragments as frag_lib
@@ -172,6 +173,7 @@ def rollout_loop(
     return link.get(f'prompts/{step}')['batch_prompts']
 
   while True:
+    interrupt.check('in the rollout')  # in-flight fragments are regenerated after a resume
     ready = sm.stale_window() and link.policy_ready(sm.rollout_step)
     action = sm.rollout_action(next_policy_ready=ready)
     if isinstance(action, sched_lib.Done):

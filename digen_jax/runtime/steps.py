@@ -10,6 +10,7 @@ runtime/pipeline.py only decide what happens inside a step.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any, Callable
@@ -19,6 +20,7 @@ import numpy as np
 
 from digen_jax import checkpoint as ckpt_lib
 from digen_jax import faults
+from digen_jax import interrupt
 from digen_jax import metrics as metrics_lib
 from digen_jax.runtime import publish
 from digen_jax.runtime import trace as trace_lib
@@ -69,6 +71,37 @@ class TrainerRun:
     self.published_at: dict[int, float] = {}  # policy version -> wall clock after its publish
     self.max_skips = config.runtime.max_consecutive_skips
     self.skips: list[str] = []  # why each update of the current run of skips was
+    self.ended = (self.start, self.trainer.data_position)  # last step with its row written
+    self._at_step_end = False  # an interrupt stopped the run between two steps
+
+  @contextlib.contextmanager
+  def stops_cleanly(self):
+    """Around a schedule's step loop: a SIGTERM/SIGINT (interrupt.Interrupted) abandons the
+    in-flight step (its fragments are regenerated after a resume) and checkpoints the last
+    completed one, if it is not on disk yet; the Interrupted that goes on says where."""
+    try:
+      yield
+    except interrupt.Interrupted as e:
+      raise self._checkpoint_interrupted(e) from None
+
+  def _checkpoint_interrupted(self, e: interrupt.Interrupted) -> interrupt.Interrupted:
+    step, position = self.ended
+    ck = self.trainer.checkpointer
+    ck.wait()
+    if step > 0 and ck.latest_step() != step and self.trainer.params_step == step:
+      self.trainer.save(step, position, force=True)
+      ck.wait()
+    latest = ck.latest_step()
+    self.trainer.close()
+    self.writer.close()
+    where = (
+        f'checkpoint step {latest} is in {ck.directory}; rerun the same command to resume'
+        if latest
+        else 'no step was completed: rerun the same command to start over'
+    )
+    if not self._at_step_end and step < self.total and self.trainer.params_step == step:
+      where = f'step {step + 1} abandoned; ' + where
+    return interrupt.Interrupted(e.signum, f'{e} ({where})')
 
   def publish(
       self, send: Callable[[Any, int], Any], version: int, devices=None
@@ -140,7 +173,12 @@ class TrainerRun:
           'good weights. Fix the reward, or lower config.optim.lr, then rerun to resume (or '
           'raise config.runtime.max_consecutive_skips)'
       )
-    self.trainer.save(step + 1, data_position, force=step + 1 == self.total)
+    stop = interrupt.requested() is not None and step + 1 < self.total
+    self.trainer.save(step + 1, data_position, force=step + 1 == self.total or stop)
+    self.ended = (step + 1, data_position)
+    if stop:
+      self._at_step_end = True
+      interrupt.check(f'after step {step + 1} of {self.total}')
     return row
 
   def finish(self, title: str, **extra) -> dict:

@@ -15,6 +15,7 @@ import time
 
 import jax
 
+from digen_jax import interrupt
 from digen_jax import visualize
 from digen_jax.runtime import publish
 from digen_jax.runtime import steps as steps_lib
@@ -66,42 +67,44 @@ def train(exp, workdir: str, cluster) -> dict:
     return policy
 
   G = config.rl.group_size
-  for step in range(start, config.total_steps):
-    t0 = time.perf_counter()
-    t_start = time.time()
-    policy, publish_s = run.publish(send, step, all_devices)
-    if evals.due(step, start):
-      t_eval = time.perf_counter()
-      run.write_rows([evals(policy)])
-      t0 += time.perf_counter() - t_eval  # the step's wall time excludes eval
-      t_start += time.perf_counter() - t_eval
-    out = rollout.generate(policy, exp.prompts.next_batch(), step, tracer)
-    del policy  # the update below may donate buffers the rollout copy shares (colocated)
-    t_move = time.perf_counter()
-    with workers.guard(level):
-      batch = jax.block_until_ready(publish.move_batch_local(out.batch, trainer.batch_shardings))
-    t_move = time.perf_counter() - t_move
-    m, update_s = trainer.train_step(batch, out.batch_prompts, step, tracer)
-    wall = time.perf_counter() - t0
-    t_end = time.time()
-    if config.sample_grid_every and (step + 1) % config.sample_grid_every == 0:
-      write_samples(run.writer, workdir, out, step + 1, G)
-    run.end_step(
-        step,
-        data_position=exp.prompts.position,
-        prompts=out.batch_prompts,
-        policy_version=out.policy_version,
-        rewards=out.rewards,
-        valid_frac=out.valid_frac,
-        metrics=m,
-        wall_s=wall,
-        rollout_s=out.rollout_s,
-        reward_s=out.reward_s,
-        update_s=update_s,
-        publish_s=publish_s,
-        batch_move_s=t_move,
-        utilization=tracer.utilization(t_start, t_end, cluster.num_devices),
-    )
+  with run.stops_cleanly():
+    for step in range(start, config.total_steps):
+      t0 = time.perf_counter()
+      t_start = time.time()
+      policy, publish_s = run.publish(send, step, all_devices)
+      if evals.due(step, start):
+        t_eval = time.perf_counter()
+        run.write_rows([evals(policy)])
+        t0 += time.perf_counter() - t_eval  # the step's wall time excludes eval
+        t_start += time.perf_counter() - t_eval
+      out = rollout.generate(policy, exp.prompts.next_batch(), step, tracer)
+      interrupt.check(f'after sampling step {step + 1}')
+      del policy  # the update below may donate buffers the rollout copy shares (colocated)
+      t_move = time.perf_counter()
+      with workers.guard(level):
+        batch = jax.block_until_ready(publish.move_batch_local(out.batch, trainer.batch_shardings))
+      t_move = time.perf_counter() - t_move
+      m, update_s = trainer.train_step(batch, out.batch_prompts, step, tracer)
+      wall = time.perf_counter() - t0
+      t_end = time.time()
+      if config.sample_grid_every and (step + 1) % config.sample_grid_every == 0:
+        write_samples(run.writer, workdir, out, step + 1, G)
+      run.end_step(
+          step,
+          data_position=exp.prompts.position,
+          prompts=out.batch_prompts,
+          policy_version=out.policy_version,
+          rewards=out.rewards,
+          valid_frac=out.valid_frac,
+          metrics=m,
+          wall_s=wall,
+          rollout_s=out.rollout_s,
+          reward_s=out.reward_s,
+          update_s=update_s,
+          publish_s=publish_s,
+          batch_move_s=t_move,
+          utilization=tracer.utilization(t_start, t_end, cluster.num_devices),
+      )
   if run.final_eval:
     run.write_rows([evals(run.publish(send, config.total_steps, all_devices)[0])])
   return run.finish(f'{config.runtime.mode} (synchronous)')

@@ -423,7 +423,7 @@ class Channel:
       distributed.kv_get(self._next_meta_key(tag), timeout_s)
       return True
     except jax.errors.JaxRuntimeError as e:
-      if 'DEADLINE_EXCEEDED' in str(e) or 'timed out' in str(e).lower():
+      if distributed.timed_out(e):
         return False
       raise
 

@@ -251,6 +251,8 @@ class TrainerWorker:
           self.start,
           self.data_position,
       )
+    # The step whose end self.params/opt_state are (optimizer steps applied so far).
+    self.params_step = self.start
     self._rng_data = ckpt_lib.key_to_data(base_key)
     self._rep = mesh_lib.replicated(mesh)
     self._base_key = jax.device_put(base_key, self._rep)
@@ -287,6 +289,7 @@ class TrainerWorker:
           step_arr,
           self.ref_params,
       )
+      self.params_step = step + 1
       m = jax.device_get(m)
     return {k: float(v) for k, v in m.items()}, time.perf_counter() - t0
 

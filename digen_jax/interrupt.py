@@ -1,0 +1,143 @@
+"""SIGTERM / SIGINT: stop at the next safe point, checkpoint, and exit within a bound.
+
+`install(timeout_s)` (the entry points, once, in the main thread) turns both signals into a
+process-wide request. The runtime polls it where stopping is safe (`check`: the end of a step,
+every wait for the peer, between rollout fragments): the trainer abandons its in-flight step,
+saves its last completed step (orbax, atomic) and the process exits with 128 + the signal's
+number (143 for SIGTERM, 130 for SIGINT) after one line saying so.
+
+A watchdog thread bounds the whole shutdown: it reads the signal from a wakeup pipe, which the
+C-level handler writes at once even while the main thread is inside a long XLA program (where
+Python's own handler would not run), and if the process is still alive timeout_s after the
+signal it exits anyway (the last committed checkpoint stays intact; an uncommitted save is
+discarded at the next start). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+
+from digen_jax import faults
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Interrupted(faults.RunError):
+  """The run stopped because it was asked to (SIGTERM/SIGINT); `exit_code` is 128 + signum."""
+
+  def __init__(self, signum: int, message: str):
+    super().__init__(message)
+    self.signum = signum
+
+  @property
+  def exit_code(self) -> int:
+    return 128 + self.signum
+
+
+_lock = threading.Lock()
+_state = {'signum': None, 'generation': 0}
+_installed = {'timeout_s': None}
+
+
+def name(signum: int) -> str:
+  return signal.Signals(signum).name
+
+
+def requested() -> int | None:
+  """The first signal received since install()/reset(), or None."""
+  return _state['signum']
+
+
+def check(where: str) -> None:
+  """Raises Interrupted if a stop was requested; `where` says what was abandoned."""
+  signum = _state['signum']
+  if signum is not None:
+    raise Interrupted(signum, f'interrupted by {name(signum)} {where}')
+
+
+def _note(signum: int) -> bool:
+  """Records the request; True for the first signal of this generation."""
+  with _lock:
+    if _state['signum'] is not None:
+      return False
+    _state['signum'] = signum
+    return True
+
+
+def _on_signal(signum, frame):  # Python-level handler: runs when the main thread is in Python
+  del frame
+  _note(signum)
+
+
+def _say(text: str) -> None:
+  sys.stderr.write(f'digen_jax: {text}\n')
+  sys.stderr.flush()
+
+
+def _watch(read_fd: int, timeout_s: float) -> None:
+  deadline, generation, first = None, None, None
+  while True:
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready, _, _ = select.select([read_fd], [], [], wait)
+    if not ready:  # the deadline passed
+      if _state['generation'] == generation and _state['signum'] is not None:
+        _say(
+            f'interrupted by {name(first)}: shutdown did not finish within '
+            f'runtime.shutdown_timeout_s={timeout_s:g} s; exiting now (the last committed '
+            'checkpoint is intact; rerun the same command to resume)'
+        )
+        os._exit(128 + first)
+      deadline = None  # reset() in between: a test, not a shutdown
+      continue
+    for signum in os.read(read_fd, 64):
+      if signum not in SIGNALS:
+        continue
+      if deadline is not None and _state['generation'] == generation:
+        _say(f'second signal ({name(signum)}): exiting now')
+        os._exit(128 + signum)
+      _note(signum)
+      deadline, generation, first = time.monotonic() + timeout_s, _state['generation'], signum
+      _say(
+          f'{name(signum)} received: stopping at the next safe point, checkpointing the last '
+          f'completed step, exiting within {timeout_s:g} s (a second signal exits at once)'
+      )
+
+
+def install(timeout_s: float) -> None:
+  """SIGTERM/SIGINT -> a stop request and a watchdog that exits timeout_s later. Main thread
+  only; a second call does nothing (the first timeout stays)."""
+  if _installed['timeout_s'] is not None:
+    return
+  read_fd, write_fd = os.pipe()
+  os.set_blocking(write_fd, False)
+  signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  for s in SIGNALS:
+    signal.signal(s, _on_signal)
+  threading.Thread(
+      target=_watch, args=(read_fd, float(timeout_s)), name='interrupt-watchdog', daemon=True
+  ).start()
+  _installed['timeout_s'] = float(timeout_s)
+
+
+def uninstall() -> None:
+  """Back to Python's default SIGTERM/SIGINT behaviour (tests that installed in-process)."""
+  if _installed['timeout_s'] is None:
+    return
+  signal.set_wakeup_fd(-1)
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  _installed['timeout_s'] = None
+  reset()
+
+
+def reset() -> None:
+  """Forgets a request (and cancels its watchdog deadline): for in-process tests that stop a
+  run by signal and then resume it in the same process."""
+  with _lock:
+    _state['signum'] = None
+    _state['generation'] += 1

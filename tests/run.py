@@ -1,0 +1,62 @@
+"""The test suite as CI runs it (README "Run the tests"), in two phases:
+
+  python tests/run.py [PYTEST ARGS...]        e.g. -x, -k ladder, -m 'not slow'
+
+1. every test not marked `serial`, on DIGEN_TEST_WORKERS pytest-xdist workers (default 2, one
+   per core here; --dist loadfile, so a module's fixtures are built once);
+2. the `serial` tests alone on the machine: they measure throughput (tests/test_sim_validation.py
+   compares the simulator with timed runs) and another test beside them would skew the timing.
+
+Exit code: the first failing phase's; 5 (no tests collected) only when neither phase ran a test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_TESTS = 5
+
+
+def _split_marker(args: list[str]) -> tuple[list[str], str | None]:
+  """(args without -m EXPR, EXPR or None)."""
+  rest, expr, i = [], None, 0
+  while i < len(args):
+    a = args[i]
+    if a == '-m' and i + 1 < len(args):
+      expr, i = args[i + 1], i + 2
+      continue
+    if a.startswith('-m') and len(a) > 2:
+      expr = a[2:]
+    else:
+      rest.append(a)
+    i += 1
+  return rest, expr
+
+
+def _and(expr: str | None, extra: str) -> str:
+  return extra if expr is None else f'({expr}) and {extra}'
+
+
+def main(argv: list[str]) -> int:
+  args, expr = _split_marker(argv)
+  workers = os.environ.get('DIGEN_TEST_WORKERS', '2')
+  pytest = [sys.executable, '-m', 'pytest']
+  phases = [
+      [*pytest, '-n', workers, '--dist', 'loadfile', '-m', _and(expr, 'not serial'), *args],
+      [*pytest, '-m', _and(expr, 'serial'), *args],
+  ]
+  codes = []
+  for cmd in phases:
+    print('tests/run.py:', ' '.join(cmd[1:]), flush=True)
+    codes.append(subprocess.call(cmd, cwd=REPO))
+  failed = [c for c in codes if c not in (0, NO_TESTS)]
+  if failed:
+    return failed[0]
+  return NO_TESTS if all(c == NO_TESTS for c in codes) else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv[1:]))
