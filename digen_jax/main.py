@@ -133,7 +133,7 @@ def _run(info):
   if writer:
     cli.write_config(config, workdir)
   logging.info(
-      'workdir %s  mode disagg  process %d/%d (%s, pid %d)  batch %d  %s',
+      'workdir %s  mode disagg  process %d/%d (%s)  pid %d  batch %d  %s',
       workdir,
       info.process_id,
       info.num_processes,

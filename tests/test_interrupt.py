@@ -190,6 +190,11 @@ def test_sigterm_at_a_random_point_then_resume_is_exact(signals, tmp_path, mode)
   a = jax.tree.leaves(jax.device_get(straight['params']))
   b = jax.tree.leaves(jax.device_get(resumed['params']))
   if mode in BITWISE:
+    # Same prompts and samples per step (prompt-stream position and RNG restored), same weights
+    # and optimizer state.
+    assert [r['reward_mean'] for r in _rows(wd)] == [
+        r['reward_mean'] for r in _rows(str(tmp_path / 'straight'))
+    ]
     for x, y in zip(a, b):
       np.testing.assert_array_equal(x, y)
     for x, y in zip(
@@ -297,8 +302,8 @@ def test_two_processes_sigterm_kill9_and_relaunch(tmp_path):
   proc = _launch(wd)
   out = _Output(proc)
   try:
-    line = out.wait_for(lambda l: l.startswith('[1]') and 'pid ' in l and '(rollout' in l, 300)
-    rollout_pid = int(line.split('pid ')[1].split(')')[0])
+    line = out.wait_for(lambda l: l.startswith('[1]') and '(rollout)  pid ' in l, 300)
+    rollout_pid = int(line.split('(rollout)  pid ')[1].split()[0])
     _wait_rows(wd, first + 1, proc)  # the resumed run made a step; kill during the next one
     time.sleep(rng.uniform(0.0, 1.0))
     t0 = time.monotonic()

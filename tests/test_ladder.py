@@ -185,7 +185,7 @@ def test_ladder_accepts_the_flux_config(tmp_path):
           '--steps',
           '2',
           '--rungs',
-          'colocated,disagg,tag',
+          'colocated,tag',
           '--variants',
           'sp',
           '--eval_prompts',
@@ -195,8 +195,9 @@ def test_ladder_accepts_the_flux_config(tmp_path):
       ]
   )
   rows = {r['name']: r for r in json.load(open(f'{out}.json'))['rows']}
-  assert list(rows) == ['colocated', 'sp-disagg', 'sp-tag'] and code == 0
+  assert list(rows) == ['colocated', 'sp-tag'] and code == 0
   for name, r in rows.items():
     assert r['status'] == 'ok' and r['steps'] == 2, (name, r['log_tail'])
-  assert rows['sp-disagg']['reward_mean'] == rows['colocated']['reward_mean']
+  # The naive disagg rung is the same loop as colocated on two meshes (tests/test_disagg.py
+  # checks it bitwise for the Qwen-Image config); TAG exercises every schedule component.
   assert rows['sp-tag']['reward_mean'] == rows['colocated']['reward_mean']
