@@ -21,12 +21,12 @@ import common as C  # noqa: E402
 
 import torch  # noqa: E402,F401  (a missing test dependency must fail, not skip)
 import diffusers  # noqa: E402,F401
+from tests import xla_env  # noqa: E402
 
 
 def _run(script: str, args: list[str], tmp_path) -> dict:
   out = tmp_path / (os.path.basename(script) + ".json")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the benchmarks are single-device; no fake CPU devices
+  env = xla_env.env_with_devices(None)  # the benchmarks are single-device; no fake CPU devices
   proc = subprocess.run(
       [
           sys.executable,

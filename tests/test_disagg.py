@@ -2,7 +2,6 @@
 (naive disagg in one process == colocated; two processes == one process)."""
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,13 +22,10 @@ from digen_jax.runtime import disagg
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import publish
 from digen_jax.runtime import workers
+from tests import xla_env
+from tests.mp_scripts import launcher_util as util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    'launcher_util', os.path.join(REPO, 'tests', 'mp_scripts', 'launcher_util.py')
-)
-util = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(util)
 
 STEPS = 3
 
@@ -250,7 +246,7 @@ def _cli(workdir, *flags, env=None, timeout=600):
     ],
 )
 def test_cli_bad_cluster_fails_before_compiling(tmp_path, flags, devices, message):
-  env = dict(os.environ, XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}')
+  env = xla_env.env_with_devices(devices)
   wd = tmp_path / 'run'
   r = _cli(wd, '--config=configs/qwenimage.py:tiny_disagg', *flags, env=env)
   assert r.returncode != 0

@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from tests import xla_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '--config=configs/qwenimage.py:tiny'
 DISAGG = (TINY, '--config.runtime.mode=disagg')
@@ -513,11 +515,7 @@ def _argv(entry, args, d, w):
 def run_cases(cases, env_extra=None, timeout_s=120):
   """[(id, argv, workdir)] through tests/cli_zygote.py -> {id: result}."""
   payload = [{'id': i, 'argv': argv, 'cwd': REPO, 'timeout_s': timeout_s} for i, argv, _ in cases]
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', **(env_extra or {})}
-  env['XLA_FLAGS'] = ' '.join(
-      [f for f in env.get('XLA_FLAGS', '').split() if 'device_count' not in f]
-      + ['--xla_force_host_platform_device_count=4']
-  )
+  env = xla_env.env_with_devices(4, JAX_PLATFORMS='cpu', **(env_extra or {}))
   r = subprocess.run(
       [sys.executable, os.path.join(REPO, 'tests', 'cli_zygote.py')],
       input=json.dumps(payload),

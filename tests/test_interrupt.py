@@ -2,7 +2,6 @@
 last completed step; a restart resumes it exactly in every mode; a process killed with -9 stops
 the others and a relaunch resumes."""
 
-import importlib.util
 import json
 import os
 import random
@@ -24,13 +23,9 @@ from digen_jax import interrupt
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import colocated
 from digen_jax.runtime import disagg
+from tests.mp_scripts import launcher_util as util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    'launcher_util', os.path.join(REPO, 'tests', 'mp_scripts', 'launcher_util.py')
-)
-util = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(util)
 
 STEPS = 3
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from tests import xla_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'benchmarks', 'memory.py')
 CONFIG = os.path.join(REPO, 'configs', 'qwenimage.py')
@@ -14,10 +16,9 @@ CONFIG = os.path.join(REPO, 'configs', 'qwenimage.py')
 
 def _start(tmp_path, name: str, variant: str, devices: int, *extra: str):
   out = tmp_path / f'{name}.json'
-  env = dict(os.environ)
   # The script must set its own device count whatever the parent's XLA_FLAGS say (conftest
   # fakes 4 devices for the test process).
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=3'
+  env = xla_env.env_with_devices(3)
   cmd = [
       sys.executable,
       SCRIPT,

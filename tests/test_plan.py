@@ -18,12 +18,13 @@ from digen_jax.sim import planner as planning
 from digen_jax.sim import roles
 from digen_jax.sim import runmodel as rm
 from digen_jax.sim import search
+from tests import xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_plan(*args, timeout=300):
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = xla_env.env_with_devices(1)
   return subprocess.run(
       [sys.executable, '-m', 'digen_jax.plan', *args],
       cwd=REPO,

@@ -1,7 +1,6 @@
 """DigenRL scheduling modes (runtime/pipeline.py): config checks, TSP == serial, and exactness of
 GAP + TSP + TAG against colocated in one process and in two; TCSS staleness bookkeeping."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -23,13 +22,9 @@ from digen_jax.runtime import colocated
 from digen_jax.runtime import disagg
 from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.runtime import workers
+from tests.mp_scripts import launcher_util as util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    'launcher_util', os.path.join(REPO, 'tests', 'mp_scripts', 'launcher_util.py')
-)
-util = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(util)
 
 STEPS = 3
 # The schedules change how the batch is cut and where it is sampled, so reductions round in a

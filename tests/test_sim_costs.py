@@ -17,6 +17,7 @@ from digen_jax.runtime import mesh as mesh_lib
 from digen_jax.sim import costs
 from digen_jax.sim import hardware
 from digen_jax.sim import timing
+from tests import xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # XLA counts elementwise ops (norms, softmax, RoPE, SDE step) besides the matmuls the analytic
@@ -146,7 +147,7 @@ def test_memory_per_device_falls_with_fsdp_devices():
 
 def test_cli_prints_table_and_json(tmp_path):
   out = tmp_path / 'c.json'
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=1')
+  env = xla_env.env_with_devices(1)
   proc = subprocess.run(
       [
           sys.executable,

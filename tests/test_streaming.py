@@ -28,6 +28,7 @@ import torch
 from digen_jax.models import convert
 from digen_jax.models import params_io
 from digen_jax.models import streaming
+from tests import xla_env
 from digen_jax.models import tensor_source
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
 from digen_jax.models.tensor_source import TensorSource
@@ -485,7 +486,7 @@ def test_peak_host_memory_is_about_one_tensor(tmp_path):
   big.save_pretrained(tmp_path, max_shard_size='12MB')
   del big
   assert len(list(tmp_path.glob('*.safetensors'))) >= 4
-  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  env = xla_env.env_with_devices(4, JAX_PLATFORMS='cpu')
   res = {}
   for layout in ('fsdp', 'replicated', 'whole'):
     proc = subprocess.run(
