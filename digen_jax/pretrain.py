@@ -54,6 +54,7 @@ from digen_jax import visualize
 from digen_jax.data.shapes import grammar
 from digen_jax.data.shapes import training as training_data
 from digen_jax.diffusion import sde as sde_lib
+from digen_jax.models import initialize
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import mmdit
 from digen_jax.models import params_io
@@ -442,7 +443,7 @@ def warm_start_params(config: ml_collections.ConfigDict, mcfg: mmdit.MMDiTConfig
     )
   if not adds_pool:
     return params
-  _, fresh = nnx.split(mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed)))
+  _, fresh = nnx.split(initialize.build(lambda: mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))))
   loaded = dict(nnx.to_flat_state(params))
   flat = []
   for path_, var in nnx.to_flat_state(fresh):
@@ -478,7 +479,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       logprob_reduce=config.sampler.logprob_reduce,
   )
 
-  model = mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))
+  model = initialize.build(lambda: mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed)))
   graphdef, params = nnx.split(model)
   del model
   if p.init_from:

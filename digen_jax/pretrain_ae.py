@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from digen_jax.data.shapes import training as training_data
+from digen_jax.models import initialize
 from digen_jax.models import params_io
 from digen_jax.models import shapes_ae
 from digen_jax.rewards import shapes_checker
@@ -92,7 +93,9 @@ def train(
   cfg = shapes_ae.ShapesAEConfig(
       latent_channels=latent_channels, width=width, shape_channels=shape_channels
   )
-  graphdef, params = nnx.split(shapes_ae.ShapesAE(cfg, rngs=nnx.Rngs(seed)))
+  graphdef, params = nnx.split(
+      initialize.build(lambda: shapes_ae.ShapesAE(cfg, rngs=nnx.Rngs(seed)))
+  )
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, steps // 10 + 1), steps, lr * 0.1)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   opt_state = optimizer.init(params)

@@ -7,14 +7,14 @@ import os
 import shutil
 import tempfile
 
-# Tests check numbers, not speed: LLVM's optimisation of XLA's CPU code costs half of every
-# compile of these tiny programs and buys nothing at their size (a FLUX tiny_pipeline run
-# compiles in 10 s instead of 23 s). Subprocesses inherit it; tests that force a device count keep it.
-COMPILE_FAST_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=4 "
-    + COMPILE_FAST_FLAGS
+from tests import xla_env  # imports nothing from jax
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_force_host_platform_device_count=4",
+        *xla_env.COMPILE_FAST_FLAGS,
+    ]
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -14,6 +14,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'benchmarks'))
 import sim_validation  # noqa: E402
 
+from tests import xla_env  # noqa: E402
+
 
 def _within_targets(cmp) -> bool:
   return cmp['sps_mae'] <= 0.10 and cmp['sps_max'] <= 0.15 and cmp['util_mae'] <= 0.10
@@ -21,7 +23,9 @@ def _within_targets(cmp) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.serial  # timed runs: alone on the machine (tests/run.py)
-def test_simulator_predicts_measured_ladder_runs(tmp_path):
+def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
+  # The runs are timed: compiled as users run them, not with the suite's compile-speed flags.
+  monkeypatch.setenv('XLA_FLAGS', xla_env.production_flags(os.environ.get('XLA_FLAGS', '')))
   cmp = sim_validation.run_scenario(sim_validation.SCENARIOS['small'], str(tmp_path / 'a'))
   if not _within_targets(cmp):
     # This VM's speed drifts by 10-20% over minutes (measured: the same program's span differs

@@ -6,6 +6,14 @@ from __future__ import annotations
 import os
 
 DEVICE_COUNT = '--xla_force_host_platform_device_count'
+# Tests check numbers, not speed: LLVM's optimisation of XLA's CPU code costs half of every
+# compile of the suite's tiny programs and buys nothing at their size (a FLUX tiny_pipeline run
+# compiles in 10 s instead of 23 s). conftest sets them for the session and its subprocesses;
+# tests that time real runs against a prediction take them out (production_env).
+COMPILE_FAST_FLAGS = (
+    '--xla_backend_optimization_level=0',
+    '--xla_llvm_disable_expensive_passes=true',
+)
 
 
 def flags_with_devices(flags: str, devices: int | None) -> str:
@@ -14,6 +22,11 @@ def flags_with_devices(flags: str, devices: int | None) -> str:
   if devices is not None:
     kept.append(f'{DEVICE_COUNT}={devices}')
   return ' '.join(kept)
+
+
+def production_flags(flags: str) -> str:
+  """XLA_FLAGS without the session's compile-speed flags: programs compiled as users run them."""
+  return ' '.join(f for f in flags.split() if f not in COMPILE_FAST_FLAGS)
 
 
 def env_with_devices(devices: int | None, base: dict | None = None, **extra: str) -> dict:

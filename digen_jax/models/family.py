@@ -26,6 +26,7 @@ from digen_jax.models import convert
 from digen_jax.models import flux
 from digen_jax.models import flux_convert
 from digen_jax.models import flux_vae
+from digen_jax.models import initialize
 from digen_jax.models import mmdit
 from digen_jax.models import vae as qwen_vae
 
@@ -50,7 +51,7 @@ class Family:
   vae: Any = None
 
   def new(self, cfg, seed: int):
-    return self.module(cfg, rngs=nnx.Rngs(seed))
+    return initialize.build(lambda: self.module(cfg, rngs=nnx.Rngs(seed)))
 
 
 def _mmdit_config(m) -> mmdit.MMDiTConfig:
