@@ -243,7 +243,8 @@ def build_optimizer(config) -> optax.GradientTransformation:
 
 
 def _prompts(config, split: str, split_field: str, data_dir: str):
-  """load_prompts with the config fields named in its errors."""
+  """(load_prompts(...), every prompt of it as a list) with the config fields named in its
+  errors."""
   try:
     seq = prompt_data.load_prompts(config.data.prompts, split, data_dir)
   except ValueError as e:
@@ -252,8 +253,10 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
     ) from None
   # Every record once: a damaged array_record file raises, or (cut short) reads as None, here
   # rather than mid-run.
+  texts = []
   try:
-    bad = next((i for i, p in enumerate(seq[:]) if not isinstance(p, str) or not p), None)
+    texts = seq[:]
+    bad = next((i for i, p in enumerate(texts) if not isinstance(p, str) or not p), None)
     why = None if bad is None else f'record {bad} is not a prompt'
   except (RuntimeError, OSError, ValueError) as e:
     why = ' '.join(str(e).split())[:200]
@@ -264,7 +267,7 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
         'rerun (shapes and prompt files given by path rebuild themselves; a prompt_file/<name> '
         'dataset needs build_prompt_file_dataset again)'
     )
-  return seq
+  return seq, texts
 
 
 def build(config, workdir: str, num_devices: int) -> Experiment:
@@ -282,13 +285,13 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
-  source = _prompts(config, config.data.split, 'config.data.split', data_dir)
-  eval_source = (
-      _prompts(config, config.eval.split, 'config.eval.split', data_dir)
+  source, texts = _prompts(config, config.data.split, 'config.data.split', data_dir)
+  eval_texts = (
+      _prompts(config, config.eval.split, 'config.eval.split', data_dir)[1]
       if config.eval.every > 0
       else []
   )  # a bad eval split fails now, not mid-run
-  check_prompt_cache(config, text_encoder, [list(source), list(eval_source)])
+  check_prompt_cache(config, text_encoder, [texts, eval_texts])
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
   sigmas = build_schedule(config, num_tokens)
   sde_cfg = sde_lib.SDEConfig(

@@ -443,7 +443,7 @@ def warm_start_params(config: ml_collections.ConfigDict, mcfg: mmdit.MMDiTConfig
     )
   if not adds_pool:
     return params
-  _, fresh = nnx.split(initialize.build(lambda: mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed))))
+  _, fresh = nnx.split(initialize.build(mmdit.MMDiT, mcfg, config.seed))
   loaded = dict(nnx.to_flat_state(params))
   flat = []
   for path_, var in nnx.to_flat_state(fresh):
@@ -479,7 +479,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
       logprob_reduce=config.sampler.logprob_reduce,
   )
 
-  model = initialize.build(lambda: mmdit.MMDiT(mcfg, rngs=nnx.Rngs(config.seed)))
+  model = initialize.build(mmdit.MMDiT, mcfg, config.seed)
   graphdef, params = nnx.split(model)
   del model
   if p.init_from:

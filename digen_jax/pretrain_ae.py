@@ -93,9 +93,7 @@ def train(
   cfg = shapes_ae.ShapesAEConfig(
       latent_channels=latent_channels, width=width, shape_channels=shape_channels
   )
-  graphdef, params = nnx.split(
-      initialize.build(lambda: shapes_ae.ShapesAE(cfg, rngs=nnx.Rngs(seed)))
-  )
+  graphdef, params = nnx.split(initialize.build(shapes_ae.ShapesAE, cfg, seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, steps // 10 + 1), steps, lr * 0.1)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   opt_state = optimizer.init(params)

@@ -353,6 +353,11 @@ class PromptSequence(Sequence[str]):
       return self.get_batch(range(*i.indices(len(self))))
     return self._decode(self.source[self._index(i)][self.field])
 
+  def __iter__(self):
+    # In batches: the record source reads one record per call much slower than many at once.
+    for start in range(0, len(self), 4096):
+      yield from self.get_batch(range(start, min(start + 4096, len(self))))
+
   def get_batch(self, indices: Sequence[int]) -> list[str]:
     idx = [self._index(i) for i in indices]
     getitems = getattr(self.source, "__getitems__", None)

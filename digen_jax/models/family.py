@@ -51,7 +51,7 @@ class Family:
   vae: Any = None
 
   def new(self, cfg, seed: int):
-    return initialize.build(lambda: self.module(cfg, rngs=nnx.Rngs(seed)))
+    return initialize.build(self.module, cfg, seed)
 
 
 def _mmdit_config(m) -> mmdit.MMDiTConfig:
