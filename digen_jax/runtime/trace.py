@@ -242,18 +242,22 @@ def write_timeline(
   h = 0.8 + 0.4 * max(1, len(devs))
   fig, axes = plt.subplots(len(panels), 1, figsize=(12, h * len(panels) + 0.6), squeeze=False)
   for ax, (name, group) in zip(axes[:, 0], panels):
+    # One artist per (device row, colour, hatch), not per span: a long run has thousands.
+    bars: dict[tuple[int, str, bool], list[tuple[float, float]]] = {}
     for s in group:
       color = _COLORS.get(s.program, 'tab:purple')
       stale = s.program in ('rollout', 'tag_rollout') and 0 <= s.version < s.step
       for d in s.devices:
-        ax.broken_barh(
-            [(s.t0 - origin, s.t1 - s.t0)],
-            (dev_row[d] - 0.4, 0.8),
-            facecolors=color,
-            edgecolor='black',
-            linewidth=0.3,
-            hatch='//' if stale else None,
-        )
+        bars.setdefault((dev_row[d], color, stale), []).append((s.t0 - origin, s.t1 - s.t0))
+    for (row, color, stale), ranges in bars.items():
+      ax.broken_barh(
+          ranges,
+          (row - 0.4, 0.8),
+          facecolors=color,
+          edgecolor='black',
+          linewidth=0.3,
+          hatch='//' if stale else None,
+      )
     if group is not spans and group:
       ax.set_xlim(min(s.t0 for s in group) - origin, max(s.t1 for s in group) - origin)
     ax.set_yticks(range(len(devs)))
