@@ -19,6 +19,7 @@ def enable(directory: str | None = None) -> str:
     return ''
   os.makedirs(directory, exist_ok=True)
   jax.config.update('jax_compilation_cache_dir', directory)
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+  if 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS' not in os.environ:  # the caller's choice wins
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
   return directory

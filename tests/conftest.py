@@ -23,4 +23,6 @@ if "DIGEN_COMPILATION_CACHE" not in os.environ:  # a cold cache per session, nev
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   os.environ["DIGEN_COMPILATION_CACHE"] = _cache  # the CLIs' compile_cache.enable()
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache  # in-process programs and library subprocesses
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+  # Every program, however small: each process of the suite would otherwise recompile its few
+  # dozen sub-0.5 s programs (about 1 s a process).
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -5,7 +5,7 @@
 * configs/flux.py:tiny_pipeline end to end: a random diffusers FLUX.1 folder (transformer with the
   guidance embedding, AutoencoderKL, CLIP + T5) -> embedding cache (T5 sequences + CLIP pooled) ->
   FLUX sampling with distilled guidance -> VAE decode -> rewards -> GRPO with LoRA; colocated with a
-  bit-identical resume, and two processes with a restart. Torch never loads in training.
+  bit-identical resume, and two processes. Torch never loads in training.
 * configs/flux.py at real size is a valid config, and `:tiny` runs in one process.
 """
 
@@ -196,20 +196,21 @@ def test_tiny_pipeline_colocated_lora_runs_and_resumes(tmp_path):
   for k in adapters:
     np.testing.assert_array_equal(again[k], adapters[k], err_msg=k)
 
+  # Two processes (a restart of a two-process run is test_qwenimage_pipeline's; the resume
+  # logic is family-agnostic and checked bit for bit above).
   wd = tmp_path / 'mp'
-  for steps in (2, 3):  # two processes; a restart in the middle resumes
-    code, out = launcher_util.run(
-        ['--num_processes=2'],
-        [
-            sys.executable,
-            '-c',
-            _NO_TORCH_MAIN,
-            *_flags(folder, wd, 'tiny_pipeline,disagg', f'--config.total_steps={steps}'),
-        ],
-        timeout_s=900,
-    )
-    assert code == 0, out[-5000:]
+  code, out = launcher_util.run(
+      ['--num_processes=2'],
+      [
+          sys.executable,
+          '-c',
+          _NO_TORCH_MAIN,
+          *_flags(folder, wd, 'tiny_pipeline,disagg', '--config.total_steps=2'),
+      ],
+      timeout_s=900,
+  )
+  assert code == 0, out[-5000:]
   train = [r for r in _rows(wd) if 'reward_mean' in r]
-  assert [r['step'] for r in train] == [1, 2, 3]
+  assert [r['step'] for r in train] == [1, 2]
   assert abs(train[0]['ratio_mean'] - 1.0) < 1e-5
   assert train[0]['publish_mb'] < 0.1  # only adapters travel

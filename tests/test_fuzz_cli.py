@@ -620,8 +620,7 @@ def test_a_workdir_that_saw_every_failure_runs_and_corrupt_checkpoints_are_one_l
       ('good', _argv(MAIN, [TINY, '--config.total_steps=2'], d, wd), wd),
       ('nan_reward', _argv(MAIN, [TINY, *nan_run], d, wd), wd),
   ]
-  cache = {'DIGEN_COMPILATION_CACHE': str(tmp_path / 'jax_cache')}  # the second run reuses it
-  out = run_cases(cases, env_extra=cache, timeout_s=400)
+  out = run_cases(cases, timeout_s=400)  # the session's compilation cache: the second run reuses it
   for i, _, _ in failures:
     assert out[i]['code'] != 0 and 'Traceback' not in out[i]['stderr'], i
   good = out['good']
