@@ -414,13 +414,11 @@ def measure_peak_rss(step: Callable[[], Any]) -> dict[str, float]:
 
 def run_child(script: str, args: list[str], timeout: int = 1800) -> dict:
   """Run `python script args...` and parse the last stdout line as JSON (memory probes)."""
+  from digen_jax.sim import devices  # pylint: disable=g-import-not-at-top
+
   env = dict(os.environ)
   # No fake multi-device CPU in a single-device benchmark; the caller's other XLA flags stay.
-  env["XLA_FLAGS"] = " ".join(
-      f
-      for f in env.get("XLA_FLAGS", "").split()
-      if not f.startswith("--xla_force_host_platform_device_count")
-  )
+  env["XLA_FLAGS"] = devices.flags_with_device_count(env.get("XLA_FLAGS", ""), None)
   out = subprocess.run(
       [sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, env=env
   )

@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import os
 
-DEVICE_COUNT = '--xla_force_host_platform_device_count'
+from digen_jax.sim import devices as devices_lib  # imports nothing from jax
+
 # Tests check numbers, not speed: LLVM's optimisation of XLA's CPU code costs half of every
 # compile of the suite's tiny programs and buys nothing at their size (a FLUX tiny_pipeline run
 # compiles in 10 s instead of 23 s). conftest sets them for the session and its subprocesses;
-# tests that time real runs against a prediction take them out (production_env).
+# tests that time real runs against a prediction take them out (production_flags).
 COMPILE_FAST_FLAGS = (
     '--xla_backend_optimization_level=0',
     '--xla_llvm_disable_expensive_passes=true',
 )
-
-
-def flags_with_devices(flags: str, devices: int | None) -> str:
-  """XLA_FLAGS with any device count replaced by `devices` (None: removed)."""
-  kept = [f for f in flags.split() if not f.startswith(DEVICE_COUNT)]
-  if devices is not None:
-    kept.append(f'{DEVICE_COUNT}={devices}')
-  return ' '.join(kept)
 
 
 def production_flags(flags: str) -> str:
@@ -32,5 +25,5 @@ def production_flags(flags: str) -> str:
 def env_with_devices(devices: int | None, base: dict | None = None, **extra: str) -> dict:
   """A copy of `base` (default os.environ) plus `extra`, with XLA_FLAGS forcing `devices` CPUs."""
   env = {**(os.environ if base is None else base), **extra}
-  env['XLA_FLAGS'] = flags_with_devices(env.get('XLA_FLAGS', ''), devices)
+  env['XLA_FLAGS'] = devices_lib.flags_with_device_count(env.get('XLA_FLAGS', ''), devices)
   return env

@@ -23,12 +23,18 @@ def devices_flag(argv: Sequence[str]) -> int | None:
   return int(value)
 
 
+def flags_with_device_count(flags: str, n: int | None) -> str:
+  """XLA_FLAGS `flags` with any forced host device count replaced by n (None: removed); every
+  other flag kept."""
+  kept = re.sub(r'--xla_force_host_platform_device_count=\S+', '', flags).split()
+  return ' '.join(kept + ([] if n is None else [f'--xla_force_host_platform_device_count={n}']))
+
+
 def force_host_devices(argv: Sequence[str]) -> None:
   """Sets XLA_FLAGS (replacing any device count already there) and JAX_PLATFORMS=cpu so that jax
   sees `--devices` CPU devices. Call before jax is imported."""
   n = devices_flag(argv)
   if n is None:
     return
-  flags = re.sub(r'--xla_force_host_platform_device_count=\S+', '', os.environ.get('XLA_FLAGS', ''))
-  os.environ['XLA_FLAGS'] = f'{flags} --xla_force_host_platform_device_count={n}'.strip()
+  os.environ['XLA_FLAGS'] = flags_with_device_count(os.environ.get('XLA_FLAGS', ''), n)
   os.environ['JAX_PLATFORMS'] = 'cpu'
