@@ -9,16 +9,19 @@ takes one AdamW step on
 
 the second term makes the decoder map slightly-off latents (what a generator produces) to clean
 images. With --shape_channels (default on), a third term, `shape_weight * mean |E(x)[..., :3] -
-shape_targets|^2`, makes the first three latent channels hold the per-cell coverage of each shape
-(models/shapes_ae.py says why). Afterwards the per-channel latent mean/std are measured on fresh images and stored in the
+cell_means(shape coverage)|^2`, makes the first three latent channels hold the per-cell coverage of
+each shape, and with --color_channels (default on) a fourth, `color_weight * mean |E(x)[..., 3:6] -
+cell_means(colour x coverage)|^2`, the next three the objects' colour (models/shapes_ae.py says
+why). Afterwards the per-channel latent mean/std are measured on fresh images and stored in the
 config (the generator's latents are normalised by them), and the reconstructions of fresh images
 are scored by the ShapesBench checker against their prompts: the strict accuracy of reconstructed
-ground truth must be near the renderer's own (100%), or the autoencoder would cap what any
-generator on top of it can score. Writes DIR/params (params_io, AE_FORMAT) and DIR/summary.json.
+ground truth (and of renders of the held-out pairs, which training never drew) must be near the
+renderer's own (100%), or the autoencoder would cap what any generator on top of it can score. Writes DIR/params (params_io, AE_FORMAT) and DIR/summary.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -46,24 +49,40 @@ def ae_loss(
     key: jax.Array,
     perturb: float,
     shape_weight: float,
+    color_weight: float = 0.0,
 ) -> jax.Array:
-  """The training loss of the module docstring. x [B, S, S, 3]; maps [B, S, S, len(SHAPES)]
-  (render.shape_coverage; ignored, and may have 0 channels, without shape channels)."""
+  """The training loss of the module docstring. x [B, S, S, 3]; maps [B, S, S, K], K =
+  config.semantic_channels: shape coverage then colour x coverage (`semantic_maps`)."""
   z = model.encode(x)
   std = jax.lax.stop_gradient(jnp.std(z, axis=(0, 1, 2), keepdims=True))
   z_off = z + perturb * std * jax.random.normal(key, z.shape)
   loss = jnp.mean(jnp.square(model.decode_raw(z) - x)) + jnp.mean(
       jnp.square(model.decode_raw(z_off) - x)
   )
-  k = model.config.shape_channels
-  if k:
-    loss += shape_weight * jnp.mean(jnp.square(z[..., :k] - model.shape_targets(maps)))
+  k, n = model.config.shape_channels, model.config.semantic_channels
+  if n:
+    err = jnp.square(z[..., :n] - model.cell_means(maps))
+    if k:
+      loss += shape_weight * jnp.mean(err[..., :k])
+    if n > k:
+      loss += color_weight * jnp.mean(err[..., k:])
   return loss
 
 
-def make_step(graphdef, optimizer, perturb: float, shape_weight: float):
+def semantic_maps(batch: training_data.Batch, cfg: shapes_ae.ShapesAEConfig) -> np.ndarray:
+  """[B, S, S, cfg.semantic_channels]: the batch's shape then colour maps (as many as cfg has)."""
+  parts = [batch.shape_maps] if cfg.shape_channels else []
+  parts += [batch.color_maps] if cfg.color_channels else []
+  if not parts:
+    return np.zeros(batch.images.shape[:3] + (0,), np.float32)
+  return np.concatenate(parts, axis=-1)
+
+
+def make_step(graphdef, optimizer, perturb: float, shape_weight: float, color_weight: float = 0.0):
   def loss_fn(params, x, maps, key):
-    return ae_loss(nnx.merge(graphdef, params), x, maps, key, perturb, shape_weight)
+    return ae_loss(
+        nnx.merge(graphdef, params), x, maps, key, perturb, shape_weight, color_weight
+    )
 
   @jax.jit
   def step(params, opt_state, x, maps, key):
@@ -88,24 +107,36 @@ def train(
     eval_images: int,
     shape_channels: int = 0,
     shape_weight: float = 1.0,
+    color_channels: int = 0,
+    color_weight: float = 1.0,
+    workers: int = 0,
 ) -> dict:
   t0 = time.time()
   cfg = shapes_ae.ShapesAEConfig(
-      latent_channels=latent_channels, width=width, shape_channels=shape_channels
+      latent_channels=latent_channels,
+      width=width,
+      shape_channels=shape_channels,
+      color_channels=color_channels,
   )
   graphdef, params = nnx.split(initialize.build(shapes_ae.ShapesAE, cfg, seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, steps // 10 + 1), steps, lr * 0.1)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   opt_state = optimizer.init(params)
-  step = make_step(graphdef, optimizer, perturb, shape_weight)
-  spec = training_data.BatchSpec(batch=batch, size=size, seed=seed, shape_maps=bool(shape_channels))
+  step = make_step(graphdef, optimizer, perturb, shape_weight, color_weight)
+  spec = training_data.BatchSpec(
+      batch=batch,
+      size=size,
+      seed=seed,
+      shape_maps=bool(shape_channels),
+      color_maps=bool(color_channels),
+  )
   key = jax.random.key(seed + 1)
   losses = []
-  with training_data.BatchStream(spec) as stream:
+  with training_data.BatchStream(spec, workers=workers) as stream:
     for i in range(1, steps + 1):
       key, sub = jax.random.split(key)
       b = next(stream)
-      maps = b.shape_maps if shape_channels else np.zeros(b.images.shape[:3] + (0,), np.float32)
+      maps = semantic_maps(b, cfg)
       params, opt_state, loss = step(
           params, opt_state, jnp.asarray(b.images), jnp.asarray(maps), sub
       )
@@ -118,32 +149,36 @@ def train(
   # Latent statistics and the checks, on images the training never drew (another seed).
   model = nnx.merge(graphdef, params)
   fresh = training_data.training_batch(
-      training_data.BatchSpec(batch=eval_images, size=size, seed=seed + 1000, shape_maps=True), 1
+      training_data.BatchSpec(
+          batch=eval_images, size=size, seed=seed + 1000, shape_maps=True, color_maps=True
+      ),
+      1,
   )
   encode = jax.jit(lambda p, x: nnx.merge(graphdef, p).encode(x))
   decode = jax.jit(lambda p, z: nnx.merge(graphdef, p).decode(z))
   z = np.asarray(encode(params, jnp.asarray(fresh.images)))
   mean, std = z.mean(axis=(0, 1, 2)), z.std(axis=(0, 1, 2))
-  cfg = shapes_ae.ShapesAEConfig(
-      latent_channels=latent_channels,
-      width=width,
-      shape_channels=shape_channels,
-      latent_mean=tuple(mean.tolist()),
-      latent_std=tuple(std.tolist()),
-  )
-  shape_err = (
-      float(
-          np.sqrt(
-              np.mean(
-                  np.square(
-                      z[..., :shape_channels]
-                      - np.asarray(model.shape_targets(jnp.asarray(fresh.shape_maps)))
-                  )
-              )
+  cfg = dataclasses.replace(cfg, latent_mean=tuple(mean.tolist()), latent_std=tuple(std.tolist()))
+  n = cfg.semantic_channels
+  semantic_err = (
+      np.sqrt(
+          np.mean(
+              np.square(
+                  z[..., :n] - np.asarray(model.cell_means(jnp.asarray(semantic_maps(fresh, cfg))))
+              ),
+              axis=(0, 1, 2),
           )
       )
-      if shape_channels
-      else None
+      if n
+      else np.zeros(0)
+  )
+  # Images of the held-out (colour, shape) pairs (the eval split), which the training never drew:
+  # the decoder must render them too, or no generator on top could pass the eval split.
+  held_out = training_data.training_batch(
+      training_data.BatchSpec(batch=eval_images, size=size, seed=seed + 2000, split='eval'), 1
+  )
+  held_out_recon = np.asarray(
+      decode(params, encode(params, jnp.asarray(held_out.images)))
   )
   recon = np.asarray(decode(params, jnp.asarray(z)))
   noisy = np.asarray(
@@ -169,8 +204,15 @@ def train(
           'width': width,
           'shape_channels': shape_channels,
           'shape_weight': shape_weight,
+          'color_channels': color_channels,
+          'color_weight': color_weight,
       },
-      'shape_channel_rmse': shape_err,
+      'shape_channel_rmse': (
+          float(np.sqrt(np.mean(np.square(semantic_err[:shape_channels])))) if shape_channels else None
+      ),
+      'color_channel_rmse': (
+          float(np.sqrt(np.mean(np.square(semantic_err[shape_channels:])))) if color_channels else None
+      ),
       'num_params': int(sum(x.size for x in jax.tree.leaves(params))),
       'final_loss': losses[-1] if losses else None,
       'recon_mse': float(np.mean((recon - fresh.images) ** 2)),
@@ -178,6 +220,9 @@ def train(
       'strict_reconstructed': float(shapes_checker.shapes_strict(recon, fresh.truths).mean()),
       'strict_reconstructed_perturbed': float(
           shapes_checker.shapes_strict(noisy, fresh.truths).mean()
+      ),
+      'strict_reconstructed_held_out': float(
+          shapes_checker.shapes_strict(held_out_recon, held_out.truths).mean()
       ),
       'latent_mean': mean.tolist(),
       'latent_std': std.tolist(),
@@ -205,6 +250,14 @@ def define_flags() -> None:
       'coverage (0 = a purely reconstructive latent).',
   )
   flags.DEFINE_float('shape_weight', 1.0, 'Weight of the shape-channel term.')
+  flags.DEFINE_integer(
+      'color_channels',
+      3,
+      'Latent channels after the shape channels that hold per-cell '
+      'colour x coverage (0 = none; 3 = RGB).',
+  )
+  flags.DEFINE_float('color_weight', 1.0, 'Weight of the colour-channel term.')
+  flags.DEFINE_integer('workers', 0, 'Processes rendering batches ahead (0 = in this process).')
   flags.DEFINE_integer('width', 64, 'Channels of the inner stages.')
   flags.DEFINE_float(
       'perturb', 0.2, 'Latent perturbation (in latent std units) the decoder ' 'learns to ignore.'
@@ -237,11 +290,15 @@ def main(argv):
       eval_images=f.eval_images,
       shape_channels=f.shape_channels,
       shape_weight=f.shape_weight,
+      color_channels=f.color_channels,
+      color_weight=f.color_weight,
+      workers=f.workers,
   )
   print(
       f"pretrain_ae: {s['steps']} steps in {s['wall_s']:.0f}s; strict accuracy of ground truth "
       f"{s['strict_ground_truth']:.3f}, reconstructed {s['strict_reconstructed']:.3f}, with "
-      f"perturbed latents {s['strict_reconstructed_perturbed']:.3f}; recon mse {s['recon_mse']:.5f}"
+      f"perturbed latents {s['strict_reconstructed_perturbed']:.3f}, held-out pairs "
+      f"{s['strict_reconstructed_held_out']:.3f}; recon mse {s['recon_mse']:.5f}"
   )
 
 

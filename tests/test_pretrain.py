@@ -378,12 +378,13 @@ def tiny_ae(tmp_path_factory):
       batch=8,
       size=32,
       lr=2e-3,
-      latent_channels=4,
+      latent_channels=7,
       width=16,
       perturb=0.2,
       seed=0,
       eval_images=32,
       shape_channels=3,
+      color_channels=3,
   )
   return str(out / 'params'), summary
 
@@ -396,13 +397,14 @@ def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
   assert summary['strict_ground_truth'] == 1.0 and np.isfinite(summary['recon_mse'])
   assert 0.0 <= summary['strict_reconstructed'] <= 1.0
   cfg = shapes_ae.read_vae_config(folder)
-  assert cfg.latent_channels == 4 and cfg.spatial_compression == 4 and cfg.shape_channels == 3
+  assert (cfg.latent_channels, cfg.spatial_compression, cfg.shape_channels) == (7, 4, 3)
+  assert cfg.color_channels == 3 and cfg.semantic_channels == 6
   assert np.allclose(cfg.latent_std, summary['latent_std'])
   model = params_io.load_model(folder)
   assert isinstance(model, shapes_ae.ShapesAE)
   images = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (2, 32, 32, 3)), jnp.float32)
   tokens = vae_lib.encode_packed(model, images, 1)
-  assert tokens.shape == (2, 64, 4)
+  assert tokens.shape == (2, 64, 7)
   out = vae_lib.decode_packed(model, tokens, (8, 8), 1)
   assert out.shape == (2, 32, 32, 3) and float(jnp.abs(out).max()) <= 1.0
   # normalize/denormalize invert each other with the stored statistics.
@@ -414,30 +416,46 @@ def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
     shapes_ae.read_vae_config(SHIPPED)
   with pytest.raises(ValueError, match='shape_channels=3 must be 0 or 3'):
     shapes_ae.ShapesAEConfig(latent_channels=2, shape_channels=3)
+  with pytest.raises(ValueError, match='color_channels=3 must be 0 or 3'):
+    shapes_ae.ShapesAEConfig(latent_channels=5, shape_channels=3, color_channels=3)
+  with pytest.raises(ValueError, match='color_channels=2 must be 0 or 3'):
+    shapes_ae.ShapesAEConfig(latent_channels=8, color_channels=2)
 
 
-def test_autoencoder_loss_teaches_the_shape_channels_the_shape_coverage(tiny_ae):
+def test_autoencoder_loss_teaches_the_shape_and_colour_channels_their_maps(tiny_ae):
   """The shape term is exactly the mean squared error between the leading latent channels and
-  each latent cell's per-shape coverage, weighted by shape_weight."""
+  each latent cell's per-shape coverage, weighted by shape_weight; the colour term likewise for the
+  next three channels and each cell's colour x coverage, weighted by color_weight."""
   from digen_jax import pretrain_ae
+  from digen_jax.data.shapes import grammar
   from digen_jax.data.shapes import training as training_data
 
   model = params_io.load_model(tiny_ae[0])
   fresh = training_data.training_batch(
-      training_data.BatchSpec(batch=16, size=32, seed=1000, shape_maps=True), 1
+      training_data.BatchSpec(batch=16, size=32, seed=1000, shape_maps=True, color_maps=True), 1
   )
-  x, maps = jnp.asarray(fresh.images), jnp.asarray(fresh.shape_maps)
-  targets = np.asarray(model.shape_targets(maps))
-  assert targets.shape == (16, 8, 8, 3) and targets.max() > 0.9
-  np.testing.assert_allclose(
-      targets.mean(), fresh.shape_maps.mean(), rtol=1e-5
-  )  # pooling keeps area
-  z = np.asarray(model.encode(x))[..., :3]
-  want = float(np.mean((z - targets) ** 2))
+  maps_np = pretrain_ae.semantic_maps(fresh, model.config)
+  assert maps_np.shape == (16, 32, 32, 6)
+  x, maps = jnp.asarray(fresh.images), jnp.asarray(maps_np)
+  targets = np.asarray(model.cell_means(maps))
+  assert targets.shape == (16, 8, 8, 6) and targets[..., :3].max() > 0.9
+  np.testing.assert_allclose(targets.mean(), maps_np.mean(), rtol=1e-5)  # pooling keeps area
+  # Colour maps are coverage x the object's RGB: where one shape covers a cell fully, the colour
+  # channels hold exactly one of the grammar's object colours.
+  full = targets[..., :3].max(axis=-1) > 0.999
+  palette = np.asarray(list(grammar.COLORS.values()), np.float32)
+  dist = np.abs(targets[full][:, None, 3:] - palette[None]).max(axis=-1).min(axis=-1)
+  assert full.any() and dist.max() < 1e-4, dist.max()
+  z = np.asarray(model.encode(x))[..., :6]
+  want_shape = float(np.mean((z[..., :3] - targets[..., :3]) ** 2))
+  want_color = float(np.mean((z[..., 3:] - targets[..., 3:]) ** 2))
   key = jax.random.key(0)
-  with_term, without = (float(pretrain_ae.ae_loss(model, x, maps, key, 0.2, w)) for w in (2.5, 0.0))
-  np.testing.assert_allclose(with_term - without, 2.5 * want, rtol=1e-4)
-  assert np.isfinite(tiny_ae[1]['shape_channel_rmse'])  # reported by every training run
+  loss = lambda ws, wc: float(pretrain_ae.ae_loss(model, x, maps, key, 0.2, ws, wc))
+  base = loss(0.0, 0.0)
+  np.testing.assert_allclose(loss(2.5, 0.0) - base, 2.5 * want_shape, rtol=1e-4)
+  np.testing.assert_allclose(loss(0.0, 1.5) - base, 1.5 * want_color, rtol=1e-4)
+  for key_ in ('shape_channel_rmse', 'color_channel_rmse', 'strict_reconstructed_held_out'):
+    assert np.isfinite(tiny_ae[1][key_]), key_  # reported by every training run
 
 
 def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
@@ -459,7 +477,7 @@ def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
   assert shapes_checker.shapes_strict(fresh.images, fresh.truths).mean() == 1.0
   assert shapes_checker.shapes_strict(recon, fresh.truths).mean() >= 0.97
   # The shape channels hold the shape coverage (RMSE well below the targets' RMS).
-  targets = np.asarray(model.shape_targets(jnp.asarray(fresh.shape_maps)))
+  targets = np.asarray(model.cell_means(jnp.asarray(fresh.shape_maps)))
   rmse = float(np.sqrt(np.mean((np.asarray(z)[..., :3] - targets) ** 2)))
   assert rmse < 0.3 * float(np.sqrt(np.mean(targets**2))), rmse
   # Normalised latents are ~N(0, 1) per channel, as the generator expects.
@@ -473,8 +491,8 @@ def _ae_config(folder, variant='test'):
   c = shapes_pretrain.get_config(variant)
   c.latent.space, c.latent.ae = 'ae', folder
   c.latent.height = c.latent.width = 8
-  c.latent.channels = 4
-  c.model.patch_size, c.model.in_channels, c.model.out_channels = 1, 4, 4
+  c.latent.channels = 7
+  c.model.patch_size, c.model.in_channels, c.model.out_channels = 1, 7, 7
   c.pretrain.image_size = 32
   return c
 
@@ -492,7 +510,7 @@ def test_pretrain_in_the_autoencoder_latent_space(tiny_ae, tmp_path):
       'image_size': 32,
       'height': 8,
       'width': 8,
-      'channels': 4,
+      'channels': 7,
   }
   bad = _ae_config(folder)
   bad.pretrain.image_size = 16
@@ -517,12 +535,12 @@ def test_rl_rollout_decodes_with_the_autoencoder(tiny_ae, tmp_path):
   c = shapes_rl.get_config()
   c.latent.space, c.latent.ae = 'ae', folder
   c.latent.height = c.latent.width = 8
-  c.latent.channels = 4
-  c.model.patch_size, c.model.in_channels, c.model.out_channels = 1, 4, 4
+  c.latent.channels = 7
+  c.model.patch_size, c.model.in_channels, c.model.out_channels = 1, 7, 7
   c.model.init = 'random'
   c.rl.prompts_per_step, c.rl.group_size = 1, 2
   exp = experiment.build(c, str(tmp_path), 1)
-  assert exp.weights.vae is not None and exp.latent_shape == (64, 4)
+  assert exp.weights.vae is not None and exp.latent_shape == (64, 7)
   mesh = mesh_lib.make_mesh(jax.devices()[:1])
   prompts = ['a red circle on a white background'] * 2
   cond = jax.tree.map(jnp.asarray, exp.conditioning(prompts))

@@ -10,11 +10,16 @@ on rendered images turns latents into pixels, so sharp edges are the decoder's j
 
 SiLU between layers. With `shape_channels` = 3, the first three latent channels are taught to
 hold, per latent cell, the share of the cell covered by a circle, a square and a triangle
-(`shape_targets`; digen_jax.pretrain_ae adds the term). Why: in a purely reconstructive latent a
+(`cell_means` of render.shape_coverage; digen_jax.pretrain_ae adds the term). Why: in a purely reconstructive latent a
 square and a circle of the same size differ by a few corner pixels, so a flow model's loss barely
 rewards reading the shape word (benchmarks/RESULTS.md, shapes_probe); with shape channels the shape
 word moves the latent as much as the colour word does, as semantically regularised VAEs of real
-models make concepts prominent in their latents. The decoder still has to draw the shape from
+models make concepts prominent in their latents. With `color_channels` = 3 as well, the next
+three channels hold each cell's mean object colour times coverage (render.color_coverage), so
+shape and colour are separate latent factors: a prompt pairing a colour and a shape never seen
+together is a combination of two latent patterns the generator has each drawn many times (with
+shape channels alone, held-out pairs came out in the training colours of their shape;
+benchmarks/RESULTS.md). The decoder still has to draw the shape from
 them: rewards only ever see decoded pixels. The latents are normalised to unit variance per channel with statistics
 measured on rendered images (`latent_mean`, `latent_std`, fixed after training), so the flow
 model sees N(0, 1)-scaled data. The decoder is trained on lightly perturbed latents as well as
@@ -41,6 +46,7 @@ from digen_jax.data.shapes.grammar import SHAPES
 class ShapesAEConfig:
   latent_channels: int = 4
   shape_channels: int = 0  # 0, or len(SHAPES): leading channels that hold shape coverage
+  color_channels: int = 0  # 0, or 3: the next channels hold RGB colour x coverage
   width: int = 64  # channels of the 16x16 and 8x8 stages (the 32x32 one has half)
   downsamples: int = 2  # each halves the resolution: 32 px -> 8x8 latents
   latent_mean: tuple[float, ...] = ()  # per channel, measured after training ('' = 0)
@@ -49,6 +55,11 @@ class ShapesAEConfig:
   @property
   def spatial_compression(self) -> int:
     return 2**self.downsamples
+
+  @property
+  def semantic_channels(self) -> int:
+    """Leading latent channels with a target (shape coverage, then colour x coverage)."""
+    return self.shape_channels + self.color_channels
 
   def __post_init__(self):
     if self.latent_channels < 1 or self.width < 2 or self.downsamples < 1:
@@ -60,6 +71,11 @@ class ShapesAEConfig:
       raise ValueError(
           f'ShapesAEConfig.shape_channels={self.shape_channels} must be 0 or '
           f'{len(SHAPES)} (one per shape), and <= latent_channels={self.latent_channels}'
+      )
+    if self.color_channels not in (0, 3) or self.semantic_channels > self.latent_channels:
+      raise ValueError(
+          f'ShapesAEConfig.color_channels={self.color_channels} must be 0 or 3 (RGB), and '
+          f'shape_channels + color_channels <= latent_channels={self.latent_channels}'
       )
     for name in ('latent_mean', 'latent_std'):
       v = getattr(self, name)
@@ -108,12 +124,12 @@ class ShapesAE(nnx.Module):
       x = jax.nn.silu(conv(x))
     return self.enc_out(x)
 
-  def shape_targets(self, shape_maps: jax.Array) -> jax.Array:
-    """Per-pixel shape coverage [B, H, W, len(SHAPES)] -> what the shape channels of the raw
-    latents should hold: its mean over each latent cell, [B, H/r, W/r, len(SHAPES)]."""
-    b, h, w, k = shape_maps.shape
+  def cell_means(self, maps: jax.Array) -> jax.Array:
+    """Per-pixel maps [B, H, W, K] (shape coverage, colour x coverage) -> what the matching
+    channels of the raw latents should hold: their mean over each latent cell, [B, H/r, W/r, K]."""
+    b, h, w, k = maps.shape
     r = self.config.spatial_compression
-    return shape_maps.reshape(b, h // r, r, w // r, r, k).mean(axis=(2, 4))
+    return maps.reshape(b, h // r, r, w // r, r, k).mean(axis=(2, 4))
 
   def decode_raw(self, latents: jax.Array) -> jax.Array:
     """Raw latents [B, h, w, C] -> images [B, r h, r w, 3], unclipped."""

@@ -193,6 +193,16 @@ def shape_coverage(objects: Sequence[Placed], size: int = 32, supersample: int =
   return np.clip(maps, 0.0, 1.0)
 
 
+def color_coverage(objects: Sequence[Placed], size: int = 32, supersample: int = 4) -> np.ndarray:
+  """[size, size, 3] float32 in [0, 1]: per pixel, the objects' RGB colour times their coverage
+  (0 on the background); what an autoencoder with colour channels is taught to put in its latents
+  beside the shape channels, so shape and colour are separate latent factors."""
+  maps = np.zeros((size, size, 3), np.float32)
+  for p in objects:
+    maps += coverage(p, size, supersample)[..., None] * np.asarray(COLORS[p.color], np.float32)
+  return np.clip(maps, 0.0, 1.0)
+
+
 def render(
     prompt: Union[ShapesPrompt, str],
     size: int = 32,

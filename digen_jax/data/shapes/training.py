@@ -32,6 +32,7 @@ class BatchSpec:
   caption_noise: share of pairs whose caption is wrong in one attribute, drawn uniformly among
     `noise_kinds` that apply to the prompt (grammar.MISCAPTION_KINDS).
   shape_maps: also return each image's per-shape coverage maps (render.shape_coverage).
+  color_maps: also return each image's colour-times-coverage maps (render.color_coverage).
   """
 
   batch: int
@@ -42,6 +43,7 @@ class BatchSpec:
   caption_noise: float = 0.0
   noise_kinds: tuple[str, ...] = grammar.MISCAPTION_KINDS
   shape_maps: bool = False
+  color_maps: bool = False
 
   def __post_init__(self):
     if self.batch < 1:
@@ -59,13 +61,15 @@ class BatchSpec:
 @dataclasses.dataclass(frozen=True)
 class Batch:
   """images [B, size, size, 3] float32 in [-1, 1]; captions (what the model is told); truths (what
-  was drawn); miscaptioned [B] bool; shape_maps [B, size, size, len(SHAPES)] or None."""
+  was drawn); miscaptioned [B] bool; shape_maps [B, size, size, len(SHAPES)] or None; color_maps
+  [B, size, size, 3] or None."""
 
   images: np.ndarray
   captions: list[str]
   truths: list[str]
   miscaptioned: np.ndarray
   shape_maps: np.ndarray | None = None
+  color_maps: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -138,12 +142,18 @@ def training_batch(spec: BatchSpec, step: int) -> Batch:
       if spec.shape_maps
       else None
   )
+  colors = (
+      np.stack([render_lib.color_coverage(objs, spec.size) for objs in layouts])
+      if spec.color_maps
+      else None
+  )
   return Batch(
       images,
       [c.to_text() for c in captions],
       [p.to_text() for p in truths],
       np.array([c != p for c, p in zip(captions, truths)]),
       maps,
+      colors,
   )
 
 
