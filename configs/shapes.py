@@ -2,6 +2,7 @@
 
   python -m digen_jax.main --config=configs/shapes.py --workdir=/tmp/shapes
   python -m digen_jax.main --config=configs/shapes.py:jpeg --workdir=/tmp/jpeg   # DDPO's JPEG reward
+  python -m digen_jax.main --config=configs/shapes.py:latent --workdir=/tmp/latent  # latent-space base
   python launch/local.py --num_processes=2 -- \
       python -m digen_jax.main --config=configs/shapes.py:disagg --workdir=/tmp/shapes_disagg
 
@@ -44,13 +45,16 @@ def get_config(arg: str | None = None):
       c.reward.weights = 'jpeg_compressibility'
       c.total_steps = 40
       c.eval.every = 20
+    elif v == 'latent':
+      # The latent-space base (assets/shapes_latent_base on assets/shapes_ae; issue 16).
+      configlib.shapes_latent_base(c)
     elif v == 'disagg':
       # Rollout and trainer on their own meshes ('auto' layout: 2 processes -> one role each;
       # 1 process -> half of its devices each); same math as the colocated default.
       configlib.set_disagg(c)
     else:
       raise ValueError(
-          f'configs/shapes.py: unknown variant {v!r}; known: jpeg, disagg '
+          f'configs/shapes.py: unknown variant {v!r}; known: jpeg, latent, disagg '
           '(comma-separated, e.g. :jpeg,disagg)'
       )
   return c

@@ -75,12 +75,7 @@ def get_config(arg: str | None = None):
     # The same MMDiT at patch 1 on the 8 x 8 x 8 latents of a 32 px ShapesBench autoencoder
     # (models/shapes_ae.py: shape and colour channels), caption noise on relations and binding
     # only, so single-object captions stay true (benchmarks/RESULTS.md, issue 16).
-    c.latent.space = 'ae'
-    c.latent.ae = 'assets/shapes_ae'
-    c.latent.height = c.latent.width = 8
-    c.latent.channels = 8
-    c.model.patch_size = 1
-    c.model.in_channels = c.model.out_channels = 8
+    configlib.shapes_latent_base(c, checkpoint='')
     p.image_size = 32
     p.caption_noise = 0.1
     p.caption_noise_kinds = 'relation,binding'

@@ -245,6 +245,7 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
 
 SHAPES_BASE_CHECKPOINT = 'assets/shapes_base'
 SHAPES_AE_CHECKPOINT = 'assets/shapes_ae'  # issue 16's autoencoder (assets/shapes_ae/README.md)
+SHAPES_LATENT_BASE_CHECKPOINT = 'assets/shapes_latent_base'  # its generator (README beside it)
 
 
 def shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_CHECKPOINT):
@@ -276,6 +277,25 @@ def shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_C
   c.sampler.guidance_scale = 0.0
   c.data.prompts = 'shapes'
   c.reward.weights = 'shapes'
+  return c
+
+
+def shapes_latent_base(
+    c: ml_collections.ConfigDict,
+    *,
+    checkpoint: str = SHAPES_LATENT_BASE_CHECKPOINT,
+    autoencoder: str = SHAPES_AE_CHECKPOINT,
+):
+  """`shapes_base` in the latent space of the ShapesBench autoencoder (in place; returns c): the
+  same MMDiT at patch 1 on 8 x 8 latents of 8 channels (3 shape, 3 colour, 2 free;
+  models/shapes_ae.py), decoded to 32 px RGB for the rewards. checkpoint '' = random init."""
+  shapes_base(c, checkpoint=checkpoint)
+  c.model.patch_size = 1
+  c.model.in_channels = c.model.out_channels = 8
+  c.latent.space = 'ae'
+  c.latent.ae = autoencoder
+  c.latent.channels = 8
+  c.latent.height = c.latent.width = 8
   return c
 
 

@@ -1,6 +1,12 @@
 """Trains the ShapesBench autoencoder (models/shapes_ae.py) on rendered images; checks it keeps shapes.
 
   python -m digen_jax.pretrain_ae --workdir=DIR [--steps=4000] [--batch=64] [--size=32]
+  python -m digen_jax.pretrain_ae --workdir=DIR --init_from=AE/params --decoder_only --split=all
+
+The second form trains only the decoder of an existing autoencoder, on renders of every
+composition of the grammar (images only; the autoencoder never sees a caption): the latents, and so
+every generator trained on them, stay exactly valid, and the decoder learns to draw the (colour,
+shape) pairs the generator's captions hold out, as a pipeline's VAE is trained on images at large.
 
 Each step renders a batch of train-split images (data.shapes.training, clean captions unused) and
 takes one AdamW step on
@@ -110,23 +116,47 @@ def train(
     color_channels: int = 0,
     color_weight: float = 1.0,
     workers: int = 0,
+    init_from: str = '',
+    decoder_only: bool = False,
+    split: str = 'train',
 ) -> dict:
+  """Trains (or, with init_from, continues) an autoencoder; see the module docstring.
+
+  decoder_only: only the decoder's params change (needs init_from): the latent space, and so every
+  generator trained in it, stays valid, and the latent statistics are kept. split: the prompts the
+  training renders are drawn from ('all' = every composition of the grammar; captions are unused).
+  """
   t0 = time.time()
-  cfg = shapes_ae.ShapesAEConfig(
-      latent_channels=latent_channels,
-      width=width,
-      shape_channels=shape_channels,
-      color_channels=color_channels,
-  )
-  graphdef, params = nnx.split(initialize.build(shapes_ae.ShapesAE, cfg, seed))
+  if init_from:
+    cfg, params, _ = params_io.load_params(init_from)
+    if not isinstance(cfg, shapes_ae.ShapesAEConfig):
+      raise ValueError(f'init_from={init_from!r} is not a ShapesBench autoencoder folder')
+    graphdef = abstract_graphdef(cfg)
+    latent_channels, width = cfg.latent_channels, cfg.width
+    shape_channels, color_channels = cfg.shape_channels, cfg.color_channels
+  else:
+    if decoder_only:
+      raise ValueError('decoder_only needs init_from (an autoencoder whose decoder to train)')
+    cfg = shapes_ae.ShapesAEConfig(
+        latent_channels=latent_channels,
+        width=width,
+        shape_channels=shape_channels,
+        color_channels=color_channels,
+    )
+    graphdef, params = nnx.split(initialize.build(shapes_ae.ShapesAE, cfg, seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, steps // 10 + 1), steps, lr * 0.1)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+  if decoder_only:
+    # The encoder's params get no update at all (not even weight decay): the latents stay exact.
+    labels = nnx.map_state(lambda path, _: 'train' if path[0].startswith('dec') else 'freeze', params)
+    optimizer = optax.multi_transform({'train': optimizer, 'freeze': optax.set_to_zero()}, labels)
   opt_state = optimizer.init(params)
   step = make_step(graphdef, optimizer, perturb, shape_weight, color_weight)
   spec = training_data.BatchSpec(
       batch=batch,
       size=size,
       seed=seed,
+      split=split,
       shape_maps=bool(shape_channels),
       color_maps=bool(color_channels),
   )
@@ -157,8 +187,13 @@ def train(
   encode = jax.jit(lambda p, x: nnx.merge(graphdef, p).encode(x))
   decode = jax.jit(lambda p, z: nnx.merge(graphdef, p).decode(z))
   z = np.asarray(encode(params, jnp.asarray(fresh.images)))
-  mean, std = z.mean(axis=(0, 1, 2)), z.std(axis=(0, 1, 2))
-  cfg = dataclasses.replace(cfg, latent_mean=tuple(mean.tolist()), latent_std=tuple(std.tolist()))
+  if decoder_only:  # the generator's normalisation stays exactly what it was trained with
+    mean, std = np.asarray(cfg.latent_mean), np.asarray(cfg.latent_std)
+  else:
+    mean, std = z.mean(axis=(0, 1, 2)), z.std(axis=(0, 1, 2))
+    cfg = dataclasses.replace(
+        cfg, latent_mean=tuple(mean.tolist()), latent_std=tuple(std.tolist())
+    )
   n = cfg.semantic_channels
   semantic_err = (
       np.sqrt(
@@ -199,6 +234,9 @@ def train(
       'lr': lr,
       'perturb': perturb,
       'seed': seed,
+      'init_from': init_from,
+      'decoder_only': decoder_only,
+      'split': split,
       'config': {
           'latent_channels': latent_channels,
           'width': width,
@@ -234,6 +272,11 @@ def train(
   return summary
 
 
+def abstract_graphdef(cfg: shapes_ae.ShapesAEConfig):
+  """The graphdef of the autoencoder `cfg` describes (no params allocated)."""
+  return shapes_ae.abstract_vae(cfg)[0]
+
+
 def define_flags() -> None:
   """The command line (defined by __main__ only: tests import train() beside other modules'
   flags)."""
@@ -258,6 +301,25 @@ def define_flags() -> None:
   )
   flags.DEFINE_float('color_weight', 1.0, 'Weight of the colour-channel term.')
   flags.DEFINE_integer('workers', 0, 'Processes rendering batches ahead (0 = in this process).')
+  flags.DEFINE_string(
+      'init_from',
+      '',
+      'An autoencoder params folder to continue from (its config '
+      'replaces --latent_channels/--width/--shape_channels/--color_channels).',
+  )
+  flags.DEFINE_bool(
+      'decoder_only',
+      False,
+      'Train only the decoder (needs --init_from): the latent space, '
+      'and every generator trained in it, stays valid.',
+  )
+  flags.DEFINE_enum(
+      'split',
+      'train',
+      ['train', 'all'],
+      'Prompts the training images are rendered from: the train split, '
+      'or every composition (images only; captions are never used).',
+  )
   flags.DEFINE_integer('width', 64, 'Channels of the inner stages.')
   flags.DEFINE_float(
       'perturb', 0.2, 'Latent perturbation (in latent std units) the decoder ' 'learns to ignore.'
@@ -293,6 +355,9 @@ def main(argv):
       color_channels=f.color_channels,
       color_weight=f.color_weight,
       workers=f.workers,
+      init_from=f.init_from,
+      decoder_only=f.decoder_only,
+      split=f.split,
   )
   print(
       f"pretrain_ae: {s['steps']} steps in {s['wall_s']:.0f}s; strict accuracy of ground truth "

@@ -362,6 +362,34 @@ def test_shapes_probe_reports_on_the_shipped_checkpoint():
     assert 0.0 <= g['strict'] <= 1.0
 
 
+def test_shipped_latent_base_draws_the_shape_and_colour_it_is_asked_for():
+  """assets/shapes_latent_base on assets/shapes_ae (issue 16): the shape word moves the image as
+  much as the colour word, and single objects come out as the prompted shape, including the two
+  held-out pairs among the probe's prompts (a red circle, a blue triangle)."""
+  import importlib.util
+
+  from digen_jax import configlib
+
+  folder = os.path.join(REPO, configlib.SHAPES_LATENT_BASE_CHECKPOINT)
+  cfg, _, extra = params_io.load_params(folder)
+  c = configlib.shapes_latent_base(shapes_pretrain.get_config())
+  assert cfg == experiment.model_config_from(c)
+  assert extra['latent']['ae'] == configlib.SHAPES_AE_CHECKPOINT and extra['latent']['channels'] == 8
+  assert extra['text_encoder']['table_sha256'] == text_lib.table_digest(
+      experiment.build_text_encoder(c)
+  )
+  spec = importlib.util.spec_from_file_location(
+      'shapes_probe', os.path.join(REPO, 'benchmarks', 'shapes_probe.py')
+  )
+  probe_lib = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(probe_lib)
+  r, imgs, texts = probe_lib.probe(folder, noises=2)
+  assert imgs.shape == (12, 32, 32, 3) and len(texts) == 12
+  assert r['shape_to_color_sensitivity'] > 0.5, r['shape_to_color_sensitivity']
+  for shape, g in r['generation'].items():
+    assert g['seen'][shape] >= 3, (shape, g)  # of 2 colours x 2 noises
+
+
 # ------------------------------------------------------------------------------------------------
 # the ShapesBench autoencoder (latent-space base generators)
 
@@ -468,9 +496,10 @@ def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
   folder = os.path.join(REPO, shapes_pretrain.configlib.SHAPES_AE_CHECKPOINT)
   cfg = shapes_ae.read_vae_config(folder)
   assert (cfg.latent_channels, cfg.shape_channels, cfg.spatial_compression) == (8, 3, 4)
+  assert cfg.color_channels == 3
   model = params_io.load_model(folder)
   fresh = training_data.training_batch(
-      training_data.BatchSpec(batch=96, size=32, seed=77, shape_maps=True), 1
+      training_data.BatchSpec(batch=96, size=32, seed=77, shape_maps=True, color_maps=True), 1
   )
   z = model.encode(jnp.asarray(fresh.images))
   recon = np.asarray(model.decode(z))
@@ -479,6 +508,10 @@ def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
   # The shape channels hold the shape coverage (RMSE well below the targets' RMS).
   targets = np.asarray(model.cell_means(jnp.asarray(fresh.shape_maps)))
   rmse = float(np.sqrt(np.mean((np.asarray(z)[..., :3] - targets) ** 2)))
+  assert rmse < 0.3 * float(np.sqrt(np.mean(targets**2))), rmse
+  # ... and the colour channels the colour x coverage.
+  targets = np.asarray(model.cell_means(jnp.asarray(fresh.color_maps)))
+  rmse = float(np.sqrt(np.mean((np.asarray(z)[..., 3:6] - targets) ** 2)))
   assert rmse < 0.3 * float(np.sqrt(np.mean(targets**2))), rmse
   # Normalised latents are ~N(0, 1) per channel, as the generator expects.
   zn = np.asarray(model.normalize(z))

@@ -27,6 +27,8 @@ from digen_jax.data.shapes import render as render_lib
 class BatchSpec:
   """What one training batch holds.
 
+  split: the prompts drawn from: 'train', 'val', 'eval' (grammar.split_prompts) or 'all' (every
+    composition; for image-only training, e.g. an autoencoder's).
   single_fraction: share of single-object prompts (< 0: uniform over the split; the train split is
     ~93% relation prompts, so uniform sampling would starve counting).
   caption_noise: share of pairs whose caption is wrong in one attribute, drawn uniformly among
@@ -85,6 +87,7 @@ _POOLS: dict[str, _Pools] = {}
 def _pools(split: str) -> _Pools:
   if split not in _POOLS:
     splits = grammar.split_prompts()
+    splits['all'] = list(grammar.iter_all_prompts())
     if split not in splits:
       raise ValueError(f'split={split!r} must be one of {sorted(splits)}')
     pool = splits[split]
