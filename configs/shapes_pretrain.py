@@ -18,8 +18,8 @@ Design (measured on the 2-core CPU, see assets/shapes_base/README.md):
     (configlib.shapes_base holds the architecture; the RL config uses the same function).
   * MMDiT with 3 double-stream blocks, 4 heads x 32 = 128 wide, ~1.9M params.
   * Frozen word encoder, dim 64 = joint_attention_dim, 16 tokens. Its table is seeded by
-    config.seed (experiment.build_text_encoder), so an RL run must keep seed=0 or use a different
-    text seed at its peril; the checkpoint records a digest of the table to catch that.
+    config.text.seed (experiment.build_text_encoder), so an RL run must keep text.seed=0 (its own
+    config.seed is free); the checkpoint records a digest of the table to catch a mismatch.
   * No CFG: trained without text dropout; RL samples with guidance_scale=0.
 """
 

@@ -84,6 +84,10 @@ def base_config() -> ml_collections.ConfigDict:
   # `python -m digen_jax.encode_prompts --config=... --prompts=... --out=DIR`; torch never runs
   # in the training process.
   c.text.cache = ''
+  # 'word' encoder: its frozen table's seed, apart from config.seed (which seeds the rollouts and
+  # the prompt order), so an RL run can change its seed and keep the table a checkpoint was
+  # trained with (the checkpoint records its digest).
+  c.text.seed = 0
 
   # --- prompts -------------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
@@ -254,7 +258,7 @@ def shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_C
 
   16x16 RGB pixel space, patch 2 -> 64 tokens of 12 channels, identity decoder; MMDiT with 3
   double-stream blocks, 4 heads x 32, ~1.9M params; frozen word encoder (dim 64, seeded by
-  config.seed: keep seed=0 with the shipped checkpoint); no CFG."""
+  config.text.seed: keep text.seed=0 with the shipped checkpoints); no CFG."""
   c.model.checkpoint = checkpoint
   c.model.init = 'checkpoint' if checkpoint else 'random'
   c.model.patch_size = 2
@@ -328,6 +332,7 @@ _CHOICES = {
 # [lo or (lo, hi] or hi). A fix hint follows where the range alone does not say it.
 _INT_MIN = {
     'seed': 0,
+    'text.seed': 0,
     'total_steps': 1,
     'rl.prompts_per_step': 1,
     'rl.group_size': 2,

@@ -119,7 +119,7 @@ def checkpoint_folder(path: str, field: str = 'config.model.checkpoint') -> str:
 
 def check_text_encoder(config, text_encoder) -> None:
   """A checkpoint trained with a frozen word encoder records its table digest; a run whose
-  encoder differs (e.g. another config.seed, which seeds the table) would feed the generator
+  encoder differs (e.g. another config.text.seed, which seeds the table) would feed the generator
   embeddings it never saw, silently. Raises ValueError instead."""
   if config.model.init != 'checkpoint':
     return
@@ -133,9 +133,9 @@ def check_text_encoder(config, text_encoder) -> None:
         f'the word text encoder of this run differs from the one {path} was trained with '
         f'(table digest mismatch): it was built with seed={recorded.get("seed")}, '
         f'dim={recorded.get("dim")}, max_length={recorded.get("max_length")}; this run has '
-        f'config.seed={config.seed}, config.model.joint_attention_dim='
+        f'config.text.seed={config.text.seed}, config.model.joint_attention_dim='
         f'{config.model.joint_attention_dim}, config.text.max_length={config.text.max_length}. '
-        f'Set config.seed={recorded.get("seed")} (the table is seeded by it)'
+        f'Set config.text.seed={recorded.get("seed")} (the table is seeded by it)'
     )
 
 
@@ -160,7 +160,7 @@ def build_text_encoder(config):
         text_lib.shapes_vocab(),
         dim=config.model.joint_attention_dim,
         max_length=config.text.max_length,
-        seed=config.seed,
+        seed=config.text.seed,
     )
     return text_lib.CachedEncoder(enc)
   cache = text_cache.EmbeddingCache(config.text.cache, config.text.max_length)

@@ -558,7 +558,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           'kind': 'word',
           'dim': int(config.model.joint_attention_dim),
           'max_length': int(config.text.max_length),
-          'seed': int(config.seed),
+          'seed': int(config.text.seed),
           'table_sha256': text_lib.table_digest(encoder),
       },
       'latent': {
