@@ -86,9 +86,7 @@ def semantic_maps(batch: training_data.Batch, cfg: shapes_ae.ShapesAEConfig) -> 
 
 def make_step(graphdef, optimizer, perturb: float, shape_weight: float, color_weight: float = 0.0):
   def loss_fn(params, x, maps, key):
-    return ae_loss(
-        nnx.merge(graphdef, params), x, maps, key, perturb, shape_weight, color_weight
-    )
+    return ae_loss(nnx.merge(graphdef, params), x, maps, key, perturb, shape_weight, color_weight)
 
   @jax.jit
   def step(params, opt_state, x, maps, key):
@@ -148,7 +146,9 @@ def train(
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   if decoder_only:
     # The encoder's params get no update at all (not even weight decay): the latents stay exact.
-    labels = nnx.map_state(lambda path, _: 'train' if path[0].startswith('dec') else 'freeze', params)
+    labels = nnx.map_state(
+        lambda path, _: 'train' if path[0].startswith('dec') else 'freeze', params
+    )
     optimizer = optax.multi_transform({'train': optimizer, 'freeze': optax.set_to_zero()}, labels)
   opt_state = optimizer.init(params)
   step = make_step(graphdef, optimizer, perturb, shape_weight, color_weight)
@@ -191,9 +191,7 @@ def train(
     mean, std = np.asarray(cfg.latent_mean), np.asarray(cfg.latent_std)
   else:
     mean, std = z.mean(axis=(0, 1, 2)), z.std(axis=(0, 1, 2))
-    cfg = dataclasses.replace(
-        cfg, latent_mean=tuple(mean.tolist()), latent_std=tuple(std.tolist())
-    )
+    cfg = dataclasses.replace(cfg, latent_mean=tuple(mean.tolist()), latent_std=tuple(std.tolist()))
   n = cfg.semantic_channels
   semantic_err = (
       np.sqrt(
@@ -212,9 +210,7 @@ def train(
   held_out = training_data.training_batch(
       training_data.BatchSpec(batch=eval_images, size=size, seed=seed + 2000, split='eval'), 1
   )
-  held_out_recon = np.asarray(
-      decode(params, encode(params, jnp.asarray(held_out.images)))
-  )
+  held_out_recon = np.asarray(decode(params, encode(params, jnp.asarray(held_out.images))))
   recon = np.asarray(decode(params, jnp.asarray(z)))
   noisy = np.asarray(
       decode(
@@ -246,10 +242,14 @@ def train(
           'color_weight': color_weight,
       },
       'shape_channel_rmse': (
-          float(np.sqrt(np.mean(np.square(semantic_err[:shape_channels])))) if shape_channels else None
+          float(np.sqrt(np.mean(np.square(semantic_err[:shape_channels]))))
+          if shape_channels
+          else None
       ),
       'color_channel_rmse': (
-          float(np.sqrt(np.mean(np.square(semantic_err[shape_channels:])))) if color_channels else None
+          float(np.sqrt(np.mean(np.square(semantic_err[shape_channels:]))))
+          if color_channels
+          else None
       ),
       'num_params': int(sum(x.size for x in jax.tree.leaves(params))),
       'final_loss': losses[-1] if losses else None,

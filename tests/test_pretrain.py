@@ -375,7 +375,9 @@ def test_shipped_latent_base_draws_the_shape_and_colour_it_is_asked_for():
   cfg, _, extra = params_io.load_params(folder)
   c = configlib.shapes_latent_base(shapes_pretrain.get_config())
   assert cfg == experiment.model_config_from(c)
-  assert extra['latent']['ae'] == configlib.SHAPES_AE_CHECKPOINT and extra['latent']['channels'] == 8
+  assert (
+      extra['latent']['ae'] == configlib.SHAPES_AE_CHECKPOINT and extra['latent']['channels'] == 8
+  )
   assert extra['text_encoder']['table_sha256'] == text_lib.table_digest(
       experiment.build_text_encoder(c)
   )
@@ -488,6 +490,36 @@ def test_autoencoder_loss_teaches_the_shape_and_colour_channels_their_maps(tiny_
   np.testing.assert_allclose(loss(0.0, 1.5) - base, 1.5 * want_color, rtol=1e-4)
   for key_ in ('shape_channel_rmse', 'color_channel_rmse', 'strict_reconstructed_held_out'):
     assert np.isfinite(tiny_ae[1][key_]), key_  # reported by every training run
+
+
+def test_decoder_only_training_keeps_the_latent_space_exactly(tiny_ae, tmp_path):
+  """pretrain_ae --init_from --decoder_only --split=all: the decoder learns from renders of every
+  composition while the encoder's params and the latent statistics stay bit-identical, so every
+  generator trained on the old latents is still valid."""
+  from digen_jax import pretrain_ae
+  from digen_jax.models import shapes_ae
+
+  folder, _ = tiny_ae
+  summary = pretrain_ae.train(
+      str(tmp_path), steps=3, batch=4, size=32, lr=1e-3, latent_channels=1, width=2,
+      perturb=0.2, seed=3, eval_images=8, init_from=folder, decoder_only=True, split='all',
+  )  # fmt: skip
+  assert summary['decoder_only'] and summary['split'] == 'all'
+  old_cfg, old, _ = params_io.load_params(folder)
+  new_cfg, new, _ = params_io.load_params(str(tmp_path / 'params'))
+  assert new_cfg == old_cfg  # same channels, same latent mean/std
+  changed = {
+      jax.tree_util.keystr(k): not np.array_equal(np.asarray(a), np.asarray(b))
+      for (k, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new))
+  }
+  assert not any(v for k, v in changed.items() if 'enc' in k), changed
+  assert all(v for k, v in changed.items() if 'dec' in k), changed
+  with pytest.raises(ValueError, match='decoder_only needs init_from'):
+    pretrain_ae.train(
+        str(tmp_path), steps=1, batch=2, size=32, lr=1e-3, latent_channels=4, width=4,
+        perturb=0.2, seed=0, eval_images=2, decoder_only=True,
+    )  # fmt: skip
+  assert isinstance(old_cfg, shapes_ae.ShapesAEConfig)
 
 
 def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():

@@ -290,3 +290,25 @@ def test_shape_maps_are_the_drawn_objects_coverage_per_shape():
     covered = maps.sum(-1) > 0.99
     assert np.abs(img[covered] - bg).max(axis=-1).min() > 0.3
     assert np.abs(img[maps.sum(-1) == 0] - bg).max() < 1e-6
+
+
+def test_color_maps_are_coverage_times_object_colour_and_split_all_holds_every_pair():
+  """color_maps (the autoencoder's colour-channel targets) equal the image's object part exactly:
+  image = background + coverage * (colour - background), so where the background is black,
+  (image + 1) / 2 == colour x coverage. split='all' draws every composition, held-out pairs too."""
+  from digen_jax.data.shapes import training as T
+
+  b = T.training_batch(
+      T.BatchSpec(batch=256, size=32, seed=9, split="all", shape_maps=True, color_maps=True), 1
+  )
+  assert (
+      b.color_maps.shape == (256, 32, 32, 3) and 0 <= b.color_maps.min() <= b.color_maps.max() <= 1
+  )
+  black = [i for i, t in enumerate(b.truths) if G.parse(t).background == "black"]
+  assert black
+  np.testing.assert_allclose((b.images[black] + 1) / 2, b.color_maps[black], atol=1e-5)
+  # Colour maps are lit exactly where shape maps are.
+  np.testing.assert_array_equal(b.color_maps.max(-1) > 0, b.shape_maps.max(-1) > 0)
+  assert any(G.is_held_out(G.parse(t)) for t in b.truths)
+  assert not any(G.is_held_out(G.parse(t)) for t in T.training_batch(
+      T.BatchSpec(batch=256, size=32, seed=9), 1).truths)  # fmt: skip
