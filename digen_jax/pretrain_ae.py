@@ -22,7 +22,8 @@ why). Afterwards the per-channel latent mean/std are measured on fresh images an
 config (the generator's latents are normalised by them), and the reconstructions of fresh images
 are scored by the ShapesBench checker against their prompts: the strict accuracy of reconstructed
 ground truth (and of renders of the held-out pairs, which training never drew) must be near the
-renderer's own (100%), or the autoencoder would cap what any generator on top of it can score. Writes DIR/params (params_io, AE_FORMAT) and DIR/summary.json.
+renderer's own (100%), or the autoencoder would cap what any generator on top of it can score.
+Writes DIR/params (params_io, AE_FORMAT) and DIR/summary.json.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def train(
     cfg, params, _ = params_io.load_params(init_from)
     if not isinstance(cfg, shapes_ae.ShapesAEConfig):
       raise ValueError(f'init_from={init_from!r} is not a ShapesBench autoencoder folder')
-    graphdef = abstract_graphdef(cfg)
+    graphdef = shapes_ae.abstract_vae(cfg)[0]
     latent_channels, width = cfg.latent_channels, cfg.width
     shape_channels, color_channels = cfg.shape_channels, cfg.color_channels
   else:
@@ -270,11 +271,6 @@ def train(
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=2)
   return summary
-
-
-def abstract_graphdef(cfg: shapes_ae.ShapesAEConfig):
-  """The graphdef of the autoencoder `cfg` describes (no params allocated)."""
-  return shapes_ae.abstract_vae(cfg)[0]
 
 
 def define_flags() -> None:

@@ -51,6 +51,7 @@ IGNORED_OVERRIDES = (
     'model.checkpoint',
     'cluster.transfer_host',  # where the transfer server listens: no program reads it
     'text.cache',
+    'text.seed',  # the word encoder's table values, not its shapes
     'model.remat',
     'model.lora.rank',
     'model.lora.alpha',
