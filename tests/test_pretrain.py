@@ -343,8 +343,8 @@ def test_shipped_checkpoint_loads_and_runs():
   assert img.shape == (2, size, size, 3)
 
 
-def test_shapes_probe_reports_on_the_shipped_checkpoint():
-  """benchmarks/shapes_probe.py (the base-model diagnostic of benchmarks/RESULTS.md) on the shipped base."""
+def _shapes_probe():
+  """benchmarks/shapes_probe.py as a module (benchmarks/ is not a package)."""
   import importlib.util
 
   spec = importlib.util.spec_from_file_location(
@@ -352,6 +352,12 @@ def test_shapes_probe_reports_on_the_shipped_checkpoint():
   )
   probe_lib = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(probe_lib)
+  return probe_lib
+
+
+def test_shapes_probe_reports_on_the_shipped_checkpoint():
+  """benchmarks/shapes_probe.py (the base-model diagnostic of benchmarks/RESULTS.md) on the shipped base."""
+  probe_lib = _shapes_probe()
   r, imgs, texts = probe_lib.probe(SHIPPED, noises=1)
   assert imgs.shape == (6, 16, 16, 3) and len(texts) == 6
   mse = [row['x0_mse'] for row in r['denoising']]
@@ -367,8 +373,6 @@ def test_shipped_latent_base_draws_the_shape_and_colour_it_is_asked_for():
   comparably to the colour word (0.59 with 8 noises), and single objects come out as the prompted
   shape, never another, including the two held-out pairs among the probe's prompts (a red circle, a
   blue triangle)."""
-  import importlib.util
-
   from digen_jax import configlib
 
   folder = os.path.join(REPO, configlib.SHAPES_LATENT_BASE_CHECKPOINT)
@@ -381,11 +385,7 @@ def test_shipped_latent_base_draws_the_shape_and_colour_it_is_asked_for():
   assert extra['text_encoder']['table_sha256'] == text_lib.table_digest(
       experiment.build_text_encoder(c)
   )
-  spec = importlib.util.spec_from_file_location(
-      'shapes_probe', os.path.join(REPO, 'benchmarks', 'shapes_probe.py')
-  )
-  probe_lib = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(probe_lib)
+  probe_lib = _shapes_probe()
   r, imgs, texts = probe_lib.probe(folder, noises=2)
   assert imgs.shape == (12, 32, 32, 3) and len(texts) == 12
   assert r['shape_to_color_sensitivity'] > 0.5, r['shape_to_color_sensitivity']
