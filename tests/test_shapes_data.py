@@ -312,3 +312,23 @@ def test_color_maps_are_coverage_times_object_colour_and_split_all_holds_every_p
   assert any(G.is_held_out(G.parse(t)) for t in b.truths)
   assert not any(G.is_held_out(G.parse(t)) for t in T.training_batch(
       T.BatchSpec(batch=256, size=32, seed=9), 1).truths)  # fmt: skip
+
+
+def test_shared_coverages_give_the_same_image_and_maps():
+  """training_batch computes each object's coverage once for the image and both map kinds: the
+  results are bit-identical to computing them per view, and a wrong-length list is refused."""
+  rng = np.random.default_rng(3)
+  for text in (
+      "three red circles on a white background",
+      "a blue square left of a yellow triangle on a gray background",
+  ):
+    p = G.parse(text)
+    objs = R.layout(p, 32, rng)
+    covs = [R.coverage(o, 32) for o in objs]
+    np.testing.assert_array_equal(
+        R.rasterize(objs, p.background, 32, coverages=covs), R.rasterize(objs, p.background, 32)
+    )
+    np.testing.assert_array_equal(R.shape_coverage(objs, coverages=covs), R.shape_coverage(objs))
+    np.testing.assert_array_equal(R.color_coverage(objs, coverages=covs), R.color_coverage(objs))
+    with pytest.raises(ValueError, match="coverages: 0 maps for"):
+      R.shape_coverage(objs, coverages=[])

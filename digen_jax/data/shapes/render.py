@@ -170,36 +170,59 @@ def coverage(p: Placed, size: int, supersample: int = 4) -> np.ndarray:
   return cov
 
 
+Coverages = Optional[Sequence[np.ndarray]]
+
+
+def _coverages(
+    objects: Sequence[Placed], size: int, supersample: int, coverages: Coverages
+) -> Sequence[np.ndarray]:
+  """Each object's coverage map: `coverages` when given (computed once for an image's several
+  views, e.g. by training.training_batch), else computed here."""
+  if coverages is None:
+    return [coverage(p, size, supersample) for p in objects]
+  if len(coverages) != len(objects):
+    raise ValueError(f"coverages: {len(coverages)} maps for {len(objects)} objects")
+  return coverages
+
+
 def rasterize(
-    objects: Sequence[Placed], background: str, size: int = 32, supersample: int = 4
+    objects: Sequence[Placed],
+    background: str,
+    size: int = 32,
+    supersample: int = 4,
+    coverages: Coverages = None,
 ) -> np.ndarray:
   """[size, size, 3] float32 in [-1, 1]: background plus anti-aliased objects."""
   if background not in BACKGROUNDS:
     raise ValueError(f"background={background!r} must be one of {tuple(BACKGROUNDS)}")
   bg = np.asarray(BACKGROUNDS[background], np.float32)
   img = np.broadcast_to(bg, (size, size, 3)).copy()
-  for p in objects:
+  for p, cov in zip(objects, _coverages(objects, size, supersample, coverages)):
     col = np.asarray(COLORS[p.color], np.float32)
-    img += coverage(p, size, supersample)[..., None] * (col - bg)
+    img += cov[..., None] * (col - bg)
   return np.clip(img * 2.0 - 1.0, -1.0, 1.0).astype(np.float32)
 
 
-def shape_coverage(objects: Sequence[Placed], size: int = 32, supersample: int = 4) -> np.ndarray:
+def shape_coverage(
+    objects: Sequence[Placed], size: int = 32, supersample: int = 4, coverages: Coverages = None
+) -> np.ndarray:
   """[size, size, len(SHAPES)] float32: per pixel, the coverage by objects of each shape (in
   SHAPES order); what an autoencoder with shape channels is taught to put in its latents."""
   maps = np.zeros((size, size, len(SHAPES)), np.float32)
-  for p in objects:
-    maps[..., SHAPES.index(p.shape)] += coverage(p, size, supersample)
+  for p, cov in zip(objects, _coverages(objects, size, supersample, coverages)):
+    maps[..., SHAPES.index(p.shape)] += cov
   return np.clip(maps, 0.0, 1.0)
 
 
-def color_coverage(objects: Sequence[Placed], size: int = 32, supersample: int = 4) -> np.ndarray:
+def color_coverage(
+    objects: Sequence[Placed], size: int = 32, supersample: int = 4, coverages: Coverages = None
+) -> np.ndarray:
   """[size, size, 3] float32 in [0, 1]: per pixel, the objects' RGB colour times their coverage
   (0 on the background); what an autoencoder with colour channels is taught to put in its latents
   beside the shape channels, so shape and colour are separate latent factors."""
   maps = np.zeros((size, size, 3), np.float32)
-  for p in objects:
-    maps += coverage(p, size, supersample)[..., None] * np.asarray(COLORS[p.color], np.float32)
+  for p, cov in zip(objects, _coverages(objects, size, supersample, coverages)):
+    maps += cov[..., None] * np.asarray(COLORS[p.color], np.float32)
   return np.clip(maps, 0.0, 1.0)
 
 

@@ -137,16 +137,26 @@ def training_batch(spec: BatchSpec, step: int) -> Batch:
   truths = sample_prompts(spec, prompt_rng, spec.batch)
   captions = [caption_for(p, spec, caption_rng) for p in truths]
   layouts = [render_lib.layout(p, spec.size, image_rng) for p in truths]
+  # Each object's coverage once, shared by the image and its coverage maps (rendering bounds
+  # autoencoder pretraining).
+  covs = [[render_lib.coverage(o, spec.size) for o in objs] for objs in layouts]
   images = np.stack(
-      [render_lib.rasterize(objs, p.background, spec.size) for objs, p in zip(layouts, truths)]
+      [
+          render_lib.rasterize(objs, p.background, spec.size, coverages=c)
+          for objs, p, c in zip(layouts, truths, covs)
+      ]
   )
   maps = (
-      np.stack([render_lib.shape_coverage(objs, spec.size) for objs in layouts])
+      np.stack(
+          [render_lib.shape_coverage(o, spec.size, coverages=c) for o, c in zip(layouts, covs)]
+      )
       if spec.shape_maps
       else None
   )
   colors = (
-      np.stack([render_lib.color_coverage(objs, spec.size) for objs in layouts])
+      np.stack(
+          [render_lib.color_coverage(o, spec.size, coverages=c) for o, c in zip(layouts, covs)]
+      )
       if spec.color_maps
       else None
   )
