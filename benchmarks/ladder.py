@@ -4,7 +4,7 @@ colocated and to naive disagg (measured in the same session), utilization and ev
 
     python benchmarks/ladder.py                                   # configs/qwenimage.py:tiny_disagg
     python benchmarks/ladder.py --steps 8 --out /tmp/ladder --variants mp2 --rungs colocated,disagg,tag
-    python benchmarks/ladder.py --config configs/shapes.py --set --config.rl.prompts_per_step=4
+    python benchmarks/ladder.py --config configs/shapes.py:pixel --set --config.rl.prompts_per_step=4
 
 Rungs (override sets; each adds to the one before; built on launch/sweep.py):
   colocated   --config.runtime.mode=colocated (one process, one mesh over all 2*D devices)

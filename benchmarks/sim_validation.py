@@ -7,7 +7,7 @@ the profile.
     python benchmarks/sim_validation.py --out /tmp/simval                    # every scenario
     python benchmarks/sim_validation.py --out /tmp/simval --scenarios small  # the CI-size one
 
-Scenarios (configs/shapes.py:disagg, B = prompts x 8 samples):
+Scenarios (configs/shapes.py:pixel,disagg, B = prompts x 8 samples):
   balanced       the ladder headline: 16 prompts, M = 16 groups, 11 sampler steps, 1/4 of the
                  steps trained; colocated, mp2 and sp, every rung
   rollout_bound  1/8 of the steps trained (the trainer waits for fragments), mp2
@@ -37,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from digen_jax.sim import predict  # noqa: E402
 
-CONFIG = 'configs/shapes.py:disagg'
+CONFIG = 'configs/shapes.py:pixel,disagg'
 
 
 @dataclasses.dataclass(frozen=True)

@@ -372,13 +372,13 @@ CASES = [
     (
         'checkpoint_truncated',
         MAIN,
-        ['--config=configs/shapes.py', '--config.model.checkpoint={d}/ckpt_truncated'],
+        ['--config=configs/shapes.py:pixel', '--config.model.checkpoint={d}/ckpt_truncated'],
         ['params.safetensors is corrupt'],
     ),
     (
         'checkpoint_bad_json',
         MAIN,
-        ['--config=configs/shapes.py', '--config.model.checkpoint={d}/ckpt_bad_json'],
+        ['--config=configs/shapes.py:pixel', '--config.model.checkpoint={d}/ckpt_bad_json'],
         ['config.json is not valid JSON', 'corrupt'],
     ),
     (

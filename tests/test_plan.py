@@ -56,7 +56,7 @@ def plan(run, spec, **kw):
 
 def test_cli_end_to_end_on_the_toy_config(tmp_path):
   proc = run_plan(
-      '--config=configs/shapes.py', '--cluster=4xH100', f'--out={tmp_path}', '--timelines=best'
+      '--config=configs/shapes.py:pixel', '--cluster=4xH100', f'--out={tmp_path}', '--timelines=best'
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads((tmp_path / 'plan.json').read_text())
@@ -88,7 +88,7 @@ def test_cli_on_the_cached_real_config():
     ],
 )
 def test_cli_bad_input_is_one_line(args, words):
-  proc = run_plan('--config=configs/shapes.py', *args)
+  proc = run_plan('--config=configs/shapes.py:pixel', *args)
   assert proc.returncode != 0
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('digen_jax.plan: '), proc.stderr[-2000:]

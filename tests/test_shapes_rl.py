@@ -15,8 +15,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_shapes_config_uses_the_shipped_base_model():
   c = shapes.get_config()
-  assert c.model.init == 'checkpoint' and c.model.checkpoint == configlib.SHAPES_BASE_CHECKPOINT
+  assert c.model.init == 'checkpoint'
+  assert c.model.checkpoint == configlib.SHAPES_LATENT_BASE_CHECKPOINT
+  assert c.latent.space == 'ae' and c.latent.ae == configlib.SHAPES_AE_CHECKPOINT
   assert c.reward.weights == 'shapes_dense' and c.optim.schedule == 'cosine'
+  assert shapes.get_config('latent').to_dict() == c.to_dict()  # older commands' name for it
+  pixel = shapes.get_config('pixel,disagg')
+  assert pixel.model.checkpoint == configlib.SHAPES_BASE_CHECKPOINT
+  assert pixel.latent.space == 'pixel' and pixel.runtime.mode == 'disagg'
+  configlib.validate(pixel, 4)
   assert shapes.get_config('jpeg').reward.weights == 'jpeg_compressibility'
   configlib.validate(c, 4)
   d = shapes.get_config('jpeg,disagg')

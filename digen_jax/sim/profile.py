@@ -1,7 +1,7 @@
 """Costs of a run's real programs, timed on this machine in the ladder's layouts (sim/engine.py's
 input when the simulator predicts measured runs).
 
-    python -m digen_jax.sim.profile --config=configs/shapes.py:disagg --out=/tmp/profile.json \
+    python -m digen_jax.sim.profile --config=configs/shapes.py:pixel,disagg --out=/tmp/profile.json \
         --fragments=16 --fragment_unit=group [--layouts=colocated,sp,mp2] [--config.k=v ...]
 
 Each layout is profiled the way benchmarks/ladder.py runs it, in child processes this command
