@@ -56,7 +56,10 @@ def plan(run, spec, **kw):
 
 def test_cli_end_to_end_on_the_toy_config(tmp_path):
   proc = run_plan(
-      '--config=configs/shapes.py:pixel', '--cluster=4xH100', f'--out={tmp_path}', '--timelines=best'
+      '--config=configs/shapes.py:pixel',
+      '--cluster=4xH100',
+      f'--out={tmp_path}',
+      '--timelines=best',
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   doc = json.loads((tmp_path / 'plan.json').read_text())
