@@ -1,6 +1,6 @@
 """Does a ShapesBench generator listen to the shape word? A quick probe of a params folder.
 
-  python benchmarks/shapes_probe.py --params assets/shapes_base [--png OUT.png] [--json OUT.json]
+  python benchmarks/shapes_probe.py [--params assets/shapes_latent_base] [--png OUT.png] [--json OUT.json]
 
 Two measurements, both with fixed noise (seconds on the CPU, no training):
   * denoising: ground-truth single objects on white are noised to σ and denoised in one step
@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import shapes_pretrain  # noqa: E402
-from digen_jax import experiment, pretrain, visualize  # noqa: E402
+from digen_jax import configlib, experiment, pretrain, visualize  # noqa: E402
 from digen_jax.data.shapes import render  # noqa: E402
 from digen_jax.models import params_io  # noqa: E402
 from digen_jax.rewards import shapes_checker  # noqa: E402
@@ -154,7 +154,11 @@ def main() -> None:
   ap = argparse.ArgumentParser(
       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
-  ap.add_argument('--params', default=shapes_pretrain.SHAPES_BASE_CHECKPOINT, help='params folder')
+  ap.add_argument(
+      '--params',
+      default=configlib.SHAPES_LATENT_BASE_CHECKPOINT,
+      help="params folder (default: the main job's base)",
+  )
   ap.add_argument('--noises', type=int, default=8, help='generated samples per prompt')
   ap.add_argument('--png', default='', help='save the generated grid here')
   ap.add_argument('--json', default='', help='save the report here')
