@@ -32,6 +32,21 @@ def test_shapes_config_uses_the_shipped_base_model():
     shapes.get_config('jpeg,fast')
 
 
+def test_main_job_samples_the_model_its_base_was_pretrained_as():
+  """configs/shapes_pretrain.py:ae made the main job's base: the RL config's model, latent space,
+  text encoder and sampler are that pretraining's (only where the weights come from, and remat, a
+  memory-for-time choice of the RL update, differ)."""
+  from configs import shapes_pretrain
+
+  pre, rl = shapes_pretrain.get_config('ae'), shapes.get_config()
+  for section in ('model', 'latent', 'text', 'sampler'):
+    a, b = rl[section].to_dict(), pre[section].to_dict()
+    if section == 'model':
+      for k in ('init', 'checkpoint', 'remat'):
+        a.pop(k), b.pop(k)
+    assert a == b, section
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('variant', ['', ':disagg'])
 def test_shapes_main_job_runs_from_another_cwd(tmp_path, variant):
