@@ -3,17 +3,18 @@
   python -m digen_jax.pretrain --config=configs/shapes_pretrain.py --workdir=/tmp/shapes_pre
   python -m digen_jax.pretrain --config=configs/shapes_pretrain.py:test --workdir=/tmp/x
   python -m digen_jax.pretrain --config=configs/shapes_pretrain.py:ae --workdir=/tmp/gen \
-      --config.latent.ae=AE/params    # the latent-space base on a digen_jax.pretrain_ae model
+      [--config.latent.ae=AE/params]  # the latent-space base (default AE: assets/shapes_ae)
 
 `pretrain.caption_noise` trains on a share of pairs whose caption is wrong in one attribute
 (a count, the relation, or which object has which shape; `grammar.miscaption`), so a base that
 draws every concept binds them to the prompt unreliably: the regime RL post-training works in.
 
 The `model`, `latent`, `text` and `sampler` fields are the ones the ShapesBench RL config reuses:
-call `apply_shapes_base(c)` on an RL config to get exactly them, with model.init='checkpoint'
-pointing at the shipped assets/shapes_base (trained by this file's default variant).
+`:ae` made assets/shapes_latent_base, the main job's base (configs/shapes.py; how, in the README
+beside it), and the default variant made assets/shapes_base, the `configs/shapes.py:pixel` base
+(`apply_shapes_base(c)` sets an RL config's fields to exactly its own).
 
-Design (measured on the 2-core CPU, see assets/shapes_base/README.md):
+Design of the default variant (measured on the 2-core CPU, see assets/shapes_base/README.md):
   * 16x16 RGB pixel space, patch 2 -> 64 image tokens of 12 channels; identity decoder
     (configlib.shapes_base holds the architecture; the RL config uses the same function).
   * MMDiT with 3 double-stream blocks, 4 heads x 32 = 128 wide, ~1.9M params.
