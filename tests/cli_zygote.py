@@ -13,6 +13,7 @@ from the state a fresh interpreter reaches after these imports.
 import json
 import os
 import runpy
+import shutil
 import signal
 import sys
 import tempfile
@@ -97,6 +98,7 @@ def main():
             'stderr': open(err, errors='replace').read(),
         }
     )
+  shutil.rmtree(tmp, ignore_errors=True)
   json.dump(results, sys.stdout)
 
 
