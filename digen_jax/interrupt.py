@@ -10,11 +10,13 @@ A watchdog thread bounds the whole shutdown: it reads the signal from a wakeup p
 C-level handler writes at once even while the main thread is inside a long XLA program (where
 Python's own handler would not run), and if the process is still alive timeout_s after the
 signal it exits anyway (the last committed checkpoint stays intact; an uncommitted save is
-discarded at the next start). A second signal exits at once.
+discarded at the next start), after printing every thread's stack to stderr: a shutdown that
+does not finish is a hang somewhere, and the stacks say where. A second signal exits at once.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import select
 import signal
@@ -89,8 +91,10 @@ def _watch(read_fd: int, timeout_s: float) -> None:
         _say(
             f'interrupted by {name(first)}: shutdown did not finish within '
             f'runtime.shutdown_timeout_s={timeout_s:g} s; exiting now (the last committed '
-            'checkpoint is intact; rerun the same command to resume)'
+            'checkpoint is intact; rerun the same command to resume); the stacks of its threads:'
         )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
         os._exit(128 + first)
       deadline = None  # reset() in between: a test, not a shutdown
       continue

@@ -60,6 +60,8 @@ def test_a_process_stuck_after_sigterm_exits_at_the_bound():
   assert r.returncode == 143, r.stderr
   assert 'SIGTERM received' in r.stderr and 'did not finish within' in r.stderr, r.stderr
   assert 'runtime.shutdown_timeout_s=1.5' in r.stderr
+  # The stuck thread's stack names where it hangs.
+  assert 'File "<string>", line 7 in <module>' in r.stderr, r.stderr  # the os.read line
   assert seconds < 20
 
 

@@ -61,12 +61,27 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+# After timeout_s, how long the launcher gets to stop its copies (it SIGTERMs them; a copy stuck
+# past its runtime.shutdown_timeout_s, 60 s by default, prints its threads' stacks and exits).
+STOP_GRACE_S = 75.0
+
+
 def run(launcher_flags: list[str], cmd: list[str], timeout_s: float = 60) -> tuple[int, str]:
-  """Runs the launcher to completion; returns (exit code, merged output)."""
+  """Runs the launcher to completion; returns (exit code, merged output). Past timeout_s the
+  launcher is stopped (SIGTERM, then SIGKILL to everything) and the code is -1, with every line
+  printed until then, a hung copy's stacks included, so a failing test shows where it hung."""
   proc = start(launcher_flags, cmd)
   try:
     out, _ = proc.communicate(timeout=timeout_s)
     return proc.returncode, out
+  except subprocess.TimeoutExpired:
+    proc.send_signal(signal.SIGTERM)  # the launcher forwards it to every copy
+    try:
+      out, _ = proc.communicate(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+      kill_tree(proc)
+      out, _ = proc.communicate()
+    return -1, f'{out}\nlauncher_util: timed out after {timeout_s:g} s; stopped the launcher\n'
   finally:
     kill_tree(proc)
 
