@@ -174,3 +174,25 @@ def test_bad_core_counts_name_the_field():
     engine.StepCosts(rollout=1.0, grad=1.0, cores={'grad': 0.0})
   with pytest.raises(ValueError, match='Layout.cores'):
     engine.Layout(shared=True, cores=-1)
+
+
+def test_an_asynchronous_checkpoint_costs_only_where_the_trainer_is_busy():
+  """The save's asynchronous rest shares the trainer's devices with its next programs: hidden
+  behind the rollout in the synchronous loop (the trainer waits there; only the publish beside
+  it runs at half speed), paid for by the gradients of a trainer-bound pipeline (two jobs on
+  one core: each at half speed)."""
+  sync = dict(rollout=2.0, grad=1.5, publish=0.1, pull=0.2, deliver=0.3)
+  base = run(engine.StepCosts(**sync), engine.Schedule(fragments=1)).rows[1:]
+  saved = run(engine.StepCosts(**sync, checkpoint=1.0), engine.Schedule(fragments=1)).rows[1:]
+  for a, b in zip(base, saved):
+    assert b['wall_s'] == pytest.approx(a['wall_s'] + 0.1)
+
+  bound = dict(rollout=0.2, grad=1.0, apply=0.1, publish=0.1)  # the trainer is the bottleneck
+  gap = engine.Schedule(fragments=4)
+  base = run(engine.StepCosts(**bound), gap, steps=8).rows[2:]
+  saved = run(engine.StepCosts(**bound, checkpoint=0.5), gap, steps=8).rows[2:]
+  for a, b in zip(base, saved):
+    # Its CPU time, less the first fragment's rollout, during which the trainer only waits.
+    assert b['wall_s'] == pytest.approx(a['wall_s'] + 0.5 - 0.2)
+  names = {s.program for s in run(engine.StepCosts(**bound, checkpoint=0.5), gap).spans}
+  assert 'checkpoint' not in names  # host work: no device span, no utilization

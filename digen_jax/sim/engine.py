@@ -54,7 +54,11 @@ class StepCosts:
   pull         rollout: from a publish's end until the rollout holds the policy (no compute)
   deliver      from a rollout fragment's end until the trainer holds it (scoring, hand-over)
   gap          rollout host time after each fragment before it starts the next
-  trainer_host trainer host time per step after the publish (metrics, checkpoint, encode)
+  trainer_host trainer host time per step after the publish (metrics, the checkpoint save's
+               blocking part, encode)
+  checkpoint   trainer host CPU per step of the asynchronous checkpoint save (serialization,
+               compression, digest): a background job on the trainer's devices that slows what
+               runs beside it there and is hidden while the trainer waits
   """
 
   rollout: float
@@ -66,6 +70,7 @@ class StepCosts:
   deliver: float = 0.0
   gap: float = 0.0
   trainer_host: float = 0.0
+  checkpoint: float = 0.0
   # program ('rollout', 'grad', 'update', 'apply', 'tag_rollout', 'publish') -> cores it keeps
   # busy alone on a shared pool (Layout.cores); a program not named fills the pool.
   cores: dict = dataclasses.field(default_factory=dict)
@@ -151,6 +156,7 @@ class _Job:
   step: int = -1
   fragment: int = -1
   version: int = -1
+  background: bool = False  # host work beside the role's programs: no span, the role not busy
 
 
 class Simulation:
@@ -204,6 +210,22 @@ class Simulation:
     self.busy[role] = True
     self.jobs.append(_Job(role, program, seconds, self.layout.pool(role), self.now, done, **where))
 
+  def _background(self, role: str, program: str, seconds: float) -> None:
+    """Host work of `role` that runs beside its programs (it shares their pool) without
+    holding the role: an asynchronous checkpoint save."""
+    if seconds > 0:
+      self.jobs.append(
+          _Job(
+              role,
+              program,
+              seconds,
+              self.layout.pool(role),
+              self.now,
+              lambda t, d: None,
+              background=True,
+          )
+      )
+
   def _rates(self) -> dict[int, float]:
     """Each job's speed (1 = as profiled alone) given what shares its pool now."""
     cap = self.layout.cores
@@ -217,6 +239,8 @@ class Simulation:
   def _demand(self, job: _Job) -> float:
     """Cores `job` keeps busy alone (without a core count: 1, a whole pool)."""
     cap = self.layout.cores
+    if job.background:  # one host thread
+      return min(1.0, cap) if cap else 1.0
     return min(self.costs.cores.get(job.program, cap), cap) if cap else 1.0
 
   def _advance(self) -> bool:
@@ -234,7 +258,9 @@ class Simulation:
     for j in self.jobs:
       j.remaining -= (t - self.now) * rates[id(j)]
     self.now = t
-    if job is not None and t_job <= t_timer:
+    if job is not None and t_job <= t_timer and job.background:
+      self.jobs.remove(job)
+    elif job is not None and t_job <= t_timer:
       self.jobs.remove(job)
       self.spans.append(
           trace_lib.Span(
@@ -312,6 +338,7 @@ class Simulation:
         self.published[v] = t
         if v > 0 and not self.schedule.synchronous:  # the step's bookkeeping after its publish
           self._hold(TRAINER, c.trainer_host)
+          self._background(TRAINER, 'checkpoint', c.checkpoint)
 
       self.publish_start[v] = self.now
       self._run(TRAINER, 'publish', c.publish, published, step=v, version=v)
@@ -370,6 +397,7 @@ class Simulation:
     self.apply_end[step] = t
     if step + 1 >= self.steps or self.schedule.synchronous:  # bookkeeping before the publish
       self._hold(TRAINER, self.costs.trainer_host)
+      self._background(TRAINER, 'checkpoint', self.costs.checkpoint)
 
   # ------------------------------------------------------------------------ rollout
 

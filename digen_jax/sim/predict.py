@@ -16,6 +16,9 @@ rung's StepCosts (what each runtime loop does between its programs):
                                          grad = advantages + gradient (TSP: its program);
                                          apply; tag_rollout = encode + span + scoring on the
                                          trainer; trainer_host = the step's encodes + selection
+  both                                   + the checkpoint save's blocking part (trainer_host);
+                                         checkpoint = its asynchronous rest, beside the
+                                         trainer's next programs (each / checkpoint_every)
 """
 
 from __future__ import annotations
@@ -67,6 +70,13 @@ def step_costs(
   s = prof['seconds']
   B, n = prof['batch'], prof['fragment']
   g = lambda key: _get(s, key, layout_name)
+  if 'checkpoint_every' not in prof:
+    raise ValueError(
+        f'the profile of layout {layout_name!r} has no checkpoint_every; profile again '
+        '(python -m digen_jax.sim.profile)'
+    )
+  per_step = 1.0 / prof['checkpoint_every']  # saves per step, on average
+  save_block, save_rest = per_step * g('checkpoint_block'), per_step * g('checkpoint')
 
   def cores(pairs):
     if not single_core or not prof.get('shared') or prof.get('colocated'):
@@ -84,6 +94,8 @@ def step_costs(
         publish=g('publish'),
         pull=g('pull'),
         deliver=g(f'move/{B}'),
+        trainer_host=save_block,
+        checkpoint=save_rest,
         cores=cores([('rollout', f'rollout+reward/{B}'), ('update', f'update/{B}')]),
     )
   if schedule.fragments != prof['fragments']:
@@ -102,7 +114,8 @@ def step_costs(
       pull=g('pull'),
       deliver=hand,
       gap=hand + g(f'encode/{n}'),
-      trainer_host=schedule.fragments * g(f'encode/{n}') + g('begin'),
+      trainer_host=schedule.fragments * g(f'encode/{n}') + g('begin') + save_block,
+      checkpoint=save_rest,
       cores=cores(
           [
               ('rollout', f'rollout/{n}'),

@@ -17,12 +17,14 @@ running (the median is kept): the full-batch rollout and update of the synchrono
 fragment rollout (device span and host scoring apart), the fragment gradient with and without
 TSP, the optimizer apply, the trainer-side (TAG) fragment rollout, the weight publish and pull,
 the batch and fragment hand-overs, and the trainer's per-step host work (text conditioning of
-the fragments, the step's selection program). Nothing here is fitted to a run's throughput.
+the fragments, the step's selection program) and the checkpoint save (its blocking part and the
+asynchronous rest). Nothing here is fitted to a run's throughput.
 
 Output: {'config', 'overrides', 'machine', 'layouts': {name: {'trainer_devices',
 'rollout_devices', 'shared', 'colocated', 'batch', 'fragment', 'seconds': {key: s}}}} with keys
 rollout/<n>, reward/<n>, update/<B>, move/<B>, grad/<n>, grad_tsp/<n>, adv/<n>, apply,
-tag_rollout/<n>, publish, pull, handover/<n>, encode/<n>, begin.
+tag_rollout/<n>, publish, pull, handover/<n>, encode/<n>, begin, checkpoint_block,
+checkpoint; and checkpoint_every (the config's: one save per that many steps).
 """
 
 from __future__ import annotations
@@ -190,6 +192,19 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
     out[f'update/{B}'] = _median_time(
         lambda: trainer.train_step(trainer_batch, batch_prompts, 0, tracer), repeats
     )
+    # The checkpoint each step ends with (config.checkpoint_every): what the save call blocks,
+    # then the asynchronous rest (serialization, compression, commit, digest) on this core,
+    # which in a run competes with the next step's programs.
+    every, blocks, rests = config.checkpoint_every, [], []
+    for k in range(1, repeats + 2):
+      t0 = time.perf_counter()
+      trainer.save(k * every, 0)
+      t1 = time.perf_counter()
+      trainer.checkpointer.wait()
+      blocks.append(t1 - t0)
+      rests.append(time.perf_counter() - t1)
+    out['checkpoint_block'] = statistics.median(blocks[1:])
+    out['checkpoint'] = statistics.median(rests[1:])
   barrier('full_update')
 
   # ---- the weight publish (trainer) and pull (rollout).
@@ -227,6 +242,7 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
         'fragment': n,
         'fragments': plan.num,
         'group_size': plan.group_size,
+        'checkpoint_every': config.checkpoint_every,
         'seconds': out,
     }
   if is_rollout:
@@ -307,6 +323,7 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
       'fragment': n,
       'fragments': plan.num,
       'group_size': plan.group_size,
+      'checkpoint_every': config.checkpoint_every,
       'seconds': out,
   }
 
