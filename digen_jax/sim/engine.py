@@ -258,10 +258,10 @@ class Simulation:
     for j in self.jobs:
       j.remaining -= (t - self.now) * rates[id(j)]
     self.now = t
-    if job is not None and t_job <= t_timer and job.background:
+    if job is not None and t_job <= t_timer:
       self.jobs.remove(job)
-    elif job is not None and t_job <= t_timer:
-      self.jobs.remove(job)
+      if job.background:  # host work: no span, and the role was never held
+        return True
       self.spans.append(
           trace_lib.Span(
               self.layout.devices(job.role),
@@ -337,8 +337,7 @@ class Simulation:
         sm.published(v, t)
         self.published[v] = t
         if v > 0 and not self.schedule.synchronous:  # the step's bookkeeping after its publish
-          self._hold(TRAINER, c.trainer_host)
-          self._background(TRAINER, 'checkpoint', c.checkpoint)
+          self._bookkeeping()
 
       self.publish_start[v] = self.now
       self._run(TRAINER, 'publish', c.publish, published, step=v, version=v)
@@ -396,8 +395,13 @@ class Simulation:
     self.trainer_sm.applied(step)
     self.apply_end[step] = t
     if step + 1 >= self.steps or self.schedule.synchronous:  # bookkeeping before the publish
-      self._hold(TRAINER, self.costs.trainer_host)
-      self._background(TRAINER, 'checkpoint', self.costs.checkpoint)
+      self._bookkeeping()
+
+  def _bookkeeping(self) -> None:
+    """The trainer's host work that ends a step: metrics, encodes and the checkpoint save's
+    blocking part hold it; the save's asynchronous rest runs beside its next programs."""
+    self._hold(TRAINER, self.costs.trainer_host)
+    self._background(TRAINER, 'checkpoint', self.costs.checkpoint)
 
   # ------------------------------------------------------------------------ rollout
 
