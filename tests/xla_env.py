@@ -9,11 +9,14 @@ from digen_jax.sim import devices as devices_lib  # imports nothing from jax
 
 # Tests check numbers, not speed: LLVM's optimisation of XLA's CPU code costs half of every
 # compile of the suite's tiny programs and buys nothing at their size (a FLUX tiny_pipeline run
-# compiles in 10 s instead of 23 s). conftest sets them for the session and its subprocesses;
-# tests that time real runs against a prediction take them out (production_flags).
+# compiles in 10 s instead of 23 s); XLA's newer fusion emitters (MLIR) cost half of what is left
+# (configs/qwenimage.py:tiny's gradient program: 5.5 s -> 2.7 s; FLUX tiny's: 7.2 s -> 3.2 s).
+# conftest sets them for the session and its subprocesses; tests that time real runs against a
+# prediction take them out (production_flags).
 COMPILE_FAST_FLAGS = (
     '--xla_backend_optimization_level=0',
     '--xla_llvm_disable_expensive_passes=true',
+    '--xla_cpu_use_fusion_emitters=false',
 )
 
 
