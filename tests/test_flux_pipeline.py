@@ -171,33 +171,26 @@ def _flags(folder, workdir, variant, *extra):
 
 @pytest.mark.slow
 def test_tiny_pipeline_colocated_lora_runs_and_resumes(tmp_path):
-  """3 steps straight vs 2 steps + restart + 1 step: same adapters, bit for bit; the folder and
-  the cache are built by the run itself (child processes)."""
+  """2 steps, then a restart that resumes for the third; the folder and the cache are built by
+  the run itself (child processes). The bit-for-bit comparison of a resumed LoRA run with a
+  straight one is test_qwenimage_pipeline's: checkpointing the adapters is family-agnostic."""
   folder = str(tmp_path / 'pipeline')
-  straight = tmp_path / 'straight'
-  _main(folder, straight)
+  run = tmp_path / 'run'
+  _main(folder, run, '--config.total_steps=2')
   assert os.path.isfile(os.path.join(folder, 'model_index.json'))
-  rows = _rows(straight)
-  train = [r for r in rows if 'reward_mean' in r]
+  r = _main(folder, run)
+  assert 'resumed from' in r.stderr
+  rows = _rows(run)
+  train = [x for x in rows if 'reward_mean' in x]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert all(np.isfinite(r['loss']) and r['nonfinite'] == 0 for r in train)
   assert abs(train[0]['ratio_mean'] - 1.0) < 1e-5, train[0]
   assert any('eval/reward_mean' in r for r in rows)
-  adapters = load_file(str(straight / 'lora' / 'pytorch_lora_weights.safetensors'))
+  adapters = load_file(str(run / 'lora' / 'pytorch_lora_weights.safetensors'))
   assert any('single_transformer_blocks' in k for k in adapters)
   assert any('lora_B' in k and np.abs(v).max() > 0 for k, v in adapters.items())  # it trained
 
-  resumed = tmp_path / 'resumed'
-  _main(folder, resumed, '--config.total_steps=2')
-  r = _main(folder, resumed)
-  assert 'resumed from' in r.stderr
-  again = load_file(str(resumed / 'lora' / 'pytorch_lora_weights.safetensors'))
-  assert sorted(again) == sorted(adapters)
-  for k in adapters:
-    np.testing.assert_array_equal(again[k], adapters[k], err_msg=k)
-
-  # Two processes (a restart of a two-process run is test_qwenimage_pipeline's; the resume
-  # logic is family-agnostic and checked bit for bit above).
+  # Two processes (a restart of a two-process run is test_qwenimage_pipeline's).
   wd = tmp_path / 'mp'
   code, out = launcher_util.run(
       ['--num_processes=2'],

@@ -43,7 +43,8 @@ def test_rollout_frozen_layout_follows_the_cluster():
 
 def test_lora_kl_reference_is_the_base(tmp_path):
   """With LoRA the KL reference is the frozen base (adapters off): no second copy of the base,
-  and the KL is exactly 0 while the adapters are still at their B = 0 init, > 0 after."""
+  and the KL is 0 while the adapters are still at their B = 0 init (to float rounding: the policy
+  and the reference are two computations of the same function), clearly > 0 after."""
   import json
   from digen_jax.runtime import colocated
 
@@ -53,4 +54,4 @@ def test_lora_kl_reference_is_the_base(tmp_path):
   out = colocated.train(exp, str(tmp_path), devices=jax.devices()[:2])
   assert set(out['params']) == set(exp.params)  # the trainer holds adapters only
   rows = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
-  assert rows[0]['kl'] == 0.0 and rows[1]['kl'] > 0.0, rows
+  assert rows[0]['kl'] <= 1e-12 and rows[1]['kl'] > 1e-9, rows
