@@ -178,10 +178,10 @@ def test_tiny_pipeline_colocated_lora_runs_and_resumes(tmp_path):
   run = tmp_path / 'run'
   _main(folder, run, '--config.total_steps=2')
   assert os.path.isfile(os.path.join(folder, 'model_index.json'))
-  r = _main(folder, run)
-  assert 'resumed from' in r.stderr
+  resumed = _main(folder, run)
+  assert 'resumed from' in resumed.stderr
   rows = _rows(run)
-  train = [x for x in rows if 'reward_mean' in x]
+  train = [r for r in rows if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert all(np.isfinite(r['loss']) and r['nonfinite'] == 0 for r in train)
   assert abs(train[0]['ratio_mean'] - 1.0) < 1e-5, train[0]

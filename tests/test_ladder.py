@@ -4,6 +4,7 @@ short ladder (colocated and naive disagg in one process) with DESIGN.md §5's JS
 import csv
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -154,7 +155,7 @@ def test_short_ladder_one_process(tmp_path, capsys):
       rows['sp-disagg']['samples_per_s'] / rows['colocated']['samples_per_s']
   )
   assert rows['sp-disagg']['x_disagg'] == 1.0 and code == 0
-  assert 'disagg' in text and 'x coloc' in text
+  assert re.search(r'^disagg +sp +1x2 +ok ', text, re.M) and 'x coloc' in text, text
   # DESIGN.md §5's keys, from the same rows.
   assert result['variant'] == 'sp' and set(result['modes']) == {'colocated', 'disagg'}
   assert result['modes']['disagg']['samples_per_s'] == rows['sp-disagg']['samples_per_s']
