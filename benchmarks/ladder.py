@@ -331,6 +331,8 @@ def main(argv=None) -> int:
           f'--config.eval.num_prompts={a.eval_prompts}',
           '--config.eval.samples_per_prompt=2',
       ]
+    else:  # the config's own eval (e.g. shapes' every 50 steps, and the base at step 0) too
+      common += ['--config.eval.every=0']
     common = sweep.merge(common, a.common)  # the user's --set wins
     bad = sweep.missing_keys(config, sweep.Run('common', common))
     if bad:

@@ -148,6 +148,9 @@ def run_scenario(
             'digen_jax.sim.profile',
             f'--config={CONFIG}',
             *s.sets,
+            # The runs' step count: the learning-rate schedule is part of the update and apply
+            # programs, so the ladder's runs then load them from the compilation cache.
+            f'--config.total_steps={s.steps}',
             f'--out={d}/profile.json',
             f'--layouts={",".join(layouts_of(s))}',
             f'--fragments={s.fragments}',

@@ -4,6 +4,8 @@ params and optimizer state it replaces."""
 
 from __future__ import annotations
 
+import collections
+import json
 
 from flax import nnx
 import jax
@@ -56,6 +58,55 @@ def guidance_of(exp):
   """(guidance_scale or None, norm_rescale) as the sampler and objective take them."""
   s = exp.config.sampler
   return (s.guidance_scale, s.norm_rescale) if s.guidance_scale > 1.0 else (None, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# One program per (config, mesh, layouts) in a process. Each make_* below closes over the
+# Experiment, so every experiment.build used to trace, lower and (from the compilation cache)
+# load its programs again. A program is a pure function of the config's program fields, the
+# mesh and the argument layouts, so a second build of the same config (a resumed run in the
+# same process, a sweep's in-process repeat, a test's straight and interrupted runs) gets the
+# jitted program the first made, with its traces and executables.
+
+# Fields that locate inputs and never reach a program (the prompt files' folder).
+_NOT_IN_PROGRAMS = ('data.data_dir',)
+_MEMO_SIZE = 16  # programs kept; each holds its Experiment (and so its initial params)
+_memo: collections.OrderedDict = collections.OrderedDict()
+
+
+def program_key(config) -> str:
+  """The config as the programs see it: JSON, without the fields no program reads."""
+  d = config.to_dict()
+  for dotted in _NOT_IN_PROGRAMS:
+    *path, last = dotted.split('.')
+    node = d
+    for k in path:
+      node = node.get(k, {})
+    node.pop(last, None)
+  return json.dumps(d, sort_keys=True, default=repr)
+
+
+def _layout(tree):
+  """A hashable form of a tree of shardings (None entries kept in the structure)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(leaves)
+
+
+def _memoized(kind: str, exp, parts: tuple, make):
+  """make() once per (kind, program_key(exp.config), parts); the last _MEMO_SIZE kept."""
+  key = (kind, program_key(exp.config), parts)
+  if key in _memo:
+    _memo.move_to_end(key)
+    return _memo[key]
+  program = _memo[key] = make()
+  while len(_memo) > _MEMO_SIZE:
+    _memo.popitem(last=False)
+  return program
+
+
+def clear_memo() -> None:
+  """Forget every memoized program (e.g. to measure a cold build)."""
+  _memo.clear()
 
 
 class Bound:
@@ -140,15 +191,18 @@ def make_rollout(
   )
   out_sh = (traj_shardings, mesh_lib.batch_sharding(mesh, 4))
   frozen_sh = frozen_shardings(frozen)
-  if with_offset:
-    program = jax.jit(rollout, in_shardings=in_sh + (rep, frozen_sh), out_shardings=out_sh)
-  else:
-    program = jax.jit(
+
+  def make():
+    if with_offset:
+      return jax.jit(rollout, in_shardings=in_sh + (rep, frozen_sh), out_shardings=out_sh)
+    return jax.jit(
         lambda p, c, u, k, s, fr: rollout(p, c, u, k, s, 0, fr),
         in_shardings=in_sh + (frozen_sh,),
         out_shardings=out_sh,
     )
-  return Bound(program, frozen)
+
+  parts = (mesh, _layout(param_shardings), _layout(traj_shardings), with_offset, _layout(frozen_sh))
+  return Bound(_memoized('rollout', exp, parts, make), frozen)
 
 
 def behaviour_of(exp) -> str:
@@ -240,27 +294,36 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
   rep = mesh_lib.replicated(mesh)
   data = lambda nd, axis=0: mesh_lib.batch_sharding(mesh, nd, axis)
   cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
-  return Bound(
-      jax.jit(
-          update,
-          in_shardings=(
-              param_shardings,
-              opt_shardings,
-              traj_shardings,
-              cond_sharding,
-              cond_sharding,
-              data(1),
-              data(1),
-              rep,
-              rep,
-              ref_shardings(exp, param_shardings),
-              frozen_shardings(frozen),
-          ),
-          out_shardings=(param_shardings, opt_shardings, rep),
-          donate_argnums=(0, 1),
-      ),
-      frozen,
+  frozen_sh = frozen_shardings(frozen)
+
+  def make():
+    return jax.jit(
+        update,
+        in_shardings=(
+            param_shardings,
+            opt_shardings,
+            traj_shardings,
+            cond_sharding,
+            cond_sharding,
+            data(1),
+            data(1),
+            rep,
+            rep,
+            ref_shardings(exp, param_shardings),
+            frozen_sh,
+        ),
+        out_shardings=(param_shardings, opt_shardings, rep),
+        donate_argnums=(0, 1),
+    )
+
+  parts = (
+      mesh,
+      _layout(param_shardings),
+      _layout(opt_shardings),
+      _layout(traj_shardings),
+      _layout(frozen_sh),
   )
+  return Bound(_memoized('update', exp, parts, make), frozen)
 
 
 def all_finite(tree) -> jax.Array:
@@ -303,10 +366,15 @@ def make_select(exp, mesh):
   """select(key, step) -> int32 [K] trained step indices (replicated)."""
   T = len(exp.sigmas) - 1
   rep = mesh_lib.replicated(mesh)
-  return jax.jit(
-      lambda key, step: timesteps_lib.select_timesteps(exp.selection, T, key, step),
-      in_shardings=(rep, rep),
-      out_shardings=rep,
+  return _memoized(
+      'select',
+      exp,
+      (mesh,),
+      lambda: jax.jit(
+          lambda key, step: timesteps_lib.select_timesteps(exp.selection, T, key, step),
+          in_shardings=(rep, rep),
+          out_shardings=rep,
+      ),
   )
 
 
@@ -407,26 +475,29 @@ def make_fragment_grad(
       'grads': param_shardings,
       'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)},
   }
-  return Bound(
-      jax.jit(
-          grad,
-          in_shardings=(
-              param_shardings,
-              acc_sh,
-              traj_shardings,
-              cond_sharding,
-              cond_sharding,
-              data(1),
-              data(1),
-              rep,
-              ref_shardings(exp, param_shardings),
-              frozen_shardings(frozen),
-          ),
-          out_shardings=acc_sh,
-          donate_argnums=(1,),
-      ),
-      frozen,
-  )
+  frozen_sh = frozen_shardings(frozen)
+
+  def make():
+    return jax.jit(
+        grad,
+        in_shardings=(
+            param_shardings,
+            acc_sh,
+            traj_shardings,
+            cond_sharding,
+            cond_sharding,
+            data(1),
+            data(1),
+            rep,
+            ref_shardings(exp, param_shardings),
+            frozen_sh,
+        ),
+        out_shardings=acc_sh,
+        donate_argnums=(1,),
+    )
+
+  parts = (mesh, _layout(param_shardings), _layout(traj_shardings), tsp, _layout(frozen_sh))
+  return Bound(_memoized('fragment_grad', exp, parts, make), frozen)
 
 
 def make_apply(exp, mesh, param_shardings, opt_shardings):
@@ -467,9 +538,14 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
       'grads': param_shardings,
       'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)},
   }
-  return jax.jit(
-      apply,
-      in_shardings=(param_shardings, opt_shardings, acc_sh),
-      out_shardings=(param_shardings, opt_shardings, rep),
-      donate_argnums=(0, 1),
+  return _memoized(
+      'apply',
+      exp,
+      (mesh, _layout(param_shardings), _layout(opt_shardings)),
+      lambda: jax.jit(
+          apply,
+          in_shardings=(param_shardings, opt_shardings, acc_sh),
+          out_shardings=(param_shardings, opt_shardings, rep),
+          donate_argnums=(0, 1),
+      ),
   )

@@ -197,6 +197,8 @@ def test_ladder_accepts_the_flux_config(tmp_path):
   assert list(rows) == ['colocated', 'sp-tag'] and code == 0
   for name, r in rows.items():
     assert r['status'] == 'ok' and r['steps'] == 2, (name, r['log_tail'])
+    # --eval_prompts 0 turns the config's own eval off (the tiny config evaluates every 2 steps).
+    assert r['eval_strict_accuracy'] is None and r['eval_reward_mean'] is None, r
   # The naive disagg rung is the same loop as colocated on two meshes (tests/test_disagg.py
   # checks it bitwise for the Qwen-Image config); TAG exercises every schedule component.
   assert rows['sp-tag']['reward_mean'] == rows['colocated']['reward_mean']
