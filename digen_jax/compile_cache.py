@@ -1,4 +1,9 @@
-"""JAX's persistent compilation cache, so a restarted run does not recompile its programs."""
+"""JAX's persistent compilation cache, so a restarted run does not recompile its programs.
+
+JAX writes entries from process 0 only (jax/_src/compiler.py, _cache_write): in a disaggregated
+run of several processes the other processes' programs (the rollout's) compile again on every
+restart (measured: benchmarks/sim_validation.py's ladder runs recompile the rollout process's
+programs that its profile had compiled minutes before)."""
 
 from __future__ import annotations
 
