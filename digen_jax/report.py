@@ -6,10 +6,6 @@ import json
 import os
 
 from absl import logging
-import matplotlib
-
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from digen_jax import evaluation
 from digen_jax import metrics as metrics_lib
@@ -37,6 +33,13 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def plot(rows: list[dict], path: str):
+  # Imported here: matplotlib takes about a second to import, which every process that stops
+  # early (a bad config, an error line) would otherwise pay before saying anything.
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   train = [r for r in rows if 'reward_mean' in r]
   evals = [r for r in rows if ACC in r]
   fig, ax = plt.subplots(figsize=(7, 4))
