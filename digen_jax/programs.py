@@ -277,11 +277,10 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
           & all_finite(new_p)
           & all_finite(new_o)
       )
-      keep = lambda new, old: keep_if(finite, new, old)
       metrics = dict(
           metrics, loss=loss, grad_norm=grad_norm, nonfinite=(~finite).astype(jnp.float32)
       )
-      return (keep(new_p, p), keep(new_o, o)), metrics
+      return keep_if(finite, (new_p, new_o), (p, o)), metrics
 
     (params, opt_state), per_epoch = jax.lax.scan(
         epoch, (params, opt_state), None, length=r.inner_epochs
@@ -527,7 +526,6 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
     updates, new_o = optimizer.update(grads, opt_state, params)
     new_p = optax.apply_updates(params, updates)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss) & all_finite(new_p) & all_finite(new_o)
-    keep = lambda new, old: keep_if(finite, new, old)
     metrics = {
         'loss': loss,
         'policy_loss': s['policy_loss'] * inv,
@@ -541,7 +539,8 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
         'grad_norm': grad_norm,
         'nonfinite': (~finite).astype(jnp.float32),
     }
-    return keep(new_p, params), keep(new_o, opt_state), metrics
+    new_p, new_o = keep_if(finite, (new_p, new_o), (params, opt_state))
+    return new_p, new_o, metrics
 
   acc_sh = {
       'grads': param_shardings,

@@ -54,15 +54,21 @@ _REPEATS = flags.DEFINE_integer('repeats', 5, 'timed calls per program (median k
 _CHILD = flags.DEFINE_string('child', None, 'internal: the layout this process profiles')
 
 
-def _median_time(fn, repeats: int) -> float:
-  """Median seconds of fn() over `repeats` calls after one warm-up call (it compiles)."""
+def _timed(fn, repeats: int) -> tuple[float, list]:
+  """(median seconds of fn() over `repeats` calls after one warm-up call (it compiles), the
+  timed calls' results)."""
   fn()
-  times = []
+  times, results = [], []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    fn()
+    results.append(fn())
     times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return statistics.median(times), results
+
+
+def _median_time(fn, repeats: int) -> float:
+  """Median seconds of fn() over `repeats` calls after one warm-up call (it compiles)."""
+  return _timed(fn, repeats)[0]
 
 
 def _layout_config(config, layout: str, fragments: int, unit: str):
@@ -158,13 +164,9 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
   # ---- the full-batch programs of the synchronous loops (M = 1).
   barrier('full')
   if is_rollout:
-    rollout.generate(policy, prompts, 0, tracer)  # compiles
-    samples, walls = [], []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      samples.append(rollout.generate(policy, prompts, 0, tracer))
-      walls.append(time.perf_counter() - t0)
-    out[f'rollout+reward/{B}'] = statistics.median(walls)
+    out[f'rollout+reward/{B}'], samples = _timed(
+        lambda: rollout.generate(policy, prompts, 0, tracer), repeats
+    )
     out[f'reward/{B}'] = statistics.median(s.reward_s for s in samples)
     out[f'rollout/{B}'] = statistics.median(s.rollout_s for s in samples)
     full_batch = samples[-1].batch
