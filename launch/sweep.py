@@ -608,8 +608,13 @@ def run_sweep(
     )
     free.append(slot)
 
+  # The handler only records the signal; the loop acts on it between starts and polls. Raising
+  # from the handler could land anywhere, e.g. inside Popen after its fork: a run started but
+  # never recorded (no row for it, and its process never stopped).
+  caught: list[int] = []
+
   def on_signal(signum, frame):
-    raise Interrupted(signum)
+    caught.append(signum)
 
   # Signal handlers can only be set from the main thread; elsewhere the caller handles signals.
   main_thread = threading.current_thread() is threading.main_thread()
@@ -619,8 +624,8 @@ def run_sweep(
       else {}
   )
   try:
-    while pending or running:
-      while pending and free:
+    while (pending or running) and not caught:
+      while pending and free and not caught:
         start(pending.pop(0), free.pop(0))
       for slot in list(running):
         run, proc, t0 = running[slot][:3]
@@ -630,19 +635,17 @@ def run_sweep(
           log(f'[sweep] {run.name}: timeout after {timeout_s:.0f}s; stopping it')
           _stop(proc)
           finish(slot, 'timeout')
-      time.sleep(POLL_S)
-  except Interrupted as e:
-    for s in old:
-      signal.signal(s, signal.SIG_IGN)  # no second interrupt while cleaning up
-    for slot in list(running):
-      _stop(running[slot][1])
-      finish(slot, 'interrupted')
-    for run in pending:
-      results[run.name] = _result(
-          run, os.path.join(root, run.name), 'interrupted', None, None, [], metrics=not fresh
-      )
-    e.rows = [results[r.name] for r in runs]
-    raise
+      if not caught:
+        time.sleep(POLL_S)
+    if caught:
+      for slot in list(running):
+        _stop(running[slot][1])
+        finish(slot, 'interrupted')
+      for run in pending:
+        results[run.name] = _result(
+            run, os.path.join(root, run.name), 'interrupted', None, None, [], metrics=not fresh
+        )
+      raise Interrupted(caught[0], [results[r.name] for r in runs])
   finally:
     for s, h in old.items():
       signal.signal(s, h)

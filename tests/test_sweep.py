@@ -376,6 +376,36 @@ def test_parallel_pinned_sweep_resumes_and_fresh_restarts(tmp_path, capsys):
   assert 'resumed from' not in open(root / 'lr=1e-4' / sweep.LOG_FILE).read()
 
 
+def test_sigterm_inside_popen_stops_that_run_and_reports_every_run(tmp_path):
+  """The signal lands while Popen is starting the first run (after its fork, before the run is
+  recorded): that run is still stopped and reported, none is left running, none is lost."""
+  import signal
+  import subprocess
+  import threading
+
+  assert threading.current_thread() is threading.main_thread()  # run_sweep sets the handlers
+  root = tmp_path / 'sw'
+
+  def term_in_execute_child(frame, event, arg):
+    if event == 'call' and frame.f_code is subprocess.Popen._execute_child.__code__:
+      sys.setprofile(None)
+      os.kill(os.getpid(), signal.SIGTERM)  # handled inside _execute_child, at its next bytecode
+
+  sys.setprofile(term_in_execute_child)
+  try:
+    with pytest.raises(sweep.Interrupted) as e:
+      sweep.run_sweep([sweep.Run('a', ()), sweep.Run('b', ())], TINY, str(root), log=lambda _: 0)
+  finally:
+    sys.setprofile(None)
+  assert e.value.signum == signal.SIGTERM
+  rows = {r['name']: r for r in e.value.rows}
+  assert set(rows) == {'a', 'b'}
+  assert rows['a']['status'] == 'interrupted' and rows['a']['exit_code'] is not None
+  assert rows['b']['status'] == 'interrupted' and rows['b']['exit_code'] is None
+  assert _procs_mentioning(f'--workdir={root}/') == []
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the caller's handler is back
+
+
 @pytest.mark.slow
 def test_two_process_runs_through_local_launcher(tmp_path, capsys):
   root = tmp_path / 'sw'
