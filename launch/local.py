@@ -201,10 +201,10 @@ class Launcher:
         f'{i}: {"?" if c is None else (128 - c if c < 0 else c)}' for i, c in enumerate(codes)
     )
 
-  def wait(self) -> int:
-    """Polls the children; returns the launcher's exit code."""
+  def wait(self, interrupted=lambda: False) -> int | None:
+    """Polls the children; returns the launcher's exit code, or None once interrupted()."""
     deadline = time.monotonic() + self.args.timeout_s if self.args.timeout_s > 0 else None
-    while True:
+    while not interrupted():
       codes = [p.poll() for p in self.procs]
       failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
       if failed:
@@ -220,6 +220,7 @@ class Launcher:
         self.kill_all()
         return 124
       time.sleep(0.05)
+    return None
 
   def join_readers(self) -> None:
     for t in self.readers:
@@ -238,28 +239,26 @@ def _signal_group(pid: int, sig: int) -> None:
     pass
 
 
-class _Interrupted(Exception):
-
-  def __init__(self, signum: int):
-    self.signum = signum
-
-
 def main(argv: list[str]) -> int:
   args, cmd = parse_args(argv)
   launcher = Launcher(args, cmd)
 
+  # The handler only records the signal; wait() acts on it. Raising from the handler could land
+  # inside Popen after its fork: a child started but never recorded, so never stopped.
+  caught: list[int] = []
+
   def on_signal(signum, frame):
-    raise _Interrupted(signum)
+    caught.append(signum)
 
   old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
   code, interrupted = 1, False
   try:
     launcher.spawn()
-    code = launcher.wait()
-  except _Interrupted as e:
-    name = signal.Signals(e.signum).name
-    launcher._note(f'interrupted by {name}: forwarding SIGTERM to every process')
-    code, interrupted = 128 + e.signum, True
+    code = launcher.wait(lambda: bool(caught))
+    if code is None:
+      name = signal.Signals(caught[0]).name
+      launcher._note(f'interrupted by {name}: forwarding SIGTERM to every process')
+      code, interrupted = 128 + caught[0], True
   finally:
     # Ignore further Ctrl-C while cleaning up so that no child is left behind.
     for s in old:

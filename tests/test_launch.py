@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -133,6 +134,26 @@ def test_failing_child_kills_the_others(tmp_path):
   assert '[0] failing with 3' in out and '[1] sleeping' in out and '[2] sleeping' in out, out
   pids = _read_pids(tmp_path, [1, 2], timeout_s=1)  # children and their grandchildren
   assert _wait_gone(pids) == [], (pids, out)
+
+
+def test_sigterm_while_spawning_stops_every_child(tmp_path):
+  """The signal lands while Popen is starting the first child (after its fork, before the
+  launcher has recorded it): that child is stopped too; nothing is left running."""
+  handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+  before = set(util.descendants(os.getpid()))
+  try:
+    with util.signal_after_first_fork(signal.SIGTERM):
+      # Children that never print: a child the launcher lost is not ended by its closed pipe.
+      sleeper = [sys.executable, '-c', 'import time; time.sleep(60)', str(tmp_path)]
+      code = local.main(['--num_processes=2', '--grace_s=5', '--', *sleeper])
+  finally:
+    for s, h in handlers.items():  # main leaves them ignored: it ends its process
+      signal.signal(s, h)
+  left = [p for p in sorted(set(util.descendants(os.getpid())) - before) if not _gone(p)]
+  for pid in left:  # a lost child (maybe not yet exec'd): end it, then fail
+    os.kill(pid, signal.SIGKILL)
+  assert left == []
+  assert code == 128 + signal.SIGTERM
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, 'launch'))
 import sweep  # noqa: E402  (launch/ is not a package)
 
+from tests.mp_scripts import launcher_util  # noqa: E402
+
 TINY = os.path.join(REPO, 'configs', 'qwenimage.py') + ':tiny'
 TINY_DISAGG = os.path.join(REPO, 'configs', 'qwenimage.py') + ':tiny_disagg'
 
@@ -380,29 +382,19 @@ def test_sigterm_inside_popen_stops_that_run_and_reports_every_run(tmp_path):
   """The signal lands while Popen is starting the first run (after its fork, before the run is
   recorded): that run is still stopped and reported, none is left running, none is lost."""
   import signal
-  import subprocess
   import threading
 
   assert threading.current_thread() is threading.main_thread()  # run_sweep sets the handlers
   root = tmp_path / 'sw'
-
-  def term_in_execute_child(frame, event, arg):
-    if event == 'call' and frame.f_code is subprocess.Popen._execute_child.__code__:
-      sys.setprofile(None)
-      os.kill(os.getpid(), signal.SIGTERM)  # handled inside _execute_child, at its next bytecode
-
-  sys.setprofile(term_in_execute_child)
-  try:
+  with launcher_util.signal_after_first_fork(signal.SIGTERM):
     with pytest.raises(sweep.Interrupted) as e:
       sweep.run_sweep([sweep.Run('a', ()), sweep.Run('b', ())], TINY, str(root), log=lambda _: 0)
-  finally:
-    sys.setprofile(None)
   assert e.value.signum == signal.SIGTERM
   rows = {r['name']: r for r in e.value.rows}
   assert set(rows) == {'a', 'b'}
   assert rows['a']['status'] == 'interrupted' and rows['a']['exit_code'] is not None
   assert rows['b']['status'] == 'interrupted' and rows['b']['exit_code'] is None
-  assert _procs_mentioning(f'--workdir={root}/') == []
+  assert launcher_util.procs_mentioning(f'--workdir={root}/') == []
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the caller's handler is back
 
 
@@ -450,17 +442,6 @@ def test_invalid_runs_are_reported_not_run(tmp_path):
   assert lines == ['[sweep] gap: not run: no field config.schedule.nope']
 
 
-def _procs_mentioning(text: str) -> list[int]:
-  pids = []
-  for d in os.listdir('/proc'):
-    try:
-      if d.isdigit() and text in open(f'/proc/{d}/cmdline', 'rb').read().decode(errors='replace'):
-        pids.append(int(d))
-    except OSError:
-      pass
-  return pids
-
-
 def test_sigterm_stops_the_running_run_and_writes_the_summary(tmp_path):
   import signal
   import subprocess
@@ -486,7 +467,7 @@ def test_sigterm_stops_the_running_run_and_writes_the_summary(tmp_path):
   log = root / 'a' / sweep.LOG_FILE
   deadline = time.monotonic() + 30
   while (
-      not (log.exists() and _procs_mentioning(f'--workdir={root}/a'))
+      not (log.exists() and launcher_util.procs_mentioning(f'--workdir={root}/a'))
       and time.monotonic() < deadline
   ):
     time.sleep(0.05)
@@ -496,4 +477,4 @@ def test_sigterm_stops_the_running_run_and_writes_the_summary(tmp_path):
   rows = {r['name']: r for r in json.load(open(root / 'sweep_summary.json'))['runs']}
   assert rows['a']['status'] == 'interrupted' and rows['b']['status'] == 'interrupted'
   assert rows['b']['exit_code'] is None and not (root / 'b').exists()
-  assert _procs_mentioning(f'--workdir={root}/') == []
+  assert launcher_util.procs_mentioning(f'--workdir={root}/') == []

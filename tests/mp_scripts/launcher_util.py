@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -88,3 +89,33 @@ def run(launcher_flags: list[str], cmd: list[str], timeout_s: float = 60) -> tup
 
 def script(name: str) -> list[str]:
   return [sys.executable, os.path.join(SCRIPTS, name)]
+
+
+def procs_mentioning(text: str) -> list[int]:
+  """Pids of the live processes whose command line contains `text` (from /proc)."""
+  pids = []
+  for d in os.listdir('/proc'):
+    try:
+      if d.isdigit() and text in open(f'/proc/{d}/cmdline', 'rb').read().decode(errors='replace'):
+        pids.append(int(d))
+    except OSError:
+      pass
+  return pids
+
+
+@contextlib.contextmanager
+def signal_after_first_fork(signum: int):
+  """Sends `signum` to this process inside the next subprocess.Popen, once the child is forked:
+  as Popen waits for the child's exec (its os.read in _execute_child). The handler runs there."""
+  code = subprocess.Popen._execute_child.__code__
+
+  def hook(frame, event, arg):
+    if event == 'c_call' and arg is os.read and frame.f_code is code:
+      sys.setprofile(None)
+      os.kill(os.getpid(), signum)
+
+  sys.setprofile(hook)
+  try:
+    yield
+  finally:
+    sys.setprofile(None)
