@@ -26,3 +26,43 @@ if "DIGEN_COMPILATION_CACHE" not in os.environ:  # a cold cache per session, nev
   # Every program, however small: each process of the suite would otherwise recompile its few
   # dozen sub-0.5 s programs (about 1 s a process).
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+# Seconds each slow test file took (setup + calls; `python -m pytest -n 2 --dist loadfile -m 'not
+# serial' --durations=0` on a 2-core AMD EPYC host, 2026-11-27). tests/run.py hands files to its
+# workers in collection order (--no-loadscope-reorder), so the longest go first and the many short
+# ones fill the end: with xdist's default order (most tests first) a long file could start last
+# and run on one worker while the other sat idle. Stale figures cost balance, never a test.
+FILE_SECONDS = {
+    "test_interrupt.py": 213,
+    "test_qwenimage_pipeline.py": 170,
+    "test_schedule_modes.py": 157,
+    "test_sim_costs.py": 150,
+    "test_sweep.py": 134,
+    "test_pretrain.py": 134,
+    "test_ratio_mmdit.py": 129,
+    "test_flux_pipeline.py": 124,
+    "test_benchmarks.py": 108,
+    "test_ladder.py": 102,
+    "test_disagg.py": 98,
+    "test_train.py": 70,
+    "test_shapes_rl.py": 67,
+    "test_fuzz_cli.py": 60,
+    "test_memory_bench.py": 58,
+    "test_rl.py": 44,
+    "test_faults_numeric.py": 32,
+    "test_vae.py": 28,
+    "test_initialize.py": 25,
+    "test_flux_vae.py": 22,
+    "test_checkpoint_faults.py": 22,
+    "test_streaming.py": 21,
+    "test_plan.py": 20,
+    "test_rewards.py": 19,
+    "test_checker_adversarial.py": 19,
+}
+
+
+def pytest_collection_modifyitems(items):
+  """Longest files first (FILE_SECONDS; unlisted files after, in their own order); a file's
+  tests keep their order, so its module fixtures are built once."""
+  weight = lambda item: -FILE_SECONDS.get(item.path.name, 0)
+  items.sort(key=weight)  # stable

@@ -3,7 +3,8 @@
   python tests/run.py [PYTEST ARGS...]        e.g. -x, -k ladder, -m 'not slow'
 
 1. every test not marked `serial`, on DIGEN_TEST_WORKERS pytest-xdist workers (default 2, one
-   per core here; --dist loadfile, so a module's fixtures are built once);
+   per core here; --dist loadfile, so a module's fixtures are built once; the files in
+   conftest's order, the longest first, so both workers finish together);
 2. the `serial` tests alone on the machine: they measure throughput (tests/test_sim_validation.py
    compares the simulator with timed runs) and another test beside them would skew the timing.
 
@@ -45,7 +46,17 @@ def main(argv: list[str]) -> int:
   workers = os.environ.get('DIGEN_TEST_WORKERS', '2')
   pytest = [sys.executable, '-m', 'pytest']
   phases = [
-      [*pytest, '-n', workers, '--dist', 'loadfile', '-m', _and(expr, 'not serial'), *args],
+      [
+          *pytest,
+          '-n',
+          workers,
+          '--dist',
+          'loadfile',
+          '--no-loadscope-reorder',
+          '-m',
+          _and(expr, 'not serial'),
+          *args,
+      ],
       [*pytest, '-m', _and(expr, 'serial'), *args],
   ]
   codes = []
