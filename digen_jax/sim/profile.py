@@ -161,6 +161,16 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
         frozen_fsdp=publish.rollout_frozen_fsdp(cluster),
     )
 
+  # Compile what needs no input from the other process before the first barrier, side by side:
+  # the fragment samplers compile as they are built (the trainer's is TAG's), the full-batch
+  # rollout on its first call (the timed loop's warm-up call then runs it compiled).
+  if is_trainer and layout != 'colocated':
+    tag = rollout_lib.FragmentSampler(
+        exp, cluster.trainer.mesh, trainer.param_shardings, plan, 'trainer', tracer, level
+    )
+  if is_rollout:
+    rollout.generate(policy, prompts, 0, tracer)
+
   # ---- the full-batch programs of the synchronous loops (M = 1).
   barrier('full')
   if is_rollout:
@@ -302,9 +312,6 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
       jax.device_get(ft.apply(acc))
       applies.append(time.perf_counter() - t0)
     out['apply'] = statistics.median(applies[1:])
-    tag = rollout_lib.FragmentSampler(
-        exp, cluster.trainer.mesh, trainer.param_shardings, plan, 'trainer', tracer, level
-    )
     tags = [
         tag.sample(trainer.params, 0, batch_prompts, 0, f % plan.num) for f in range(repeats + 1)
     ][1:]
