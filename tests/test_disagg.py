@@ -225,6 +225,45 @@ def test_abstract_batch_has_the_rollout_shapes(tmp_path):
   assert ab['adv'].shape == (B,) and ab['valid'].dtype == jnp.bool_
 
 
+def test_compile_update_leaves_nothing_for_the_first_train_step(tmp_path):
+  """TrainerWorker.compile_update compiles the update from the batch's abstract layout (the
+  two-process trainer does it while the rollout samples its first batch); the first train_step
+  on a real batch then traces and compiles nothing."""
+  from jax import monitoring
+
+  from digen_jax.runtime import steps as steps_lib
+  from digen_jax.runtime import trace as trace_lib
+
+  # An lr no other test uses: its update program is not compiled in this process yet.
+  c = configlib.set_disagg(_tiny(**{'optim.lr': 1.2345e-4}), trainer=(0, 1), rollout=(2, 3))
+  cl = cluster_lib.resolve(c)
+  exp = experiment.build(c, str(tmp_path), 2)
+  tracer = trace_lib.Tracer(False)
+  trainer = steps_lib.TrainerRun(exp, str(tmp_path), cl, tracer).trainer
+  sh = publish.rollout_param_shardings(cl, exp.params)
+  policy = publish.publish_local(exp.params, 0, sh, publish.rollout_param_dtype(cl))
+  rollout = workers.RolloutWorker(
+      exp, cl.rollout.mesh, sh, 'allow', frozen_fsdp=publish.rollout_frozen_fsdp(cl)
+  )
+  out = rollout.generate(policy, exp.prompts.next_batch(), 0, tracer)
+  batch = publish.move_batch_local(out.batch, trainer.batch_shardings)
+  events = []
+  record = lambda name, *_, **__: events.append(name) if '/compile' in name else None
+  monitoring.register_event_listener(record)
+  monitoring.register_event_duration_secs_listener(record)
+  try:
+    trainer.compile_update()
+    compiled = list(events)
+    events.clear()
+    m, _ = trainer.train_step(batch, out.batch_prompts, 0, tracer)
+  finally:
+    monitoring.unregister_event_listener(record)
+    monitoring.unregister_event_duration_listener(record)
+  assert '/jax/core/compile/jaxpr_trace_duration' in compiled, compiled
+  assert events == [], events
+  assert np.isfinite(m['loss']) and m['nonfinite'] == 0
+
+
 def _cli(workdir, *flags, env=None, timeout=600):
   cmd = [sys.executable, '-m', 'digen_jax.main', f'--workdir={workdir}', *flags]
   return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)

@@ -83,6 +83,8 @@ def _trainer_process(exp, workdir: str, cluster) -> dict:
       t0 = time.perf_counter()
       t_start = time.time()
       _, send_s = run.publish(send, step)
+      if step == start:
+        trainer.compile_update()  # while the rollout process samples the first batch
       with workers.guard(level):
         batch, info, t_move = publish.receive_batch(chan, batch_abstract)
       if info['step'] != step or info['policy_version'] != step:

@@ -267,6 +267,30 @@ class TrainerWorker:
     )
     self._uncond = uncond(exp, exp.batch_size, mesh)
 
+  def compile_update(self) -> None:
+    """Compiles the update program for this mesh's batch layout without a batch (abstract
+    inputs), so it can compile while the rollout samples the first batch; train_step then
+    reuses the executable."""
+    b = self.exp.batch_size
+    batch = with_shardings(abstract_batch(self.exp), self.batch_shardings)
+    cond = self.exp.cond_abstract(b)
+    cond = with_shardings(cond, programs.cond_shardings(self.mesh, cond))
+    step_arr = jax.device_put(np.int32(self.start), self._rep)
+    _, k_update = _step_keys(self._base_key, step_arr)
+    uncond = self._uncond if self._uncond is not None else cond
+    self._update.lower(
+        self.params,
+        self.opt_state,
+        batch['traj'],
+        cond,
+        uncond,
+        batch['adv'],
+        batch['valid'],
+        k_update,
+        step_arr,
+        self.ref_params,
+    ).compile()
+
   def train_step(
       self, batch, batch_prompts: list[str], step: int, tracer=None
   ) -> tuple[dict, float]:

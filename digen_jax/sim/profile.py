@@ -162,12 +162,15 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
     )
 
   # Compile what needs no input from the other process before the first barrier, side by side:
-  # the fragment samplers compile as they are built (the trainer's is TAG's), the full-batch
-  # rollout on its first call (the timed loop's warm-up call then runs it compiled).
-  if is_trainer and layout != 'colocated':
-    tag = rollout_lib.FragmentSampler(
-        exp, cluster.trainer.mesh, trainer.param_shardings, plan, 'trainer', tracer, level
-    )
+  # the fragment samplers compile as they are built (the trainer's is TAG's), the update from
+  # the batch's abstract layout, the full-batch rollout on its first call (the timed loops'
+  # warm-up calls then run them compiled).
+  if is_trainer:
+    trainer.compile_update()
+    if layout != 'colocated':
+      tag = rollout_lib.FragmentSampler(
+          exp, cluster.trainer.mesh, trainer.param_shardings, plan, 'trainer', tracer, level
+      )
   if is_rollout:
     rollout.generate(policy, prompts, 0, tracer)
 
