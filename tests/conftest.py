@@ -7,6 +7,9 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
+from tests import run  # imports nothing from jax
 from tests import xla_env  # imports nothing from jax
 
 os.environ["XLA_FLAGS"] = " ".join(
@@ -63,6 +66,14 @@ FILE_SECONDS = {
 
 def pytest_collection_modifyitems(items):
   """Longest files first (FILE_SECONDS; unlisted files after, in their own order); a file's
-  tests keep their order, so its module fixtures are built once."""
+  tests keep their order, so its module fixtures are built once. Also: tests/run.py's second
+  phase collects only run.serial_files(); a serial test elsewhere would never run."""
   weight = lambda item: -FILE_SECONDS.get(item.path.name, 0)
   items.sort(key=weight)  # stable
+  scanned = {os.path.join(run.REPO, f) for f in run.serial_files()}
+  missed = sorted({str(i.path) for i in items if i.get_closest_marker("serial")} - scanned)
+  if missed:
+    raise pytest.UsageError(
+        f"serial tests in {missed}, but tests/run.py.serial_files() does not find them: mark "
+        f"them with the text {run.SERIAL_MARK!r}"
+    )

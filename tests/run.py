@@ -7,17 +7,37 @@
    conftest's order, the longest first, so both workers finish together);
 2. the `serial` tests alone on the machine: they measure throughput (tests/test_sim_validation.py
    compares the simulator with timed runs) and another test beside them would skew the timing.
+   Unless the arguments name test paths, only the files that mark a test serial are collected
+   (serial_files: a text scan; collecting the whole suite imports torch and more, ~18 s here);
+   conftest checks in every full collection that the scan finds every serial test.
 
 Exit code: the first failing phase's; 5 (no tests collected) only when neither phase ran a test.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERIAL_MARK = 'pytest.mark.serial'
+
+
+def serial_files() -> list[str]:
+  """The test files (repo-relative) whose text marks a test serial."""
+  paths = sorted(glob.glob(os.path.join(REPO, 'tests', 'test_*.py')))
+  return [os.path.relpath(p, REPO) for p in paths if SERIAL_MARK in open(p).read()]
+
+
+def _names_paths(args: list[str]) -> bool:
+  """Whether the pytest arguments select test files or directories themselves."""
+  return any(
+      not a.startswith('-') and os.path.exists(os.path.join(REPO, a.split('::')[0])) for a in args
+  )
+
+
 NO_TESTS = 5
 
 
@@ -57,7 +77,13 @@ def main(argv: list[str]) -> int:
           _and(expr, 'not serial'),
           *args,
       ],
-      [*pytest, '-m', _and(expr, 'serial'), *args],
+      [
+          *pytest,
+          '-m',
+          _and(expr, 'serial'),
+          *([] if _names_paths(args) else serial_files()),
+          *args,
+      ],
   ]
   codes = []
   for cmd in phases:
