@@ -23,12 +23,17 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERIAL_MARK = 'pytest.mark.serial'
+NO_TESTS = 5
 
 
 def serial_files() -> list[str]:
   """The test files (repo-relative) whose text marks a test serial."""
-  paths = sorted(glob.glob(os.path.join(REPO, 'tests', 'test_*.py')))
-  return [os.path.relpath(p, REPO) for p in paths if SERIAL_MARK in open(p).read()]
+  found = []
+  for path in sorted(glob.glob(os.path.join(REPO, 'tests', 'test_*.py'))):
+    with open(path) as f:
+      if SERIAL_MARK in f.read():
+        found.append(os.path.relpath(path, REPO))
+  return found
 
 
 def _names_paths(args: list[str]) -> bool:
@@ -36,9 +41,6 @@ def _names_paths(args: list[str]) -> bool:
   return any(
       not a.startswith('-') and os.path.exists(os.path.join(REPO, a.split('::')[0])) for a in args
   )
-
-
-NO_TESTS = 5
 
 
 def _split_marker(args: list[str]) -> tuple[list[str], str | None]:

@@ -271,14 +271,18 @@ class TrainerWorker:
     """Compiles the update program for this mesh's batch layout without a batch (abstract
     inputs), so it can compile while the rollout samples the first batch; train_step then
     reuses the executable."""
-    b = self.exp.batch_size
     batch = with_shardings(abstract_batch(self.exp), self.batch_shardings)
-    cond = self.exp.cond_abstract(b)
+    cond = self.exp.cond_abstract(self.exp.batch_size)
     cond = with_shardings(cond, programs.cond_shardings(self.mesh, cond))
-    step_arr = jax.device_put(np.int32(self.start), self._rep)
+    self._update.lower(*self._update_args(batch, cond, self.start)).compile()
+
+  def _update_args(self, batch, cond, step: int) -> tuple:
+    """The update program's arguments for `batch` and its conditioning at `step` (arrays or,
+    to compile, their abstract layouts)."""
+    step_arr = jax.device_put(np.int32(step), self._rep)
     _, k_update = _step_keys(self._base_key, step_arr)
     uncond = self._uncond if self._uncond is not None else cond
-    self._update.lower(
+    return (
         self.params,
         self.opt_state,
         batch['traj'],
@@ -289,7 +293,7 @@ class TrainerWorker:
         k_update,
         step_arr,
         self.ref_params,
-    ).compile()
+    )
 
   def train_step(
       self, batch, batch_prompts: list[str], step: int, tracer=None
@@ -298,21 +302,7 @@ class TrainerWorker:
     cond = encode(self.exp, batch_prompts, self.mesh)
     t0 = time.perf_counter()
     with guard(self.guard_level), _span(tracer, self.mesh, 'trainer', 'update', step, step):
-      step_arr = jax.device_put(np.int32(step), self._rep)
-      _, k_update = _step_keys(self._base_key, step_arr)
-      uncond = self._uncond if self._uncond is not None else cond
-      self.params, self.opt_state, m = self._update(
-          self.params,
-          self.opt_state,
-          batch['traj'],
-          cond,
-          uncond,
-          batch['adv'],
-          batch['valid'],
-          k_update,
-          step_arr,
-          self.ref_params,
-      )
+      self.params, self.opt_state, m = self._update(*self._update_args(batch, cond, step))
       self.params_step = step + 1
       m = jax.device_get(m)
     return {k: float(v) for k, v in m.items()}, time.perf_counter() - t0
