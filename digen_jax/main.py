@@ -65,19 +65,25 @@ def prepare_tiny_pipeline(config, workdir: str):
     child(['digen_jax.tiny_pipeline', f'--out={folder}', f'--family={config.model.family}'])
   config_flags = [a for a in sys.argv[1:] if a.startswith('--config')]
   data_dir = config.data.data_dir or os.path.join(workdir, 'data')
-  for split in dict.fromkeys((config.data.split, config.eval.split)):
-    prompts = list(prompt_data.load_prompts(config.data.prompts, split, data_dir))
-    # verify=False: only the index is read here (the run's own open hashes every shard).
-    if os.path.isdir(config.text.cache) and not text_cache.EmbeddingCache(
-        config.text.cache, config.text.max_length, verify=False
-    ).missing(prompts):
-      continue
+  # verify=False: only the index is read here (the run's own open hashes every shard).
+  cache = (
+      text_cache.EmbeddingCache(config.text.cache, config.text.max_length, verify=False)
+      if os.path.isdir(config.text.cache)
+      else None
+  )
+  missing = [
+      split
+      for split in dict.fromkeys((config.data.split, config.eval.split))
+      if cache is None
+      or cache.missing(list(prompt_data.load_prompts(config.data.prompts, split, data_dir)))
+  ]
+  if missing:  # one child for every split: the text encoders load once (torch's start is ~7 s)
     child(
         [
             'digen_jax.encode_prompts',
             *config_flags,
             f'--prompts={config.data.prompts}',
-            f'--split={split}',
+            f'--split={",".join(missing)}',
             f'--data_dir={data_dir}',
             f'--out={config.text.cache}',
         ]
