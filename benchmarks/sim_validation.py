@@ -128,6 +128,15 @@ def layouts_of(s: Scenario) -> list[str]:
   return (['colocated'] if 'colocated' in s.rungs else []) + list(s.variants)
 
 
+def fragment_grads_of(s: Scenario) -> list[str]:
+  """The fragment gradients the scenario's rungs train with (sim/profile.py --fragment_grads):
+  plain for gap, TSP's for the rungs above it. A rung-free choice compiles nothing it needs."""
+  levels = {predict.RUNGS.index(r) for r in s.rungs}
+  gap, tsp = predict.RUNGS.index('gap'), predict.RUNGS.index('tsp')
+  grads = (['plain'] if gap in levels else []) + (['tsp'] if max(levels) >= tsp else [])
+  return grads or ['tsp']
+
+
 def run_scenario(
     s: Scenario, out: str, *, python: str = sys.executable, predict_only: bool = False
 ) -> dict:
@@ -153,6 +162,7 @@ def run_scenario(
             f'--config.total_steps={s.steps}',
             f'--out={d}/profile.json',
             f'--layouts={",".join(layouts_of(s))}',
+            f'--fragment_grads={",".join(fragment_grads_of(s))}',
             f'--fragments={s.fragments}',
             '--fragment_unit=group',
         ],

@@ -246,7 +246,7 @@ CASES = [
         'roles_overlap',
         MAIN,
         [*EXPLICIT, '--config.cluster.trainer.devices=0,1', '--config.cluster.rollout.devices=1,2'],
-        ['config.cluster.trainer and config.cluster.rollout overlap'],
+        ['config.cluster.trainer and config.cluster.rollout overlap on device'],
     ),
     (
         'device_missing',
@@ -502,6 +502,13 @@ CASES = [
         ['--devices_per_process=0'],
     ),
     ('local_no_command', 'launch/local.py', ['--num_processes=1', '--'], ['no command']),
+    # the simulator's profiler
+    (
+        'profile_fragment_grads',
+        'digen_jax.sim.profile',
+        [TINY, '--out={w}/profile.json', '--fragment_grads=tsp,fast'],
+        ['--fragment_grads=tsp,fast', 'plain,tsp'],
+    ),
 ]
 
 

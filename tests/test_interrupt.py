@@ -168,7 +168,8 @@ def signals():
 @pytest.mark.parametrize('mode', list(MODES))
 def test_sigterm_at_a_random_point_then_resume_is_exact(signals, tmp_path, mode):
   del signals
-  straight = _train(mode, str(tmp_path / 'straight'))
+  # TCSS is compared with its own invariants, not with an uninterrupted run (see BITWISE).
+  straight = None if mode == 'tcss' else _train(mode, str(tmp_path / 'straight'))
   # The k-th reward call (a batch, or one of 2 fragments): one of step 2's, so step 1 is on
   # disk and the run cannot end first.
   k = 2 if mode in ('colocated', 'disagg') else random.Random(f'18-{mode}').choice((3, 4))
@@ -184,8 +185,10 @@ def test_sigterm_at_a_random_point_then_resume_is_exact(signals, tmp_path, mode)
   resumed = _train(mode, wd)
   steps = [r['step'] for r in _rows(wd)]
   assert steps == list(range(1, STEPS + 1)), steps  # nothing lost, nothing written twice
-  a = jax.tree.leaves(jax.device_get(straight['params']))
   b = jax.tree.leaves(jax.device_get(resumed['params']))
+  if mode != 'tcss':
+    a = jax.tree.leaves(jax.device_get(straight['params']))
+    assert len(a) == len(b)
   if mode in BITWISE:
     # Same prompts and samples per step (prompt-stream position and RNG restored), same weights
     # and optimizer state.

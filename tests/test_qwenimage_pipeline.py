@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from digen_jax import tiny_pipeline
 from tests.mp_scripts import launcher_util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,15 +66,11 @@ def _rows(workdir):
 
 @pytest.fixture(scope='module')
 def folder(tmp_path_factory):
-  """The toy diffusers Qwen-Image folder (built with torch in a child process, as main does)."""
+  """The toy diffusers Qwen-Image folder, built here: the worker has torch already (its
+  collection imports it), a child process would import it again. Main building the folder
+  itself, in a child, is test_flux_pipeline's."""
   out = str(tmp_path_factory.mktemp('tiny_qwenimage'))
-  subprocess.run(
-      [sys.executable, '-m', 'digen_jax.tiny_pipeline', f'--out={out}'],
-      cwd=REPO,
-      check=True,
-      capture_output=True,
-      timeout=300,
-  )
+  tiny_pipeline.build(out)
   return out
 
 
@@ -108,7 +105,7 @@ def test_lora_publishes_only_adapters(folder, tmp_path):
 def test_colocated_lora_runs_and_resumes(folder, tmp_path):
   """3 steps straight vs 2 steps + restart + 1 step: same adapters, bit for bit."""
   straight = tmp_path / 'straight'
-  _main(folder, straight)  # also builds the folder and the cache
+  _main(folder, straight)  # also encodes the prompts into the cache (a child process)
   assert os.path.isfile(os.path.join(folder, 'model_index.json'))
   rows = _rows(straight)
   train = [r for r in rows if 'reward_mean' in r]

@@ -6,6 +6,7 @@ benchmarks/RESULTS.md."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -26,11 +27,21 @@ def _within_targets(cmp) -> bool:
 def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
   # The runs are timed: compiled as users run them, not with the suite's compile-speed flags.
   monkeypatch.setenv('XLA_FLAGS', xla_env.production_flags(os.environ.get('XLA_FLAGS', '')))
-  cmp = sim_validation.run_scenario(sim_validation.SCENARIOS['small'], str(tmp_path / 'a'))
+  small = sim_validation.SCENARIOS['small']
+  out = tmp_path / 'a'
+  cmp = sim_validation.run_scenario(small, str(out))
   if not _within_targets(cmp):
     # This VM's speed drifts by 10-20% over minutes (measured: the same program's span differs
     # that much between two ladder runs): profile and measure once more before judging.
-    cmp = sim_validation.run_scenario(sim_validation.SCENARIOS['small'], str(tmp_path / 'b'))
+    out = tmp_path / 'b'
+    cmp = sim_validation.run_scenario(small, str(out))
+  # Its rungs (disagg, tag) train fragments with TSP only: the plain fragment gradient is neither
+  # compiled nor timed (sim/profile.py --fragment_grads).
+  assert sim_validation.fragment_grads_of(small) == ['tsp']
+  with open(out / 'small' / 'profile.json') as f:
+    seconds = json.load(f)['layouts']['mp2']['seconds']
+  assert 'grad_tsp/8' in seconds and 'grad/8' not in seconds, sorted(seconds)
+  assert sim_validation.fragment_grads_of(sim_validation.SCENARIOS['balanced']) == ['plain', 'tsp']
   table = '\n'.join(
       f'{x["mode"]}: measured {x["measured_sps"]:.2f} predicted '
       f'{x["predicted_sps"]:.2f} ({100 * x["sps_error"]:+.1f}%)'

@@ -357,18 +357,31 @@ def test_parallel_pinned_sweep_resumes_and_fresh_restarts(tmp_path, capsys):
   for name, r in first.items():
     assert r['status'] == 'ok' and r['steps'] == 3 and r['samples_per_s'] > 0
     assert json.load(open(root / name / sweep.STATE_FILE)) == {'first_steps': [1]}
-  # Again without --fresh: resumes from the last checkpoint, runs no step, same figures.
-  assert _sweep(root, *args) == 0
+  # Again without --fresh (one invocation, both runs resume from their last checkpoint): 3e-4 at
+  # the same step count runs no step and keeps its figures; 1e-4, now to 5 steps, excludes the
+  # resumed invocation's first step (4) too, which compiles.
+  assert (
+      _sweep(
+          root,
+          '--run',
+          'lr=1e-4:--config.optim.lr=1e-4 --config.total_steps=5',
+          '--run',
+          'lr=3e-4:--config.optim.lr=3e-4',
+          *args[2:],
+      )
+      == 0
+  )
   again = {r['name']: r for r in json.load(open(root / 'sweep_summary.json'))['runs']}
-  for name in first:
-    assert (
-        again[name]['steps'] == 3 and again[name]['samples_per_s'] == first[name]['samples_per_s']
-    )
-    assert 'resumed from' in open(root / name / sweep.LOG_FILE).read()
-    assert len(open(root / name / 'metrics.jsonl').readlines()) == 3
-  # More steps: the resumed invocation's first step (4) compiles and is excluded too.
-  assert _sweep(root, '--grid', 'config.optim.lr=1e-4', '--set', '--config.total_steps=5') == 0
+  assert set(again) == set(first)
+  r = again['lr=3e-4']
+  assert r['status'] == 'ok' and r['steps'] == 3
+  assert r['samples_per_s'] == first['lr=3e-4']['samples_per_s']
+  assert json.load(open(root / 'lr=3e-4' / sweep.STATE_FILE)) == {'first_steps': [1]}
   assert json.load(open(root / 'lr=1e-4' / sweep.STATE_FILE)) == {'first_steps': [1, 4]}
+  assert again['lr=1e-4']['status'] == 'ok' and again['lr=1e-4']['steps'] == 5
+  for name, lines in (('lr=1e-4', 5), ('lr=3e-4', 3)):
+    assert 'resumed from' in open(root / name / sweep.LOG_FILE).read()
+    assert len(open(root / name / 'metrics.jsonl').readlines()) == lines
   # --fresh: the workdir starts empty.
   assert (
       _sweep(root, '--grid', 'config.optim.lr=1e-4', '--set', '--config.total_steps=2', '--fresh')

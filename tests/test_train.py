@@ -52,17 +52,28 @@ def _cli(workdir, *flags):
 
 
 @pytest.mark.slow
-def test_cli_tiny_writes_metrics(tmp_path):
+def test_cli_writes_metrics_samples_and_evals_and_the_eval_cli_agrees(tmp_path):
+  """One CLI run checks the training rows, the sample grid, TensorBoard, the progress line, the
+  periodic eval and its report; then the eval CLI reproduces the in-training eval."""
   wd = tmp_path / 'run'
+  small_eval = [
+      '--config.eval.num_prompts=4',
+      '--config.eval.samples_per_prompt=2',
+      '--config.eval.batch_size=8',
+  ]
   r = _cli(
       wd,
       '--config=configs/qwenimage.py:tiny',
       '--config.total_steps=2',
       '--config.sample_grid_every=2',
+      '--config.eval.every=2',
+      *small_eval,
   )
   assert r.returncode == 0, r.stderr[-3000:]
+  assert 'ETA' in r.stderr
   rows = [json.loads(l) for l in open(wd / 'metrics.jsonl')]
-  assert [r['step'] for r in rows] == [1, 2]
+  train = [r for r in rows if 'loss' in r]
+  assert [r['step'] for r in train] == [1, 2]
   for key in (
       'step',
       'policy_version',
@@ -77,33 +88,14 @@ def test_cli_tiny_writes_metrics(tmp_path):
       'wall_s',
       'utilization',
   ):
-    assert key in rows[0], key
+    assert key in train[0], key
   # On-policy first epoch: the importance ratio is 1 to float32 rounding.
-  assert all(abs(r['ratio_mean'] - 1.0) < 1e-5 for r in rows)
+  assert all(abs(r['ratio_mean'] - 1.0) < 1e-5 for r in train)
   assert os.path.exists(wd / 'samples' / 'step_000002.png')
   assert os.listdir(wd / 'tensorboard')
-  assert 'ETA' in r.stderr
-
-
-@pytest.mark.slow
-def test_periodic_eval_report_and_eval_cli_agree(tmp_path):
-  wd = tmp_path / 'run'
-  small_eval = [
-      '--config.eval.num_prompts=4',
-      '--config.eval.samples_per_prompt=2',
-      '--config.eval.batch_size=8',
-  ]
-  r = _cli(
-      wd,
-      '--config=configs/qwenimage.py:tiny',
-      '--config.total_steps=2',
-      '--config.eval.every=2',
-      *small_eval,
-  )
-  assert r.returncode == 0, r.stderr[-3000:]
-  rows = [json.loads(l) for l in open(wd / 'metrics.jsonl')]
   evals = [r for r in rows if 'eval/strict_accuracy' in r]
   assert [e['step'] for e in evals] == [0, 2]
+  assert len(rows) == len(train) + len(evals)  # every row is a training step's or an eval's
   assert {e['eval/num_prompts'] for e in evals} == {4}
   for f in ('reward.png', 'summary.json', 'eval/eval_000000.png', 'eval/eval_000002.json'):
     assert os.path.exists(wd / f), f

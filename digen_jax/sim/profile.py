@@ -2,7 +2,8 @@
 input when the simulator predicts measured runs).
 
     python -m digen_jax.sim.profile --config=configs/shapes.py:pixel,disagg --out=/tmp/profile.json \
-        --fragments=16 --fragment_unit=group [--layouts=colocated,sp,mp2] [--config.k=v ...]
+        --fragments=16 --fragment_unit=group [--layouts=colocated,sp,mp2] \
+        [--fragment_grads=plain,tsp] [--config.k=v ...]
 
 Each layout is profiled the way benchmarks/ladder.py runs it, in child processes this command
 starts (the device count must be fixed before jax is imported):
@@ -15,7 +16,7 @@ Every program is built as the runtime builds it (runtime/workers.py, runtime/rol
 runtime/fragment_trainer.py), run once to compile, then timed --repeats times with nothing else
 running (the median is kept): the full-batch rollout and update of the synchronous loops, the
 fragment rollout (device span and host scoring apart), the fragment gradient with and without
-TSP, the optimizer apply, the trainer-side (TAG) fragment rollout, the weight publish and pull,
+TSP (--fragment_grads: only those the predicted rungs use), the optimizer apply, the trainer-side (TAG) fragment rollout, the weight publish and pull,
 the batch and fragment hand-overs, and the trainer's per-step host work (text conditioning of
 the fragments, the step's selection program) and the checkpoint save (its blocking part and the
 asynchronous rest). Nothing here is fitted to a run's throughput.
@@ -51,6 +52,13 @@ _FRAGMENTS = flags.DEFINE_integer('fragments', 16, 'M of the fragment programs p
 _UNIT = flags.DEFINE_enum('fragment_unit', 'group', ['group', 'sample'], 'fragment unit')
 _DEVICES = flags.DEFINE_integer('devices_per_process', 1, 'D (colocated and sp get 2*D)')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'timed calls per program (median kept)')
+FRAGMENT_GRADS = ('plain', 'tsp')
+_GRADS = flags.DEFINE_list(
+    'fragment_grads',
+    list(FRAGMENT_GRADS),
+    'the fragment gradients to time: plain (grad/<n>, the gap rung) and/or tsp (grad_tsp/<n>, '
+    'the tsp, tag and tcss rungs); each compiles for seconds',
+)
 _CHILD = flags.DEFINE_string('child', None, 'internal: the layout this process profiles')
 
 
@@ -85,8 +93,16 @@ def _layout_config(config, layout: str, fragments: int, unit: str):
   return config
 
 
-def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) -> dict:
-  """Times the programs of `layout` in this process (and its peer, for mp2)."""
+def profile_child(
+    layout: str,
+    config,
+    fragments: int,
+    unit: str,
+    repeats: int,
+    fragment_grads: tuple[str, ...] = FRAGMENT_GRADS,
+) -> dict:
+  """Times the programs of `layout` in this process (and its peer, for mp2); of the fragment
+  gradients, those in `fragment_grads` (see the flag)."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
@@ -292,7 +308,7 @@ def profile_child(layout: str, config, fragments: int, unit: str, repeats: int) 
   if is_trainer:
     rewards = np.zeros((B,), np.float32) if multi else np.resize(frag.rewards, B)
     cond = None
-    for tsp in (False, True):
+    for tsp in [g == 'tsp' for g in FRAGMENT_GRADS if g in fragment_grads]:
       ft = fragment_trainer.FragmentTrainer(exp, trainer, plan, tsp)
       indices, acc = ft.begin(0)
       cond = ft.encode(plan.prompts(0, batch_prompts))
@@ -383,7 +399,9 @@ def machine() -> dict:
 def main(argv):
   config, _ = cli.config_and_workdir()
   if _CHILD.value:
-    result = profile_child(_CHILD.value, config, _FRAGMENTS.value, _UNIT.value, _REPEATS.value)
+    result = profile_child(
+        _CHILD.value, config, _FRAGMENTS.value, _UNIT.value, _REPEATS.value, tuple(_GRADS.value)
+    )
     if result:
       with open(_OUT.value, 'w') as f:
         json.dump(result, f)
@@ -393,6 +411,11 @@ def main(argv):
   bad = [x for x in _LAYOUTS.value if x not in LAYOUTS]
   if bad or not _LAYOUTS.value:
     cli.fail(f'--layouts={",".join(_LAYOUTS.value)}: use a subset of {",".join(LAYOUTS)}')
+  bad = [x for x in _GRADS.value if x not in FRAGMENT_GRADS]
+  if bad or not _GRADS.value:
+    cli.fail(
+        f'--fragment_grads={",".join(_GRADS.value)}: use a subset of {",".join(FRAGMENT_GRADS)}'
+    )
   if _REPEATS.value < 1 or _FRAGMENTS.value < 1 or _DEVICES.value < 1:
     cli.fail('--repeats, --fragments and --devices_per_process must be >= 1')
   layouts = {}
