@@ -87,10 +87,15 @@ def main(argv: list[str]) -> int:
           *args,
       ],
   ]
+  # Bytecode caching on, whatever the caller's PYTHONDONTWRITEBYTECODE: the suite starts a few
+  # hundred interpreters that import the package (and each worker rewrites every test module's
+  # asserts); without the caches each compiles it all again (~0.3 s a process, ~3.5 s a
+  # collection, here). The caches are __pycache__ folders, ignored by git.
+  env = {k: v for k, v in os.environ.items() if k != 'PYTHONDONTWRITEBYTECODE'}
   codes = []
   for cmd in phases:
     print('tests/run.py:', ' '.join(cmd[1:]), flush=True)
-    codes.append(subprocess.call(cmd, cwd=REPO))
+    codes.append(subprocess.call(cmd, cwd=REPO, env=env))
   failed = [c for c in codes if c not in (0, NO_TESTS)]
   if failed:
     return failed[0]
