@@ -114,11 +114,11 @@ MODES = {
 BITWISE = ('colocated', 'disagg', 'gap', 'gap_tsp')
 
 
-def _config(mode, workdir):
+def _config(mode, workdir, steps=STEPS):
   c = configlib.apply_overrides(
       qwenimage.get_config('tiny'),
       {
-          'total_steps': STEPS,
+          'total_steps': steps,
           'data.data_dir': os.path.join(os.path.dirname(workdir), 'data'),
           **MODES[mode],
       },
@@ -128,10 +128,10 @@ def _config(mode, workdir):
   return c
 
 
-def _train(mode, workdir, signal_after_rewards=None):
-  """One run (resuming from workdir); with signal_after_rewards=k, SIGTERM arrives right after
-  the k-th reward call (the rollout's k-th fragment or batch)."""
-  c = _config(mode, workdir)
+def _train(mode, workdir, signal_after_rewards=None, steps=STEPS):
+  """One run to `steps` (resuming from workdir); with signal_after_rewards=k, SIGTERM arrives
+  right after the k-th reward call (the rollout's k-th fragment or batch)."""
+  c = _config(mode, workdir, steps)
   exp = experiment.build(c, workdir, 2)
   if signal_after_rewards is not None:
     fn, calls = exp.reward_fn, []
@@ -202,6 +202,17 @@ def test_sigterm_at_a_random_point_then_resume_is_exact(signals, tmp_path, mode)
         jax.tree.leaves(jax.device_get(resumed['opt_state'])),
     ):
       np.testing.assert_array_equal(x, y)
+    if mode == 'colocated':
+      # The parameters moved (a no-op update would pass the above), and a clean stop resumed
+      # with a larger total_steps continues exactly as well.
+      init = jax.tree.leaves(experiment.build_model(_config(mode, wd))[2])
+      assert any(np.abs(np.asarray(x) - np.asarray(i)).max() > 0 for x, i in zip(a, init))
+      clean = str(tmp_path / 'clean')
+      _train(mode, clean, steps=2)
+      again = _train(mode, clean)
+      assert [r['step'] for r in _rows(clean)] == list(range(1, STEPS + 1))
+      for x, y in zip(a, jax.tree.leaves(jax.device_get(again['params']))):
+        np.testing.assert_array_equal(x, y)
   elif mode == 'gap_tsp_tag':
     for x, y in zip(a, b):
       np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
