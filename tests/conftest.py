@@ -36,7 +36,7 @@ if "DIGEN_COMPILATION_CACHE" not in os.environ:  # a cold cache per session, nev
 # ones fill the end: with xdist's default order (most tests first) a long file could start last
 # and run on one worker while the other sat idle. Stale figures cost balance, never a test.
 FILE_SECONDS = {
-    "test_interrupt.py": 208,
+    "test_interrupt.py": 215,
     "test_schedule_modes.py": 157,
     "test_qwenimage_pipeline.py": 150,
     "test_sim_costs.py": 150,
@@ -50,7 +50,7 @@ FILE_SECONDS = {
     "test_shapes_rl.py": 67,
     "test_fuzz_cli.py": 60,
     "test_memory_bench.py": 58,
-    "test_train.py": 45,
+    "test_train.py": 30,
     "test_rl.py": 44,
     "test_faults_numeric.py": 32,
     "test_vae.py": 28,
