@@ -130,7 +130,8 @@ def layouts_of(s: Scenario) -> list[str]:
 
 def fragment_grads_of(s: Scenario) -> list[str]:
   """The fragment gradients the scenario's rungs train with (sim/profile.py --fragment_grads):
-  plain for gap, TSP's for the rungs above it. A rung-free choice compiles nothing it needs."""
+  plain for gap, TSP's for the rungs above it; TSP's alone when no rung trains fragments (the
+  flag takes at least one)."""
   levels = {predict.RUNGS.index(r) for r in s.rungs}
   gap, tsp = predict.RUNGS.index('gap'), predict.RUNGS.index('tsp')
   grads = (['plain'] if gap in levels else []) + (['tsp'] if max(levels) >= tsp else [])

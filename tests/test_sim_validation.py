@@ -22,6 +22,13 @@ def _within_targets(cmp) -> bool:
   return cmp['sps_mae'] <= 0.10 and cmp['sps_max'] <= 0.15 and cmp['util_mae'] <= 0.10
 
 
+def test_profile_times_the_fragment_gradients_the_rungs_train_with():
+  grads = lambda name: sim_validation.fragment_grads_of(sim_validation.SCENARIOS[name])
+  assert grads('small') == ['tsp']  # disagg, tag
+  assert grads('balanced') == ['plain', 'tsp']  # every rung, gap among them
+  assert grads('rollout_bound') == ['plain', 'tsp']
+
+
 @pytest.mark.slow
 @pytest.mark.serial  # timed runs: alone on the machine (tests/run.py)
 def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
@@ -37,11 +44,9 @@ def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
     cmp = sim_validation.run_scenario(small, str(out))
   # Its rungs (disagg, tag) train fragments with TSP only: the plain fragment gradient is neither
   # compiled nor timed (sim/profile.py --fragment_grads).
-  assert sim_validation.fragment_grads_of(small) == ['tsp']
   with open(out / 'small' / 'profile.json') as f:
     seconds = json.load(f)['layouts']['mp2']['seconds']
   assert 'grad_tsp/8' in seconds and 'grad/8' not in seconds, sorted(seconds)
-  assert sim_validation.fragment_grads_of(sim_validation.SCENARIOS['balanced']) == ['plain', 'tsp']
   table = '\n'.join(
       f'{x["mode"]}: measured {x["measured_sps"]:.2f} predicted '
       f'{x["predicted_sps"]:.2f} ({100 * x["sps_error"]:+.1f}%)'

@@ -342,14 +342,8 @@ def test_timeout_stops_the_run(tmp_path, capsys):
 @pytest.mark.slow
 def test_parallel_pinned_sweep_resumes_and_fresh_restarts(tmp_path, capsys):
   root = tmp_path / 'sw'
-  args = [
-      '--grid',
-      'config.optim.lr=1e-4,3e-4',
-      '--set',
-      '--config.total_steps=3',
-      '--parallel=2',
-      '--pin',
-  ]
+  common = ['--set', '--config.total_steps=3', '--parallel=2', '--pin']
+  args = ['--grid', 'config.optim.lr=1e-4,3e-4', *common]
   assert _sweep(root, *args) == 0
   assert 'on cores [' in capsys.readouterr().out
   first = {r['name']: r for r in json.load(open(root / 'sweep_summary.json'))['runs']}
@@ -367,7 +361,7 @@ def test_parallel_pinned_sweep_resumes_and_fresh_restarts(tmp_path, capsys):
           'lr=1e-4:--config.optim.lr=1e-4 --config.total_steps=5',
           '--run',
           'lr=3e-4:--config.optim.lr=3e-4',
-          *args[2:],
+          *common,
       )
       == 0
   )

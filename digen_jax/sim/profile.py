@@ -16,10 +16,11 @@ Every program is built as the runtime builds it (runtime/workers.py, runtime/rol
 runtime/fragment_trainer.py), run once to compile, then timed --repeats times with nothing else
 running (the median is kept): the full-batch rollout and update of the synchronous loops, the
 fragment rollout (device span and host scoring apart), the fragment gradient with and without
-TSP (--fragment_grads: only those the predicted rungs use), the optimizer apply, the trainer-side (TAG) fragment rollout, the weight publish and pull,
-the batch and fragment hand-overs, and the trainer's per-step host work (text conditioning of
-the fragments, the step's selection program) and the checkpoint save (its blocking part and the
-asynchronous rest). Nothing here is fitted to a run's throughput.
+TSP (--fragment_grads: only those the predicted rungs use), the optimizer apply, the
+trainer-side (TAG) fragment rollout, the weight publish and pull, the batch and fragment
+hand-overs, and the trainer's per-step host work (text conditioning of the fragments, the step's
+selection program) and the checkpoint save (its blocking part and the asynchronous rest).
+Nothing here is fitted to a run's throughput.
 
 Output: {'config', 'overrides', 'machine', 'layouts': {name: {'trainer_devices',
 'rollout_devices', 'shared', 'colocated', 'batch', 'fragment', 'seconds': {key: s}}}} with keys
