@@ -93,7 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.prompts = 'shapes'  # 'shapes' (ShapesBench) or a path to a text file, one prompt per line
   c.data.split = 'train'
-  c.data.data_dir = ''  # tfds data_dir; '' = <workdir>/data
+  c.data.data_dir = ''  # tfds data_dir; '' = $DIGEN_DATA_DIR, else <workdir>/data
 
   # --- sampling ------------------------------------------------------------------------------
   c.sampler = ml_collections.ConfigDict()

@@ -410,7 +410,8 @@ def _define_flags():
       'data_dir',
       '',
       'tfds data_dir of prompt datasets; default '
-      'config.data.data_dir, else <--workdir>/data, else a temporary folder.',
+      'config.data.data_dir, else $DIGEN_DATA_DIR, else <--workdir>/data, else a temporary '
+      'folder.',
   )
   flags.DEFINE_string('out', '', 'Cache folder; default config.text.cache.')
   flags.DEFINE_integer('batch_size', 16, 'Prompts per text-encoder forward.')
@@ -439,9 +440,9 @@ def main(argv, cli):
     cli.fail("encode_prompts: config.text.encoder='word' is computed in training; no cache needed")
   try:
     with tempfile.TemporaryDirectory() as tmp:
-      data_dir = (
-          f.data_dir or config.data.data_dir or (os.path.join(workdir, 'data') if workdir else tmp)
-      )
+      from digen_jax.data import prompts as prompt_data  # pylint: disable=g-import-not-at-top
+
+      data_dir = f.data_dir or prompt_data.resolve_data_dir(config.data.data_dir, workdir or tmp)
       prompts = gather_prompts(config, f.prompts, f.split, data_dir)
     # FLUX's T5 sequence is what training reads, padded to config.text.max_length: one length.
     encoder = prompt_encoder(

@@ -26,7 +26,7 @@ from digen_jax.runtime import mesh as mesh_lib
 def eval_prompts(exp, workdir: str) -> list[str]:
   """The eval split's prompts (all of them, or the first eval.num_prompts)."""
   c = exp.config
-  data_dir = c.data.data_dir or os.path.join(workdir, 'data')
+  data_dir = prompt_data.resolve_data_dir(c.data.data_dir, workdir)
   source = prompt_data.load_prompts(c.data.prompts, c.eval.split, data_dir)
   n = len(source) if c.eval.num_prompts <= 0 else min(c.eval.num_prompts, len(source))
   return list(source[:n])

@@ -284,7 +284,7 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   )
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
-  data_dir = config.data.data_dir or os.path.join(workdir, 'data')
+  data_dir = prompt_data.resolve_data_dir(config.data.data_dir, workdir)
   source, texts = _prompts(config, config.data.split, 'config.data.split', data_dir)
   eval_texts = (
       _prompts(config, config.eval.split, 'config.eval.split', data_dir)[1]

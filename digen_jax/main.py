@@ -64,7 +64,7 @@ def prepare_tiny_pipeline(config, workdir: str):
   if not os.path.isfile(os.path.join(folder, 'model_index.json')):
     child(['digen_jax.tiny_pipeline', f'--out={folder}', f'--family={config.model.family}'])
   config_flags = [a for a in sys.argv[1:] if a.startswith('--config')]
-  data_dir = config.data.data_dir or os.path.join(workdir, 'data')
+  data_dir = prompt_data.resolve_data_dir(config.data.data_dir, workdir)
   # verify=False: only the index is read here (the run's own open hashes every shard).
   cache = (
       text_cache.EmbeddingCache(config.text.cache, config.text.max_length, verify=False)

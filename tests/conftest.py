@@ -30,6 +30,14 @@ if "DIGEN_COMPILATION_CACHE" not in os.environ:  # a cold cache per session, nev
   # dozen sub-0.5 s programs (about 1 s a process).
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+if "DIGEN_DATA_DIR" not in os.environ:  # prompt datasets: one folder for the session's runs
+  # A run whose config leaves data.data_dir empty prepares ShapesBench here once (under a lock)
+  # instead of in every test's workdir (~0.6 s a run). Tests about a run's own data folder set
+  # data.data_dir.
+  _data = tempfile.mkdtemp(prefix="digen_test_data_")
+  atexit.register(shutil.rmtree, _data, ignore_errors=True)
+  os.environ["DIGEN_DATA_DIR"] = _data
+
 # Seconds each slow test file took (setup + calls; `python -m pytest -n 2 --dist loadfile -m 'not
 # serial' --durations=0` on a 2-core AMD EPYC host, 2026-11-27). tests/run.py hands files to its
 # workers in collection order (--no-loadscope-reorder), so the longest go first and the many short

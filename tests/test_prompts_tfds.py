@@ -74,6 +74,52 @@ def test_stale_shapes_bench_detected(data_dir, monkeypatch):
     P.prepare_shapes_bench(data_dir)
 
 
+def test_a_dataset_changed_after_its_check_is_checked_again(tmp_path):
+  """The check is memoized per process on the dataset's info files: a rewritten one (here with
+  another grammar's digest) is checked again, not taken as current."""
+  d = str(tmp_path / "data")
+  path = P.prepare_shapes_bench(d)
+  assert P.prepare_shapes_bench(d) == path
+  meta_file = os.path.join(path, "metadata.json")
+  with open(meta_file) as f:
+    meta = json.load(f)
+  assert meta["sha256_train"] == P._grammar_digests(G.split_prompts)["sha256_train"]
+  with open(meta_file, "w") as f:
+    json.dump({**meta, "sha256_train": "0" * 64}, f)
+  os.utime(meta_file, ns=(0, os.stat(meta_file).st_mtime_ns + 1))
+  with pytest.raises(ValueError, match="sha256_train differs"):
+    P.prepare_shapes_bench(d)
+
+
+def test_data_dir_is_the_config_s_then_the_environment_s_then_the_workdir_s(monkeypatch):
+  monkeypatch.delenv(P.DATA_DIR_ENV, raising=False)
+  assert P.resolve_data_dir("", "/w") == "/w/data"
+  monkeypatch.setenv(P.DATA_DIR_ENV, "/shared")
+  assert P.resolve_data_dir("", "/w") == "/shared"
+  assert P.resolve_data_dir("/mine", "/w") == "/mine"
+
+
+def test_runs_sharing_a_data_dir_build_shapes_bench_once(tmp_path):
+  """A process that finds ShapesBench being built in its data_dir waits for it and reuses it
+  (without the lock it would build it again or read it half-written)."""
+  import threading
+
+  d = str(tmp_path / "shared")
+  path = os.path.join(d, P.SHAPES_BENCH, str(P.ShapesBench.VERSION))
+  done = []
+  waiter = threading.Thread(target=lambda: done.append(P.prepare_shapes_bench(d)))
+  with P._exclusive(d):  # another run, building it
+    waiter.start()
+    waiter.join(timeout=3)
+    assert waiter.is_alive() and not done  # it waits for the lock
+    P._prepare(P.ShapesBench(data_dir=d, file_format="array_record"))
+    built = os.stat(os.path.join(path, "dataset_info.json")).st_mtime_ns
+  waiter.join(timeout=60)
+  assert done == [path]
+  assert os.stat(os.path.join(path, "dataset_info.json")).st_mtime_ns == built  # not rebuilt
+  assert sorted(os.listdir(os.path.join(d, P.SHAPES_BENCH))) == [str(P.ShapesBench.VERSION)]
+
+
 def test_prompt_file_builder(tmp_path):
   d = str(tmp_path / "data")
   tr, ev = tmp_path / "train.txt", tmp_path / "eval.txt"
