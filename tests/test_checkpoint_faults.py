@@ -222,9 +222,7 @@ def test_training_resumes_past_a_corrupt_latest_checkpoint(tmp_path):
   from digen_jax.runtime import colocated
 
   def run(workdir):
-    config = configlib.apply_overrides(
-        qwenimage.get_config('tiny'), {'total_steps': 2, 'data.data_dir': str(tmp_path / 'data')}
-    )
+    config = configlib.apply_overrides(qwenimage.get_config('tiny'), {'total_steps': 2})
     exp = experiment.build(config, str(workdir), 2)
     return colocated.train(exp, str(workdir), devices=jax.local_devices()[:2])
 

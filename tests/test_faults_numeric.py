@@ -135,13 +135,12 @@ def _scripted_reward(images, prompts):
   return r
 
 
-def _config(tmp_path, total_steps, **overrides):
+def _config(total_steps, **overrides):
   return configlib.apply_overrides(
       qwenimage.get_config('tiny'),
       {
           'total_steps': total_steps,
           'reward.weights': 'test_faults_scripted',
-          'data.data_dir': str(tmp_path / 'data'),
           'keep_checkpoints': 10,
           **overrides,
       },
@@ -170,7 +169,7 @@ def test_nan_rewards_skip_updates_and_k_in_a_row_stop_the_run(tmp_path):
   Skipped steps leave params and optimizer state bitwise unchanged; checkpoint 4 is the last."""
   _PLAN.update(nan_at={2, 4, 5}, raise_at=set(), calls=0, prompts={}, bad=None)
   wd = str(tmp_path / 'run')
-  config = _config(tmp_path, 6, **{'runtime.max_consecutive_skips': 2})
+  config = _config(6, **{'runtime.max_consecutive_skips': 2})
   exp = experiment.build(config, wd, 2)
   with pytest.raises(faults.NonFiniteError) as e:
     colocated.train(exp, wd, devices=jax.local_devices()[:2])
@@ -208,7 +207,7 @@ def test_gap_fragments_skip_a_batch_whose_reward_raises(tmp_path, caplog):
   # Two reward calls per step (one per fragment): call 3 is step 2's first fragment.
   _PLAN.update(nan_at=set(), raise_at={3}, calls=0, prompts={}, bad=None)
   wd = str(tmp_path / 'run')
-  config = _config(tmp_path, 3, **{'schedule.fragments': 2, 'schedule.trace': False})
+  config = _config(3, **{'schedule.fragments': 2, 'schedule.trace': False})
   exp = experiment.build(config, wd, 2)
   with caplog.at_level(logging.ERROR):
     colocated.train(exp, wd, devices=jax.local_devices()[:2])

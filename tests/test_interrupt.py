@@ -114,12 +114,11 @@ MODES = {
 BITWISE = ('colocated', 'disagg', 'gap', 'gap_tsp')
 
 
-def _config(mode, workdir, steps=STEPS):
+def _config(mode, steps=STEPS):
   c = configlib.apply_overrides(
       qwenimage.get_config('tiny'),
       {
           'total_steps': steps,
-          'data.data_dir': os.path.join(os.path.dirname(workdir), 'data'),
           **MODES[mode],
       },
   )
@@ -131,7 +130,7 @@ def _config(mode, workdir, steps=STEPS):
 def _train(mode, workdir, signal_after_rewards=None, steps=STEPS):
   """One run to `steps` (resuming from workdir); with signal_after_rewards=k, SIGTERM arrives
   right after the k-th reward call (the rollout's k-th fragment or batch)."""
-  c = _config(mode, workdir, steps)
+  c = _config(mode, steps)
   exp = experiment.build(c, workdir, 2)
   if signal_after_rewards is not None:
     fn, calls = exp.reward_fn, []
@@ -205,7 +204,7 @@ def test_sigterm_at_a_random_point_then_resume_is_exact(signals, tmp_path, mode)
     if mode == 'colocated':
       # The parameters moved (a no-op update would pass the above), and a clean stop resumed
       # with a larger total_steps continues exactly as well.
-      init = jax.tree.leaves(experiment.build_model(_config(mode, wd))[2])
+      init = jax.tree.leaves(experiment.build_model(_config(mode))[2])
       assert any(np.abs(np.asarray(x) - np.asarray(i)).max() > 0 for x, i in zip(a, init))
       clean = str(tmp_path / 'clean')
       _train(mode, clean, steps=2)
@@ -354,7 +353,6 @@ def test_two_processes_sigterm_kill9_and_relaunch(tmp_path):
           {
               'total_steps': STEPS_2P,
               'schedule.fragments': 2,
-              'data.data_dir': os.path.join(wd, 'data'),
           },
       ),
       trainer=(0, 1),
