@@ -23,7 +23,7 @@ def data_dir(tmp_path_factory):
 
 def test_shapes_bench_splits_and_fields(data_dir):
   splits = G.split_prompts()
-  assert set(splits) == {"train", "eval", "val"}
+  assert set(splits) == {"train", "eval", "val", "rl"}
   for split in splits:
     seq = P.load_prompts("shapes_bench", split, data_dir)
     assert len(seq) == len(splits[split])

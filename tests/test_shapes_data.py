@@ -103,6 +103,20 @@ def test_split_is_compositional_and_disjoint():
   assert len(val_t) == len(s["val"]) == G.NUM_VAL_RELATIONS
   assert not val_t & eval_t and not val_t & train_t
   assert all(p.is_relation and p.pairs() & G.HELD_OUT_PAIRS for p in s["val"])
+  # rl (RL's prompts) = train + the other held-out relations: never an eval or val prompt, never
+  # a held-out single-object (counting) prompt, and every held-out pair inside some relation.
+  rl = s["rl"]
+  rl_t = {p.to_text() for p in rl}
+  assert len(rl_t) == len(rl) and rl_t >= train_t
+  assert not rl_t & eval_t and not rl_t & val_t
+  held = [p for p in rl if p.pairs() & G.HELD_OUT_PAIRS]
+  assert held and all(p.is_relation for p in held)
+  assert len(rl) == len(train) + len(held)
+  assert {pair for p in held for pair in p.pairs()} >= G.HELD_OUT_PAIRS
+  every_held_relation = {
+      p.to_text() for p in G.iter_all_prompts() if p.is_relation and G.is_held_out(p)
+  }
+  assert rl_t - train_t == every_held_relation - eval_t - val_t
 
 
 def test_split_and_sampling_deterministic():

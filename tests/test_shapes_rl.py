@@ -19,6 +19,12 @@ def test_shapes_config_uses_the_shipped_base_model():
   assert c.model.checkpoint == configlib.SHAPES_LATENT_BASE_CHECKPOINT
   assert c.latent.space == 'ae' and c.latent.ae == configlib.SHAPES_AE_CHECKPOINT
   assert c.reward.weights == 'shapes_dense' and c.optim.schedule == 'cosine'
+  # RL draws its prompts from the 'rl' split, which shares no prompt with eval or val.
+  from digen_jax.data.shapes import grammar
+
+  splits = grammar.split_prompts()
+  assert c.data.split == 'rl' and c.eval.split == 'eval'
+  assert not set(splits['rl']) & (set(splits['eval']) | set(splits['val']))
   assert shapes.get_config('latent').to_dict() == c.to_dict()  # older commands' name for it
   pixel = shapes.get_config('pixel,disagg')
   assert pixel.model.checkpoint == configlib.SHAPES_BASE_CHECKPOINT

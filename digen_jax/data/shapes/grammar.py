@@ -26,6 +26,11 @@ training still sees every colour (with two shapes) and every shape (with four co
     from eval's: settings (pretraining caption noise, RL hyper-parameters) are chosen on val, and
     eval is kept for the reported figure. (Every held-out single-object prompt is in eval, so val
     holds relations only.)
+  * rl    = the prompts RL post-training draws: train plus every held-out relation prompt that is
+    in neither eval nor val. Pretraining uses train alone, so the base has never seen e.g.
+    "red circle" in any caption; RL then meets the held-out pairs inside relation prompts (as
+    GenEval-style RL prompt sets share their objects and colours with the benchmark), while
+    every eval prompt, and every held-out single-object or counting prompt, stays unseen.
 A model trained on the train split has therefore never seen e.g. "red circle" in any prompt.
 
 `miscaption` makes a training caption wrong in one attribute (a count, the relation, or which
@@ -261,10 +266,12 @@ def split_prompts(
   if not 0 <= num_val_relations <= len(rest):
     raise ValueError(f"num_val_relations={num_val_relations} must be in 0..{len(rest)}")
   val_idx = np.sort(np.random.default_rng(seed + 1).choice(rest, num_val_relations, replace=False))
+  rl_relations = np.setdiff1d(rest, val_idx)
   return {
       "train": train,
       "eval": eval_single + [eval_rel[i] for i in idx],
       "val": [eval_rel[i] for i in val_idx],
+      "rl": train + [eval_rel[i] for i in rl_relations],
   }
 
 
