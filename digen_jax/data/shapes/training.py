@@ -27,8 +27,8 @@ from digen_jax.data.shapes import render as render_lib
 class BatchSpec:
   """What one training batch holds.
 
-  split: the prompts drawn from: 'train', 'val', 'eval' (grammar.split_prompts) or 'all' (every
-    composition; for image-only training, e.g. an autoencoder's).
+  split: the prompts drawn from: 'train', 'val', 'eval', 'rl' (grammar.split_prompts) or 'all'
+    (every composition; for image-only training, e.g. an autoencoder's).
   single_fraction: share of single-object prompts (< 0: uniform over the split; the train split is
     ~93% relation prompts, so uniform sampling would starve counting).
   caption_noise: share of pairs whose caption is wrong in one attribute, drawn uniformly among
