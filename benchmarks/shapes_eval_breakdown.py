@@ -36,7 +36,8 @@ def breakdown(per_prompt: dict[str, dict[str, float]]) -> dict[str, float]:
   groups: dict[str, list[float]] = {}
   for prompt, d in per_prompt.items():
     g = group_of(prompt)
-    for key in {'all', g, 'single' if g.startswith('single') else g}:
+    keys = ['all', g] + (['single'] if g.startswith('single') else [])
+    for key in keys:
       groups.setdefault(key, []).append(float(d['pass_rate']))
   out = {k: sum(v) / len(v) for k, v in sorted(groups.items())}
   out.update({f'n_{k}': len(v) for k, v in sorted(groups.items())})

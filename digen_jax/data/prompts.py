@@ -4,7 +4,7 @@ Two builders (both `tfds.core.GeneratorBasedBuilder`, written with file_format='
 tfds 4.9.10 writing array_record and reading it through `tfds.data_source` need no TensorFlow,
 only `tfds.load` / `as_dataset` do, and we never call them):
 
-  ShapesBench  ('shapes_bench')      splits train / eval / val / rl of digen_jax.data.shapes.grammar;
+  ShapesBench  ('shapes_bench')      splits train / eval / val / rl of data.shapes.grammar;
       features: prompt, kind ('single' | 'relation'), color_a, shape_a, count_a, color_b,
       shape_b, relation ('' where absent), background.
   PromptFile   ('prompt_file/<name>') a user's text file(s) of prompts, one per line (surrounding
@@ -144,7 +144,7 @@ def shapes_record(p: ShapesPrompt) -> dict[str, Any]:
 
 
 class ShapesBench(tfds.core.GeneratorBasedBuilder):
-  """ShapesBench prompts: compositional train/eval/val/rl split (see digen_jax.data.shapes.grammar)."""
+  """ShapesBench prompts: compositional train/eval/val/rl split (digen_jax.data.shapes.grammar)."""
 
   VERSION = tfds.core.Version("1.2.0")
   RELEASE_NOTES = {
