@@ -11,9 +11,9 @@ autoencoder assets/shapes_ae; configs/shapes_pretrain.py:ae) draws every shape, 
 but binds them to the prompt only partly; RL draws its prompts from the 'rl' split (train plus
 held-out relation prompts, none of them an eval or val prompt); the reward is the pure-code
 checker's margin-smoothed partial credit on the decoded 32 px images; eval is strict accuracy on
-the held-out eval compositions with deterministic ODE sampling. `:pixel` is the first base (assets/shapes_base,
-16 px pixel space), which cannot draw a square (benchmarks/RESULTS.md); the ladder and simulator
-figures of benchmarks/RESULTS.md were measured on it and name it.
+the held-out eval compositions with deterministic ODE sampling. `:pixel` is the first base
+(assets/shapes_base, 16 px pixel space), which cannot draw a square (benchmarks/RESULTS.md); the
+ladder and simulator figures of benchmarks/RESULTS.md were measured on it and name it.
 """
 
 from digen_jax import configlib
