@@ -59,6 +59,7 @@ def get_config(arg: str | None = None):
   p.text_dropout = 0.0  # > 0 trains the empty prompt too (enables CFG); off: RL uses no CFG
   p.single_fraction = 0.5  # share of single-object prompts per batch (train split is ~7%
   # singles); < 0 = uniform over the split's prompts
+  p.single_count_weights = ''  # e.g. '1,2,3': weights of counts 1..3 among singles ('' = equal)
   p.image_size = 16  # must equal latent.height == latent.width
   p.caption_noise = 0.0  # share of pairs whose caption is wrong in one attribute
   p.caption_noise_kinds = 'count,relation,binding'  # grammar.MISCAPTION_KINDS to draw from

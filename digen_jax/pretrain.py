@@ -161,11 +161,21 @@ def batch_spec(config: ml_collections.ConfigDict) -> training_data.BatchSpec:
   """The training-pair stream config.pretrain describes."""
   p = config.pretrain
   kinds = tuple(k.strip() for k in str(p.caption_noise_kinds).split(',') if k.strip())
+  count_weights = None
+  if str(p.single_count_weights).strip():
+    try:
+      count_weights = tuple(float(w) for w in str(p.single_count_weights).split(','))
+    except ValueError:
+      raise ValueError(
+          f'single_count_weights={p.single_count_weights!r}: give comma-separated numbers, '
+          "e.g. '1,2,3' ('' = uniform)"
+      ) from None
   return training_data.BatchSpec(
       batch=int(p.batch),
       size=int(p.image_size),
       seed=int(config.seed),
       single_fraction=float(p.single_fraction),
+      single_count_weights=count_weights,
       caption_noise=float(p.caption_noise),
       noise_kinds=kinds,
   )

@@ -160,6 +160,16 @@ def test_bad_caption_noise_is_a_config_error():
   with pytest.raises(ValueError, match="noise_kinds=.*'colour'"):
     pretrain.validate(c)
   c = shapes_pretrain.get_config('test')
+  c.pretrain.single_count_weights = '1,two,3'
+  with pytest.raises(ValueError, match="config.pretrain: single_count_weights='1,two,3'"):
+    pretrain.validate(c)
+  c.pretrain.single_count_weights = '1,3'
+  with pytest.raises(ValueError, match='config.pretrain: single_count_weights=.*give 3 finite'):
+    pretrain.validate(c)
+  c.pretrain.single_count_weights = '1, 3, 5'
+  pretrain.validate(c)
+  assert pretrain.batch_spec(c).single_count_weights == (1.0, 3.0, 5.0)
+  c = shapes_pretrain.get_config('test')
   c.pretrain.data_workers = -1
   with pytest.raises(ValueError, match='config.pretrain.data_workers'):
     pretrain.validate(c)

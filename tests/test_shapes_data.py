@@ -271,6 +271,29 @@ def test_training_batches_are_deterministic_noisy_and_never_name_held_out_pairs(
     T.BatchSpec(batch=4, size=16, seed=0, caption_noise=1.5)
 
 
+def test_single_count_weights_set_each_counts_share_of_the_singles():
+  from digen_jax.data.shapes import training as T
+
+  def count_shares(weights):
+    spec = T.BatchSpec(batch=4000, size=16, seed=4, single_count_weights=weights)
+    drawn = T.sample_prompts(spec, np.random.default_rng(0), spec.batch)
+    singles = [p for p in drawn if not p.is_relation]
+    counts = np.bincount([p.objects[0].count for p in singles], minlength=4)[1:]
+    return counts / counts.sum(), singles
+
+  equal, _ = count_shares(None)
+  np.testing.assert_allclose(equal, [1 / 3] * 3, atol=0.04)  # the split holds every count alike
+  skewed, singles = count_shares((1.0, 3.0, 5.0))
+  np.testing.assert_allclose(skewed, [1 / 9, 3 / 9, 5 / 9], atol=0.04)
+  only_three, _ = count_shares((0.0, 0.0, 1.0))
+  assert only_three.tolist() == [0.0, 0.0, 1.0]
+  # Within a count every prompt stays drawable: all shapes, colours and backgrounds appear.
+  assert {p.objects[0].shape for p in singles} == set(G.SHAPES)
+  for bad in ((1.0, 2.0), (0.0, 0.0, 0.0), (1.0, -1.0, 1.0), (1.0, float("nan"), 1.0)):
+    with pytest.raises(ValueError, match="single_count_weights"):
+      T.BatchSpec(batch=4, size=16, seed=0, single_count_weights=bad)
+
+
 def test_batch_stream_workers_yield_the_in_process_batches():
   from digen_jax.data.shapes import training as T
 

@@ -31,6 +31,9 @@ class BatchSpec:
     (every composition; for image-only training, e.g. an autoencoder's).
   single_fraction: share of single-object prompts (< 0: uniform over the split; the train split is
     ~93% relation prompts, so uniform sampling would starve counting).
+  single_count_weights: relative weights of counts 1..grammar.MAX_COUNT among the single-object
+    prompts (None: uniform over the split's singles, i.e. equal weights). Counting three objects is
+    the hardest thing a single-object prompt asks, so a base may weight it up.
   caption_noise: share of pairs whose caption is wrong in one attribute, drawn uniformly among
     `noise_kinds` that apply to the prompt (grammar.MISCAPTION_KINDS).
   shape_maps: also return each image's per-shape coverage maps (render.shape_coverage).
@@ -42,6 +45,7 @@ class BatchSpec:
   seed: int
   split: str = 'train'
   single_fraction: float = 0.5
+  single_count_weights: tuple[float, ...] | None = None
   caption_noise: float = 0.0
   noise_kinds: tuple[str, ...] = grammar.MISCAPTION_KINDS
   shape_maps: bool = False
@@ -57,6 +61,16 @@ class BatchSpec:
       raise ValueError(
           f'noise_kinds={self.noise_kinds!r}: use a non-empty subset of '
           f'{grammar.MISCAPTION_KINDS}'
+      )
+    weights = self.single_count_weights
+    if weights is not None and (
+        len(weights) != grammar.MAX_COUNT
+        or not all(np.isfinite(w) and w >= 0 for w in weights)
+        or sum(weights) <= 0
+    ):
+      raise ValueError(
+          f'single_count_weights={weights!r}: give {grammar.MAX_COUNT} finite weights >= 0 '
+          f'(counts 1..{grammar.MAX_COUNT}, not all zero), e.g. (1, 2, 3)'
       )
 
 
@@ -79,6 +93,19 @@ class _Pools:
   singles: list[grammar.ShapesPrompt]
   relations: list[grammar.ShapesPrompt]
   everything: list[grammar.ShapesPrompt]
+
+  def single_probabilities(self, count_weights: tuple[float, ...]) -> np.ndarray:
+    """[len(singles)] draw probabilities giving count c the share count_weights[c - 1]."""
+    counts = np.array([p.objects[0].count for p in self.singles])
+    weights = np.asarray(count_weights, np.float64)[counts - 1]
+    per_count = np.bincount(counts, minlength=len(count_weights) + 1)[counts]
+    probs = weights / per_count  # each count's weight shared by its prompts
+    if not probs.sum() > 0:
+      raise ValueError(
+          f'single_count_weights={count_weights!r} give every single-object prompt of this '
+          'split weight 0'
+      )
+    return probs / probs.sum()
 
 
 _POOLS: dict[str, _Pools] = {}
@@ -103,11 +130,13 @@ def sample_prompts(spec: BatchSpec, rng: np.random.Generator, n: int) -> list[gr
   if spec.single_fraction < 0:
     return [pools.everything[i] for i in rng.integers(0, len(pools.everything), n)]
   is_single = rng.random(n) < spec.single_fraction
+  if spec.single_count_weights is None:
+    draw_single = lambda: pools.singles[rng.integers(len(pools.singles))]
+  else:
+    probs = pools.single_probabilities(spec.single_count_weights)
+    draw_single = lambda: pools.singles[rng.choice(len(probs), p=probs)]
   return [
-      pools.singles[rng.integers(len(pools.singles))]
-      if s
-      else pools.relations[rng.integers(len(pools.relations))]
-      for s in is_single
+      draw_single() if s else pools.relations[rng.integers(len(pools.relations))] for s in is_single
   ]
 
 
