@@ -86,7 +86,7 @@ def _spawn(workload: str, cores: list[int], seconds: float) -> list[dict]:
 
 
 def measure(seconds: float) -> dict:
-  """{workload: {'alone': {core: s}, 'together': {core: s}, 'slowdown': {core: ratio}}}."""
+  """{workload: {'alone_s': {core: s}, 'together_s': {core: s}, 'slowdown': {core: ratio}}}."""
   if len(os.sched_getaffinity(0)) < 2:
     raise RuntimeError('core_contention needs two cores (cores 0 and 1)')
   out = {}

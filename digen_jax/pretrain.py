@@ -168,7 +168,7 @@ def batch_spec(config: ml_collections.ConfigDict) -> training_data.BatchSpec:
     except ValueError:
       raise ValueError(
           f'single_count_weights={p.single_count_weights!r}: give comma-separated numbers, '
-          "e.g. '1,2,3' ('' = uniform)"
+          "e.g. '1,2,3' ('' = equal weights)"
       ) from None
   return training_data.BatchSpec(
       batch=int(p.batch),

@@ -21,7 +21,7 @@ def _leaves(folder):
   return jax.tree.leaves(params_io.load_params(folder)[1])
 
 
-def test_endpoints_midpoint_and_provenance(tmp_path):
+def test_an_endpoint_a_mix_and_provenance(tmp_path):
   # A and B: the shipped latent base and a copy of it scaled by 3 (same architecture).
   cfg, params, extra = params_io.load_params(LATENT_BASE)
   tripled = params_io.save_params(
