@@ -75,7 +75,13 @@ def setup():
   import jax  # pylint: disable=g-import-not-at-top
   from digen_jax import compile_cache  # pylint: disable=g-import-not-at-top
 
+  from digen_jax import figures  # pylint: disable=g-import-not-at-top
+
   quiet_library_logs()
+  try:
+    figures.enabled()  # a bad DIGEN_PLOTS fails here, not after the run
+  except ValueError as e:
+    fail(str(e))
   compile_cache.enable()
   config, workdir = config_and_workdir()
   n = config.runtime.num_devices or jax.local_device_count()

@@ -1,4 +1,5 @@
-"""End-of-run report: reward.png (reward and eval accuracy against step) and a short summary."""
+"""End-of-run report: reward.png (reward and eval accuracy against step; unless DIGEN_PLOTS=0,
+digen_jax/figures.py) and a short summary."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from absl import logging
 
 from digen_jax import evaluation
+from digen_jax import figures
 from digen_jax import metrics as metrics_lib
 
 ACC = 'eval/strict_accuracy'
@@ -89,7 +91,8 @@ def write_before_after(workdir: str, summary: dict) -> str | None:
 
 def finish(workdir: str) -> dict:
   rows = metrics_lib.read_metrics(workdir)
-  plot(rows, os.path.join(workdir, 'reward.png'))
+  if figures.enabled():
+    plot(rows, os.path.join(workdir, 'reward.png'))
   summary = summarize(rows)
   grid = write_before_after(workdir, summary)
   if grid:

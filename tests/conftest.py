@@ -30,6 +30,10 @@ if "DIGEN_COMPILATION_CACHE" not in os.environ:  # a cold cache per session, nev
   # dozen sub-0.5 s programs (about 1 s a process).
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+# The session's runs skip reward.png and timeline.png (about a second each: matplotlib); the
+# tests that check the figures ask for them with the `plots` fixture.
+os.environ.setdefault("DIGEN_PLOTS", "0")
+
 if "DIGEN_DATA_DIR" not in os.environ:  # prompt datasets: one folder for the session's runs
   # A run whose config leaves data.data_dir empty prepares ShapesBench here once (under a lock)
   # instead of in every test's workdir (~0.6 s a run). Tests about a run's own data folder set
@@ -85,3 +89,9 @@ def pytest_collection_modifyitems(items):
         f"serial tests in {missed}, but tests/run.py.serial_files() does not find them: mark "
         f"them with the text {run.SERIAL_MARK!r}"
     )
+
+
+@pytest.fixture
+def plots(monkeypatch):
+  """DIGEN_PLOTS=1 for this test and the processes it starts: the runs draw their figures."""
+  monkeypatch.setenv("DIGEN_PLOTS", "1")

@@ -119,7 +119,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, match):
 
 
 @pytest.mark.slow
-def test_short_ladder_one_process(tmp_path, capsys):
+def test_short_ladder_one_process(tmp_path, capsys, plots):
   out = tmp_path / 'ladder'  # DESIGN.md §5's form: --out FILE.json, the rest under FILE/
   code = ladder.main(
       [
@@ -169,6 +169,7 @@ def test_short_ladder_one_process(tmp_path, capsys):
     assert (r['timeline'] is not None) == os.path.isfile(src)
     if r['timeline']:
       assert open(r['timeline'], 'rb').read() == open(src, 'rb').read()
+  assert any(r['timeline'] for r in result['rows'])  # the `plots` fixture: runs draw them
 
 
 def test_ladder_accepts_the_flux_config(tmp_path):

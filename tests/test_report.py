@@ -2,12 +2,15 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from digen_jax import evaluation
+from digen_jax import figures
 from digen_jax import metrics as metrics_lib
 from digen_jax import report
 from digen_jax.data.shapes import grammar
@@ -33,7 +36,7 @@ def _result(prompts, images, n_per):
   }
 
 
-def test_reports_and_before_after(tmp_path):
+def test_reports_and_before_after(tmp_path, plots):
   prompts = [p.to_text() for p in grammar.split_prompts()['eval'][:6]]
   n_per = 2
   truth = render.render_batch([grammar.parse(p) for p in prompts for _ in range(n_per)], 16, seed=0)
@@ -65,3 +68,32 @@ def test_reports_and_before_after(tmp_path):
         str(tmp_path / 'other' / 'eval_000010.npz'),
         str(tmp_path / 'x.png'),
     )
+
+
+def test_digen_plots_0_skips_the_figures_and_a_bad_value_is_one_line(tmp_path, monkeypatch):
+  writer = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False)
+  writer.write({'step': 1, 'reward_mean': 0.5, 'wall_s': 1.0})
+  writer.close()
+  monkeypatch.setenv('DIGEN_PLOTS', '0')
+  assert report.finish(str(tmp_path))['last_reward_mean'] == 0.5
+  assert os.path.isfile(tmp_path / 'summary.json') and not os.path.exists(tmp_path / 'reward.png')
+  monkeypatch.setenv('DIGEN_PLOTS', 'no')
+  with pytest.raises(ValueError, match="DIGEN_PLOTS='no': use 1"):
+    figures.enabled()
+  # The CLI refuses it before it builds anything.
+  wd = tmp_path / 'run'
+  r = subprocess.run(
+      [
+          sys.executable,
+          '-m',
+          'digen_jax.main',
+          '--config=configs/qwenimage.py:tiny',
+          f'--workdir={wd}',
+      ],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
+  assert r.returncode != 0 and "DIGEN_PLOTS='no'" in r.stderr, r.stderr[-2000:]
+  assert not wd.exists()

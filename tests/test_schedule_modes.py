@@ -188,7 +188,7 @@ def _slow_reward(exp, seconds):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('unit, m', [('sample', 4), ('group', 2)])
-def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit, m):
+def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit, m, plots):
   """GAP (M fragments) + TSP + TAG/BTS in one process (trainer devices 0-1, rollout 2-3,
   the rollout a thread): same parameters as colocated after 3 steps, whoever sampled what."""
   wd = str(tmp_path / 'run')
@@ -230,7 +230,7 @@ def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit,
 
 @pytest.mark.slow
 @pytest.mark.parametrize('wait_for_pull', [False, True])
-def test_gap_tsp_tag_two_processes_equal_colocated(colocated_ref, tmp_path, wait_for_pull):
+def test_gap_tsp_tag_two_processes_equal_colocated(colocated_ref, tmp_path, wait_for_pull, plots):
   """launch/local.py, process 0 trains and process 1 rolls out (2 CPU devices each), GAP by
   sample (M=4) + TSP + TAG: same parameters as colocated; both roles' spans in one trace. The
   rollout's hand-over mode (schedule.wait_for_pull) changes when fragments move, not what."""

@@ -55,7 +55,7 @@ def test_main_job_samples_the_model_its_base_was_pretrained_as():
 
 @pytest.mark.slow
 @pytest.mark.parametrize('variant', ['', ':disagg'])
-def test_shapes_main_job_runs_from_another_cwd(tmp_path, variant):
+def test_shapes_main_job_runs_from_another_cwd(tmp_path, variant, plots):
   wd = tmp_path / 'run'
   cmd = [
       sys.executable,

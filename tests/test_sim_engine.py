@@ -196,3 +196,73 @@ def test_an_asynchronous_checkpoint_costs_only_where_the_trainer_is_busy():
     assert b['wall_s'] == pytest.approx(a['wall_s'] + 0.5 - 0.2)
   names = {s.program for s in run(engine.StepCosts(**bound, checkpoint=0.5), gap).spans}
   assert 'checkpoint' not in names  # host work: no device span, no utilization
+
+
+def _mp2_profile(checkpoint: float) -> dict:
+  B, n = 16, 4
+  seconds = {
+      f'rollout+reward/{B}': 1.2,
+      f'rollout/{B}': 1.0,
+      f'update/{B}': 0.8,
+      f'move/{B}': 0.01,
+      'publish': 0.02,
+      'pull': 0.01,
+      'checkpoint_block': 0.01,
+      'checkpoint': checkpoint,
+      f'rollout/{n}': 0.3,
+      f'reward/{n}': 0.05,
+      f'handover/{n}': 0.01,
+      f'grad_tsp/{n}': 0.2,
+      f'adv/{n}': 0.001,
+      'apply': 0.02,
+      f'encode/{n}': 0.001,
+      f'tag_rollout/{n}': 0.3,
+      f'tag_reward/{n}': 0.05,
+      'begin': 0.001,
+  }
+  layout = dict(trainer_devices=1, rollout_devices=1, shared=False, colocated=False)
+  prof = dict(layout, batch=B, fragment=n, fragments=4, group_size=4, checkpoint_every=1)
+  return {'layouts': {'mp2': dict(prof, seconds=seconds)}}
+
+
+def _span(name, step, seconds):
+  return {'ph': 'X', 'name': name, 'dur': seconds * 1e6, 'args': {'step': step}}
+
+
+def test_span_seconds_average_each_program_after_the_first_step():
+  events = [_span('grad', 0, 9.0), _span('grad', 1, 0.2), _span('grad', 2, 0.4)]
+  events += [_span('rollout', 1, 0.3), {'ph': 'M', 'name': 'process_name', 'args': {}}]
+  assert predict.span_seconds(events) == pytest.approx({'grad': 0.3, 'rollout': 0.3})
+
+
+def test_a_rung_simulated_at_its_measured_spans():
+  """Spans equal to the profile give the profile's prediction; slower gradients in the run give
+  fewer samples/s, and the ratio per program says which program ran slower."""
+  kw = dict(rungs=('disagg', 'tsp'), variants=('mp2',), steps=4, fragments=4)
+  prof = _mp2_profile(checkpoint=0.0)
+  # The spans as the profile timed the programs: the full batch's sampling and update; a
+  # fragment's sampling, advantages + TSP gradient, and the optimizer step.
+  same = {
+      'mp2-disagg': {'rollout': 1.0, 'update': 0.8},
+      'mp2-tsp': {'rollout': 0.3, 'grad': 0.201, 'apply': 0.02},
+  }
+  rows = predict.predict_ladder(prof, measured_spans=same, **kw)['rows']
+  for r in rows:
+    assert r['samples_per_s_at_spans'] == pytest.approx(r['samples_per_s'], rel=1e-6), r['name']
+    assert all(v == pytest.approx(1.0) for v in r['spans_vs_profile'].values())
+  slow = {'mp2-tsp': {'grad': 2 * 0.201}}  # this rung is trainer-bound
+  tsp = predict.predict_ladder(prof, measured_spans=slow, **kw)['modes']['gap_tsp']
+  assert tsp['samples_per_s_at_spans'] < 0.9 * tsp['samples_per_s']
+  assert tsp['spans_vs_profile']['grad'] == pytest.approx(2.0)
+  assert tsp['spans_vs_profile']['rollout'] == pytest.approx(1.0)  # not measured: profiled
+  # The checkpoint's background work is in the measured spans already: not added again.
+  busy = _mp2_profile(checkpoint=0.5)
+  costs = predict.at_measured_spans(
+      busy['layouts']['mp2'], 'mp2', predict.rung_schedule('tsp', 4, 'group', 0.5), same['mp2-tsp']
+  )
+  assert costs.checkpoint == 0.0 and costs.grad == 0.201
+  shared = dict(busy['layouts']['mp2'], shared=True)
+  with pytest.raises(ValueError, match='shares cores'):
+    predict.at_measured_spans(
+        shared, 'sp', predict.rung_schedule('tsp', 4, 'group', 0.5), same['mp2-tsp']
+    )

@@ -43,7 +43,7 @@ def test_tracer_utilization_per_step_windows_skips_the_past_not_late_spans():
   assert tracer.spans[0].t0 == 0.0  # nothing is dropped from the trace itself
 
 
-def test_tracer_records_device_synchronised_spans_and_writes_files(tmp_path):
+def test_tracer_records_device_synchronised_spans_and_writes_files(tmp_path, plots, monkeypatch):
   tracer = trace.Tracer()
   devs = jax.devices()[:2]
   x = jax.numpy.ones((256, 256))
@@ -75,6 +75,12 @@ def test_tracer_records_device_synchronised_spans_and_writes_files(tmp_path):
   assert d['decisions'][0]['action'] == 'insert'
   assert any(e['ph'] == 'i' for e in d['traceEvents'])
   assert os.path.getsize(tmp_path / 'timeline.png') > 1000
+  # DIGEN_PLOTS=0 (digen_jax/figures.py): the trace without its figure.
+  monkeypatch.setenv('DIGEN_PLOTS', '0')
+  quiet = tmp_path / 'quiet'
+  quiet.mkdir()
+  tracer.write(str(quiet), title='test')
+  assert os.path.isfile(quiet / 'trace.json') and not os.path.exists(quiet / 'timeline.png')
 
 
 def test_disabled_tracer_writes_nothing(tmp_path):

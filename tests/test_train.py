@@ -18,7 +18,7 @@ def _cli(workdir, *flags):
 
 
 @pytest.mark.slow
-def test_cli_writes_metrics_samples_and_evals_and_the_eval_cli_agrees(tmp_path):
+def test_cli_writes_metrics_samples_and_evals_and_the_eval_cli_agrees(tmp_path, plots):
   """One CLI run checks the training rows, the sample grid, TensorBoard, the progress line, the
   periodic eval and its report; then the eval CLI reproduces the in-training eval."""
   wd = tmp_path / 'run'

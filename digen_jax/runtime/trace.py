@@ -23,6 +23,8 @@ from typing import Any, Iterable, Sequence
 
 import jax
 
+from digen_jax import figures
+
 
 @dataclasses.dataclass(frozen=True)
 class Span:
@@ -119,12 +121,13 @@ class Tracer:
     return utilization(spans[skip:], t0, t1, num_devices)
 
   def write(self, workdir: str, *, title: str = '') -> None:
-    """<workdir>/trace.json and <workdir>/timeline.png."""
+    """<workdir>/trace.json and <workdir>/timeline.png (unless DIGEN_PLOTS=0)."""
     if not self.enabled:
       return
     spans, decisions = self.spans, self.decisions
     write_chrome_trace(os.path.join(workdir, 'trace.json'), spans, decisions)
-    write_timeline(os.path.join(workdir, 'timeline.png'), spans, title=title)
+    if figures.enabled():
+      write_timeline(os.path.join(workdir, 'timeline.png'), spans, title=title)
 
 
 def _merged_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

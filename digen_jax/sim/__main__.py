@@ -53,17 +53,33 @@ def parse_args(argv):
   return a
 
 
+def measured_spans(ladder: dict) -> dict[str, dict[str, float]]:
+  """Run name -> predict.span_seconds of its trace, for the ladder's runs whose workdir still
+  holds one (schedule.trace; benchmarks/ladder.py turns it on)."""
+  out = {}
+  for row in ladder.get('rows', []):
+    path = os.path.join(row.get('workdir') or '', 'trace.json')
+    if row.get('status') == 'ok' and os.path.isfile(path):
+      with open(path) as f:
+        out[row['name']] = predict.span_seconds(json.load(f)['traceEvents'])
+  return out
+
+
 def format_comparison(cmp: dict) -> str:
   out = [
       f'{"variant":8} {"mode":18} {"measured":>9} {"predicted":>9} {"error":>7} '
-      f'{"util m":>7} {"util p":>7}'
+      f'{"util m":>7} {"util p":>7}  at measured spans (error; spans / profile)'
   ]
   for x in cmp['lines']:
     mu = x['measured_util']
+    at = ''
+    if 'sps_at_spans' in x:
+      ratios = ' '.join(f'{k} {v:.2f}' for k, v in x['spans_vs_profile'].items())
+      at = f'  {x["sps_at_spans"]:.2f} ({100 * x["sps_error_at_spans"]:+.1f}%; {ratios})'
     out.append(
         f'{x["variant"]:8} {x["mode"]:18} {x["measured_sps"]:9.2f} '
         f'{x["predicted_sps"]:9.2f} {100 * x["sps_error"]:+6.1f}% '
-        f'{mu if mu is None else round(mu, 3)!s:>7} {x["predicted_util"]:7.3f}'
+        f'{mu if mu is None else round(mu, 3)!s:>7} {x["predicted_util"]:7.3f}{at}'
     )
   out.append(
       f'samples/s: mean |error| {100 * cmp["sps_mae"]:.1f}%, largest '
@@ -77,6 +93,11 @@ def main(argv=None) -> int:
   a = parse_args(sys.argv[1:] if argv is None else argv)
   with open(a.profile) as f:
     profile = json.load(f)
+  measured, spans = None, {}
+  if a.measured:
+    with open(a.measured) as f:
+      measured = json.load(f)
+    spans = measured_spans(measured)
   try:
     pred = predict.predict_ladder(
         profile,
@@ -86,6 +107,7 @@ def main(argv=None) -> int:
         fragments=a.fragments,
         unit=a.fragment_unit,
         tcss_fraction=a.tcss_fraction,
+        measured_spans=spans,
     )
   except ValueError as e:
     print(f'digen_jax.sim: {e}', file=sys.stderr)
@@ -117,9 +139,7 @@ def main(argv=None) -> int:
       'variant': a.variants[0] if a.variants else '-',
       **pred,
   }
-  if a.measured:
-    with open(a.measured) as f:
-      measured = json.load(f)
+  if measured is not None:
     doc['comparison'] = predict.compare(pred, measured, a.variants)
     print(format_comparison(doc['comparison']))
   with open(a.json, 'w') as f:

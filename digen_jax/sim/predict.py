@@ -23,6 +23,9 @@ rung's StepCosts (what each runtime loop does between its programs):
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+
 from digen_jax.sim import engine
 
 RUNGS = ('colocated', 'disagg', 'gap', 'tsp', 'tag', 'tcss')
@@ -127,6 +130,56 @@ def step_costs(
   )
 
 
+def span_seconds(events: list[dict], skip_steps: int = 1) -> dict[str, float]:
+  """Mean seconds of each program's spans in a run's trace (runtime/trace.py's Chrome 'X'
+  events: name, dur in microseconds, args.step), the steps below `skip_steps` left out (they
+  compile and warm up). The mean, not the median: a span slowed by the checkpoint's
+  background work beside it counts as often as it happens."""
+  durations: dict[str, list[float]] = {}
+  for e in events:
+    if e.get('ph') == 'X' and e.get('args', {}).get('step', 0) >= skip_steps:
+      durations.setdefault(e['name'], []).append(e['dur'] / 1e6)
+  return {name: statistics.fmean(d) for name, d in durations.items()}
+
+
+def at_measured_spans(
+    prof: dict, layout_name: str, schedule: engine.Schedule, spans: dict[str, float]
+) -> engine.StepCosts:
+  """step_costs with each program's seconds replaced by its mean span in a measured run of the
+  same rung (span_seconds): the programs as they ran there, beside each other. The checkpoint's
+  background job is dropped, since the spans it slowed already hold it. Simulating these costs
+  separates a prediction's error into the programs' times (profile vs run) and the rest (the
+  schedule, host work no span covers). Not for a layout whose roles share cores at once (sp):
+  there the engine would slow the measured spans a second time."""
+  if prof['shared'] and not prof['colocated']:
+    raise ValueError(f'layout {layout_name!r} shares cores between roles: its spans are slowed')
+  costs = step_costs(prof, layout_name, schedule)
+  s, B, n = prof['seconds'], prof['batch'], prof['fragment']
+  span = lambda name, default: spans.get(name, default)
+  if schedule.synchronous:
+    # The full-batch rollout's span is the sampling; scoring and advantages follow it.
+    scoring = _get(s, f'rollout+reward/{B}', layout_name) - _get(s, f'rollout/{B}', layout_name)
+    return dataclasses.replace(
+        costs,
+        rollout=span('rollout', costs.rollout - scoring) + scoring,
+        grad=span('update', costs.grad),
+        publish=span('publish', costs.publish),
+        checkpoint=0.0,
+    )
+  tag_rollout = costs.tag_rollout
+  if 'tag_rollout' in spans:  # the span is the sampling; encode and scoring are around it
+    tag_rollout += spans['tag_rollout'] - _get(s, f'tag_rollout/{n}', layout_name)
+  return dataclasses.replace(
+      costs,
+      rollout=span('rollout', costs.rollout),
+      grad=span('grad', costs.grad),  # the span holds the advantages and the gradient
+      apply=span('apply', costs.apply),
+      tag_rollout=tag_rollout,
+      publish=span('publish', costs.publish),
+      checkpoint=0.0,
+  )
+
+
 def layout_of(prof: dict, cores: int = 0) -> engine.Layout:
   """The profiled layout; a shared one with the host's `cores` when the programs' core use is
   known (0: each program fills the host)."""
@@ -149,9 +202,14 @@ def predict_ladder(
     fragments: int = 16,
     unit: str = 'group',
     tcss_fraction: float = 0.5,
+    measured_spans: dict[str, dict[str, float]] | None = None,
 ) -> dict:
   """Simulates every (rung, variant) the ladder runs. Returns {'rows': [...], 'modes': ...,
-  'modes_by_variant': ...} with the ladder's keys (DESIGN.md §5)."""
+  'modes_by_variant': ...} with the ladder's keys (DESIGN.md §5).
+
+  measured_spans: run name ('mp2-tag', ...) -> span_seconds of its measured run; each such
+  row of a layout that does not share cores is simulated a second time at_measured_spans
+  ('samples_per_s_at_spans', 'spans_vs_profile': each program's measured / profiled seconds)."""
   layouts = profile['layouts']
   rows = []
   for rung in rungs:
@@ -181,6 +239,19 @@ def predict_ladder(
           **result.summary(),
           'result': result,
       }
+      spans = (measured_spans or {}).get(row['name'])
+      if spans and (prof['colocated'] or not prof['shared']):
+        costs = step_costs(prof, name, schedule)
+        measured = at_measured_spans(prof, name, schedule, spans)
+        again = engine.simulate(
+            measured, layout_of(prof), schedule, groups=B // gs, group_size=gs, steps=steps
+        )
+        row['samples_per_s_at_spans'] = again.summary()['samples_per_s']
+        row['spans_vs_profile'] = {
+            f: getattr(measured, f) / getattr(costs, f)
+            for f in ('rollout', 'grad', 'apply', 'tag_rollout', 'publish')
+            if getattr(costs, f) and getattr(measured, f) is not None
+        }
       rows.append(row)
   _add_ratios(rows)
   out = {'rows': rows, 'modes_by_variant': {v: _modes(rows, v) for v in variants}}
@@ -200,7 +271,15 @@ def _modes(rows: list[dict], variant: str) -> dict:
   return {
       MODE_KEYS[r['rung']]: {
           k: r.get(k)
-          for k in ('samples_per_s', 'utilization', 'x_colocated', 'x_disagg', 'bts_inserts')
+          for k in (
+              'samples_per_s',
+              'utilization',
+              'x_colocated',
+              'x_disagg',
+              'bts_inserts',
+              'samples_per_s_at_spans',
+              'spans_vs_profile',
+          )
       }
       for r in rows
       if r['variant'] in ('-', variant)
@@ -234,6 +313,10 @@ def compare(predicted: dict, measured: dict, variants=VARIANTS) -> dict:
               ),
           }
       )
+      if p.get('samples_per_s_at_spans') is not None:
+        lines[-1]['sps_at_spans'] = p['samples_per_s_at_spans']
+        lines[-1]['sps_error_at_spans'] = p['samples_per_s_at_spans'] / m['samples_per_s'] - 1
+        lines[-1]['spans_vs_profile'] = p['spans_vs_profile']
   if not lines:
     raise ValueError('no (variant, mode) is in both the prediction and the measurement')
   errs = [abs(x['sps_error']) for x in lines]
