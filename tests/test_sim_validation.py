@@ -1,6 +1,7 @@
 """Issue 17 part 4 at CI size: the simulator, calibrated only with costs profiled on this
 machine (sim/profile.py), predicts the samples/s of real ladder runs (two processes, naive
-disaggregation and GAP+TSP+TAG) within 10% on average and 15% at worst. The full comparison
+disaggregation and GAP+TSP+TAG) within 10% on average and 15% at worst; at the programs' times
+the runs measured, within 5% (the schedule itself). The full comparison
 (balance points, a heterogeneous case, every rung) is benchmarks/sim_validation.py's, in
 benchmarks/RESULTS.md."""
 
@@ -18,8 +19,19 @@ import sim_validation  # noqa: E402
 from tests import xla_env  # noqa: E402
 
 
+def _schedule_error(cmp) -> float:
+  """The largest error of samples/s left when each rung is simulated at its run's measured spans:
+  the schedule's and the untraced host work's share (2.5% or less on 8 rungs, RESULTS.md)."""
+  return max(abs(x.get('sps_error_at_spans', float('inf'))) for x in cmp['lines'])
+
+
 def _within_targets(cmp) -> bool:
-  return cmp['sps_mae'] <= 0.10 and cmp['sps_max'] <= 0.15 and cmp['util_mae'] <= 0.10
+  return (
+      cmp['sps_mae'] <= 0.10
+      and cmp['sps_max'] <= 0.15
+      and cmp['util_mae'] <= 0.10
+      and _schedule_error(cmp) <= 0.05
+  )
 
 
 def test_profile_times_the_fragment_gradients_the_rungs_train_with():
@@ -47,12 +59,18 @@ def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
   with open(out / 'small' / 'profile.json') as f:
     seconds = json.load(f)['layouts']['mp2']['seconds']
   assert 'grad_tsp/8' in seconds and 'grad/8' not in seconds, sorted(seconds)
+  assert all('sps_at_spans' in x for x in cmp['lines']), cmp['lines']  # the runs' traces were read
+  # A miss shows how much of it the programs' own times explain (the rung simulated at the spans
+  # its run measured; python -m digen_jax.sim --measured).
   table = '\n'.join(
       f'{x["mode"]}: measured {x["measured_sps"]:.2f} predicted '
-      f'{x["predicted_sps"]:.2f} ({100 * x["sps_error"]:+.1f}%)'
+      f'{x["predicted_sps"]:.2f} ({100 * x["sps_error"]:+.1f}%); at the measured spans '
+      f'{x["sps_at_spans"]:.2f} ({100 * x["sps_error_at_spans"]:+.1f}%), spans / profile '
+      f'{x["spans_vs_profile"]}'
       for x in cmp['lines']
   )
   assert {x['mode'] for x in cmp['lines']} == {'disagg', 'gap_tsp_tag'}, table
   assert cmp['sps_mae'] <= 0.10, table
   assert cmp['sps_max'] <= 0.15, table
   assert cmp['util_mae'] <= 0.10, table
+  assert _schedule_error(cmp) <= 0.05, table
