@@ -13,13 +13,15 @@ cached word encoder, and takes one AdamW step on the flow-matching loss
 over), so the hot loop has no nnx.jit overhead. An EMA of the weights is kept (optional); evals
 and saved params use it.
 
-Evaluation (periodic and final) samples with the deterministic Euler ODE on the config's sampler
+Evaluation (periodic and final) samples with the deterministic Euler ODE (with classifier-free
+guidance when config.sampler.guidance_scale > 1, as RL's rollouts would) on the config's sampler
 schedule (`experiment.build_schedule`, the one RL uses), B samples per prompt with fixed noise,
 and scores them with the pure-code ShapesBench checker: strict accuracy (all atoms) and mean
 partial credit, on the 'val' split (held-out relations, where settings are chosen) and on a fixed
 subset of the 'train' split. The final eval adds the 'eval' split (the reported figure) and
 'singles', every single-object train prompt, with strict accuracy per shape, colour and count (the
-capability gate, `single_object_rates`); it also scores SDE rollouts (the sampler GRPO uses), to
+capability gate, `single_object_rates`, and why counted prompts miss it, `single_count_misses`);
+it also scores SDE rollouts (the sampler GRPO uses), to
 show the reward spread RL starts from.
 
 Writes under --workdir: metrics.jsonl (one row per logged step and per eval), params/ (params_io
@@ -130,6 +132,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'config.pretrain.ema={p.ema} must be in [0, 1) (0 = off)')
   if not 0.0 <= p.text_dropout < 1.0:
     raise ValueError(f'config.pretrain.text_dropout={p.text_dropout} must be in [0, 1)')
+  if config.sampler.negative_prompt.strip():
+    raise ValueError(
+        f'config.sampler.negative_prompt={config.sampler.negative_prompt!r}: text dropout trains '
+        "the empty prompt, so CFG's unconditional branch must be it; use ' ' or ''"
+    )
   if p.single_fraction > 1.0:
     raise ValueError(
         f'config.pretrain.single_fraction={p.single_fraction} must be <= 1 (< 0 = uniform)'
@@ -138,6 +145,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'config.pretrain.sigma_shift={p.sigma_shift} must be > 0 (1 = no shift)')
   if p.get('init_from'):
     experiment.checkpoint_folder(p.init_from, 'config.pretrain.init_from')
+  if config.sampler.guidance_scale > 1.0 and p.text_dropout == 0:
+    if not _warm_start_cfg_trained(config):
+      raise ValueError(
+          f'config.sampler.guidance_scale={config.sampler.guidance_scale} samples evals with CFG, '
+          'but the model never learns the empty prompt; set config.pretrain.text_dropout > 0 '
+          '(e.g. 0.15) or warm-start from a checkpoint trained with it'
+      )
   try:
     batch_spec(config)
   except ValueError as e:
@@ -155,6 +169,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
   if not (math.isfinite(p.final_lr_frac) and 0 <= p.final_lr_frac <= 1):
     raise ValueError(f'config.pretrain.final_lr_frac={p.final_lr_frac!r} must be in [0, 1]')
+
+
+def _warm_start_cfg_trained(config: ml_collections.ConfigDict) -> bool:
+  """Whether config.pretrain.init_from's checkpoint learnt the empty prompt (text dropout)."""
+  if not config.pretrain.get('init_from'):
+    return False
+  folder = experiment.checkpoint_folder(config.pretrain.init_from, 'config.pretrain.init_from')
+  return bool(params_io.read_config(folder).get('extra', {}).get('cfg_trained'))
 
 
 def batch_spec(config: ml_collections.ConfigDict) -> training_data.BatchSpec:
@@ -316,9 +338,14 @@ def make_sampler(
     img_shape: tuple[int, int, int],
     to_images: Callable,
     sde_cfg: sde_lib.SDEConfig | None = None,
+    guidance: tuple[float, bool, tuple[jax.Array, jax.Array]] | None = None,
 ) -> Callable:
   """jitted (params, x1 [B,N,C] initial noise, text, mask, key) -> images [B, S, S, 3]
   (to_images: latent_codec's decoder).
+
+  guidance None: the conditional velocity. Otherwise (scale, norm_rescale, (text [1,L,D], mask
+  [1,L]) of the negative prompt): classifier-free guidance as RL's rollouts apply it
+  (sde.cfg_velocity).
 
   sde_cfg None: deterministic Euler ODE over `sigmas` (key unused). Otherwise steps 0 … T−2 are SDE
   steps of that kind and the last one (σ → 0) is Euler, as in GRPO rollouts (rl.timesteps never
@@ -332,10 +359,17 @@ def make_sampler(
     model = nnx.merge(graphdef, params)
     b = x1.shape[0]
 
+    def velocity(_, x, s, cond):
+      return model(x, s, cond[0], cond[1], img_shape=img_shape)
+
+    scale, rescale, uncond = guidance if guidance else (None, False, None)
+    if uncond is not None:
+      uncond = tuple(jnp.broadcast_to(u, c.shape) for u, c in zip(uncond, (text, mask)))
+
     def body(x, t):
       s = jnp.broadcast_to(sig[t], (b,))
       sn = jnp.broadcast_to(sig[t + 1], (b,))
-      v = model(x, s, text, mask, img_shape=img_shape)
+      v = sde_lib.cfg_velocity(velocity, None, x, s, (text, mask), uncond, scale, rescale)
       if sde_cfg is None:
         return sde_lib.euler_step(x, v, s, sn), None
       eps = jax.random.normal(jax.random.fold_in(key, t), x.shape, jnp.float32)
@@ -387,8 +421,9 @@ def evaluate(
     )
     images.append(np.asarray(out)[: len(chunk)])
   images = np.concatenate(images, axis=0)
-  strict = shapes_checker.shapes_strict(images, texts)
-  partial = shapes_checker.shapes_reward(images, texts)
+  checked = shapes_checker.check_all(images, texts)
+  strict = np.array([r.strict for r in checked])
+  partial = np.array([r.partial for r in checked], np.float32)
   is_rel = np.array([grammar.parse(t).is_relation for t in texts])
   res = {
       'strict_accuracy': float(strict.mean()),
@@ -402,6 +437,7 @@ def evaluate(
   if is_rel.any():
     res['strict_accuracy_relation'] = float(strict[is_rel].mean())
   res.update(single_object_rates(strict, texts))
+  res.update(single_count_misses(checked, texts))
   return res, images
 
 
@@ -429,6 +465,23 @@ def single_object_rates(strict: np.ndarray, texts: Sequence[str]) -> dict[str, f
       rates[f'single/count/{n}'] = float(strict[sel].mean())
   rates['single/min'] = min(rates.values())
   return rates
+
+
+def single_count_misses(
+    checked: Sequence[shapes_checker.CheckResult], texts: Sequence[str]
+) -> dict[str, float]:
+  """Why the capability gate's counted prompts fail: among the single-object samples of each count
+  n >= 2, the share whose count atom fails ('single/miss_count/n': a missing, extra or merged
+  object) and the share whose shape atom fails ('single/miss_shape/n': some object not drawn as
+  the prompted shape). A sample can miss both."""
+  out: dict[str, float] = {}
+  parsed = [grammar.parse(t) for t in texts]
+  for n in range(2, grammar.MAX_COUNT + 1):
+    sel = [r for r, q in zip(checked, parsed) if not q.is_relation and q.objects[0].count == n]
+    if sel:
+      out[f'single/miss_count/{n}'] = float(np.mean([not r.atoms['0_count'] for r in sel]))
+      out[f'single/miss_shape/{n}'] = float(np.mean([not r.atoms['0_shape'] for r in sel]))
+  return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -514,9 +567,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   opt_state = optimizer.init(params)
   ema = jax.tree.map(jnp.copy, params) if p.ema > 0 else None
   train_step = make_train_step(graphdef, optimizer, p, img_shape)
-  ode = make_sampler(graphdef, sigmas, img_shape, to_images)
-  sde = make_sampler(graphdef, sigmas, img_shape, to_images, sde_cfg)
-  uncond = tuple(jnp.asarray(a) for a in encoder.encode(['']))
+  # The empty prompt: what text dropout trains and CFG's unconditional branch (RL's negative
+  # prompt encodes to it too).
+  uncond = tuple(jnp.asarray(a) for a in encoder.encode([config.sampler.negative_prompt]))
+  guidance = None
+  if config.sampler.guidance_scale > 1.0:
+    guidance = (float(config.sampler.guidance_scale), bool(config.sampler.norm_rescale), uncond)
+  ode = make_sampler(graphdef, sigmas, img_shape, to_images, guidance=guidance)
+  sde = make_sampler(graphdef, sigmas, img_shape, to_images, sde_cfg, guidance=guidance)
 
   key = jax.random.key(config.seed + 2)
   # Periodic evals watch val (held-out relations, where settings are chosen) and train; the eval
@@ -584,7 +642,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           'shift': float(config.sampler.shift),
           'num_steps': int(config.sampler.num_steps),
       },
-      'cfg_trained': bool(p.text_dropout > 0),
+      'cfg_trained': bool(p.text_dropout > 0) or _warm_start_cfg_trained(config),
       'weights': 'ema' if p.ema > 0 else 'raw',
   }
 

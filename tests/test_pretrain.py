@@ -200,6 +200,86 @@ def test_sde_eval_sampler_keeps_the_last_step_deterministic():
     assert np.array_equal(np.asarray(ode), np.asarray(sde)) == same, sig
 
 
+def test_eval_sampler_guidance_is_rl_cfg():
+  # One Euler step from sigma 0.8: the image is decode(x1 - 0.8 v) with v = v_u + s (v_c - v_u),
+  # v_u the velocity under the negative prompt's (text, mask), broadcast over the batch.
+  cfg, model = _tiny_model()
+  graphdef, state = nnx.split(model)
+  x1 = jax.random.normal(jax.random.key(0), (2, 16, 48))
+  text = jax.random.normal(jax.random.key(1), (2, 5, 32))
+  mask = jnp.ones((2, 5), jnp.int32)
+  uncond = (jnp.zeros((1, 5, 32)), jnp.array([[1, 0, 0, 0, 0]], jnp.int32))
+  sig = np.array([0.8, 0.0], np.float32)
+  to_images = lambda tok: latents_lib.decode_pixels(tok, 16, 16, 4)
+  got = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images, guidance=(3.0, False, uncond))(
+      state, x1, text, mask, jax.random.key(2)
+  )
+  s = jnp.full((2,), 0.8)
+  v_c = model(x1, s, text, mask, img_shape=(1, 4, 4))
+  v_u = model(
+      x1,
+      s,
+      jnp.broadcast_to(uncond[0], text.shape),
+      jnp.broadcast_to(uncond[1], mask.shape),
+      img_shape=(1, 4, 4),
+  )
+  want = to_images(x1 - 0.8 * (v_u + 3.0 * (v_c - v_u)))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+  plain = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images)(
+      state, x1, text, mask, jax.random.key(2)
+  )
+  assert np.abs(np.asarray(plain) - np.asarray(got)).max() > 1e-2
+
+
+def test_cfg_evals_need_a_model_that_learnt_the_empty_prompt(tmp_path):
+  c = shapes_pretrain.get_config('test')
+  c.sampler.guidance_scale = 2.0
+  with pytest.raises(ValueError, match='guidance_scale=2.0.*set config.pretrain.text_dropout'):
+    pretrain.validate(c)
+  c.pretrain.text_dropout = 0.15
+  pretrain.validate(c)
+  c.sampler.negative_prompt = 'blurry'
+  with pytest.raises(ValueError, match="negative_prompt='blurry'"):
+    pretrain.validate(c)
+  # A warm start inherits the flag its checkpoint was saved with.
+  c = shapes_pretrain.get_config('test')
+  c.sampler.guidance_scale = 2.0
+  mcfg = experiment.model_config_from(c)
+  _, state = nnx.split(mmdit.MMDiT(mcfg, rngs=nnx.Rngs(0)))
+  for trained in (False, True):
+    folder = str(tmp_path / f'cfg_{trained}')
+    params_io.save_params(folder, state, mcfg, {'cfg_trained': trained})
+    c.pretrain.init_from = folder
+    if trained:
+      pretrain.validate(c)
+    else:
+      with pytest.raises(ValueError, match='never learns the empty prompt'):
+        pretrain.validate(c)
+
+
+def test_single_count_misses_say_why_counted_prompts_fail():
+  from digen_jax.data.shapes import render
+  from digen_jax.rewards import shapes_checker
+
+  prompts = ['three red circles on a white background'] * 2 + [
+      'two blue squares on a white background'
+  ]
+  images = render.render_batch(
+      ['three red circles on a white background', 'two red circles on a white background']
+      + ['two blue squares on a white background'],
+      size=32,
+      seed=0,
+  )
+  checked = shapes_checker.check_all(images, prompts)
+  misses = pretrain.single_count_misses(checked, prompts)
+  assert misses == {
+      'single/miss_count/2': 0.0,
+      'single/miss_shape/2': 0.0,
+      'single/miss_count/3': 0.5,  # two circles drawn for three
+      'single/miss_shape/3': 0.0,
+  }
+
+
 def test_validate_rejects_bad_fields():
   c = shapes_pretrain.get_config('test')
   c.pretrain.image_size = 32
