@@ -2,7 +2,8 @@
 
 `layout` places objects (continuous pixel coordinates, y grows downward) with small random
 jitter of size and position; objects never overlap (their bounding boxes are at least `gap`
-pixels apart) and keep a `margin` from the border, so the outer pixel ring is pure background.
+pixels apart; counted objects at least `count_gap`, one cell of an 8 x 8 latent grid) and keep a
+`margin` from the border, so the outer pixel ring is pure background.
 Relations are geometrically strict: for "A left of B", A's box ends at least `gap` pixels
 before B's box starts, and the vertical offset of the centres is at most 0.3x the horizontal
 one (similarly for the other three relations).
@@ -69,10 +70,16 @@ def default_gap(size: int) -> float:
   return max(2.0, 0.08 * size)
 
 
+def count_gap(size: int) -> float:
+  # One cell of the base's 8 x 8 latent grid: no cell holds two counted objects, so a generator
+  # working in that grid draws them apart (at default_gap the base often merged two: issue 16).
+  return max(default_gap(size), size / 8)
+
+
 def _layout_count(prompt: ShapesPrompt, size: int, rng: np.random.Generator) -> list[Placed]:
   obj = prompt.objects[0]
   lo, hi = _EXTENT_FRAC[obj.count]
-  margin, gap = default_margin(size), default_gap(size)
+  margin, gap = default_margin(size), count_gap(size)
   scale = 1.0
   for attempt in range(_MAX_TRIES * 10):
     if attempt and attempt % _MAX_TRIES == 0:
