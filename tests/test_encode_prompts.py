@@ -96,7 +96,11 @@ def test_cache_equals_diffusers_encode_prompt(setup):
   assert not mask[:, width:].any() and not emb[:, width:].any()
   assert not emb[mask == 0].any()  # padding is exactly zero
   err = _rel_err(emb[:, :width], ref_emb)
-  assert err <= 1e-6, err
+  # The cache encodes batches of 3 prompts sorted by length, the reference one padded batch of
+  # all of them: torch's CPU kernels are not batch-invariant on every host (below 1e-6 on the AMD
+  # EPYC hosts, 8.7e-5 on an AVX-512 Intel Xeon, 2026-11-28), so this is float32 agreement, not
+  # bit equality. A wrong template, mask or drop index moves it by orders of magnitude more.
+  assert err <= 5e-4, err
   lengths = []
   for i, p in enumerate(prompts):  # and prompt by prompt
     one_emb, one_mask = _diffusers(pipe, [p])
