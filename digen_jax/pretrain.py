@@ -21,8 +21,7 @@ partial credit, on the 'val' split (held-out relations, where settings are chose
 subset of the 'train' split. The final eval adds the 'eval' split (the reported figure) and
 'singles', every single-object train prompt, with strict accuracy per shape, colour and count (the
 capability gate, `single_object_rates`, and why counted prompts miss it, `single_count_misses`);
-it also scores SDE rollouts (the sampler GRPO uses), to
-show the reward spread RL starts from.
+it also scores SDE rollouts (the sampler GRPO uses), to show the reward spread RL starts from.
 
 Writes under --workdir: metrics.jsonl (one row per logged step and per eval), params/ (params_io
 folder: params.safetensors + config.json, refreshed every save_every steps and at the end),

@@ -1,7 +1,7 @@
 """Issue 17 part 4 at CI size: the simulator, calibrated only with costs profiled on this
 machine (sim/profile.py), predicts the samples/s of real ladder runs (two processes, naive
 disaggregation and GAP+TSP+TAG) within 10% on average and 15% at worst; at the programs' times
-the runs measured, within 5% (the schedule itself). The full comparison
+the runs measured, within SCHEDULE_ERROR_MAX (the schedule itself). The full comparison
 (balance points, a heterogeneous case, every rung) is benchmarks/sim_validation.py's, in
 benchmarks/RESULTS.md."""
 
@@ -18,11 +18,13 @@ import sim_validation  # noqa: E402
 
 from tests import xla_env  # noqa: E402
 
+# 3.1% on 26 rungs on an AMD EPYC host (RESULTS.md); 5.3% on gap_tsp_tag on an Intel Xeon host.
+SCHEDULE_ERROR_MAX = 0.08
+
 
 def _schedule_error(cmp) -> float:
   """The largest error of samples/s left when each rung is simulated at its run's measured spans:
-  the schedule's and the untraced host work's share (3.1% on 26 rungs on an AMD EPYC host,
-  RESULTS.md; 5.3% on this test's gap_tsp_tag rung on an Intel Xeon host, 2026-11-28)."""
+  the schedule's and the untraced host work's share."""
   return max(abs(x.get('sps_error_at_spans', float('inf'))) for x in cmp['lines'])
 
 
@@ -31,7 +33,7 @@ def _within_targets(cmp) -> bool:
       cmp['sps_mae'] <= 0.10
       and cmp['sps_max'] <= 0.15
       and cmp['util_mae'] <= 0.10
-      and _schedule_error(cmp) <= 0.08
+      and _schedule_error(cmp) <= SCHEDULE_ERROR_MAX
   )
 
 
@@ -74,4 +76,4 @@ def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
   assert cmp['sps_mae'] <= 0.10, table
   assert cmp['sps_max'] <= 0.15, table
   assert cmp['util_mae'] <= 0.10, table
-  assert _schedule_error(cmp) <= 0.08, table
+  assert _schedule_error(cmp) <= SCHEDULE_ERROR_MAX, table
