@@ -81,13 +81,14 @@ def test_tag_inserts_when_the_rollout_is_the_bottleneck():
 
 
 def test_tag_learns_that_helping_does_not_pay():
-  # The trainer's sampling is 5x the rollout's: BTS may try once before it has measured it,
-  # then waits; the run is not slower than GAP by more than that one insertion.
+  # The trainer's sampling is 5x the rollout's: BTS may try once before it has measured it and
+  # once more (a first measurement may be a cold start), then waits; the run is not slower than
+  # GAP by more than those two insertions.
   c = engine.StepCosts(rollout=1.0, grad=0.5, apply=0.1, publish=0.1, tag_rollout=5.0)
   gap = run(c, engine.Schedule(fragments=8, tsp=True), steps=8)
   tag = run(c, engine.Schedule(fragments=8, tsp=True, tag=True), steps=8)
-  assert tag.summary()['bts_inserts'] <= 1
-  assert tag.makespan <= gap.makespan + 5.0 + 1e-9
+  assert tag.summary()['bts_inserts'] <= 2
+  assert tag.makespan <= gap.makespan + 2 * 5.0 + 1e-9
 
 
 def test_tcss_starts_stale_fragments_within_its_bound():

@@ -131,6 +131,15 @@ def test_predict_makespan_and_bts_decisions():
   dec = bts.decide(costs, now=0.0, rollout_free_at=1.0, in_flight=1, unclaimed=2, backlog=0)
   assert dec['action'] == 'insert' and dec['makespan_insert'] < dec['makespan_wait']
   assert not dec['c_tag_measured']
+  # TAG's first span is cold (its first execution on the trainer): it cannot rule TAG out alone,
+  # a second one can.
+  costs.observe('tag', 9.0)
+  dec = bts.decide(costs, now=0.0, rollout_free_at=1.0, in_flight=1, unclaimed=2, backlog=0)
+  assert dec['action'] == 'insert' and dec['c_tag'] == 1.0 and not dec['c_tag_measured']
+  costs.observe('tag', 9.0)
+  dec = bts.decide(costs, now=0.0, rollout_free_at=1.0, in_flight=1, unclaimed=2, backlog=0)
+  assert dec['action'] == 'wait' and dec['c_tag'] == 9.0 and dec['c_tag_measured']
+  costs.tag, costs.counts['tag'] = None, 0  # back to unmeasured for the speed-label cases
   # A slow trainer (speed label 0.25) would take 4x the rollout's time: not worth it.
   dec = bts.decide(
       costs, now=0.0, rollout_free_at=1.0, in_flight=1, unclaimed=1, backlog=0, trainer_speed=0.25

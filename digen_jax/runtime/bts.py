@@ -104,15 +104,22 @@ def decide(
     trainer_speed: float = 1.0,
     rollout_speed: float = 1.0,
 ) -> dict:
-  """{'action': 'insert'|'wait', 'reason', predicted makespans...}. Without a measured c_tag the
-  trainer's sampling cost is estimated from c_roll and the roles' speed labels."""
+  """{'action': 'insert'|'wait', 'reason', predicted makespans...}. Until two TAG spans are
+  measured (the first is cold), the trainer's sampling cost is at most the estimate from c_roll
+  and the roles' speed labels; `c_tag_measured` says whether a warm measurement was used."""
   rec = {'now': now, 'unclaimed': unclaimed, 'in_flight': in_flight, 'backlog': backlog}
   if unclaimed <= 0:
     return dict(rec, action='wait', reason='no unclaimed fragment')
   if costs.roll is None or costs.train is None:
     # Nothing profiled yet: no prediction is possible; wait for a measurement.
     return dict(rec, action='wait', reason='costs not profiled yet')
-  c_tag = costs.tag if costs.tag is not None else costs.roll * rollout_speed / trainer_speed
+  # c_tag is measured only when BTS inserts, so a first measurement inflated by one-time costs
+  # (the TAG program's first execution on the trainer: 3-4x its steady span on the CPU ladder)
+  # would stop the very insertions that correct it. Until a second, warm one exists, the
+  # estimate from c_roll caps it: one more insertion confirms or refutes the first.
+  prior = costs.roll * rollout_speed / trainer_speed
+  warm = costs.counts.get('tag', 0) >= 2
+  c_tag = costs.tag if warm else prior if costs.tag is None else min(costs.tag, prior)
   kw = dict(
       now=now,
       rollout_free_at=rollout_free_at,
@@ -133,7 +140,7 @@ def decide(
       makespan_insert=ins - now,
       c_roll=costs.roll,
       c_tag=c_tag,
-      c_tag_measured=costs.tag is not None,
+      c_tag_measured=warm,
       c_switch=costs.switch,
       c_train=costs.train,
       c_deliver=costs.deliver,
