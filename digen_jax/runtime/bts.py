@@ -46,6 +46,10 @@ class Costs:
     old = getattr(self, name)
     setattr(self, name, seconds if n <= 1 else (1 - self.alpha) * old + self.alpha * seconds)
 
+  def warm(self, name: str) -> bool:
+    """Whether `name`'s estimate comes from a measurement after its first (cold) one."""
+    return self.counts.get(name, 0) >= 2
+
 
 def predict_makespan(
     *,
@@ -118,8 +122,12 @@ def decide(
   # would stop the very insertions that correct it. Until a second, warm one exists, the
   # estimate from c_roll caps it: one more insertion confirms or refutes the first.
   prior = costs.roll * rollout_speed / trainer_speed
-  warm = costs.counts.get('tag', 0) >= 2
-  c_tag = costs.tag if warm else prior if costs.tag is None else min(costs.tag, prior)
+  if costs.warm('tag'):
+    c_tag = costs.tag
+  elif costs.tag is None:
+    c_tag = prior
+  else:
+    c_tag = min(costs.tag, prior)
   kw = dict(
       now=now,
       rollout_free_at=rollout_free_at,
@@ -140,7 +148,7 @@ def decide(
       makespan_insert=ins - now,
       c_roll=costs.roll,
       c_tag=c_tag,
-      c_tag_measured=warm,
+      c_tag_measured=costs.warm('tag'),
       c_switch=costs.switch,
       c_train=costs.train,
       c_deliver=costs.deliver,
