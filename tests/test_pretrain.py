@@ -460,7 +460,7 @@ def test_shapes_probe_reports_on_the_shipped_checkpoint():
 
 def test_shipped_latent_base_draws_the_shape_and_colour_it_is_asked_for():
   """assets/shapes_latent_base on assets/shapes_ae (issue 16): the shape word moves the image
-  comparably to the colour word (0.54 with 8 noises), and single objects come out as the prompted
+  comparably to the colour word (0.53 with 8 noises), and single objects come out as the prompted
   shape, never another, including the two held-out pairs among the probe's prompts (a red circle, a
   blue triangle)."""
   from digen_jax import configlib

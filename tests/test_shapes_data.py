@@ -198,6 +198,27 @@ def test_layout_counts_colours_no_overlap_margins():
         assert R._box_gap(a, b) >= gap - 1e-9
 
 
+def test_counted_objects_take_distinct_quadrants():
+  rng = np.random.default_rng(2)
+  for size in (16, 32, 64):
+    half, seen = size / 2, set()
+    for count in (2, 3):
+      p = G.parse(f"{['', '', 'two', 'three'][count]} red squares on a white background")
+      for _ in range(200):
+        objs = R.layout(p, size, rng)
+        quadrants = []
+        for q in objs:
+          x0, y0, x1, y1 = q.box
+          # Wholly inside one quadrant, half a count gap clear of each midline.
+          inner = R.count_gap(size) / 2
+          assert (x1 <= half - inner + 1e-9) or (x0 >= half + inner - 1e-9), (size, q)
+          assert (y1 <= half - inner + 1e-9) or (y0 >= half + inner - 1e-9), (size, q)
+          quadrants.append((q.cx > half, q.cy > half))
+        assert len(set(quadrants)) == count
+        seen.update(quadrants)
+    assert len(seen) == 4  # every quadrant is used
+
+
 def test_relations_geometrically_true():
   rng = np.random.default_rng(1)
   for p in _relation_prompts(200, seed=7):

@@ -2,8 +2,9 @@
 
 `layout` places objects (continuous pixel coordinates, y grows downward) with small random
 jitter of size and position; objects never overlap (their bounding boxes are at least `gap`
-pixels apart; counted objects at least `count_gap`, one cell of an 8 x 8 latent grid) and keep a
-`margin` from the border, so the outer pixel ring is pure background.
+pixels apart) and keep a `margin` from the border, so the outer pixel ring is pure background.
+Counted objects (two or three) each sit in their own quadrant of the image, at least `count_gap`
+(one cell of an 8 x 8 latent grid) from each other.
 Relations are geometrically strict: for "A left of B", A's box ends at least `gap` pixels
 before B's box starts, and the vertical offset of the centres is at most 0.3x the horizontal
 one (similarly for the other three relations).
@@ -24,7 +25,7 @@ import numpy as np
 from digen_jax.data.shapes.grammar import BACKGROUNDS, COLORS, SHAPES, ShapesPrompt, parse
 
 # Extent (bounding-box side) ranges as fractions of the image size, per layout kind.
-_EXTENT_FRAC = {1: (0.32, 0.44), 2: (0.26, 0.34), 3: (0.24, 0.30), "relation": (0.26, 0.34)}
+_EXTENT_FRAC = {1: (0.32, 0.44), 2: (0.26, 0.34), 3: (0.26, 0.34), "relation": (0.26, 0.34)}
 _MAX_TRIES = 200
 
 
@@ -79,23 +80,27 @@ def count_gap(size: int) -> float:
 def _layout_count(prompt: ShapesPrompt, size: int, rng: np.random.Generator) -> list[Placed]:
   obj = prompt.objects[0]
   lo, hi = _EXTENT_FRAC[obj.count]
-  margin, gap = default_margin(size), count_gap(size)
-  scale = 1.0
-  for attempt in range(_MAX_TRIES * 10):
-    if attempt and attempt % _MAX_TRIES == 0:
-      scale *= 0.95  # crowded draw: shrink a little rather than fail
-    placed: list[Placed] = []
-    for _ in range(obj.count):
-      e = rng.uniform(lo, hi) * size * scale
-      cx = rng.uniform(margin + e / 2, size - margin - e / 2)
-      cy = rng.uniform(margin + e / 2, size - margin - e / 2)
-      p = Placed(obj.color, obj.shape, cx, cy, e)
-      if any(_box_gap(p, q) < gap for q in placed):
-        break
-      placed.append(p)
-    if len(placed) == obj.count:
-      return placed
-  raise RuntimeError(f"could not place {obj.count} objects in a {size}px image")
+  margin = default_margin(size)
+  if obj.count == 1:
+    e = rng.uniform(lo, hi) * size
+    cx, cy = rng.uniform(margin + e / 2, size - margin - e / 2, size=2)
+    return [Placed(obj.color, obj.shape, cx, cy, e)]
+  # Counted objects each take their own quadrant (which ones is random): a box keeps `margin`
+  # from the border and half of `count_gap` from the midlines, so any two are >= count_gap apart.
+  # Free placement crowded three ~9 px objects into 32 px, and a generator on the 8 x 8 latent
+  # grid drew a fourth, partial one or merged two (issue 16).
+  half = size / 2
+  inner = count_gap(size) / 2
+  room = half - margin - inner
+  out = []
+  for quadrant in rng.choice(4, size=obj.count, replace=False):
+    e = min(rng.uniform(lo, hi) * size, room)
+    centre = []
+    for low_half in (quadrant % 2 == 0, quadrant // 2 == 0):
+      start = margin if low_half else half + inner
+      centre.append(start + e / 2 + rng.uniform(0.0, room - e))
+    out.append(Placed(obj.color, obj.shape, centre[0], centre[1], e))
+  return out
 
 
 def _layout_relation(prompt: ShapesPrompt, size: int, rng: np.random.Generator) -> list[Placed]:
