@@ -76,6 +76,14 @@ def _diffusers(pipe, prompts):
   return emb, mask
 
 
+# The cache encodes batches of 3 prompts sorted by length; the references are one padded batch of
+# all of them, or one prompt alone. torch's CPU kernels are not batch-invariant on every host
+# (below 1e-6 on the AMD EPYC hosts; 8.7e-5 for the padded batch and 1.35e-4 for a single prompt
+# on an AVX-512 Intel Xeon, 2026-11-28), so this is float32 agreement, not bit equality. A wrong
+# template, mask or drop index moves the error by orders of magnitude more.
+BATCH_INVARIANCE = 5e-4
+
+
 def _rel_err(a, b):
   return float(np.abs(a - b).max() / np.abs(b).max())
 
@@ -96,17 +104,13 @@ def test_cache_equals_diffusers_encode_prompt(setup):
   assert not mask[:, width:].any() and not emb[:, width:].any()
   assert not emb[mask == 0].any()  # padding is exactly zero
   err = _rel_err(emb[:, :width], ref_emb)
-  # The cache encodes batches of 3 prompts sorted by length, the reference one padded batch of
-  # all of them: torch's CPU kernels are not batch-invariant on every host (below 1e-6 on the AMD
-  # EPYC hosts, 8.7e-5 on an AVX-512 Intel Xeon, 2026-11-28), so this is float32 agreement, not
-  # bit equality. A wrong template, mask or drop index moves it by orders of magnitude more.
-  assert err <= 5e-4, err
+  assert err <= BATCH_INVARIANCE, err
   lengths = []
   for i, p in enumerate(prompts):  # and prompt by prompt
     one_emb, one_mask = _diffusers(pipe, [p])
     n = one_emb.shape[1]
     assert cache.length(p) == n == int(mask[i].sum()) == int(one_mask.sum())
-    assert _rel_err(emb[i, :n], one_emb[0]) <= 1e-6
+    assert _rel_err(emb[i, :n], one_emb[0]) <= BATCH_INVARIANCE
     lengths.append(n)
   assert len(set(lengths)) == len(lengths), lengths  # the prompts differ in length
   print('parity rel err (batch):', err, 'lengths:', dict(zip(prompts, lengths)))
