@@ -43,36 +43,38 @@ if "DIGEN_DATA_DIR" not in os.environ:  # prompt datasets: one folder for the se
   os.environ["DIGEN_DATA_DIR"] = _data
 
 # Seconds each slow test file took (setup + calls; `python -m pytest -n 2 --dist loadfile -m 'not
-# serial' --durations=0` on a 2-core AMD EPYC host, 2026-11-27). tests/run.py hands files to its
+# serial' --durations=0` on a 2-core Intel Xeon host, 2026-11-28). tests/run.py hands files to its
 # workers in collection order (--no-loadscope-reorder), so the longest go first and the many short
 # ones fill the end: with xdist's default order (most tests first) a long file could start last
 # and run on one worker while the other sat idle. Stale figures cost balance, never a test.
 FILE_SECONDS = {
-    "test_interrupt.py": 215,
-    "test_schedule_modes.py": 157,
-    "test_qwenimage_pipeline.py": 150,
-    "test_sim_costs.py": 150,
-    "test_pretrain.py": 134,
+    "test_interrupt.py": 244,
+    "test_schedule_modes.py": 200,
+    "test_pretrain.py": 160,
+    "test_sim_costs.py": 155,
+    "test_qwenimage_pipeline.py": 145,
+    "test_sweep.py": 131,
     "test_ratio_mmdit.py": 129,
-    "test_sweep.py": 122,
-    "test_flux_pipeline.py": 110,
-    "test_benchmarks.py": 108,
-    "test_ladder.py": 102,
-    "test_disagg.py": 98,
-    "test_shapes_rl.py": 67,
-    "test_fuzz_cli.py": 60,
-    "test_memory_bench.py": 58,
-    "test_train.py": 30,
-    "test_rl.py": 44,
-    "test_faults_numeric.py": 32,
-    "test_vae.py": 28,
-    "test_initialize.py": 25,
-    "test_flux_vae.py": 22,
-    "test_checkpoint_faults.py": 22,
-    "test_streaming.py": 21,
-    "test_plan.py": 20,
-    "test_rewards.py": 19,
-    "test_checker_adversarial.py": 19,
+    "test_flux_pipeline.py": 120,
+    "test_ladder.py": 113,
+    "test_benchmarks.py": 110,
+    "test_shapes_rl.py": 97,
+    "test_disagg.py": 85,
+    "test_fuzz_cli.py": 70,
+    "test_memory_bench.py": 54,
+    "test_rl.py": 39,
+    "test_vae.py": 34,
+    "test_faults_numeric.py": 30,
+    "test_train.py": 29,
+    "test_initialize.py": 29,
+    "test_checker_adversarial.py": 25,
+    "test_plan.py": 22,
+    "test_rewards.py": 22,
+    "test_streaming.py": 22,
+    "test_flux_vae.py": 20,
+    "test_checkpoint_faults.py": 18,
+    "test_programs.py": 17,
+    "test_encode_prompts.py": 16,
 }
 
 

@@ -97,13 +97,14 @@ def _layout_config(config, layout: str, fragments: int, unit: str):
 def profile_child(
     layout: str,
     config,
+    workdir: str,
     fragments: int,
     unit: str,
     repeats: int,
     fragment_grads: tuple[str, ...] = FRAGMENT_GRADS,
 ) -> dict:
   """Times the programs of `layout` in this process (and its peer, for mp2); of the fragment
-  gradients, those in `fragment_grads` (see the flag)."""
+  gradients, those in `fragment_grads` (see the flag). `workdir` takes the runs' checkpoints."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
@@ -122,7 +123,6 @@ def profile_child(
   info = distributed.maybe_initialize()
   compile_cache.enable()  # the runs it predicts then start from the same compiled programs
   config = _layout_config(config, layout, fragments, unit)
-  workdir = tempfile.mkdtemp(prefix='digen_profile_')
   multi = info.num_processes > 1
   if layout == 'colocated':
     cluster = cluster_lib.colocated(jax.local_devices())
@@ -400,9 +400,17 @@ def machine() -> dict:
 def main(argv):
   config, _ = cli.config_and_workdir()
   if _CHILD.value:
-    result = profile_child(
-        _CHILD.value, config, _FRAGMENTS.value, _UNIT.value, _REPEATS.value, tuple(_GRADS.value)
-    )
+    # The timed checkpoints (tens of MB) go to a folder removed on the way out.
+    with tempfile.TemporaryDirectory(prefix='digen_profile_') as workdir:
+      result = profile_child(
+          _CHILD.value,
+          config,
+          workdir,
+          _FRAGMENTS.value,
+          _UNIT.value,
+          _REPEATS.value,
+          tuple(_GRADS.value),
+      )
     if result:
       with open(_OUT.value, 'w') as f:
         json.dump(result, f)
