@@ -4,10 +4,12 @@
 
 Reads every RUN_DIR/eval/eval_<step>.json (written by each eval of a run; `per_prompt` holds each
 prompt's strict pass rate) and prints, per eval step, the pass rate over all prompts, over the
-single-object prompts (and per count 1/2/3) and over the relation prompts. On the eval split every
+single-object prompts (and per count 1/2/3) and over the relation prompts; then the same per
+held-out (colour, shape) pair: the pass rate of the prompts that hold it. On the eval split every
 prompt holds a (colour, shape) pair the base never saw; the single-object ones, counts 2-3 above
 all, are also absent from the 'rl' split RL draws from, so they show whether a gain carries over to
-compositions RL never trained on.
+compositions RL never trained on. The per-pair table shows which pairs RL learnt to draw (a pair
+the base almost never draws, e.g. a red circle, may stay near 0 while the others rise).
 """
 
 from __future__ import annotations
@@ -29,14 +31,23 @@ def group_of(prompt: str) -> str:
   return 'relation' if p.is_relation else f'single_count{p.objects[0].count}'
 
 
+def pair_name(pair: tuple[str, str]) -> str:
+  return f'{pair[0]}_{pair[1]}'
+
+
+PAIR_COLUMNS = [pair_name(p) for p in sorted(grammar.HELD_OUT_PAIRS)]
+
+
 def breakdown(per_prompt: dict[str, dict[str, float]]) -> dict[str, float]:
-  """{'all', 'single', 'single_count1..3', 'relation'} -> mean strict pass rate (each prompt has
-  the same number of samples, so the mean of per-prompt rates is the sample pass rate), plus
-  'n_<group>' prompt counts."""
+  """{'all', 'single', 'single_count1..3', 'relation', '<colour>_<shape>' for each held-out pair
+  a prompt holds} -> mean strict pass rate (each prompt has the same number of samples, so the
+  mean of per-prompt rates is the sample pass rate), plus 'n_<group>' prompt counts."""
   groups: dict[str, list[float]] = {}
   for prompt, d in per_prompt.items():
     g = group_of(prompt)
+    held = grammar.parse(prompt).pairs() & grammar.HELD_OUT_PAIRS
     keys = ['all', g] + (['single'] if g.startswith('single') else [])
+    keys += [pair_name(p) for p in sorted(held)]
     for key in keys:
       groups.setdefault(key, []).append(float(d['pass_rate']))
   out = {k: sum(v) / len(v) for k, v in sorted(groups.items())}
@@ -62,6 +73,12 @@ def main(argv=None) -> dict[int, dict[str, float]]:
   print('step  ' + '  '.join(f'{c:>13}' for c in cols))
   for step, row in table.items():
     print(f'{step:>4}  ' + '  '.join(f'{100 * row.get(c, float("nan")):12.2f}%' for c in cols))
+  print('\nby held-out pair (prompts that hold it)')
+  print('step  ' + '  '.join(f'{c:>15}' for c in PAIR_COLUMNS))
+  for step, row in table.items():
+    print(
+        f'{step:>4}  ' + '  '.join(f'{100 * row.get(c, float("nan")):14.2f}%' for c in PAIR_COLUMNS)
+    )
   if args.json:
     with open(args.json, 'w') as fh:
       json.dump(table, fh, indent=1)

@@ -35,6 +35,11 @@ def test_breakdown_by_kind_and_count(tmp_path, capsys):
   assert final['single_count1'] == 1.0 and final['single_count2'] == 0.5
   assert final['single_count3'] == pytest.approx(0.125) and final['n_single_count3'] == 2
   assert final['relation'] == 0.75 and final['n_relation'] == 1
+  # Per held-out pair: red circle is in the 1st, 2nd and 5th prompt, green square in the 3rd;
+  # blue triangle (4th) is held out too, yellow square is not (it only rides along in the 5th).
+  assert final['red_circle'] == pytest.approx((1.0 + 0.5 + 0.75) / 3) and final['n_red_circle'] == 3
+  assert final['green_square'] == 0.0 and final['blue_triangle'] == 0.25
+  assert 'yellow_square' not in final
   assert table[0]['all'] == 0.0
   assert json.load(open(tmp_path / 'b.json'))['300']['relation'] == 0.75
   assert '50.00%' in capsys.readouterr().out
