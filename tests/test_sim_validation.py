@@ -20,6 +20,7 @@ from tests import xla_env  # noqa: E402
 
 # 3.1% on 26 rungs on an AMD EPYC host (RESULTS.md); 5.3% on gap_tsp_tag on an Intel Xeon host.
 SCHEDULE_ERROR_MAX = 0.08
+ATTEMPTS = 3  # profile + measured runs; a third only after two drifted (test below)
 
 
 def _schedule_error(cmp) -> float:
@@ -50,13 +51,15 @@ def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
   # The runs are timed: compiled as users run them, not with the suite's compile-speed flags.
   monkeypatch.setenv('XLA_FLAGS', xla_env.production_flags(os.environ.get('XLA_FLAGS', '')))
   small = sim_validation.SCENARIOS['small']
-  out = tmp_path / 'a'
-  cmp = sim_validation.run_scenario(small, str(out))
-  if not _within_targets(cmp):
-    # This VM's speed drifts by 10-20% over minutes (measured: the same program's span differs
-    # that much between two ladder runs): profile and measure once more before judging.
-    out = tmp_path / 'b'
+  # This VM's speed drifts by 10-20% over minutes and its cores switch between speed modes ~1.5x
+  # apart (RESULTS.md, seventeenth session; in one CI run both of two attempts ran their TAG rung
+  # at 1.41-1.57x the profiled spans while the schedule at those spans was within 1.1%): profile
+  # and measure again, up to ATTEMPTS times, before judging the last attempt.
+  for attempt in range(ATTEMPTS):
+    out = tmp_path / f'attempt{attempt}'
     cmp = sim_validation.run_scenario(small, str(out))
+    if _within_targets(cmp):
+      break
   # Its rungs (disagg, tag) train fragments with TSP only: the plain fragment gradient is neither
   # compiled nor timed (sim/profile.py --fragment_grads).
   with open(out / 'small' / 'profile.json') as f:
