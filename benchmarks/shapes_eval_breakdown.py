@@ -26,8 +26,7 @@ sys.path.insert(0, REPO)
 from digen_jax.data.shapes import grammar  # noqa: E402
 
 
-def group_of(prompt: str) -> str:
-  p = grammar.parse(prompt)
+def group_of(p: grammar.ShapesPrompt) -> str:
   return 'relation' if p.is_relation else f'single_count{p.objects[0].count}'
 
 
@@ -44,15 +43,26 @@ def breakdown(per_prompt: dict[str, dict[str, float]]) -> dict[str, float]:
   mean of per-prompt rates is the sample pass rate), plus 'n_<group>' prompt counts."""
   groups: dict[str, list[float]] = {}
   for prompt, d in per_prompt.items():
-    g = group_of(prompt)
-    held = grammar.parse(prompt).pairs() & grammar.HELD_OUT_PAIRS
+    parsed = grammar.parse(prompt)
+    g = group_of(parsed)
     keys = ['all', g] + (['single'] if g.startswith('single') else [])
-    keys += [pair_name(p) for p in sorted(held)]
+    keys += [pair_name(p) for p in sorted(parsed.pairs() & grammar.HELD_OUT_PAIRS)]
     for key in keys:
       groups.setdefault(key, []).append(float(d['pass_rate']))
   out = {k: sum(v) / len(v) for k, v in sorted(groups.items())}
   out.update({f'n_{k}': len(v) for k, v in sorted(groups.items())})
   return out
+
+
+def print_table(table: dict[int, dict[str, float]], cols: list[str]) -> None:
+  """One row per eval step, one column per group, pass rates in percent."""
+  width = max(13, *(len(c) for c in cols))
+  print('step  ' + '  '.join(f'{c:>{width}}' for c in cols))
+  for step, row in table.items():
+    print(
+        f'{step:>4}  '
+        + '  '.join(f'{100 * row.get(c, float("nan")):{width - 1}.2f}%' for c in cols)
+    )
 
 
 def main(argv=None) -> dict[int, dict[str, float]]:
@@ -70,15 +80,9 @@ def main(argv=None) -> dict[int, dict[str, float]]:
       raise SystemExit(f'{f} has no per_prompt field (written by digen_jax.evaluation)')
     table[int(d['step'])] = breakdown(d['per_prompt'])
   cols = ['all', 'single', 'single_count1', 'single_count2', 'single_count3', 'relation']
-  print('step  ' + '  '.join(f'{c:>13}' for c in cols))
-  for step, row in table.items():
-    print(f'{step:>4}  ' + '  '.join(f'{100 * row.get(c, float("nan")):12.2f}%' for c in cols))
+  print_table(table, cols)
   print('\nby held-out pair (prompts that hold it)')
-  print('step  ' + '  '.join(f'{c:>15}' for c in PAIR_COLUMNS))
-  for step, row in table.items():
-    print(
-        f'{step:>4}  ' + '  '.join(f'{100 * row.get(c, float("nan")):14.2f}%' for c in PAIR_COLUMNS)
-    )
+  print_table(table, PAIR_COLUMNS)
   if args.json:
     with open(args.json, 'w') as fh:
       json.dump(table, fh, indent=1)
