@@ -52,9 +52,9 @@ def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
   monkeypatch.setenv('XLA_FLAGS', xla_env.production_flags(os.environ.get('XLA_FLAGS', '')))
   small = sim_validation.SCENARIOS['small']
   # This VM's speed drifts by 10-20% over minutes and its cores switch between speed modes ~1.5x
-  # apart (RESULTS.md, seventeenth session; in one CI run both of two attempts ran their TAG rung
-  # at 1.41-1.57x the profiled spans while the schedule at those spans was within 1.1%): profile
-  # and measure again, up to ATTEMPTS times, before judging the last attempt.
+  # apart (RESULTS.md, seventeenth session; in one CI run both of two attempts missed, the second
+  # running its TAG rung at 1.41-1.57x the profiled spans while the schedule at those spans was
+  # within 1.1%): profile and measure again, up to ATTEMPTS times, before judging the last attempt.
   for attempt in range(ATTEMPTS):
     out = tmp_path / f'attempt{attempt}'
     cmp = sim_validation.run_scenario(small, str(out))
