@@ -357,7 +357,7 @@ def rollout_program(exp, mesh, batch: int, layout: str) -> dict:
   base = rollout_base_layout(exp, layout)
   frozen = frozen_tree(exp, mesh, base=base, decode=True)
   bound = programs.make_rollout(
-      exp, mesh, param_sh, workers.trajectory_shardings(mesh), frozen=frozen
+      exp, mesh, param_sh, programs.trajectory_shardings(mesh), frozen=frozen
   )
   cond = abstract_cond(exp, batch, mesh)
   args = {

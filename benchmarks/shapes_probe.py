@@ -64,7 +64,7 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
   size = int(lat.get('image_size', c.latent.height))
   grid = int(c.latent.height)
   shape = (1, grid // patch, grid // patch)
-  to_tokens, to_images = pretrain.latent_codec(c)
+  codec = pretrain.latent_codec(c)
   report: dict = {'params': params_dir, 'pooled_text': bool(mcfg.pooled_text)}
 
   @jax.jit
@@ -86,7 +86,7 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
   rng = np.random.default_rng(seed)
   gt_prompts = [_prompt(col, s) for col in COLORS for s in ('square', 'circle')] * 4
   gt = np.stack([render.render(p, size, rng) for p in gt_prompts])
-  x0 = to_tokens(jnp.asarray(gt))
+  x0 = codec.to_tokens(codec.params, jnp.asarray(gt))
   shape_swapped = [
       p.replace('square', 'X').replace('circle', 'square').replace('X', 'circle')
       for p in gt_prompts
@@ -116,7 +116,7 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
 
   # Generation with the config's ODE; the same noises for every prompt.
   sample = pretrain.make_sampler(
-      graphdef, experiment.build_schedule(c, shape[1] * shape[2]), shape, to_images
+      graphdef, experiment.build_schedule(c, shape[1] * shape[2]), shape, codec.to_images
   )
   prompts = [_prompt(col, s) for col in COLORS for s in SHAPES]
   texts = [p for p in prompts for _ in range(noises)]
@@ -125,7 +125,9 @@ def probe(params_dir: str, noises: int = 8, seed: int = 0) -> tuple[dict, np.nda
   )
   x1 = jnp.tile(x1, (len(prompts), 1, 1))
   emb, mask = encoder.encode(texts)
-  imgs = np.asarray(sample(params, x1, jnp.asarray(emb), jnp.asarray(mask), jax.random.key(0)))
+  imgs = np.asarray(
+      sample(params, codec.params, x1, jnp.asarray(emb), jnp.asarray(mask), jax.random.key(0))
+  )
   gen = {}
   for i, p in enumerate(prompts):
     col, want = p.split()[1], p.split()[2]

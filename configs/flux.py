@@ -33,14 +33,14 @@ import tempfile
 
 from digen_jax import configlib
 
-_VARIANTS = ('schnell', 'dance', 'full', 'disagg', 'tiny', 'tiny_pipeline')
+VARIANTS = ('schnell', 'dance', 'full', 'disagg', 'tiny', 'tiny_pipeline')
 
 
 def get_config(arg: str | None = None):
   variants = [v for v in (arg or '').split(',') if v]
-  unknown = [v for v in variants if v not in _VARIANTS]
+  unknown = [v for v in variants if v not in VARIANTS]
   if unknown:
-    raise ValueError(f'configs/flux.py: unknown variant(s) {unknown}; known: {_VARIANTS}')
+    raise ValueError(f'configs/flux.py: unknown variant(s) {unknown}; known: {VARIANTS}')
   c = configlib.base_config()
   # The real architecture: black-forest-labs/FLUX.1-dev transformer/config.json.
   c.model.family = 'flux'

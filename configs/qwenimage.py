@@ -24,14 +24,14 @@ import tempfile
 
 from digen_jax import configlib
 
-_VARIANTS = ('full', 'disagg', 'tiny', 'tiny_disagg', 'tiny_pipeline')
+VARIANTS = ('full', 'disagg', 'tiny', 'tiny_disagg', 'tiny_pipeline')
 
 
 def get_config(arg: str | None = None):
   variants = [v for v in (arg or '').split(',') if v]
-  unknown = [v for v in variants if v not in _VARIANTS]
+  unknown = [v for v in variants if v not in VARIANTS]
   if unknown:
-    raise ValueError(f'configs/qwenimage.py: unknown variant(s) {unknown}; known: {_VARIANTS}')
+    raise ValueError(f'configs/qwenimage.py: unknown variant(s) {unknown}; known: {VARIANTS}')
   c = configlib.base_config()
   # The real architecture: diffusers' Qwen/Qwen-Image transformer/config.json.
   c.model.patch_size = 2

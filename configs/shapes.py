@@ -18,6 +18,8 @@ ladder and simulator figures of benchmarks/RESULTS.md were measured on it and na
 
 from digen_jax import configlib
 
+VARIANTS = ('jpeg', 'pixel', 'latent', 'disagg')
+
 
 def get_config(arg: str | None = None):
   variants = [v for v in (arg or '').split(',') if v]
@@ -74,7 +76,7 @@ def get_config(arg: str | None = None):
       configlib.set_disagg(c)
     else:
       raise ValueError(
-          f'configs/shapes.py: unknown variant {v!r}; known: jpeg, pixel, latent, disagg '
+          f'configs/shapes.py: unknown variant {v!r}; known: {", ".join(VARIANTS)} '
           '(comma-separated, e.g. :jpeg,disagg)'
       )
   return c

@@ -29,6 +29,7 @@ import ml_collections
 from digen_jax import configlib
 
 SHAPES_BASE_CHECKPOINT = 'assets/shapes_base'
+VARIANTS = ('ae', 'test')
 
 
 def apply_shapes_base(c: ml_collections.ConfigDict, *, checkpoint: str = SHAPES_BASE_CHECKPOINT):
@@ -103,5 +104,7 @@ def get_config(arg: str | None = None):
     p.eval_batch = 8
     p.save_every = 0
   elif arg:
-    raise ValueError(f'configs/shapes_pretrain.py: unknown variant {arg!r}; known: ae, test')
+    raise ValueError(
+        f'configs/shapes_pretrain.py: unknown variant {arg!r}; known: {", ".join(VARIANTS)}'
+    )
   return c

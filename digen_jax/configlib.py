@@ -46,6 +46,10 @@ def base_config() -> ml_collections.ConfigDict:
   # pass, and run the blocks under lax.scan (False: unrolled; compile time grows with layers).
   c.model.remat = False
   c.model.scan_layers = True
+  # Attention kernel (models/attention.py): 'auto' = cuDNN's fused flash attention on a GPU with
+  # bf16 compute, the portable XLA path elsewhere; 'portable' forces the XLA path everywhere;
+  # 'fused' demands cuDNN (a clear error at start where it cannot run). Same math either way.
+  c.model.attention = 'auto'
   # Frozen weights (the LoRA base and the VAE) are held in this dtype on every mesh; trainable
   # weights are always float32 masters (optim.compute_dtype casts them inside the programs).
   c.model.frozen_dtype = 'float32'  # 'float32' | 'bfloat16'
@@ -306,6 +310,7 @@ def shapes_latent_base(
 _CHOICES = {
     'model.family': ('qwenimage', 'flux'),
     'model.init': ('checkpoint', 'random'),
+    'model.attention': ('auto', 'portable', 'fused'),
     'latent.space': ('pixel', 'vae', 'ae'),
     'text.encoder': ('word', 'qwen2.5-vl', 't5-clip'),
     'sampler.scheduler': ('qwenimage', 'flux'),

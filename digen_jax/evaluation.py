@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
@@ -18,7 +17,6 @@ from digen_jax import programs
 from digen_jax import visualize
 from digen_jax.data import prompts as prompt_data
 from digen_jax.data.shapes import grammar
-from digen_jax.diffusion import sampler as sampler_lib
 from digen_jax.rewards import shapes_checker
 from digen_jax.runtime import mesh as mesh_lib
 
@@ -51,62 +49,39 @@ class Evaluator:
     self.n_per = c.eval.samples_per_prompt
     n_dev = mesh.devices.size
     self.batch = max(n_dev, (c.eval.batch_size // n_dev) * n_dev)
-    velocity_fn = programs.velocity_fn_of(exp)
-    sigmas = jnp.asarray(exp.sigmas)
-    T = len(exp.sigmas) - 1
-    guidance, norm_rescale = programs.guidance_of(exp)
-    latent_shape = (self.batch, *exp.latent_shape)
-
-    def ode_sample(params, cond, uncond, keys, frozen):
-      traj = sampler_lib.sample(
-          velocity_fn,
-          exp.weights.effective(params, frozen),
-          cond,
-          sigmas,
-          keys,
-          latent_shape=latent_shape,
-          sde_cfg=exp.sde_cfg,
-          sde_steps=jnp.zeros((T,), bool),
-          guidance_scale=guidance,
-          uncond=uncond if guidance is not None else None,
-          norm_rescale=norm_rescale,
-      )
-      return exp.weights.decode(frozen, traj.latents[-1])
-
+    # The rollout program itself, every step Euler: eval samples exactly as the rollout would
+    # with the SDE off (same noise keys per sample: fold_in(eval key, sample index)).
     rep = mesh_lib.replicated(mesh)
-    cond_sh = programs.cond_shardings(mesh, exp.cond_abstract(1))
     frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)
-    self._sample = programs.Bound(
-        jax.jit(
-            ode_sample,
-            in_shardings=(
-                rep,
-                cond_sh,
-                cond_sh,
-                mesh_lib.batch_sharding(mesh, 1),
-                programs.frozen_shardings(frozen),
-            ),
-        ),
-        frozen,
+    self._sample = programs.make_rollout(
+        exp,
+        mesh,
+        jax.tree.map(lambda _: rep, exp.params),
+        with_offset=True,
+        frozen=frozen,
+        deterministic=True,
     )
+    self._rep = rep
     self.shapes = _is_shapes(prompts)
     self._uncond = self._encode([c.sampler.negative_prompt] * self.batch)
 
   def _encode(self, prompts):
-    return jax.tree.map(jnp.asarray, self.exp.conditioning(prompts))
+    cond = self.exp.conditioning(prompts)
+    return jax.device_put(cond, programs.cond_shardings(self.mesh, cond))
 
   def __call__(self, params, seed: int = 0) -> dict[str, Any]:
     """Returns {'metrics': {...}, 'images', 'prompts', 'rewards', 'passed'} (numpy)."""
     all_prompts = [p for p in self.prompts for _ in range(self.n_per)]
     params = jax.device_put(params, mesh_lib.replicated(self.mesh))
     images = []
-    base = jax.random.key(seed)
+    key = jax.device_put(jax.random.key(seed), self._rep)
+    step = jax.device_put(np.int32(0), self._rep)  # unused: every step is Euler
     for start in range(0, len(all_prompts), self.batch):
       chunk = all_prompts[start : start + self.batch]
       padded = chunk + [chunk[-1]] * (self.batch - len(chunk))
-      keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(start + jnp.arange(self.batch))
-      out = self._sample(params, self._encode(padded), self._uncond, keys)
-      images.append(np.asarray(out)[: len(chunk)])
+      offset = jax.device_put(np.int32(start), self._rep)
+      out = self._sample(params, self._encode(padded), self._uncond, key, step, offset)
+      images.append(jax.device_get(out)[: len(chunk)])
     images = np.concatenate(images)
     rewards = np.asarray(self.exp.reward_fn(images, all_prompts), np.float32)
     metrics = {

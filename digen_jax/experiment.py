@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -19,6 +20,7 @@ from digen_jax.data import prompts as prompt_data
 from digen_jax.diffusion import schedule as schedule_lib
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax import weights as weights_lib
+from digen_jax.models import attention as attention_lib
 from digen_jax.models import family as family_lib
 from digen_jax.models import params_io
 from digen_jax.models import text as text_lib
@@ -96,10 +98,28 @@ def model_config_from(config):
 
 
 def same_architecture(a, b) -> bool:
-  """Equal up to the execution options (remat, scan_layers), which change neither math nor params."""
+  """Equal up to the execution options (remat, scan_layers, attention), which change neither
+  math nor params."""
   return (
-      type(a) is type(b) and dataclasses.replace(a, remat=b.remat, scan_layers=b.scan_layers) == b
+      type(a) is type(b)
+      and dataclasses.replace(a, remat=b.remat, scan_layers=b.scan_layers, attention=b.attention)
+      == b
   )
+
+
+def attention_choice(config) -> str:
+  """What the transformer's attention runs in this process (models/attention.py): 'cudnn' or
+  'portable'. config.model.attention='fused' where cuDNN cannot run is a ValueError naming why,
+  raised before anything compiles."""
+  m = config.model
+  dtype = jnp.bfloat16 if config.optim.compute_dtype == 'bfloat16' else jnp.float32
+  why = attention_lib.fused_unsupported(jax.default_backend(), dtype, m.attention_head_dim)
+  if m.attention == 'fused' and why:
+    raise ValueError(
+        f"config.model.attention='fused' cannot run here: {why}; use 'auto' (fused where it "
+        "can run, portable elsewhere) or 'portable'"
+    )
+  return attention_lib.resolve(m.attention, dtype, m.attention_head_dim)
 
 
 def checkpoint_folder(path: str, field: str = 'config.model.checkpoint') -> str:
@@ -273,6 +293,9 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
 def build(config, workdir: str, num_devices: int) -> Experiment:
   """Validates the config (before anything compiles) and builds the run's parts."""
   configlib.validate(config, num_devices)
+  logging.info(
+      'attention: %s (config.model.attention=%r)', attention_choice(config), config.model.attention
+  )
   lat = config.latent
   p = config.model.patch_size
   img_shape = (lat.frames, lat.height // p, lat.width // p)

@@ -311,23 +311,37 @@ def make_train_step(
   return jax.jit(step_fn, donate_argnums=(0, 1, 2))
 
 
-def latent_codec(config: ml_collections.ConfigDict) -> tuple[Callable, Callable]:
-  """(to_tokens, to_images) of config.latent: images [B, S, S, 3] <-> generator tokens [B, N, C].
+@dataclasses.dataclass(frozen=True)
+class LatentCodec:
+  """images [B, S, S, 3] <-> generator tokens [B, N, C] of config.latent, as pure functions of
+  `params` (the autoencoder's weights, None in pixel space). Programs take `params` as an
+  argument: a device array closed over would be a captured constant, which a GPU's transfer
+  guard refuses to lower."""
 
-  'pixel': the identity (patch packing); 'ae': the autoencoder at config.latent.ae (normalised
-  latents, packed as the pipelines pack theirs). Both are jit-able."""
+  params: Any
+  to_tokens: Callable  # (params, images) -> tokens
+  to_images: Callable  # (params, tokens) -> images
+
+
+def latent_codec(config: ml_collections.ConfigDict) -> LatentCodec:
+  """The LatentCodec of config.latent: 'pixel', the identity (patch packing); 'ae', the
+  autoencoder at config.latent.ae (normalised latents, packed as the pipelines pack theirs)."""
   lat, patch = config.latent, int(config.model.patch_size)
   if lat.space == 'pixel':
     size = int(lat.height)
-    return (
-        lambda im: latents_lib.pack(im, patch),
-        lambda tok: latents_lib.decode_pixels(tok, size, size, patch),
+    return LatentCodec(
+        None,
+        lambda _, im: latents_lib.pack(im, patch),
+        lambda _, tok: latents_lib.decode_pixels(tok, size, size, patch),
     )
-  ae = params_io.load_model(experiment.checkpoint_folder(lat.ae, 'config.latent.ae'))
+  ae_graph, ae_params = nnx.split(
+      params_io.load_model(experiment.checkpoint_folder(lat.ae, 'config.latent.ae'))
+  )
   hw = (int(lat.height), int(lat.width))
-  return (
-      lambda im: vae_lib.encode_packed(ae, im, patch),
-      lambda tok: vae_lib.decode_packed(ae, tok, hw, patch),
+  return LatentCodec(
+      ae_params,
+      lambda p, im: vae_lib.encode_packed(nnx.merge(ae_graph, p), im, patch),
+      lambda p, tok: vae_lib.decode_packed(nnx.merge(ae_graph, p), tok, hw, patch),
   )
 
 
@@ -339,8 +353,8 @@ def make_sampler(
     sde_cfg: sde_lib.SDEConfig | None = None,
     guidance: tuple[float, bool, tuple[jax.Array, jax.Array]] | None = None,
 ) -> Callable:
-  """jitted (params, x1 [B,N,C] initial noise, text, mask, key) -> images [B, S, S, 3]
-  (to_images: latent_codec's decoder).
+  """jitted (params, codec_params, x1 [B,N,C] initial noise, text, mask, key) -> images
+  [B, S, S, 3] (to_images(codec_params, tokens): LatentCodec's decoder).
 
   guidance None: the conditional velocity. Otherwise (scale, norm_rescale, (text [1,L,D], mask
   [1,L]) of the negative prompt): classifier-free guidance as RL's rollouts apply it
@@ -351,12 +365,16 @@ def make_sampler(
   makes the last step stochastic: noise added there would stay in the image); step noise from
   fold_in(key, t).
   """
-  sig = jnp.asarray(sigmas, jnp.float32)
-  t_steps = int(sig.shape[0]) - 1
+  # numpy (staged as literals), never device arrays closed over (LatentCodec says why).
+  sig_host = np.asarray(sigmas, np.float32)
+  t_steps = int(sig_host.shape[0]) - 1
+  if guidance:
+    guidance = (guidance[0], guidance[1], tuple(np.asarray(u) for u in guidance[2]))
 
-  def run(params, x1, text, mask, key):
+  def run(params, codec_params, x1, text, mask, key):
     model = nnx.merge(graphdef, params)
     b = x1.shape[0]
+    sig = jnp.asarray(sig_host)  # inside the trace: a literal of this program
 
     def velocity(_, x, s, cond):
       return model(x, s, cond[0], cond[1], img_shape=img_shape)
@@ -376,7 +394,7 @@ def make_sampler(
       return jnp.where(t < t_steps - 1, x_sde, sde_lib.euler_step(x, v, s, sn)), None
 
     x0, _ = jax.lax.scan(body, x1.astype(jnp.float32), jnp.arange(t_steps))
-    return to_images(x0)
+    return to_images(codec_params, x0)
 
   return jax.jit(run)
 
@@ -388,6 +406,7 @@ def make_sampler(
 def evaluate(
     sample_fn: Callable,
     params,
+    codec_params,
     encoder,
     prompts: Sequence[str],
     samples_per_prompt: int,
@@ -413,6 +432,7 @@ def evaluate(
     x1 = jax.vmap(lambda k: jax.random.normal(k, latent_shape, jnp.float32))(keys)
     out = sample_fn(
         params,
+        codec_params,
         x1,
         jnp.asarray(emb),
         jnp.asarray(mask),
@@ -530,8 +550,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   size, patch = int(p.image_size), int(config.model.patch_size)
   grid = int(config.latent.height)  # pixels ('pixel') or latents ('ae') per side
   img_shape = (1, grid // patch, grid // patch)
-  to_tokens, to_images = latent_codec(config)
-  to_tokens = jax.jit(to_tokens)
+  codec = latent_codec(config)
+  to_tokens = jax.jit(codec.to_tokens)
   latent_shape = (img_shape[1] * img_shape[2], int(config.model.in_channels))
   encoder = experiment.build_text_encoder(config)  # the exact encoder RL will build
   sigmas = experiment.build_schedule(config, latent_shape[0])
@@ -572,8 +592,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   guidance = None
   if config.sampler.guidance_scale > 1.0:
     guidance = (float(config.sampler.guidance_scale), bool(config.sampler.norm_rescale), uncond)
-  ode = make_sampler(graphdef, sigmas, img_shape, to_images, guidance=guidance)
-  sde = make_sampler(graphdef, sigmas, img_shape, to_images, sde_cfg, guidance=guidance)
+  ode = make_sampler(graphdef, sigmas, img_shape, codec.to_images, guidance=guidance)
+  sde = make_sampler(graphdef, sigmas, img_shape, codec.to_images, sde_cfg, guidance=guidance)
 
   key = jax.random.key(config.seed + 2)
   # Periodic evals watch val (held-out relations, where settings are chosen) and train; the eval
@@ -599,13 +619,29 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     grids = {}
     for split, plist in sets.items():
       res, imgs = evaluate(
-          ode, eval_params(), encoder, plist, samples, int(p.eval_batch), latent_shape, seed=1000
+          ode,
+          eval_params(),
+          codec.params,
+          encoder,
+          plist,
+          samples,
+          int(p.eval_batch),
+          latent_shape,
+          seed=1000,
       )
       row.update({f'{split}/{k}': v for k, v in res.items()})
       grids[split] = (imgs, plist, samples)
       if final:
         res, _ = evaluate(
-            sde, eval_params(), encoder, plist, samples, int(p.eval_batch), latent_shape, seed=2000
+            sde,
+            eval_params(),
+            codec.params,
+            encoder,
+            plist,
+            samples,
+            int(p.eval_batch),
+            latent_shape,
+            seed=2000,
         )
         row.update({f'{split}_sde/{k}': v for k, v in res.items()})
     row['wall_s'] = time.time() - t_start
@@ -652,7 +688,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     for step in range(1, int(p.steps) + 1):
       batch = next(stream)
       texts = batch.captions
-      x0 = to_tokens(jnp.asarray(batch.images))
+      x0 = to_tokens(codec.params, jnp.asarray(batch.images))
       emb, mask = encoder.encode(texts)
       key, sub = jax.random.split(key)
       params, opt_state, ema, loss = train_step(

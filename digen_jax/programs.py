@@ -9,7 +9,9 @@ import json
 
 from flax import nnx
 import jax
+import jax.extend.core  # noqa: F401 (jax.extend.core.ClosedJaxpr / Jaxpr below)
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from digen_jax.diffusion import sampler as sampler_lib
@@ -46,6 +48,18 @@ def velocity_fn_of(exp):
       exp.compute_dtype,
       exp.family,
       float(exp.config.sampler.distilled_guidance),
+  )
+
+
+def trajectory_shardings(mesh) -> sampler_lib.Trajectory:
+  """Trajectory layout on `mesh`: batch-sharded per-sample fields, replicated schedule."""
+  rep = mesh_lib.replicated(mesh)
+  return sampler_lib.Trajectory(
+      latents=mesh_lib.batch_sharding(mesh, 4, 1),  # [T+1, B, N, C]
+      log_probs=mesh_lib.batch_sharding(mesh, 2, 1),  # [T, B]
+      sigmas=rep,  # [T+1]
+      sde_steps=rep,  # [T]
+      stds=mesh_lib.batch_sharding(mesh, 2, 1),  # [T, B]
   )
 
 
@@ -123,6 +137,10 @@ class Bound:
     lowered = self.program.lower(*args, self.frozen)
     return _BoundLowered(lowered, self.frozen)
 
+  def trace(self, *args):
+    """jax's Traced of the program on these arguments (jit(...).trace)."""
+    return self.program.trace(*args, self.frozen)
+
 
 class _BoundLowered:
 
@@ -133,17 +151,53 @@ class _BoundLowered:
     return Bound(self.lowered.compile(), self.frozen)
 
 
+def captured_arrays(closed_jaxpr) -> list[str]:
+  """The device arrays (jax.Array) a traced program holds as constants, its sub-programs (scan
+  and cond bodies, nested jits) included: ['f32[7] (in scan)', ...]; [] when there are none.
+
+  A jax.Array closed over by a traced function becomes a constant of the compiled program;
+  lowering copies it to the host, which a GPU's transfer guard ('disallow', our default)
+  refuses ("Disallowed device-to-host transfer"). The CPU holds arrays on the host, so nothing
+  fails there: this check is how the CPU suite sees it. numpy constants are fine (already on
+  the host). closed_jaxpr: e.g. jax.jit(f).trace(*args).jaxpr."""
+  found = []
+  # jax 0.10 wraps a Jaxpr and its consts in a ClosedJaxpr; from 0.11 a Jaxpr holds both.
+  kinds = (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)
+
+  def visit(jaxpr, where):
+    consts = getattr(jaxpr, 'consts', ())
+    found.extend(f'{c.dtype}{list(c.shape)} ({where})' for c in consts if isinstance(c, jax.Array))
+    for eqn in jaxpr.eqns:
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (list, tuple)) else (value,):
+          if isinstance(sub, kinds):
+            visit(sub, f'in {eqn.primitive.name}')
+
+  visit(closed_jaxpr, 'top level')
+  return found
+
+
 def frozen_shardings(frozen):
   """in_shardings of a frozen tree: where its arrays already are (None entries stay None)."""
   return jax.tree.map(lambda x: x.sharding, frozen)
 
 
 def make_rollout(
-    exp, mesh, param_shardings=None, traj_shardings=None, *, with_offset=False, frozen=None
+    exp,
+    mesh,
+    param_shardings=None,
+    traj_shardings=None,
+    *,
+    with_offset=False,
+    frozen=None,
+    deterministic=False,
 ):
   """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3]),
   data-parallel over `mesh`: the sampling scan, then the decode (VAE or identity) in the same
   program, so latents never leave the devices before the reward sees pixels.
+
+  deterministic: every step Euler (the ODE sampler eval uses); the program returns the images
+  only.
 
   with_offset: the program takes a 6th argument, offset (int32 scalar): the batch position of
   its first sample, so a fragment of the logical batch draws exactly the noise the whole-batch
@@ -156,12 +210,17 @@ def make_rollout(
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
   velocity_fn = velocity_fn_of(exp)
-  sigmas = jnp.asarray(exp.sigmas)
+  # numpy, not a device array: staged into the program as a literal. A jax.Array closed over
+  # here would be a captured constant, which a GPU's transfer guard refuses to lower.
+  sigmas = np.asarray(exp.sigmas, np.float32)
   T = len(exp.sigmas) - 1
   guidance, norm_rescale = guidance_of(exp)
 
   def rollout(params, cond, uncond, key, step, offset, frozen):
-    sde_steps = timesteps_lib.sde_step_mask(exp.selection, T, step)
+    if deterministic:
+      sde_steps = jnp.zeros((T,), bool)
+    else:
+      sde_steps = timesteps_lib.sde_step_mask(exp.selection, T, step)
     b = cond['text'].shape[0]
     # One noise key per sample: a sample's trajectory does not depend on how the batch is cut.
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b) + offset)
@@ -178,7 +237,8 @@ def make_rollout(
         uncond=uncond if guidance is not None else None,
         norm_rescale=norm_rescale,
     )
-    return traj, exp.weights.decode(frozen, traj.latents[-1])
+    images = exp.weights.decode(frozen, traj.latents[-1])
+    return images if deterministic else (traj, images)
 
   rep = mesh_lib.replicated(mesh)
   cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
@@ -189,7 +249,8 @@ def make_rollout(
       rep,
       rep,
   )
-  out_sh = (traj_shardings, mesh_lib.batch_sharding(mesh, 4))
+  image_sh = mesh_lib.batch_sharding(mesh, 4)
+  out_sh = image_sh if deterministic else (traj_shardings, image_sh)
   frozen_sh = frozen_shardings(frozen)
 
   def make():
@@ -201,7 +262,14 @@ def make_rollout(
         out_shardings=out_sh,
     )
 
-  parts = (mesh, _layout(param_shardings), _layout(traj_shardings), with_offset, _layout(frozen_sh))
+  parts = (
+      mesh,
+      _layout(param_shardings),
+      _layout(traj_shardings),
+      with_offset,
+      deterministic,
+      _layout(frozen_sh),
+  )
   return Bound(_memoized('rollout', exp, parts, make), frozen)
 
 
@@ -360,6 +428,8 @@ def ref_shardings(exp, param_shardings):
 
 _SUM_KEYS = ('loss', 'policy_loss', 'approx_kl', 'clip_frac', 'ratio_mean', 'kl')
 _MAX_KEYS = ('ratio_max_dev', 'rollout_ratio_max_dev')
+# The accumulator's metric scalars (make_zero_acc): summed, maxed, and the total pair weight.
+ACC_SUM_KEYS = _SUM_KEYS + _MAX_KEYS + ('weight_sum',)
 
 
 def tsp_steps(exp, mesh) -> tuple[int, int]:
@@ -391,10 +461,10 @@ def make_zero_acc(param_shardings, mesh):
   rep = mesh_lib.replicated(mesh)
 
   def zero(params):
-    sums = {k: jnp.zeros((), jnp.float32) for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}
+    sums = {k: jnp.zeros((), jnp.float32) for k in ACC_SUM_KEYS}
     return {'grads': jax.tree.map(jnp.zeros_like, params), 'sums': sums}
 
-  sums_sh = {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)}
+  sums_sh = {k: rep for k in ACC_SUM_KEYS}
   return jax.jit(
       zero,
       in_shardings=(param_shardings,),
@@ -481,7 +551,7 @@ def make_fragment_grad(
   cond_sharding = cond_shardings(mesh, exp.cond_abstract(1))
   acc_sh = {
       'grads': param_shardings,
-      'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)},
+      'sums': {k: rep for k in ACC_SUM_KEYS},
   }
   frozen_sh = frozen_shardings(frozen)
 
@@ -544,7 +614,7 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
 
   acc_sh = {
       'grads': param_shardings,
-      'sums': {k: rep for k in _SUM_KEYS + _MAX_KEYS + ('weight_sum',)},
+      'sums': {k: rep for k in ACC_SUM_KEYS},
   }
   return _memoized(
       'apply',

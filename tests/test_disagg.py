@@ -16,6 +16,7 @@ from configs import qwenimage
 from digen_jax import checkpoint as ckpt_lib
 from digen_jax import configlib
 from digen_jax import experiment
+from digen_jax.diffusion import sampler as sampler_lib
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import colocated
 from digen_jax.runtime import disagg
@@ -195,7 +196,7 @@ def test_publish_and_batch_move_stay_on_device():
   rng = np.random.default_rng(0)
   T, B, N, C = 3, 8, 4, 2
   host = {
-      'traj': workers.sampler_lib.Trajectory(
+      'traj': sampler_lib.Trajectory(
           latents=rng.standard_normal((T + 1, B, N, C)).astype(np.float32),
           log_probs=rng.standard_normal((T, B)).astype(np.float32),
           sigmas=np.linspace(1, 0, T + 1).astype(np.float32),

@@ -185,16 +185,16 @@ def test_sde_eval_sampler_keeps_the_last_step_deterministic():
   x1 = jax.random.normal(jax.random.key(0), (2, 16, 48))
   text, mask = jnp.ones((2, 5, 32)), jnp.ones((2, 5), jnp.int32)
   sde_cfg = sde_lib.SDEConfig(kind='flow_grpo', noise_level=0.7)
-  to_images = lambda tok: latents_lib.decode_pixels(tok, 16, 16, 4)
+  to_images = lambda _, tok: latents_lib.decode_pixels(tok, 16, 16, 4)
   for sig, same in (
       (np.array([0.8, 0.0], np.float32), True),
       (np.array([0.8, 0.4, 0.0], np.float32), False),
   ):
     ode = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images)(
-        state, x1, text, mask, jax.random.key(1)
+        state, None, x1, text, mask, jax.random.key(1)
     )
     sde = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images, sde_cfg)(
-        state, x1, text, mask, jax.random.key(1)
+        state, None, x1, text, mask, jax.random.key(1)
     )
     assert ode.shape == (2, 16, 16, 3)
     assert np.array_equal(np.asarray(ode), np.asarray(sde)) == same, sig
@@ -210,9 +210,9 @@ def test_eval_sampler_guidance_is_rl_cfg():
   mask = jnp.ones((2, 5), jnp.int32)
   uncond = (jnp.zeros((1, 5, 32)), jnp.array([[1, 0, 0, 0, 0]], jnp.int32))
   sig = np.array([0.8, 0.0], np.float32)
-  to_images = lambda tok: latents_lib.decode_pixels(tok, 16, 16, 4)
+  to_images = lambda _, tok: latents_lib.decode_pixels(tok, 16, 16, 4)
   got = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images, guidance=(3.0, False, uncond))(
-      state, x1, text, mask, jax.random.key(2)
+      state, None, x1, text, mask, jax.random.key(2)
   )
   s = jnp.full((2,), 0.8)
   v_c = model(x1, s, text, mask, img_shape=(1, 4, 4))
@@ -223,10 +223,10 @@ def test_eval_sampler_guidance_is_rl_cfg():
       jnp.broadcast_to(uncond[1], mask.shape),
       img_shape=(1, 4, 4),
   )
-  want = to_images(x1 - 0.8 * (v_u + 3.0 * (v_c - v_u)))
+  want = to_images(None, x1 - 0.8 * (v_u + 3.0 * (v_c - v_u)))
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
   plain = pretrain.make_sampler(graphdef, sig, (1, 4, 4), to_images)(
-      state, x1, text, mask, jax.random.key(2)
+      state, None, x1, text, mask, jax.random.key(2)
   )
   assert np.abs(np.asarray(plain) - np.asarray(got)).max() > 1e-2
 

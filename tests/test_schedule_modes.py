@@ -129,9 +129,9 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   adv = jax.device_put(rng.standard_normal(exp.batch_size).astype(np.float32), data)
   valid = jax.device_put(np.arange(exp.batch_size) % 3 != 0, data)
   indices = jax.device_put(np.arange(K, dtype=np.int32), mesh_lib.replicated(mesh))
-  traj = jax.device_put(traj, workers.trajectory_shardings(mesh))
+  traj = jax.device_put(traj, programs.trajectory_shardings(mesh))
   zero = programs.make_zero_acc(psh, mesh)
-  tsp = programs.make_fragment_grad(exp, mesh, psh, workers.trajectory_shardings(mesh), tsp=True)
+  tsp = programs.make_fragment_grad(exp, mesh, psh, programs.trajectory_shardings(mesh), tsp=True)
   with jax.transfer_guard('disallow'):
     acc = tsp(params, zero(params), traj, cond, cond, adv, valid, indices, None)
   velocity_fn = programs.velocity_fn_of(exp)

@@ -68,6 +68,7 @@ def _mmdit_config(m) -> mmdit.MMDiTConfig:
       rope_theta=float(m.rope_theta),
       remat=bool(m.remat),
       scan_layers=bool(m.scan_layers),
+      attention=str(m.attention),
   )
 
 
@@ -89,6 +90,7 @@ def _flux_config(m) -> flux.FluxConfig:
       rope_theta=float(m.rope_theta),
       remat=bool(m.remat),
       scan_layers=bool(m.scan_layers),
+      attention=str(m.attention),
   )
 
 

@@ -58,6 +58,7 @@ from digen_jax.models.mmdit import (
     _modulate,
     block_macs,
     block_param_count,
+    check_attention_choice,
     layer_norm,
     multihead_attention,
     project_qkv,
@@ -88,6 +89,7 @@ class FluxConfig:
   # Execution options (MMDiTConfig's); neither changes the math or the params. They apply to both stacks.
   remat: bool = False
   scan_layers: bool = True
+  attention: str = "auto"  # models/attention.py's implementation, as MMDiTConfig.attention
 
   def __post_init__(self):
     object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
@@ -121,6 +123,7 @@ class FluxConfig:
       raise ValueError(f"FluxConfig.rope_theta must be > 0, got {self.rope_theta}")
     if not self.eps > 0:
       raise ValueError(f"FluxConfig.eps must be > 0, got {self.eps}")
+    check_attention_choice("FluxConfig", self.attention)
     for name in ("guidance_embeds", "remat", "scan_layers"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise ValueError(f"FluxConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -162,6 +165,7 @@ class SingleStreamAttention(nnx.Module):
   def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
     d, hd = config.inner_dim, config.attention_head_dim
     self.heads = config.num_attention_heads
+    self.implementation = config.attention
     self.to_q = _linear(d, d, rngs, param_dtype)
     self.to_k = _linear(d, d, rngs, param_dtype)
     self.to_v = _linear(d, d, rngs, param_dtype)
@@ -173,7 +177,7 @@ class SingleStreamAttention(nnx.Module):
     q, k, v = project_qkv(
         x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, cos, sin, self.heads
     )
-    return multihead_attention(q, k, v, None)
+    return multihead_attention(q, k, v, None, self.implementation)
 
 
 class SingleStreamBlock(nnx.Module):

@@ -19,7 +19,8 @@ Layout of our parameters (names mirror diffusers so the converter table reads on
 Linear kernels are [in, out] (torch stores [out, in]).
 
 FLUX.1 (digen_jax.models.flux) reuses MMDiTBlock as its double-stream block and the helpers here (embedders, norms,
-RoPE, project_qkv / multihead_attention, stacked_blocks / run_stacked).
+RoPE, project_qkv / multihead_attention, stacked_blocks / run_stacked). Attention itself is models/attention.py's,
+shared by every family.
 
 Precision: matmuls run in the params' dtype (activations are cast to it on entry), so casting every param to
 bfloat16 gives a bf16 forward. RMSNorm/LayerNorm statistics, RoPE rotation and the attention softmax run in
@@ -37,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from digen_jax.models import attention as attention_lib
 
 # Fixed by diffusers' QwenTimestepProjEmbeddings / FeedForward (not config options there either).
 TIMESTEP_CHANNELS = (
@@ -83,6 +86,9 @@ class MMDiTConfig:
   # stacked across layers (a scan zero-fills [num_layers, ...] residual buffers, writes each layer's residuals
   # into them and slices them back out in the backward pass), which is much of a CPU update's time without remat.
   scan_layers: bool = True
+  # attention: models/attention.py's implementation ("auto": cuDNN's fused kernel on a GPU in bf16, the portable
+  # XLA path elsewhere; "portable"; "fused"). Same math either way.
+  attention: str = "auto"
 
   def __post_init__(self):
     object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
@@ -115,6 +121,7 @@ class MMDiTConfig:
     for name in ("remat", "scan_layers"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise ValueError(f"MMDiTConfig.{name} must be a bool, got {getattr(self, name)!r}")
+    check_attention_choice("MMDiTConfig", self.attention)
     if self.guidance_embeds:
       raise ValueError(
           "MMDiTConfig.guidance_embeds=True (FLUX-style guidance embedding) is not supported; "
@@ -169,6 +176,14 @@ def _axis_inv_freq(dim: int, theta: float, dtype: Any = np.float32) -> np.ndarra
   return (1.0 / np.power(dtype(theta), np.arange(0, dim, 2, dtype=dtype) / dtype(dim))).astype(
       dtype
   )
+
+
+def check_attention_choice(owner: str, choice: str) -> None:
+  """A model config's `attention` field: a config choice ('auto', 'portable', 'fused') or an implementation of
+  models/attention.py ('cudnn', 'xla')."""
+  known = tuple(dict.fromkeys(attention_lib.CONFIG_CHOICES + attention_lib.IMPLEMENTATIONS))
+  if choice not in known:
+    raise ValueError(f"{owner}.attention must be one of {known}, got {choice!r}")
 
 
 def rope_positions(img_shape: tuple[int, int, int], n_txt: int) -> tuple[np.ndarray, np.ndarray]:
@@ -280,32 +295,6 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
   return y + bias
 
 
-# Added to the logits of padded text keys. Finite (not -inf) so that no inf - inf can appear in the backward pass;
-# exp(-1e30 - max) is exactly 0 in float32: a padded key gets probability exactly 0, as with a select-based mask.
-MASK_BIAS = -1e30
-
-
-def joint_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None
-) -> jax.Array:
-  """Softmax attention over one joint sequence, float32 statistics.
-
-  q, k, v [B, H, S, Dh] (q already multiplied by 1/sqrt(Dh)); key_bias [B, S] float32 (0 or MASK_BIAS) or None.
-  Returns [B, H, S, Dh] in v.dtype. Same math as jax.nn.dot_product_attention's XLA path; two passes over the
-  [B, H, S, S] logits fewer: the mask is an additive key bias folded into the max/exp passes instead of a select,
-  and the softmax denominator divides the [S, Dh] output instead of the [S, S] probabilities.
-  """
-  logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
-  if key_bias is not None:
-    logits = logits + key_bias[:, None, None, :]
-  # Softmax is invariant to the shift; stop_gradient keeps the max out of the backward graph.
-  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-  p = jnp.exp(logits - m)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  out = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return (out / denom).astype(v.dtype)
-
-
 def project_qkv(
     x: jax.Array,
     to_q: nnx.Linear,
@@ -340,14 +329,16 @@ def project_qkv(
 
 
 def multihead_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, key_bias: jax.Array | None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    key_mask: jax.Array | None,
+    implementation: str = "auto",
 ) -> jax.Array:
-  """q, k, v [B, S, H, Dh] (q pre-scaled, as from project_qkv) -> [B, S, H*Dh]: ``joint_attention`` on the
-  head-major layout, heads merged back in order."""
-  out = joint_attention(
-      jnp.swapaxes(q, 1, 2), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), key_bias
-  )
-  out = jnp.swapaxes(out, 1, 2)
+  """q, k, v [B, S, H, Dh] (q pre-scaled, as from project_qkv), key_mask [B, S] bool or None -> [B, S, H*Dh]:
+  the shared attention (models/attention.py, `implementation` as there), heads merged back in order.
+  """
+  out = attention_lib.attention(q, k, v, key_mask, implementation=implementation)
   return out.reshape(*out.shape[:2], -1)
 
 
@@ -471,6 +462,7 @@ class JointAttention(nnx.Module):
     # (flux.FluxConfig: FLUX's double-stream attention is the same computation).
     d, hd = config.inner_dim, config.attention_head_dim
     self.heads = config.num_attention_heads
+    self.implementation = config.attention
     self.to_q = _linear(d, d, rngs, param_dtype)
     self.to_k = _linear(d, d, rngs, param_dtype)
     self.to_v = _linear(d, d, rngs, param_dtype)
@@ -484,9 +476,9 @@ class JointAttention(nnx.Module):
     self.norm_added_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
     self.norm_added_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
 
-  def __call__(self, img, txt, rope, key_bias):
-    """img [B, N, D], txt [B, L, D]; rope = (img_cos, img_sin, txt_cos, txt_sin) [S, Dh/2] tables; key_bias
-    [B, L+N] float32 (0 = visible, MASK_BIAS = padded text key) or None. Returns (img_out [B, N, D],
+  def __call__(self, img, txt, rope, key_mask):
+    """img [B, N, D], txt [B, L, D]; rope = (img_cos, img_sin, txt_cos, txt_sin) [S, Dh/2] tables; key_mask
+    [B, L+N] bool (False = padded text key) or None. Returns (img_out [B, N, D],
     txt_out [B, L, D])."""
     img_cos, img_sin, txt_cos, txt_sin = rope
     iq, ik, iv = project_qkv(
@@ -509,7 +501,9 @@ class JointAttention(nnx.Module):
     def joint(t, i):
       return jnp.concatenate([t, i], axis=1)
 
-    out = multihead_attention(joint(tq, iq), joint(tk, ik), joint(tv, iv), key_bias)
+    out = multihead_attention(
+        joint(tq, iq), joint(tk, ik), joint(tv, iv), key_mask, self.implementation
+    )
     n_txt = txt.shape[1]
     return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
 
@@ -534,8 +528,8 @@ class MMDiTBlock(nnx.Module):
     self.img_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
     self.txt_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
 
-  def __call__(self, img, txt, temb, rope, key_bias):
-    """img [B, N, D], txt [B, L, D], temb [B, D]; rope and key_bias as JointAttention -> (img, txt)."""
+  def __call__(self, img, txt, temb, rope, key_mask):
+    """img [B, N, D], txt [B, L, D], temb [B, D]; rope and key_mask as JointAttention -> (img, txt)."""
     # Chunk order along the 6D axis: (shift1, scale1, gate1, shift2, scale2, gate2).
     i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = jnp.split(self.img_mod(jax.nn.silu(temb)), 6, axis=-1)
     t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = jnp.split(self.txt_mod(jax.nn.silu(temb)), 6, axis=-1)
@@ -544,7 +538,7 @@ class MMDiTBlock(nnx.Module):
         _modulate(layer_norm(img, self.eps), i_sh1, i_sc1),
         _modulate(layer_norm(txt, self.eps), t_sh1, t_sc1),
         rope,
-        key_bias,
+        key_mask,
     )
     img = img + i_g1[:, None, :] * img_attn
     txt = txt + t_g1[:, None, :] * txt_attn
@@ -605,16 +599,15 @@ class MMDiT(nnx.Module):
         jnp.asarray(t) for t in rope_cos_sin(img_shape, n_txt, cfg.axes_dims_rope, cfg.rope_theta)
     )
     if text_mask is None:
-      key_bias = None
+      key_mask = None
     else:
       # Padded text keys are hidden from every query; image keys are always visible, so no row is empty.
-      keys = jnp.concatenate([text_mask.astype(bool), jnp.ones((b, n_img), bool)], axis=1)
-      key_bias = jnp.where(keys, 0.0, MASK_BIAS).astype(jnp.float32)
+      key_mask = jnp.concatenate([text_mask.astype(bool), jnp.ones((b, n_img), bool)], axis=1)
 
     img, _ = run_stacked(
         self.blocks,
         (img, txt),
-        lambda block, c: block(*c, temb, rope, key_bias),
+        lambda block, c: block(*c, temb, rope, key_mask),
         num_layers=cfg.num_layers,
         remat=cfg.remat,
         scan_layers=cfg.scan_layers,

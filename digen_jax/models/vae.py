@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from digen_jax.models import attention as attention_lib
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import streaming
 from digen_jax.models import tensor_source
@@ -49,9 +50,6 @@ DIFFUSERS_CLASS_NAME = 'AutoencoderKLQwenImage'
 
 # F.normalize's default eps (diffusers' QwenImageRMS_norm divides by max(||x||_2, eps)).
 NORM_EPS = 1e-12
-# Mid-block attention runs over all h*w latent positions of an image (27,556 at 1328x1328: a
-# 3 GiB float32 logits matrix); queries go in chunks of this many rows to bound that.
-ATTN_QUERY_CHUNK = 4096
 
 _QWEN_LATENTS_MEAN = (
     -0.7571,
@@ -207,27 +205,16 @@ def rms_norm(x: jax.Array, gamma: jax.Array) -> jax.Array:
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, query_chunk: int = ATTN_QUERY_CHUNK
+    q: jax.Array, k: jax.Array, v: jax.Array, query_chunk: int | None = None
 ) -> jax.Array:
-  """Single-head softmax attention, scale 1/sqrt(C). q, k, v: [B, N, C] -> [B, N, C].
-  Queries go `query_chunk` rows at a time (lax.map) so the logits never exceed [B, chunk, N]."""
-  b, n, c = q.shape
-  scale = 1.0 / math.sqrt(c)
-
-  def rows(qc):  # [B, n_rows, C]
-    logits = jnp.einsum('bqc,bkc->bqk', qc, k, preferred_element_type=jnp.float32) * scale
-    p = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum('bqk,bkc->bqc', p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.astype(v.dtype)
-
-  if n <= query_chunk:
-    return rows(q)
-  m = -(-n // query_chunk)
-  # Padded query rows only add rows that are sliced off: softmax is per row.
-  qp = jnp.pad(q, ((0, 0), (0, m * query_chunk - n), (0, 0)))
-  chunks = qp.reshape(b, m, query_chunk, c).transpose(1, 0, 2, 3)
-  out = jax.lax.map(rows, chunks)  # [m, B, chunk, C]
-  return out.transpose(1, 0, 2, 3).reshape(b, m * query_chunk, c)[:, :n]
+  """Single-head softmax attention, scale 1/sqrt(C): q, k, v [B, N, C] -> [B, N, C]. The shared
+  attention (models/attention.py) with one head; its portable path chunks the queries once the
+  logits grow large (`query_chunk` rows, or its own budget)."""
+  q = (q * (1.0 / math.sqrt(q.shape[-1]))).astype(q.dtype)
+  out = attention_lib.attention(
+      q[:, :, None], k[:, :, None], v[:, :, None], query_chunk=query_chunk
+  )
+  return out[:, :, 0]
 
 
 def conv2d(x, kernel, bias, *, stride=1, padding):

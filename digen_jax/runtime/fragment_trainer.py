@@ -31,7 +31,7 @@ class FragmentTrainer:
     self.exp, self.t, self.plan = exp, trainer, plan
     mesh = trainer.mesh
     self.mesh = mesh
-    self.traj_shardings = workers.trajectory_shardings(mesh)
+    self.traj_shardings = programs.trajectory_shardings(mesh)
     self._zero = programs.make_zero_acc(trainer.param_shardings, mesh)
     self._grad = programs.make_fragment_grad(
         exp, mesh, trainer.param_shardings, self.traj_shardings, tsp=tsp, frozen=trainer.frozen

@@ -56,7 +56,7 @@ class FragmentSampler:
   ):
     self.exp, self.mesh, self.plan, self.role, self.tracer = exp, mesh, plan, role, tracer
     self.guard_level = guard_level
-    self.traj_shardings = workers.trajectory_shardings(mesh)
+    self.traj_shardings = programs.trajectory_shardings(mesh)
     rep = mesh_lib.replicated(mesh)
     self._rep = rep
     # Compiled ahead of time: a first TAG insertion must not pay (and BTS must not profile)

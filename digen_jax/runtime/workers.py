@@ -29,7 +29,6 @@ import numpy as np
 from digen_jax import checkpoint as ckpt_lib
 from digen_jax import evaluation
 from digen_jax import programs
-from digen_jax.diffusion import sampler as sampler_lib
 from digen_jax.models import family as family_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.rl import advantages as adv_lib
@@ -58,22 +57,10 @@ def uncond(exp, batch: int, mesh):
   return encode(exp, [c.sampler.negative_prompt] * batch, mesh)
 
 
-def trajectory_shardings(mesh) -> sampler_lib.Trajectory:
-  """Trajectory layout on `mesh`: batch-sharded per-sample fields, replicated schedule."""
-  rep = mesh_lib.replicated(mesh)
-  return sampler_lib.Trajectory(
-      latents=mesh_lib.batch_sharding(mesh, 4, 1),  # [T+1, B, N, C]
-      log_probs=mesh_lib.batch_sharding(mesh, 2, 1),  # [T, B]
-      sigmas=rep,
-      sde_steps=rep,  # [T+1], [T]
-      stds=mesh_lib.batch_sharding(mesh, 2, 1),
-  )  # [T, B]
-
-
 def trainer_batch_shardings(mesh) -> dict:
   """Where the update program takes a batch: {'traj', 'adv' [B], 'valid' [B]} batch-sharded."""
   return {
-      'traj': trajectory_shardings(mesh),
+      'traj': programs.trajectory_shardings(mesh),
       'adv': mesh_lib.batch_sharding(mesh, 1),
       'valid': mesh_lib.batch_sharding(mesh, 1),
   }
@@ -83,7 +70,7 @@ def rollout_batch_shardings(mesh) -> dict:
   """Where the rollout leaves a batch: advantages replicated (every device computes all groups,
   so their values do not depend on the mesh)."""
   rep = mesh_lib.replicated(mesh)
-  return {'traj': trajectory_shardings(mesh), 'adv': rep, 'valid': rep}
+  return {'traj': programs.trajectory_shardings(mesh), 'adv': rep, 'valid': rep}
 
 
 def _span(tracer, mesh, role: str, program: str, step: int, version: int):

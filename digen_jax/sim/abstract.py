@@ -230,3 +230,114 @@ def frozen_tree(exp, mesh, *, base: str | None, decode: bool):
   if decode and w.vae is not None:
     out['vae'] = laid_out(w.vae.abstract, rep, w.frozen_dtype)
   return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Every program of a run, on abstract arguments.
+
+
+def _scalar(mesh, dtype):
+  return jax.ShapeDtypeStruct((), dtype, sharding=mesh_lib.replicated(mesh))
+
+
+def _key(mesh):
+  return _scalar(mesh, jax.random.key(0).dtype)
+
+
+def rollout_param_dtype(exp):
+  """The rollout copy's dtype as the runtime publishes it (LoRA: float32 adapters)."""
+  c = exp.config
+  if exp.weights.lora is None and c.runtime.mode == 'disagg':
+    return jnp.bfloat16 if c.cluster.rollout.param_dtype == 'bfloat16' else jnp.float32
+  return jnp.float32
+
+
+def _metric_sums(mesh):
+  """The gradient accumulator's metric sums, as programs.make_zero_acc makes them."""
+  return {k: _scalar(mesh, jnp.float32) for k in programs.ACC_SUM_KEYS}
+
+
+def run_programs(exp, mesh, batch: int, *, rollout_layout: str = 'replicated', only=None):
+  """{name: (program, abstract args)} for every program programs.py builds for a run of `exp`,
+  laid out on `mesh` as the runtime lays them out, `batch` samples a call (`only`: those
+  names). Each program has .lower(*args) and .trace(*args); nothing is read or allocated.
+
+    rollout          the sampling scan + decode of the rollout role (its copy `rollout_layout`,
+                     'replicated' or 'fsdp', in the published dtype)
+    fragment_rollout the same with a batch offset (GAP / TAG fragments)
+    tag_rollout      the rollout on the trainer's own FSDP float32 params (TAG)
+    eval_rollout     the rollout with every step Euler (eval)
+    update           the full-batch GRPO update (M = 1)
+    grad, grad_tsp   one fragment's gradient (GAP; TSP's timestep-sharded form)
+    apply, zero_acc, select   the optimizer step, a zero accumulator, the trained steps
+  """
+  rep = mesh_lib.replicated(mesh)
+  fsdp_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
+  params = laid_out(exp.params, fsdp_sh, jnp.float32)
+  cond = abstract_cond(exp, batch, mesh)
+  traj_sh = programs.trajectory_shardings(mesh)
+  step = _scalar(mesh, jnp.int32)
+  acc = {'grads': params, 'sums': _metric_sums(mesh)}
+  opt_shapes = jax.eval_shape(exp.optimizer.init, params)
+  opt_sh = mesh_lib.fsdp_shardings(opt_shapes, mesh)
+  opt = laid_out(opt_shapes, opt_sh)
+  ref = params if programs.ref_shardings(exp, fsdp_sh) is not None else None
+  k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
+  data = lambda dtype: jax.ShapeDtypeStruct(
+      (batch,), dtype, sharding=mesh_lib.batch_sharding(mesh, 1)
+  )
+  traj = None  # traced once, for the programs that take a batch
+
+  def batch_args():
+    nonlocal traj
+    if traj is None:
+      traj = laid_out(abstract_trajectory(exp, batch), traj_sh)
+    return traj, cond, cond, data(jnp.float32), data(jnp.bool_)
+
+  def rollout(layout, *, offset=False, deterministic=False, trainer=False):
+    if trainer:
+      param_sh, dtype, base = fsdp_sh, jnp.float32, 'fsdp'
+    else:
+      param_sh = fsdp_sh if layout == 'fsdp' else jax.tree.map(lambda _: rep, exp.params)
+      dtype, base = rollout_param_dtype(exp), layout
+    frozen = frozen_tree(exp, mesh, base=base, decode=True)
+    program = programs.make_rollout(
+        exp,
+        mesh,
+        param_sh,
+        None if deterministic else traj_sh,
+        with_offset=offset,
+        frozen=frozen,
+        deterministic=deterministic,
+    )
+    args = (laid_out(exp.params, param_sh, dtype), cond, cond, _key(mesh), step)
+    return program, args + ((step,) if offset else ())
+
+  def trainer_frozen(decode=False):
+    return frozen_tree(exp, mesh, base='fsdp', decode=decode)
+
+  def update():
+    program = programs.make_update(exp, mesh, fsdp_sh, opt_sh, traj_sh, frozen=trainer_frozen())
+    return program, (params, opt, *batch_args(), _key(mesh), step, ref)
+
+  def grad(tsp):
+    program = programs.make_fragment_grad(
+        exp, mesh, fsdp_sh, traj_sh, tsp=tsp, frozen=trainer_frozen(bool(exp.config.schedule.tag))
+    )
+    indices = jax.ShapeDtypeStruct((k,), jnp.int32, sharding=rep)
+    return program, (params, acc, *batch_args(), indices, ref)
+
+  builders = {
+      'rollout': lambda: rollout(rollout_layout),
+      'fragment_rollout': lambda: rollout(rollout_layout, offset=True),
+      'tag_rollout': lambda: rollout('fsdp', offset=True, trainer=True),
+      'eval_rollout': lambda: rollout('replicated', offset=True, deterministic=True),
+      'update': update,
+      'grad': lambda: grad(False),
+      'grad_tsp': lambda: grad(True),
+      'apply': lambda: (programs.make_apply(exp, mesh, fsdp_sh, opt_sh), (params, opt, acc)),
+      'zero_acc': lambda: (programs.make_zero_acc(fsdp_sh, mesh), (params,)),
+      'select': lambda: (programs.make_select(exp, mesh), (_key(mesh), step)),
+  }
+  names = builders if only is None else only
+  return {name: builders[name]() for name in names}

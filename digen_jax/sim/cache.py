@@ -53,6 +53,9 @@ IGNORED_OVERRIDES = (
     'text.cache',
     'text.seed',  # the word encoder's table values, not its shapes
     'model.remat',
+    # The costs are XLA:CPU's, where 'auto' is the portable attention ('fused' needs a GPU): the
+    # CPU programs, and so the cached figures, are the same for every value.
+    'model.attention',
     'model.lora.rank',
     'model.lora.alpha',
     # The batch is in the key; the planner models rl.step_loop's two loops.

@@ -60,9 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from digen_jax import programs
-from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.runtime import mesh as mesh_lib
-from digen_jax.runtime import workers
 from digen_jax.sim import abstract
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -188,87 +186,36 @@ def variant_config(config, *, steps: int, layers: dict[str, int]):
 # The programs, on abstract arguments.
 
 
-def _key(mesh):
-  return jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=mesh_lib.replicated(mesh))
-
-
 def rollout_param_dtype(exp):
-  """The rollout copy's dtype as the runtime publishes it (LoRA: float32 adapters)."""
-  c = exp.config
-  if exp.weights.lora is None and c.runtime.mode == 'disagg':
-    return jnp.bfloat16 if c.cluster.rollout.param_dtype == 'bfloat16' else jnp.float32
-  return jnp.float32
+  """The rollout copy's dtype as the runtime publishes it (abstract.rollout_param_dtype)."""
+  return abstract.rollout_param_dtype(exp)
+
+
+def _lower(name: str, exp, mesh, batch: int, layout: str = 'replicated'):
+  """lower() -> Lowered of one of abstract.run_programs' programs."""
+  program, args = abstract.run_programs(exp, mesh, batch, rollout_layout=layout, only=(name,))[name]
+
+  def lower():
+    lowered = program.lower(*args)
+    return getattr(lowered, 'lowered', lowered)  # a programs.Bound's lowering wraps jax's
+
+  return lower
 
 
 def build_rollout(exp, mesh, batch: int, layout: str):
-  """(lower() -> Lowered, held argument bytes) of the rollout as RolloutWorker compiles it."""
-  rep = mesh_lib.replicated(mesh)
-  param_sh = (
-      mesh_lib.fsdp_shardings(exp.params, mesh)
-      if layout == 'fsdp'
-      else jax.tree.map(lambda _: rep, exp.params)
-  )
-  frozen = abstract.frozen_tree(exp, mesh, base=layout, decode=True)
-  bound = programs.make_rollout(
-      exp, mesh, param_sh, workers.trajectory_shardings(mesh), frozen=frozen
-  )
-  cond = abstract.abstract_cond(exp, batch, mesh)
-  args = (
-      abstract.laid_out(exp.params, param_sh, rollout_param_dtype(exp)),
-      cond,
-      cond,
-      _key(mesh),
-      jax.ShapeDtypeStruct((), jnp.int32, sharding=rep),
-  )
-  return lambda: bound.lower(*args).lowered
-
-
-def _sums(mesh):
-  rep = mesh_lib.replicated(mesh)
-  # The accumulator's metric sums, as programs.make_zero_acc makes them.
-  keys = programs._SUM_KEYS + programs._MAX_KEYS + ('weight_sum',)  # pylint: disable=protected-access
-  return {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=rep) for k in keys}
+  """lower() -> Lowered of the rollout as the rollout role compiles it (`layout` of its copy)."""
+  return _lower('rollout', exp, mesh, batch, layout)
 
 
 def build_grad(exp, mesh, batch: int):
-  """The GAP fragment gradient (forward + backward over the K trained steps) as TrainerWorker
-  compiles it: FSDP float32 params and accumulator, the LoRA base FSDP."""
-  c = exp.config
-  rep = mesh_lib.replicated(mesh)
-  param_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
-  params = abstract.laid_out(exp.params, param_sh, jnp.float32)
-  batch_sh = workers.trainer_batch_shardings(mesh)
-  frozen = abstract.frozen_tree(exp, mesh, base='fsdp', decode=bool(c.schedule.tag))
-  bound = programs.make_fragment_grad(
-      exp, mesh, param_sh, traj_shardings=batch_sh['traj'], tsp=bool(c.schedule.tsp), frozen=frozen
-  )
-  k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
-  cond = abstract.abstract_cond(exp, batch, mesh)
-  ref = params if programs.ref_shardings(exp, param_sh) is not None else None
-  args = (
-      params,
-      {'grads': params, 'sums': _sums(mesh)},
-      abstract.laid_out(abstract.abstract_trajectory(exp, batch), batch_sh['traj']),
-      cond,
-      cond,
-      jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=batch_sh['adv']),
-      jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=batch_sh['valid']),
-      jax.ShapeDtypeStruct((k,), jnp.int32, sharding=rep),
-      ref,
-  )
-  return lambda: bound.lower(*args).lowered
+  """lower() of the GAP fragment gradient (forward + backward over the K trained steps) as the
+  trainer compiles it: FSDP float32 params and accumulator, TSP when config.schedule.tsp."""
+  return _lower('grad_tsp' if exp.config.schedule.tsp else 'grad', exp, mesh, batch)
 
 
 def build_apply(exp, mesh, batch: int):
-  """The optimizer step on an accumulated gradient (FSDP params, state and gradient)."""
-  del batch
-  param_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
-  params = abstract.laid_out(exp.params, param_sh, jnp.float32)
-  opt_shapes = jax.eval_shape(exp.optimizer.init, params)
-  opt_sh = mesh_lib.fsdp_shardings(opt_shapes, mesh)
-  program = programs.make_apply(exp, mesh, param_sh, opt_sh)
-  args = (params, abstract.laid_out(opt_shapes, opt_sh), {'grads': params, 'sums': _sums(mesh)})
-  return lambda: program.lower(*args)
+  """lower() of the optimizer step on an accumulated gradient (FSDP params, state, gradient)."""
+  return _lower('apply', exp, mesh, batch)
 
 
 # ---------------------------------------------------------------------------------------------

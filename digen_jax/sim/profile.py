@@ -117,6 +117,7 @@ def profile_child(
   from digen_jax.runtime import trace as trace_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import workers  # pylint: disable=g-import-not-at-top
+  from digen_jax import programs  # pylint: disable=g-import-not-at-top
 
   from digen_jax import compile_cache  # pylint: disable=g-import-not-at-top
 
@@ -285,7 +286,7 @@ def profile_child(
     out[f'reward/{n}'] = statistics.median(f.reward_s for f in frags)
     frag = frags[0]
   barrier('frag_rollout')
-  traj_shardings = workers.trajectory_shardings(cluster.trainer.mesh)
+  traj_shardings = programs.trajectory_shardings(cluster.trainer.mesh)
   if multi:
     if is_rollout:
       for _ in range(repeats + 1):
