@@ -3,6 +3,7 @@ of the test session kept (conftest's compile-speed flags above all)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 from digen_jax.sim import devices as devices_lib  # imports nothing from jax
@@ -13,11 +14,13 @@ from digen_jax.sim import devices as devices_lib  # imports nothing from jax
 # (configs/qwenimage.py:tiny's gradient program: 5.5 s -> 2.7 s; FLUX tiny's: 7.2 s -> 3.2 s).
 # conftest sets them for the session and its subprocesses; tests that time real runs against a
 # prediction take them out (production_flags).
+# XLA aborts on a flag it does not know: jaxlib 0.11 dropped the fusion-emitter switch (its CPU
+# backend has only the emitters), so the suite also runs on newer jax (README "Running on GPUs").
+_JAXLIB = tuple(int(x) for x in importlib.metadata.version('jaxlib').split('.')[:2])
 COMPILE_FAST_FLAGS = (
     '--xla_backend_optimization_level=0',
     '--xla_llvm_disable_expensive_passes=true',
-    '--xla_cpu_use_fusion_emitters=false',
-)
+) + (('--xla_cpu_use_fusion_emitters=false',) if _JAXLIB < (0, 11) else ())
 
 
 def production_flags(flags: str) -> str:
