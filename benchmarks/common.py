@@ -167,7 +167,7 @@ def make_inputs(size: BenchSize, seed: int = 1) -> dict[str, np.ndarray]:
 
 def bench_sigmas(size: BenchSize) -> np.ndarray:
   """Our schedule for the benchmark: static shift, float32 [T+1]."""
-  from digen_jax.diffusion.schedule import SchedulerConfig, sigmas
+  from digen_jax.diffusion.sigmas import SchedulerConfig, sigmas
 
   return sigmas(SchedulerConfig(shift=size.shift), size.steps)
 

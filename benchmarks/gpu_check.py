@@ -181,7 +181,7 @@ def transformer_jax(family: str, size: str, reps: int) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from digen_jax import experiment  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import build as experiment  # pylint: disable=g-import-not-at-top
   from digen_jax import programs  # pylint: disable=g-import-not-at-top
   from digen_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
 
@@ -368,7 +368,7 @@ def transformer_torch(family: str, size: str, reps: int) -> dict:
 
 
 def transformer_flops(family: str, size: str) -> dict:
-  from digen_jax import experiment  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import build as experiment  # pylint: disable=g-import-not-at-top
   from digen_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
 
   config = family_config(family, size)
@@ -387,7 +387,7 @@ def project_programs(size: str, reps: int) -> dict:
   """The rollout (sampling scan with CFG + VAE decode) and one fragment's update (gradient +
   optimizer step) of configs/qwenimage.py as the runtime builds them, on one device."""
   import jax  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import abstract  # pylint: disable=g-import-not-at-top
 
   config = family_config('qwenimage', size)

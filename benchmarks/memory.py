@@ -39,7 +39,7 @@ Batch: by default the whole logical batch (rl.prompts_per_step x rl.group_size) 
 N devices, for both programs; --per_device_batch=P makes it P x N (e.g. a GAP fragment or a
 rollout share).  --vae: 'auto' reads vae/config.json from config.model.checkpoint when it is a
 pipeline folder (configuration only), else uses the real Qwen-Image VAE when
-config.latent.channels is 16 and the toy VAE of digen_jax/tiny_pipeline.py otherwise.
+config.latent.channels is 16 and the toy VAE of digen_jax/experiment/tiny_pipeline.py otherwise.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ import common
 from digen_jax import programs
 from digen_jax.models import family as family_lib
 from digen_jax.rl import timesteps as timesteps_lib
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import workers
 from digen_jax.sim import abstract as abstract_lib
 from digen_jax.sim.abstract import abstract_cond

@@ -22,13 +22,13 @@ t0=$(date +%s)
 # Logs go to files, not through a pipe: the first GPU run, with this step piped into grep, printed
 # nothing and was killed at its 525 s limit (the same step writing to a file took 62 s; which
 # process held the pipe open was not established).
-$py -m digen_jax.pretrain_ae --workdir="$out/ae" --steps="$ae_steps" --batch=64 \
+$py -m digen_jax.tasks.shapes.pretrain_ae --workdir="$out/ae" --steps="$ae_steps" --batch=64 \
   --workers="$workers" --alsologtostderr >"$out/ae.log" 2>&1
 tail -n 1 "$out/ae.log"
 
 gen_flags=(--config=configs/shapes_pretrain.py:ae --config.latent.ae="$out/ae/params"
   --config.pretrain.batch="$batch" --config.pretrain.data_workers="$workers")
-$py -m digen_jax.pretrain "${gen_flags[@]}" --workdir="$out/calibrate" \
+$py -m digen_jax.tasks.shapes.pretrain "${gen_flags[@]}" --workdir="$out/calibrate" \
   --config.pretrain.steps=300 --config.pretrain.log_every=100 --config.pretrain.eval_every=0 \
   --config.pretrain.save_every=0 --config.pretrain.final_eval_prompts=4 \
   --config.pretrain.final_eval_samples=1 >"$out/calibrate.log" 2>&1
@@ -39,7 +39,7 @@ left=$((budget - ($(date +%s) - t0)))
 steps=$($py -c "print(max(500, int(0.85 * $left * $rate / $batch) // 500 * 500))")
 echo "shapes_base: ${rate} samples/s -> ${steps} generator steps of ${batch} in the ${left}s left"
 
-$py -m digen_jax.pretrain "${gen_flags[@]}" --workdir="$out/gen" --config.pretrain.steps="$steps" \
+$py -m digen_jax.tasks.shapes.pretrain "${gen_flags[@]}" --workdir="$out/gen" --config.pretrain.steps="$steps" \
   --config.pretrain.log_every=500 --config.pretrain.eval_every=$((steps / 4)) \
   --config.pretrain.save_every=$((steps / 4)) ${GEN_EXTRA_FLAGS:-} >"$out/gen.log" 2>&1
 tail -n 1 "$out/gen.log"

@@ -23,7 +23,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from digen_jax.data.shapes import grammar  # noqa: E402
+from digen_jax.tasks.shapes import grammar  # noqa: E402
 
 
 def group_of(p: grammar.ShapesPrompt) -> str:
@@ -77,7 +77,7 @@ def main(argv=None) -> dict[int, dict[str, float]]:
   for f in files:
     d = json.load(open(f))
     if 'per_prompt' not in d:
-      raise SystemExit(f'{f} has no per_prompt field (written by digen_jax.evaluation)')
+      raise SystemExit(f'{f} has no per_prompt field (written by digen_jax.experiment.evaluation)')
     table[int(d['step'])] = breakdown(d['per_prompt'])
   cols = ['all', 'single', 'single_count1', 'single_count2', 'single_count3', 'relation']
   print_table(table, cols)

@@ -31,10 +31,13 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import shapes_pretrain  # noqa: E402
-from digen_jax import configlib, experiment, pretrain, visualize  # noqa: E402
-from digen_jax.data.shapes import render  # noqa: E402
+from digen_jax.experiment import build as experiment  # noqa: E402
+from digen_jax.experiment import config as configlib  # noqa: E402
+from digen_jax.outputs import visualize  # noqa: E402
+from digen_jax.tasks.shapes import pretrain  # noqa: E402
+from digen_jax.tasks.shapes import render  # noqa: E402
 from digen_jax.models import params_io  # noqa: E402
-from digen_jax.rewards import shapes_checker  # noqa: E402
+from digen_jax.tasks.shapes import checker as shapes_checker  # noqa: E402
 
 COLORS = ('red', 'blue')
 SHAPES = ('circle', 'square', 'triangle')

@@ -22,7 +22,7 @@ Variants (comma-separated, e.g. `:full,disagg`):
            random init, pixel space, word encoder: seconds on a CPU
   tiny_pipeline  the whole real path at toy size: a random diffusers FLUX.1 folder (transformer
            with guidance embedding, AutoencoderKL, CLIP + T5 encoders and tokenizers, scheduler;
-           digen_jax/tiny_pipeline.py) built under config.model.checkpoint if absent and its
+           digen_jax/experiment/tiny_pipeline.py) built under config.model.checkpoint if absent and its
            prompts encoded into config.text.cache (child processes: torch never runs in
            training), then T5 + pooled CLIP embeddings -> FLUX sampling with distilled guidance
            -> VAE decode -> JPEG + ShapesBench rewards -> GRPO (LoRA; add `full` for all weights)
@@ -31,7 +31,7 @@ Variants (comma-separated, e.g. `:full,disagg`):
 import os
 import tempfile
 
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 
 VARIANTS = ('schnell', 'dance', 'full', 'disagg', 'tiny', 'tiny_pipeline')
 
@@ -137,7 +137,7 @@ def get_config(arg: str | None = None):
     c.total_steps = 3
 
   if 'tiny_pipeline' in variants:
-    # digen_jax/tiny_pipeline.py's FLUX toy sizes (FLUX_TRANSFORMER, FLUX_VAE).
+    # digen_jax/experiment/tiny_pipeline.py's FLUX toy sizes (FLUX_TRANSFORMER, FLUX_VAE).
     c.model.checkpoint = os.path.join(tempfile.gettempdir(), 'digen_tiny_flux')
     c.model.build_tiny_pipeline = True
     c.model.remat = False

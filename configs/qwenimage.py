@@ -22,7 +22,7 @@ Variants (comma-separated, e.g. `:full,disagg`):
 import os
 import tempfile
 
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 
 VARIANTS = ('full', 'disagg', 'tiny', 'tiny_disagg', 'tiny_pipeline')
 
@@ -110,7 +110,7 @@ def get_config(arg: str | None = None):
     c.total_steps = 3
 
   if 'tiny_pipeline' in variants:
-    # digen_jax/tiny_pipeline.py's toy sizes (a random diffusers Qwen-Image folder).
+    # digen_jax/experiment/tiny_pipeline.py's toy sizes (a random diffusers Qwen-Image folder).
     c.model.checkpoint = os.path.join(tempfile.gettempdir(), 'digen_tiny_qwenimage')
     c.model.build_tiny_pipeline = True
     c.model.remat = False

@@ -16,7 +16,7 @@ the held-out eval compositions with deterministic ODE sampling. `:pixel` is the 
 ladder and simulator figures of benchmarks/RESULTS.md were measured on it and name it.
 """
 
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 
 VARIANTS = ('jpeg', 'pixel', 'latent', 'disagg')
 

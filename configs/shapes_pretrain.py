@@ -1,8 +1,8 @@
 """Pretraining of the ShapesBench base generator (flow matching, CPU-sized), and `:test`.
 
-  python -m digen_jax.pretrain --config=configs/shapes_pretrain.py --workdir=/tmp/shapes_pre
-  python -m digen_jax.pretrain --config=configs/shapes_pretrain.py:test --workdir=/tmp/x
-  python -m digen_jax.pretrain --config=configs/shapes_pretrain.py:ae --workdir=/tmp/gen \
+  python -m digen_jax.tasks.shapes.pretrain --config=configs/shapes_pretrain.py --workdir=/tmp/shapes_pre
+  python -m digen_jax.tasks.shapes.pretrain --config=configs/shapes_pretrain.py:test --workdir=/tmp/x
+  python -m digen_jax.tasks.shapes.pretrain --config=configs/shapes_pretrain.py:ae --workdir=/tmp/gen \
       [--config.latent.ae=AE/params]  # the latent-space base (default AE: assets/shapes_ae)
 
 `pretrain.caption_noise` trains on a share of pairs whose caption is wrong in one attribute
@@ -26,7 +26,7 @@ Design of the default variant (measured on the 2-core CPU, see assets/shapes_bas
 
 import ml_collections
 
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 
 SHAPES_BASE_CHECKPOINT = 'assets/shapes_base'
 VARIANTS = ('ae', 'test')

@@ -395,7 +395,7 @@ def _limits(encoder: PromptEncoder) -> str:
 
 
 def _define_flags():
-  from digen_jax import cli  # pylint: disable=g-import-not-at-top  (defines --config, --workdir)
+  from digen_jax.process import cli  # pylint: disable=g-import-not-at-top  (defines --config, --workdir)
   # encode_prompts writes no run directory: --workdir only roots tfds prompt data (as in training).
   flags.FLAGS.set_default('workdir', '')
   flags.DEFINE_string(

@@ -12,22 +12,23 @@ import os
 from absl import app
 from absl import logging
 
-from digen_jax import cli
-from digen_jax import faults
+from digen_jax.process import cli
+from digen_jax.outputs import faults
 
 
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
-  from digen_jax import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax import evaluation  # pylint: disable=g-import-not-at-top
-  from digen_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax.outputs import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import evaluation  # pylint: disable=g-import-not-at-top
+  from digen_jax.outputs import eval_report  # pylint: disable=g-import-not-at-top
+  from digen_jax.outputs import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
   config, workdir, n = cli.setup()
   exp = cli.build_experiment(config, workdir, n)
   mesh = mesh_lib.make_mesh(jax.local_devices()[:n])
-  from digen_jax import weights as weights_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import weights as weights_lib  # pylint: disable=g-import-not-at-top
 
   params, step = weights_lib.host_params(exp.weights), 0
   ckpt_dir = os.path.join(workdir, 'checkpoints')
@@ -53,7 +54,7 @@ def main(argv):
   writer = metrics_lib.MetricsWriter(workdir, tensorboard=False)
   writer.write({'step': step, **result['metrics']})
   writer.close()
-  grid = evaluation.write_report(result, os.path.join(workdir, 'eval'), step)
+  grid = eval_report.write_report(result, os.path.join(workdir, 'eval'), step)
   print(f"digen_jax eval: step={step} {result['metrics']} grid={grid}", flush=True)
 
 

@@ -14,9 +14,9 @@ import sys
 from absl import app
 from absl import logging
 
-from digen_jax import cli
-from digen_jax import faults
-from digen_jax import interrupt
+from digen_jax.process import cli
+from digen_jax.outputs import faults
+from digen_jax.process import interrupt
 
 
 def main(argv):
@@ -62,7 +62,9 @@ def prepare_tiny_pipeline(config, workdir: str):
 
   folder = config.model.checkpoint
   if not os.path.isfile(os.path.join(folder, 'model_index.json')):
-    child(['digen_jax.tiny_pipeline', f'--out={folder}', f'--family={config.model.family}'])
+    child(
+        ['digen_jax.experiment.tiny_pipeline', f'--out={folder}', f'--family={config.model.family}']
+    )
   config_flags = [a for a in sys.argv[1:] if a.startswith('--config')]
   data_dir = prompt_data.resolve_data_dir(config.data.data_dir, workdir)
   # verify=False: only the index is read here (the run's own open hashes every shard).
@@ -93,7 +95,7 @@ def prepare_tiny_pipeline(config, workdir: str):
 def _run(info):
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top  (after absl parsed flags such as --jax_*)
-  from digen_jax import report  # pylint: disable=g-import-not-at-top
+  from digen_jax.outputs import report  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import colocated  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import disagg  # pylint: disable=g-import-not-at-top

@@ -291,7 +291,7 @@ def value_problem(config, run: Run) -> str | None:
   """Why `run`'s overrides give a config digen_jax.main would reject at start, or None."""
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  from digen_jax import configlib  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import config as configlib  # pylint: disable=g-import-not-at-top
 
   if not hasattr(config, 'runtime'):  # not a digen_jax.main config tree: leave it to the run
     return None

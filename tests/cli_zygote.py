@@ -29,7 +29,7 @@ import flax.nnx  # noqa: F401
 import orbax.checkpoint  # noqa: F401
 import optax  # noqa: F401
 import tensorflow_datasets  # noqa: F401
-import digen_jax.experiment  # noqa: F401
+import digen_jax.experiment.build  # noqa: F401
 import digen_jax.runtime.disagg  # noqa: F401
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from configs import qwenimage
-from digen_jax import configlib
-from digen_jax import experiment
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
 from digen_jax.models import attention as attention_lib
 from digen_jax.models import mmdit
 

@@ -19,11 +19,11 @@ from flax import nnx
 import numpy as np
 import pytest
 
-from digen_jax import experiment
-from digen_jax import pretrain
+from digen_jax.experiment import build as experiment
+from digen_jax.tasks.shapes import pretrain
 from digen_jax import programs
 from digen_jax.diffusion import sde as sde_lib
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.sim import abstract
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from digen_jax.data.shapes import grammar as G
-from digen_jax.data.shapes import render as R
-from digen_jax.rewards import build_reward, registry, shapes_checker as sc
+from digen_jax.tasks.shapes import grammar as G
+from digen_jax.tasks.shapes import render as R
+from digen_jax.rewards import registry
+from digen_jax.rewards.registry import build_reward
+from digen_jax.tasks.shapes import checker as sc
 
 # A near miss's credit for the atom it attacks, as shapes_dense pays it (the atom's soft value,
 # in [0, 1]; the reward is the mean over the prompt's atoms).

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from digen_jax import checkpoint as ckpt_lib
-from digen_jax import faults
+from digen_jax.outputs import checkpoint as ckpt_lib
+from digen_jax.outputs import faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = np.random.RandomState(0).randn(128, 128).astype(np.float32)  # incompressible: ~64 KB
@@ -171,7 +171,7 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path):
 _FSIZE_SCRIPT = textwrap.dedent("""
     import os, resource, signal, sys
     import jax.numpy as jnp, numpy as np
-    from digen_jax import checkpoint as ckpt_lib, faults
+    from digen_jax.outputs import checkpoint as ckpt_lib, faults
     W = np.random.RandomState(0).randn(128, 128).astype(np.float32)
     st = lambda v: {'params': {'w': jnp.asarray(W + v), 'b': jnp.arange(5.0) + v},
                     'rng': jnp.zeros(2, jnp.uint32)}
@@ -217,8 +217,8 @@ def test_training_resumes_past_a_corrupt_latest_checkpoint(tmp_path):
   """A run whose newest checkpoint rotted resumes from the one before and redoes the lost step
   exactly (one step lost, same parameters)."""
   from configs import qwenimage
-  from digen_jax import configlib
-  from digen_jax import experiment
+  from digen_jax.experiment import config as configlib
+  from digen_jax.experiment import build as experiment
   from digen_jax.runtime import colocated
 
   def run(workdir):

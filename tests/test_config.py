@@ -8,8 +8,8 @@ import pytest
 
 from configs import qwenimage
 from configs import shapes
-from digen_jax import configlib
-from digen_jax import experiment
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
 
 
 def test_learning_rate_schedules():
@@ -91,7 +91,7 @@ def test_reward_spec_from_the_config(tmp_path):
 
 def test_auto_step_loop_scans_on_one_device_only():
   from digen_jax import programs
-  from digen_jax.runtime import mesh as mesh_lib
+  from digen_jax.parallel import mesh as mesh_lib
 
   one, two = (mesh_lib.make_mesh(jax.devices()[:n]) for n in (1, 2))
   assert programs.step_loop_for('auto', one) == 'scan'

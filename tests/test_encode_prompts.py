@@ -1,6 +1,6 @@
 """encode_prompts + models/text_cache.py against diffusers' QwenImagePipeline.encode_prompt.
 
-A toy Qwen-Image pipeline folder (digen_jax/tiny_pipeline.py, saved with diffusers'
+A toy Qwen-Image pipeline folder (digen_jax/experiment/tiny_pipeline.py, saved with diffusers'
 save_pretrained) is built once; the real CLI encodes a prompt file into a cache in a subprocess;
 EmbeddingCache must reproduce diffusers' embeddings, masks and lengths for every prompt.
 """
@@ -17,9 +17,9 @@ import pytest
 import torch
 from diffusers import QwenImagePipeline
 
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 from digen_jax import encode_prompts
-from digen_jax import tiny_pipeline
+from digen_jax.experiment import tiny_pipeline
 from digen_jax.models import text_cache
 from digen_jax.models.text import TextEncoder
 

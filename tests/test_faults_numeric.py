@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from configs import qwenimage
-from digen_jax import checkpoint as ckpt_lib
-from digen_jax import configlib
-from digen_jax import experiment
-from digen_jax import faults
+from digen_jax.outputs import checkpoint as ckpt_lib
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
+from digen_jax.outputs import faults
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages
 from digen_jax.runtime import colocated

@@ -23,8 +23,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from configs import flux as flux_config
-from digen_jax import configlib
-from digen_jax import experiment
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
 from digen_jax.models import flux
 from digen_jax.models import flux_convert
 from digen_jax.models import lora

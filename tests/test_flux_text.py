@@ -1,6 +1,6 @@
 """encode_prompts + models/text_cache.py against diffusers' FluxPipeline.encode_prompt.
 
-A toy FLUX.1 pipeline folder (digen_jax.tiny_pipeline.build_flux: FluxPipeline.save_pretrained of
+A toy FLUX.1 pipeline folder (digen_jax.experiment.tiny_pipeline.build_flux: FluxPipeline.save_pretrained of
 random tiny CLIPTextModel and T5EncoderModel, a byte-level BPE CLIPTokenizer and a Unigram T5
 tokenizer trained locally, a tiny transformer, VAE and scheduler) is built here. The real CLI encodes a prompt file into a cache in a subprocess; EmbeddingCache must
 reproduce diffusers' T5 sequence embeddings (the attended pad positions included) and CLIP pooled
@@ -20,7 +20,7 @@ from diffusers import FluxPipeline
 from digen_jax import encode_prompts
 from digen_jax.models import text_cache
 from digen_jax.models.text import PooledTextEncoder, TextEncoder
-from digen_jax import tiny_pipeline
+from digen_jax.experiment import tiny_pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = 'a red circle and a blue square ' * 12  # past CLIP's 77 tokens and T5's length

@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '--config=configs/qwenimage.py:tiny'
 DISAGG = (TINY, '--config.runtime.mode=disagg')
 EXPLICIT = DISAGG + ('--config.cluster.layout=explicit',)
-MAIN, EVAL, PRETRAIN = 'digen_jax.main', 'digen_jax.eval', 'digen_jax.pretrain'
+MAIN, EVAL, PRETRAIN = 'digen_jax.main', 'digen_jax.eval', 'digen_jax.tasks.shapes.pretrain'
 PRE = '--config=configs/shapes_pretrain.py:test'
 
 
@@ -569,7 +569,7 @@ def test_bad_input_is_one_clear_line(outcomes, case_id, expected):
   assert line.startswith(
       (
           'digen_jax: ',
-          'digen_jax.pretrain: ',
+          'digen_jax.tasks.shapes.pretrain: ',
           'sweep: ',
           'launch/local.py: ',
           '[local] ',

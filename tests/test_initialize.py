@@ -8,10 +8,10 @@ from flax import nnx
 
 from configs import flux as flux_config
 from configs import qwenimage
-from digen_jax import experiment
+from digen_jax.experiment import build as experiment
 from digen_jax.models import family
 from digen_jax.models import initialize
-from digen_jax.models import shapes_ae
+from digen_jax.tasks.shapes import autoencoder as shapes_ae
 
 
 def _same(a: nnx.Module, b: nnx.Module):

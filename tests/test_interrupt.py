@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from configs import qwenimage
-from digen_jax import configlib
-from digen_jax import experiment
-from digen_jax import interrupt
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
+from digen_jax.process import interrupt
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import colocated
 from digen_jax.runtime import disagg
@@ -51,7 +51,7 @@ def test_a_process_stuck_after_sigterm_exits_at_the_bound():
   the C-level handler through the wakeup pipe, exits 143 after runtime.shutdown_timeout_s."""
   r, seconds = _python("""
       import os, signal, threading, time
-      from digen_jax import interrupt
+      from digen_jax.process import interrupt
       interrupt.install(1.5)
       threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
       r, w = os.pipe()
@@ -68,7 +68,7 @@ def test_a_process_stuck_after_sigterm_exits_at_the_bound():
 def test_a_second_signal_exits_at_once():
   r, seconds = _python("""
       import os, signal, time
-      from digen_jax import interrupt
+      from digen_jax.process import interrupt
       interrupt.install(300)
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(0.5)
@@ -359,7 +359,7 @@ def test_two_processes_sigterm_kill9_and_relaunch(tmp_path):
       rollout=(2, 3),
   )
   ref = disagg.train(experiment.build(c, ref_wd, 2), ref_wd, cluster_lib.resolve(c))
-  from digen_jax import checkpoint as ckpt_lib
+  from digen_jax.outputs import checkpoint as ckpt_lib
 
   ck = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))
   state, _ = ck.restore(

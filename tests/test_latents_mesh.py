@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 from digen_jax.models import latents
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 
 def test_pack_matches_diffusers_and_roundtrips():

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from configs import shapes_pretrain
-from digen_jax import experiment
-from digen_jax import pretrain
+from digen_jax.experiment import build as experiment
+from digen_jax.tasks.shapes import pretrain
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import mmdit
 from digen_jax.models import params_io
@@ -258,8 +258,8 @@ def test_cfg_evals_need_a_model_that_learnt_the_empty_prompt(tmp_path):
 
 
 def test_single_count_misses_say_why_counted_prompts_fail():
-  from digen_jax.data.shapes import render
-  from digen_jax.rewards import shapes_checker
+  from digen_jax.tasks.shapes import render
+  from digen_jax.tasks.shapes import checker as shapes_checker
 
   prompts = ['three red circles on a white background'] * 2 + [
       'two blue squares on a white background'
@@ -403,7 +403,9 @@ def test_pooled_text_warm_start_keeps_the_function_then_conditions_on_the_prompt
 
 def test_shipped_checkpoint_loads_and_runs():
   if not os.path.isdir(SHIPPED):
-    pytest.fail(f'{SHIPPED} is missing: run digen_jax.pretrain (see configs/shapes_pretrain.py)')
+    pytest.fail(
+        f'{SHIPPED} is missing: run digen_jax.tasks.shapes.pretrain (see configs/shapes_pretrain.py)'
+    )
   cfg, state, extra = params_io.load_params(SHIPPED)
   c = shapes_pretrain.get_config()
   assert cfg == experiment.model_config_from(c)  # the config RL reuses describes this checkpoint
@@ -463,7 +465,7 @@ def test_shipped_latent_base_draws_the_shape_and_colour_it_is_asked_for():
   comparably to the colour word (0.53 with 8 noises), and single objects come out as the prompted
   shape, never another, including the two held-out pairs among the probe's prompts (a red circle, a
   blue triangle)."""
-  from digen_jax import configlib
+  from digen_jax.experiment import config as configlib
 
   folder = os.path.join(REPO, configlib.SHAPES_LATENT_BASE_CHECKPOINT)
   cfg, _, extra = params_io.load_params(folder)
@@ -492,8 +494,8 @@ def test_shipped_latent_base_draws_the_shape_and_colour_it_is_asked_for():
 
 @pytest.fixture(scope='module')
 def tiny_ae(tmp_path_factory):
-  """A briefly trained autoencoder folder (digen_jax.pretrain_ae at toy size)."""
-  from digen_jax import pretrain_ae
+  """A briefly trained autoencoder folder (digen_jax.tasks.shapes.pretrain_ae at toy size)."""
+  from digen_jax.tasks.shapes import pretrain_ae
 
   out = tmp_path_factory.mktemp('ae')
   summary = pretrain_ae.train(
@@ -514,7 +516,7 @@ def tiny_ae(tmp_path_factory):
 
 
 def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
-  from digen_jax.models import shapes_ae
+  from digen_jax.tasks.shapes import autoencoder as shapes_ae
   from digen_jax.models import vae as vae_lib
 
   folder, summary = tiny_ae
@@ -550,9 +552,9 @@ def test_autoencoder_loss_teaches_the_shape_and_colour_channels_their_maps(tiny_
   """The shape term is exactly the mean squared error between the leading latent channels and
   each latent cell's per-shape coverage, weighted by shape_weight; the colour term likewise for the
   next three channels and each cell's colour x coverage, weighted by color_weight."""
-  from digen_jax import pretrain_ae
-  from digen_jax.data.shapes import grammar
-  from digen_jax.data.shapes import training as training_data
+  from digen_jax.tasks.shapes import pretrain_ae
+  from digen_jax.tasks.shapes import grammar
+  from digen_jax.tasks.shapes import training as training_data
 
   model = params_io.load_model(tiny_ae[0])
   fresh = training_data.training_batch(
@@ -586,8 +588,8 @@ def test_decoder_only_training_keeps_the_latent_space_exactly(tiny_ae, tmp_path)
   """pretrain_ae --init_from --decoder_only --split=all: the decoder learns from renders of every
   composition while the encoder's params and the latent statistics stay bit-identical, so every
   generator trained on the old latents is still valid."""
-  from digen_jax import pretrain_ae
-  from digen_jax.models import shapes_ae
+  from digen_jax.tasks.shapes import pretrain_ae
+  from digen_jax.tasks.shapes import autoencoder as shapes_ae
 
   folder, _ = tiny_ae
   summary = pretrain_ae.train(
@@ -615,9 +617,9 @@ def test_decoder_only_training_keeps_the_latent_space_exactly(tiny_ae, tmp_path)
 def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
   """assets/shapes_ae (the latents issue 16's base generators work in) keeps every shape: its
   reconstructions of fresh renders pass the strict checker as the renders do."""
-  from digen_jax.data.shapes import training as training_data
-  from digen_jax.models import shapes_ae
-  from digen_jax.rewards import shapes_checker
+  from digen_jax.tasks.shapes import training as training_data
+  from digen_jax.tasks.shapes import autoencoder as shapes_ae
+  from digen_jax.tasks.shapes import checker as shapes_checker
 
   folder = os.path.join(REPO, shapes_pretrain.configlib.SHAPES_AE_CHECKPOINT)
   cfg = shapes_ae.read_vae_config(folder)
@@ -688,7 +690,7 @@ def test_rl_rollout_decodes_with_the_autoencoder(tiny_ae, tmp_path):
   latents to 32 px images with the autoencoder, inside the same jitted program."""
   from configs import shapes as shapes_rl
   from digen_jax import programs
-  from digen_jax.runtime import mesh as mesh_lib
+  from digen_jax.parallel import mesh as mesh_lib
 
   folder, _ = tiny_ae
   c = shapes_rl.get_config()

@@ -5,10 +5,10 @@ import jax
 import pytest
 
 from configs import qwenimage
-from digen_jax import configlib
-from digen_jax import experiment
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
 from digen_jax import programs
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 
 def _exp(tmp_path, name, **overrides):

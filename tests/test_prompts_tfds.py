@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from digen_jax.data import prompts as P
-from digen_jax.data.shapes import grammar as G
+from digen_jax.tasks.shapes import grammar as G
+from digen_jax.tasks.shapes import prompts as SP
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
   d = tmp_path_factory.mktemp("tfds")
-  P.prepare_shapes_bench(str(d))
+  SP.prepare_shapes_bench(str(d))
   return str(d)
 
 
@@ -31,8 +32,8 @@ def test_shapes_bench_splits_and_fields(data_dir):
     for i in (0, len(seq) // 2, -1):
       rec = seq.record(i)
       p = G.parse(rec["prompt"])
-      assert rec == P.shapes_record(p) | {"count_a": p.objects[0].count}
-  ver = os.path.join(data_dir, "shapes_bench", str(P.ShapesBench.VERSION))
+      assert rec == SP.shapes_record(p) | {"count_a": p.objects[0].count}
+  ver = os.path.join(data_dir, "shapes_bench", str(SP.ShapesBench.VERSION))
   assert any(f.startswith("shapes_bench-train.array_record") for f in os.listdir(ver))
   assert "tensorflow" not in sys.modules  # built and read without TensorFlow
 
@@ -68,27 +69,27 @@ def test_readable_by_plain_tfds_in_fresh_process(data_dir, tmp_path):
 def test_stale_shapes_bench_detected(data_dir, monkeypatch):
   real = G.split_prompts()
   monkeypatch.setattr(
-      P, "split_prompts", lambda: {"train": real["train"][:-1], "eval": real["eval"]}
+      SP, "split_prompts", lambda: {"train": real["train"][:-1], "eval": real["eval"]}
   )
   with pytest.raises(ValueError, match="different grammar"):
-    P.prepare_shapes_bench(data_dir)
+    SP.prepare_shapes_bench(data_dir)
 
 
 def test_a_dataset_changed_after_its_check_is_checked_again(tmp_path):
   """The check is memoized per process on the dataset's info files: a rewritten one (here with
   another grammar's digest) is checked again, not taken as current."""
   d = str(tmp_path / "data")
-  path = P.prepare_shapes_bench(d)
-  assert P.prepare_shapes_bench(d) == path
+  path = SP.prepare_shapes_bench(d)
+  assert SP.prepare_shapes_bench(d) == path
   meta_file = os.path.join(path, "metadata.json")
   with open(meta_file) as f:
     meta = json.load(f)
-  assert meta["sha256_train"] == P._grammar_digests(G.split_prompts)["sha256_train"]
+  assert meta["sha256_train"] == SP.grammar_digests(G.split_prompts)["sha256_train"]
   with open(meta_file, "w") as f:
     json.dump({**meta, "sha256_train": "0" * 64}, f)
   os.utime(meta_file, ns=(0, os.stat(meta_file).st_mtime_ns + 1))
   with pytest.raises(ValueError, match="sha256_train differs"):
-    P.prepare_shapes_bench(d)
+    SP.prepare_shapes_bench(d)
 
 
 def test_data_dir_is_the_config_s_then_the_environment_s_then_the_workdir_s(monkeypatch):
@@ -105,19 +106,19 @@ def test_runs_sharing_a_data_dir_build_shapes_bench_once(tmp_path):
   import threading
 
   d = str(tmp_path / "shared")
-  path = os.path.join(d, P.SHAPES_BENCH, str(P.ShapesBench.VERSION))
+  path = os.path.join(d, SP.SHAPES_BENCH, str(SP.ShapesBench.VERSION))
   done = []
-  waiter = threading.Thread(target=lambda: done.append(P.prepare_shapes_bench(d)))
-  with P._exclusive(d):  # another run, building it
+  waiter = threading.Thread(target=lambda: done.append(SP.prepare_shapes_bench(d)))
+  with P.exclusive(d):  # another run, building it
     waiter.start()
     waiter.join(timeout=3)
     assert waiter.is_alive() and not done  # it waits for the lock
-    P._prepare(P.ShapesBench(data_dir=d, file_format="array_record"))
+    P.prepare_builder(SP.ShapesBench(data_dir=d, file_format="array_record"))
     built = os.stat(os.path.join(path, "dataset_info.json")).st_mtime_ns
   waiter.join(timeout=60)
   assert done == [path]
   assert os.stat(os.path.join(path, "dataset_info.json")).st_mtime_ns == built  # not rebuilt
-  assert sorted(os.listdir(os.path.join(d, P.SHAPES_BENCH))) == [str(P.ShapesBench.VERSION)]
+  assert sorted(os.listdir(os.path.join(d, SP.SHAPES_BENCH))) == [str(SP.ShapesBench.VERSION)]
 
 
 def test_prompt_file_builder(tmp_path):

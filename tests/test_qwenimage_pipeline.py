@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from digen_jax import tiny_pipeline
+from digen_jax.experiment import tiny_pipeline
 from tests.mp_scripts import launcher_util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +78,7 @@ def test_lora_publishes_only_adapters(folder, tmp_path):
   """The publish of a LoRA run is its adapters: measured against full fine-tuning of the same
   pipeline folder (README quotes the factor for the real model from benchmarks/memory.py)."""
   from configs import qwenimage
-  from digen_jax import experiment
+  from digen_jax.experiment import build as experiment
   from digen_jax.runtime import publish
 
   sizes = {}

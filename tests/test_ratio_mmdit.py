@@ -13,10 +13,10 @@ import pytest
 
 from configs import flux
 from configs import qwenimage
-from digen_jax import experiment
+from digen_jax.experiment import build as experiment
 from digen_jax import programs
 from digen_jax.rl import objective
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 
 @pytest.mark.parametrize('sde', ['flow_grpo', 'dance', 'cps'])

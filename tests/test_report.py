@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from digen_jax import evaluation
-from digen_jax import figures
-from digen_jax import metrics as metrics_lib
-from digen_jax import report
-from digen_jax.data.shapes import grammar
-from digen_jax.data.shapes import render
-from digen_jax.rewards import shapes_checker
+from digen_jax.outputs import eval_report
+from digen_jax.outputs import figures
+from digen_jax.outputs import metrics as metrics_lib
+from digen_jax.outputs import report
+from digen_jax.tasks.shapes import grammar
+from digen_jax.tasks.shapes import render
+from digen_jax.tasks.shapes import checker as shapes_checker
 
 
 def _result(prompts, images, n_per):
@@ -42,8 +42,8 @@ def test_reports_and_before_after(tmp_path, plots):
   truth = render.render_batch([grammar.parse(p) for p in prompts for _ in range(n_per)], 16, seed=0)
   noise = np.random.default_rng(0).uniform(-1, 1, truth.shape).astype(np.float32)
   out = tmp_path / 'eval'
-  evaluation.write_report(_result(prompts, noise, n_per), str(out), 0)
-  evaluation.write_report(_result(prompts, truth, n_per), str(out), 10)
+  eval_report.write_report(_result(prompts, noise, n_per), str(out), 0)
+  eval_report.write_report(_result(prompts, truth, n_per), str(out), 10)
   rep = json.load(open(out / 'eval_000010.json'))
   assert rep['eval/strict_accuracy'] > 0.9 and set(rep['per_prompt']) == set(prompts)
   saved = np.load(out / 'eval_000000.npz')
@@ -61,9 +61,9 @@ def test_reports_and_before_after(tmp_path, plots):
   assert grid.size[1] > 6 * 16 * 4  # one row per prompt, upscaled tiles
   assert os.path.exists(tmp_path / 'reward.png')
 
-  evaluation.write_report(_result(prompts[::-1], truth, n_per), str(tmp_path / 'other'), 10)
+  eval_report.write_report(_result(prompts[::-1], truth, n_per), str(tmp_path / 'other'), 10)
   with pytest.raises(ValueError, match='different prompts'):
-    evaluation.before_after_grid(
+    eval_report.before_after_grid(
         str(out / 'eval_000000.npz'),
         str(tmp_path / 'other' / 'eval_000010.npz'),
         str(tmp_path / 'x.png'),

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from digen_jax.data.shapes import grammar as G
-from digen_jax.data.shapes import render as R
+from digen_jax.tasks.shapes import grammar as G
+from digen_jax.tasks.shapes import render as R
 from digen_jax.rewards import registry
-from digen_jax.rewards import build_reward, jpeg, shapes_checker as sc
+from digen_jax.rewards import jpeg
+from digen_jax.rewards.registry import build_reward
+from digen_jax.tasks.shapes import checker as sc
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +291,7 @@ def test_user_reward_callable_from_the_config(tmp_path):
   """config.reward.callables registers a user's function over uint8 images without editing the
   package; bad specs are one clear error naming the field."""
   from configs import qwenimage
-  from digen_jax import configlib
+  from digen_jax.experiment import config as configlib
   from digen_jax.rewards import registry
 
   (tmp_path / "my_reward.py").write_text(

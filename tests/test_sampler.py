@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from digen_jax.diffusion import sampler, schedule, sde
+from digen_jax.diffusion import sampler, sde
+from digen_jax.diffusion import sigmas as sigmas_lib
 
 from toy_model import B, C, D_COND, HID, N, T, toy_cond, toy_params, toy_velocity  # noqa: F401
 
-SIGMAS = schedule.sigmas(schedule.flux_scheduler_config(), T, image_seq_len=N)
+SIGMAS = sigmas_lib.sigmas(sigmas_lib.flux_scheduler_config(), T, image_seq_len=N)
 
 
 def _sample(**kw):
@@ -237,7 +238,7 @@ def test_sde_preserves_marginals(kind):
   and pass through the forward marginals N((1−σ)M0, (1−σ)²s0² + σ²). A wrong drift (e.g. the Euler
   mean plus noise) ends with a std several times too large."""
   s0 = 0.3
-  sig = schedule.sigmas(schedule.SchedulerConfig(shift=1.0), 100)
+  sig = sigmas_lib.sigmas(sigmas_lib.SchedulerConfig(shift=1.0), 100)
   tr = _run(gaussian_velocity(s0), sig, kind)
   x = np.asarray(tr.final)
   assert abs(x.mean() - M0) < 0.01, x.mean()
@@ -258,7 +259,7 @@ def test_cps_preserves_coefficients(a):
   lands exactly on the forward marginal N((1−σ)M0, σ²), for any number of steps. (With
   spread-out data CPS under-disperses: its noise std does not shrink with the step size, so the
   posterior variance of x0 lost by the x0 prediction is not made up; that is the method.)"""
-  sig = schedule.sigmas(schedule.SchedulerConfig(shift=3.0), 6)
+  sig = sigmas_lib.sigmas(sigmas_lib.SchedulerConfig(shift=3.0), 6)
   shape = (16384, 1, 4)
   n = np.prod(shape)
   tr = _run(gaussian_velocity(0.0), sig, "cps", shape=shape, a=a)

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from configs import qwenimage
-from digen_jax import checkpoint as ckpt_lib
-from digen_jax import configlib
-from digen_jax import experiment
+from digen_jax.outputs import checkpoint as ckpt_lib
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
 from digen_jax import programs
 from digen_jax.rl import objective
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import colocated
 from digen_jax.runtime import disagg
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import workers
 from tests.mp_scripts import launcher_util as util
 

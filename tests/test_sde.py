@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from digen_jax.diffusion import schedule, sde
+from digen_jax.diffusion import sigmas as sigmas_lib, sde
 
 B, N, C = 3, 5, 4
 
@@ -57,8 +57,8 @@ def test_euler_step_matches_diffusers_step(num_steps):
   import torch  # a missing test dependency must fail, not skip
   from diffusers import FlowMatchEulerDiscreteScheduler
 
-  cfg = schedule.qwenimage_scheduler_config()
-  sig = schedule.sigmas(
+  cfg = sigmas_lib.qwenimage_scheduler_config()
+  sig = sigmas_lib.sigmas(
       dataclasses.replace(cfg, shift_terminal=None), num_steps, image_seq_len=1024
   )
   sched = FlowMatchEulerDiscreteScheduler(
@@ -68,7 +68,7 @@ def test_euler_step_matches_diffusers_step(num_steps):
       max_image_seq_len=cfg.max_image_seq_len,
       use_dynamic_shifting=True,
   )
-  mu = schedule.calculate_shift(1024, cfg)
+  mu = sigmas_lib.calculate_shift(1024, cfg)
   sched.set_timesteps(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
   np.testing.assert_array_equal(sched.sigmas.numpy(), sig)
   x = _rand(0)

@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from digen_jax.data.shapes import grammar as G
-from digen_jax.data.shapes import render as R
+from digen_jax.tasks.shapes import grammar as G
+from digen_jax.tasks.shapes import render as R
 
 # ------------------------------------------------------------------------------------ grammar
 
@@ -272,7 +272,7 @@ def test_miscaption_changes_exactly_one_attribute():
 
 
 def test_training_batches_are_deterministic_noisy_and_never_name_held_out_pairs():
-  from digen_jax.data.shapes import training as T
+  from digen_jax.tasks.shapes import training as T
 
   spec = T.BatchSpec(batch=400, size=16, seed=3, caption_noise=0.5)
   a, b = T.training_batch(spec, 7), T.training_batch(spec, 7)
@@ -296,7 +296,7 @@ def test_training_batches_are_deterministic_noisy_and_never_name_held_out_pairs(
 
 
 def test_single_count_weights_set_each_counts_share_of_the_singles():
-  from digen_jax.data.shapes import training as T
+  from digen_jax.tasks.shapes import training as T
 
   def count_shares(weights):
     spec = T.BatchSpec(batch=4000, size=16, seed=4, single_count_weights=weights)
@@ -319,7 +319,7 @@ def test_single_count_weights_set_each_counts_share_of_the_singles():
 
 
 def test_batch_stream_workers_yield_the_in_process_batches():
-  from digen_jax.data.shapes import training as T
+  from digen_jax.tasks.shapes import training as T
 
   spec = T.BatchSpec(batch=8, size=16, seed=1, caption_noise=0.3)
   with T.BatchStream(spec, first_step=5) as s0, T.BatchStream(spec, first_step=5, workers=2) as s2:
@@ -331,7 +331,7 @@ def test_batch_stream_workers_yield_the_in_process_batches():
 
 
 def test_shape_maps_are_the_drawn_objects_coverage_per_shape():
-  from digen_jax.data.shapes import training as T
+  from digen_jax.tasks.shapes import training as T
 
   spec = T.BatchSpec(batch=64, size=32, seed=5)
   plain, mapped = T.training_batch(spec, 2), T.training_batch(
@@ -357,7 +357,7 @@ def test_color_maps_are_coverage_times_object_colour_and_split_all_holds_every_p
   """color_maps (the autoencoder's colour-channel targets) equal the image's object part exactly:
   image = background + coverage * (colour - background), so where the background is black,
   (image + 1) / 2 == colour x coverage. split='all' draws every composition, held-out pairs too."""
-  from digen_jax.data.shapes import training as T
+  from digen_jax.tasks.shapes import training as T
 
   b = T.training_batch(
       T.BatchSpec(batch=256, size=32, seed=9, split="all", shape_maps=True, color_maps=True), 1

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs import shapes
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,7 +20,7 @@ def test_shapes_config_uses_the_shipped_base_model():
   assert c.latent.space == 'ae' and c.latent.ae == configlib.SHAPES_AE_CHECKPOINT
   assert c.reward.weights == 'shapes_dense' and c.optim.schedule == 'cosine'
   # RL draws its prompts from the 'rl' split, which shares no prompt with eval or val.
-  from digen_jax.data.shapes import grammar
+  from digen_jax.tasks.shapes import grammar
 
   splits = grammar.split_prompts()
   assert c.data.split == 'rl' and c.eval.split == 'eval'
@@ -89,7 +89,7 @@ def test_text_encoder_mismatch_is_a_clear_error(tmp_path):
   """config.text.seed seeds the word-encoder table; with the shipped base another seed would feed
   the generator embeddings it never saw. The digest recorded in the checkpoint catches it; the run's
   own seed (rollout noise, prompt order) is free to change."""
-  from digen_jax import experiment
+  from digen_jax.experiment import build as experiment
 
   c = shapes.get_config()
   experiment.check_text_encoder(c, experiment.build_text_encoder(c))  # seed 0: fine

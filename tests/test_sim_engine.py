@@ -19,7 +19,7 @@ def run(costs, schedule, layout=engine.Layout(), steps=6):
 
 def test_synchronous_step_is_the_sum_of_its_parts():
   c = engine.StepCosts(rollout=2.0, grad=1.5, publish=0.1, pull=0.2, deliver=0.3, trainer_host=0.7)
-  r = run(c, engine.Schedule(fragments=1))
+  r = run(c, engine.Modes(fragments=1))
   wall = 0.1 + 0.2 + 2.0 + 0.3 + 1.5  # the host work after the update is outside
   for row in r.rows:
     assert row['wall_s'] == pytest.approx(wall)
@@ -30,7 +30,7 @@ def test_synchronous_step_is_the_sum_of_its_parts():
 
 def test_colocated_uses_every_device_for_each_phase():
   c = engine.StepCosts(rollout=2.0, grad=1.5, publish=0.1)
-  r = run(c, engine.Schedule(fragments=1), engine.Layout(2, 2, colocated=True))
+  r = run(c, engine.Modes(fragments=1), engine.Layout(2, 2, colocated=True))
   assert r.summary()['wall_s'] == pytest.approx(3.6)
   assert r.summary()['utilization'] == pytest.approx(1.0)
   assert all(s.devices == (0, 1) for s in r.spans)
@@ -39,7 +39,7 @@ def test_colocated_uses_every_device_for_each_phase():
 @pytest.mark.parametrize('m', [2, 4, 8])
 def test_balanced_gap_step_is_fill_plus_m_fragments(m):
   c = engine.StepCosts(rollout=1.0, grad=1.0, apply=0.25, publish=0.5)
-  r = run(c, engine.Schedule(fragments=m))
+  r = run(c, engine.Modes(fragments=m))
   # publish, the first fragment alone (fill), M gradients back to back, the apply
   for row in r.rows:
     assert row['wall_s'] == pytest.approx(0.5 + (m + 1) * 1.0 + 0.25)
@@ -51,7 +51,7 @@ def test_devices_of_separate_roles_never_overlap_and_every_fragment_trains_once(
   c = engine.StepCosts(
       rollout=0.7, grad=1.1, apply=0.2, publish=0.1, deliver=0.05, gap=0.02, tag_rollout=0.9
   )
-  r = run(c, engine.Schedule(fragments=8, tag=True, tsp=True), steps=5)
+  r = run(c, engine.Modes(fragments=8, tag=True, tsp=True), steps=5)
   for dev in (0, 1):
     spans = sorted((s for s in r.spans if dev in s.devices), key=lambda s: s.t0)
     assert all(a.t1 <= b.t0 + 1e-12 for a, b in zip(spans, spans[1:]))
@@ -63,9 +63,9 @@ def test_devices_of_separate_roles_never_overlap_and_every_fragment_trains_once(
 
 def test_shared_compute_slows_concurrent_programs():
   c = engine.StepCosts(rollout=1.0, grad=1.0, apply=0.1, publish=0.1)
-  alone = run(c, engine.Schedule(fragments=4)).summary()
-  shared = run(c, engine.Schedule(fragments=4), engine.Layout(shared=True)).summary()
-  sync = run(c, engine.Schedule(fragments=1), engine.Layout(shared=True)).summary()
+  alone = run(c, engine.Modes(fragments=4)).summary()
+  shared = run(c, engine.Modes(fragments=4), engine.Layout(shared=True)).summary()
+  sync = run(c, engine.Modes(fragments=1), engine.Layout(shared=True)).summary()
   assert shared['wall_s'] > alone['wall_s']
   # Sharing one pool, overlap cannot beat doing the same work one program at a time.
   assert shared['wall_s'] >= 4 * 1.0 + 4 * 1.0 + 0.1 + 0.1 - 1e-9
@@ -74,8 +74,8 @@ def test_shared_compute_slows_concurrent_programs():
 
 def test_tag_inserts_when_the_rollout_is_the_bottleneck():
   slow_rollout = engine.StepCosts(rollout=3.0, grad=1.0, apply=0.1, publish=0.1, tag_rollout=1.0)
-  gap = run(slow_rollout, engine.Schedule(fragments=8, tsp=True)).summary()
-  tag = run(slow_rollout, engine.Schedule(fragments=8, tsp=True, tag=True)).summary()
+  gap = run(slow_rollout, engine.Modes(fragments=8, tsp=True)).summary()
+  tag = run(slow_rollout, engine.Modes(fragments=8, tsp=True, tag=True)).summary()
   assert tag['bts_inserts'] > 0
   assert tag['samples_per_s'] > 1.2 * gap['samples_per_s']
 
@@ -85,8 +85,8 @@ def test_tag_learns_that_helping_does_not_pay():
   # once more (a first measurement may be a cold start), then waits; the run is not slower than
   # GAP by more than those two insertions.
   c = engine.StepCosts(rollout=1.0, grad=0.5, apply=0.1, publish=0.1, tag_rollout=5.0)
-  gap = run(c, engine.Schedule(fragments=8, tsp=True), steps=8)
-  tag = run(c, engine.Schedule(fragments=8, tsp=True, tag=True), steps=8)
+  gap = run(c, engine.Modes(fragments=8, tsp=True), steps=8)
+  tag = run(c, engine.Modes(fragments=8, tsp=True, tag=True), steps=8)
   assert tag.summary()['bts_inserts'] <= 2
   assert tag.makespan <= gap.makespan + 2 * 5.0 + 1e-9
 
@@ -94,20 +94,20 @@ def test_tag_learns_that_helping_does_not_pay():
 def test_tcss_starts_stale_fragments_within_its_bound():
   c = engine.StepCosts(rollout=1.0, grad=1.0, apply=0.5, publish=0.5, tag_rollout=1.0)
   m, phi = 8, 0.5
-  r = run(c, engine.Schedule(fragments=m, tsp=True, tag=True, tcss_fraction=phi), steps=6)
+  r = run(c, engine.Modes(fragments=m, tsp=True, tag=True, tcss_fraction=phi), steps=6)
   stale = [s for s in r.spans if s.program == 'rollout' and s.version == s.step - 1]
   assert stale, 'TCSS never started a fragment with the previous policy'
   per_step = {}
   for s in stale:
     per_step[s.step] = per_step.get(s.step, 0) + 1
   assert max(per_step.values()) <= frag_lib.stale_count(m, phi)
-  on_policy = run(c, engine.Schedule(fragments=m, tsp=True, tag=True), steps=6)
+  on_policy = run(c, engine.Modes(fragments=m, tsp=True, tag=True), steps=6)
   assert r.summary()['samples_per_s'] > on_policy.summary()['samples_per_s']
 
 
 def test_utilization_is_the_traces_own_measure():
   c = engine.StepCosts(rollout=0.5, grad=0.4, apply=0.1, publish=0.05, deliver=0.01)
-  r = run(c, engine.Schedule(fragments=4))
+  r = run(c, engine.Modes(fragments=4))
   row = r.rows[2]
   t1 = sum(x['wall_s'] for x in r.rows[:3])
   t0 = t1 - row['wall_s']
@@ -129,7 +129,7 @@ def test_bad_costs_name_the_field(bad, field):
 
 def test_tag_without_a_trainer_sampling_cost_is_refused():
   with pytest.raises(ValueError, match='tag_rollout'):
-    run(engine.StepCosts(rollout=1.0, grad=1.0), engine.Schedule(fragments=4, tag=True))
+    run(engine.StepCosts(rollout=1.0, grad=1.0), engine.Modes(fragments=4, tag=True))
 
 
 def test_rungs_turn_on_one_technique_each():
@@ -145,26 +145,24 @@ def test_rungs_turn_on_one_technique_each():
 
 def test_programs_that_use_one_core_of_a_shared_host_overlap_for_free():
   c = dict(rollout=1.0, grad=1.0, apply=0.1, publish=0.1)
-  separate = run(engine.StepCosts(**c), engine.Schedule(fragments=4)).summary()
+  separate = run(engine.StepCosts(**c), engine.Modes(fragments=4)).summary()
   one_core = run(
       engine.StepCosts(**c, cores={'rollout': 1.0, 'grad': 1.0}),
-      engine.Schedule(fragments=4),
+      engine.Modes(fragments=4),
       engine.Layout(shared=True, cores=2),
   ).summary()
   fills = run(
       engine.StepCosts(**c, cores={'rollout': 2.0, 'grad': 2.0}),
-      engine.Schedule(fragments=4),
+      engine.Modes(fragments=4),
       engine.Layout(shared=True, cores=2),
   ).summary()
-  old = run(
-      engine.StepCosts(**c), engine.Schedule(fragments=4), engine.Layout(shared=True)
-  ).summary()
+  old = run(engine.StepCosts(**c), engine.Modes(fragments=4), engine.Layout(shared=True)).summary()
   assert one_core['wall_s'] == pytest.approx(separate['wall_s'])
   assert fills['wall_s'] == pytest.approx(old['wall_s'])
   # 1.5 + 1.5 cores on 2: each runs at 2/3 of its speed while both are in flight.
   mid = run(
       engine.StepCosts(**c, cores={'rollout': 1.5, 'grad': 1.5}),
-      engine.Schedule(fragments=4),
+      engine.Modes(fragments=4),
       engine.Layout(shared=True, cores=2),
   ).summary()
   assert separate['wall_s'] < mid['wall_s'] < fills['wall_s']
@@ -183,13 +181,13 @@ def test_an_asynchronous_checkpoint_costs_only_where_the_trainer_is_busy():
   it runs at half speed), paid for by the gradients of a trainer-bound pipeline (two jobs on
   one core: each at half speed)."""
   sync = dict(rollout=2.0, grad=1.5, publish=0.1, pull=0.2, deliver=0.3)
-  base = run(engine.StepCosts(**sync), engine.Schedule(fragments=1)).rows[1:]
-  saved = run(engine.StepCosts(**sync, checkpoint=1.0), engine.Schedule(fragments=1)).rows[1:]
+  base = run(engine.StepCosts(**sync), engine.Modes(fragments=1)).rows[1:]
+  saved = run(engine.StepCosts(**sync, checkpoint=1.0), engine.Modes(fragments=1)).rows[1:]
   for a, b in zip(base, saved):
     assert b['wall_s'] == pytest.approx(a['wall_s'] + 0.1)
 
   bound = dict(rollout=0.2, grad=1.0, apply=0.1, publish=0.1)  # the trainer is the bottleneck
-  gap = engine.Schedule(fragments=4)
+  gap = engine.Modes(fragments=4)
   base = run(engine.StepCosts(**bound), gap, steps=8).rows[2:]
   saved = run(engine.StepCosts(**bound, checkpoint=0.5), gap, steps=8).rows[2:]
   for a, b in zip(base, saved):

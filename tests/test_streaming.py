@@ -32,7 +32,7 @@ from tests import xla_env
 from digen_jax.models import tensor_source
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
 from digen_jax.models.tensor_source import TensorSource
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(
@@ -412,7 +412,7 @@ import numpy as np
 from flax import nnx
 from digen_jax.models import convert, streaming
 from digen_jax.models.mmdit import MMDiT
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 folder, layout = sys.argv[1:]
 

@@ -3,14 +3,13 @@
 import numpy as np
 import pytest
 
-from digen_jax.data.shapes import grammar as G
+from digen_jax.tasks.shapes import grammar as G
 from digen_jax.models.text import (
     BOS,
     UNK,
     CachedEncoder,
     TextEncoder,
     WordEncoder,
-    shapes_vocab,
     sinusoidal_positions,
     tokenize,
 )
@@ -18,7 +17,7 @@ from digen_jax.models.text import (
 
 @pytest.fixture(scope="module")
 def enc():
-  return WordEncoder(shapes_vocab(), dim=32, max_length=16, seed=0)
+  return WordEncoder(G.grammar_words(), dim=32, max_length=16, seed=0)
 
 
 def test_tokenize():
@@ -47,9 +46,15 @@ def test_encode_contract(enc):
 
 
 def test_deterministic_and_seeded():
-  a = WordEncoder(shapes_vocab(), 16, 12, seed=3).encode(["a red circle on a white background"])[0]
-  b = WordEncoder(shapes_vocab(), 16, 12, seed=3).encode(["a red circle on a white background"])[0]
-  c = WordEncoder(shapes_vocab(), 16, 12, seed=4).encode(["a red circle on a white background"])[0]
+  a = WordEncoder(G.grammar_words(), 16, 12, seed=3).encode(["a red circle on a white background"])[
+      0
+  ]
+  b = WordEncoder(G.grammar_words(), 16, 12, seed=3).encode(["a red circle on a white background"])[
+      0
+  ]
+  c = WordEncoder(G.grammar_words(), 16, 12, seed=4).encode(["a red circle on a white background"])[
+      0
+  ]
   np.testing.assert_array_equal(a, b)
   assert not np.allclose(a, c)
 
@@ -80,14 +85,14 @@ def test_unknown_words_share_unk(enc):
 
 
 def test_too_long_prompt_names_prompt_and_limit():
-  small = WordEncoder(shapes_vocab(), 8, max_length=5)
+  small = WordEncoder(G.grammar_words(), 8, max_length=5)
   small.encode(["a red circle on"])  # 4 words + <bos> = 5 fits
   with pytest.raises(ValueError, match=r"'a red circle on a'.*max_length is 5"):
     small.encode(["a red circle on a"])
 
 
 def test_shapes_vocab_covers_grammar(enc):
-  vocab = set(shapes_vocab())
+  vocab = set(G.grammar_words())
   longest = 0
   for p in G.iter_all_prompts():
     words = tokenize(p.to_text())

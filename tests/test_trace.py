@@ -75,7 +75,7 @@ def test_tracer_records_device_synchronised_spans_and_writes_files(tmp_path, plo
   assert d['decisions'][0]['action'] == 'insert'
   assert any(e['ph'] == 'i' for e in d['traceEvents'])
   assert os.path.getsize(tmp_path / 'timeline.png') > 1000
-  # DIGEN_PLOTS=0 (digen_jax/figures.py): the trace without its figure.
+  # DIGEN_PLOTS=0 (digen_jax/outputs/figures.py): the trace without its figure.
   monkeypatch.setenv('DIGEN_PLOTS', '0')
   quiet = tmp_path / 'quiet'
   quiet.mkdir()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 from digen_jax.runtime import transfer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

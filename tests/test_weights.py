@@ -5,10 +5,10 @@ import jax
 import numpy as np
 
 from configs import qwenimage
-from digen_jax import configlib
-from digen_jax import experiment
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
 from digen_jax.runtime import cluster as cluster_lib
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import publish
 
 

@@ -1,12 +1,10 @@
 """Prompt sets as tensorflow-datasets (tfds) array_record datasets, read without TensorFlow.
 
-Two builders (both `tfds.core.GeneratorBasedBuilder`, written with file_format='array_record'; in
+The builders (each a `tfds.core.GeneratorBasedBuilder`, written with file_format='array_record'; in
 tfds 4.9.10 writing array_record and reading it through `tfds.data_source` need no TensorFlow,
 only `tfds.load` / `as_dataset` do, and we never call them):
 
-  ShapesBench  ('shapes_bench')      splits train / eval / val / rl of data.shapes.grammar;
-      features: prompt, kind ('single' | 'relation'), color_a, shape_a, count_a, color_b,
-      shape_b, relation ('' where absent), background.
+  a task's prompt set  (e.g. 'shapes_bench', tasks/shapes/prompts.py), registered here by name
   PromptFile   ('prompt_file/<name>') a user's text file(s) of prompts, one per line (surrounding
       whitespace stripped); features: prompt, line (1-based line in the source file). Empty lines
       and prompts longer than max_chars are ValueErrors naming the file and line.
@@ -29,15 +27,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import hashlib
+import importlib
 import inspect
 import os
 import re
 import shutil
 import tempfile
 import unicodedata
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -46,17 +44,37 @@ from google.protobuf import message
 from tensorflow_datasets.core.utils import tqdm_utils
 from tensorflow_datasets.proto import tf_example_pb2
 
-from digen_jax.data.shapes.grammar import ShapesPrompt, split_prompts
-
 DEFAULT_MAX_CHARS = 512
-SHAPES_BENCH = "shapes_bench"
 PROMPT_FILE = "prompt_file"
-_ALIASES = {"shapes": SHAPES_BENCH}
 _CONFIG_NAME_RE = re.compile(r"[a-z0-9][a-z0-9_]*")
-_FILE_FORMAT = "array_record"
+FILE_FORMAT = "array_record"
 # Where prompt datasets go when config.data.data_dir is empty (else <workdir>/data): one folder
 # that many runs share, so ShapesBench or a prompt file is prepared once, not once per workdir.
 DATA_DIR_ENV = "DIGEN_DATA_DIR"
+
+
+# Named prompt sets that tasks provide: name -> prepare(data_dir) (builds the dataset under
+# data_dir if absent, checks a present one is current). Each task's module registers its own
+# (register_prompt_set); the modules below are imported on the first lookup.
+BUILTIN_PROMPT_SETS = ("digen_jax.tasks.shapes.prompts",)
+_PROMPT_SETS: dict[str, Callable[[str], str]] = {}
+_ALIASES: dict[str, str] = {}
+_builtins_loaded = False
+
+
+def register_prompt_set(name: str, prepare: Callable[[str], str], aliases: Sequence[str] = ()):
+  """Makes load_prompts(name or an alias, ...) run prepare(data_dir) and read tfds dataset
+  `name`."""
+  _PROMPT_SETS[name] = prepare
+  _ALIASES.update({a: name for a in aliases})
+
+
+def _load_builtin_sets() -> None:
+  global _builtins_loaded
+  if not _builtins_loaded:
+    _builtins_loaded = True
+    for module in BUILTIN_PROMPT_SETS:
+      importlib.import_module(module)
 
 
 def resolve_data_dir(configured: str, workdir: str) -> str:
@@ -65,7 +83,7 @@ def resolve_data_dir(configured: str, workdir: str) -> str:
   return configured or os.environ.get(DATA_DIR_ENV) or os.path.join(workdir, "data")
 
 
-def _sha256_texts(texts: Sequence[str]) -> str:
+def sha256_texts(texts: Sequence[str]) -> str:
   h = hashlib.sha256()
   for t in texts:
     h.update(t.encode("utf-8") + b"\n")
@@ -89,7 +107,7 @@ def _quiet_progress():
 
 
 @contextlib.contextmanager
-def _exclusive(data_dir: str):
+def exclusive(data_dir: str):
   """Holds an exclusive lock on data_dir (its file .prepare.lock): processes sharing a data_dir
   (a sweep's runs, $DIGEN_DATA_DIR) check and build a dataset one at a time, so each is built
   once and none reads another's half-written one."""
@@ -102,7 +120,7 @@ def _exclusive(data_dir: str):
       fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _prepare(builder: tfds.core.DatasetBuilder) -> None:
+def prepare_builder(builder: tfds.core.DatasetBuilder) -> None:
   # Downloads go to a throwaway dir: these builders download nothing, and tfds would otherwise
   # leave an empty <data_dir>/downloads behind.
   with _quiet_progress(), tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +130,7 @@ def _prepare(builder: tfds.core.DatasetBuilder) -> None:
     )
 
 
-def _module_code_path(cls) -> epath.Path:
+def module_code_path(cls) -> epath.Path:
   """Replacement for tfds' DatasetBuilder.code_path.
 
   tfds 4.9.10 evaluates `importlib_resources.abc.Traversable` there for any builder defined in
@@ -123,113 +141,7 @@ def _module_code_path(cls) -> epath.Path:
   return epath.Path(inspect.getfile(cls))
 
 
-# ----------------------------------------------------------------------------- ShapesBench
-
-
-def shapes_record(p: ShapesPrompt) -> dict[str, Any]:
-  """The ShapesBench feature dict of one prompt."""
-  a = p.objects[0]
-  b = p.objects[1] if p.is_relation else None
-  return {
-      "prompt": p.to_text(),
-      "kind": "relation" if p.is_relation else "single",
-      "color_a": a.color,
-      "shape_a": a.shape,
-      "count_a": np.int32(a.count),
-      "color_b": b.color if b else "",
-      "shape_b": b.shape if b else "",
-      "relation": p.relation or "",
-      "background": p.background,
-  }
-
-
-class ShapesBench(tfds.core.GeneratorBasedBuilder):
-  """ShapesBench prompts: compositional train/eval/val/rl split (digen_jax.data.shapes.grammar)."""
-
-  VERSION = tfds.core.Version("1.2.0")
-  RELEASE_NOTES = {
-      "1.0.0": "Initial release.",
-      "1.1.0": "A 'val' split of held-out relation prompts, disjoint from 'eval'.",
-      "1.2.0": "An 'rl' split: train plus the held-out relation prompts outside eval and val.",
-  }
-  code_path = tfds.core.utils.classproperty(classmethod(_module_code_path))
-
-  def _info(self) -> tfds.core.DatasetInfo:
-    text = tfds.features.Text()
-    return tfds.core.DatasetInfo(
-        builder=self,
-        # Keep generation order on disk (grammar / file line order); PromptIterator shuffles.
-        disable_shuffling=True,
-        description="ShapesBench: coloured shapes with counts and spatial relations "
-        "(offline GenEval stand-in).",
-        features=tfds.features.FeaturesDict(
-            {
-                "prompt": text,
-                "kind": text,
-                "color_a": text,
-                "shape_a": text,
-                "count_a": np.int32,
-                "color_b": text,
-                "shape_b": text,
-                "relation": text,
-                "background": text,
-            }
-        ),
-        metadata=tfds.core.MetadataDict(_grammar_digests(split_prompts)),
-    )
-
-  def _split_generators(self, dl_manager):
-    return {k: self._generate_examples(v) for k, v in split_prompts().items()}
-
-  def _generate_examples(self, prompts: Sequence[ShapesPrompt]):
-    for p in prompts:
-      yield p.to_text(), shapes_record(p)
-
-
-def prepare_shapes_bench(data_dir: str) -> str:
-  """Builds ShapesBench under data_dir if absent (and checks a present one is current).
-
-  Returns the dataset directory. ValueError if the stored prompts differ from the current
-  grammar (bump ShapesBench.VERSION after changing the grammar).
-  """
-  data_dir = os.fspath(data_dir)
-  path = os.path.join(data_dir, SHAPES_BENCH, str(ShapesBench.VERSION))  # the builder's data_path
-  if not _is_prepared(path):
-    with _exclusive(data_dir):
-      if not _is_prepared(path):  # else another process built it while this one waited
-        _prepare(ShapesBench(data_dir=data_dir, file_format=_FILE_FORMAT))
-  expected = _grammar_digests(split_prompts)
-  stamps = tuple(os.stat(os.path.join(path, f)).st_mtime_ns for f in _CHECKED_FILES)
-  checked = (path, stamps, str(expected))
-  if checked in _CURRENT_SHAPES_BENCH:
-    return path
-  stored = tfds.builder_from_directory(path).info.metadata or {}
-  for key, val in expected.items():
-    if stored.get(key) != val:
-      raise ValueError(
-          f"ShapesBench at {path} was built from a different grammar "
-          f"({key} differs); bump ShapesBench.VERSION or delete that directory"
-      )
-  _CURRENT_SHAPES_BENCH.add(checked)
-  return path
-
-
-@functools.lru_cache(maxsize=4)
-def _grammar_digests(prompts_of_splits) -> dict[str, str]:
-  """{'sha256_<split>': digest} of the prompts `prompts_of_splits()` (grammar.split_prompts) makes:
-  the metadata a current ShapesBench holds. Cached per function: the grammar is code."""
-  return {
-      f"sha256_{k}": _sha256_texts([p.to_text() for p in v]) for k, v in prompts_of_splits().items()
-  }
-
-
-# (dataset directory, the mtimes of its _CHECKED_FILES, the grammar's digests) found current in
-# this process: a run loads its prompts several times (train and eval splits, the evaluator).
-_CURRENT_SHAPES_BENCH: set[tuple[str, tuple[int, ...], str]] = set()
-_CHECKED_FILES = ("dataset_info.json", "metadata.json")
-
-
-def _is_prepared(path) -> bool:
+def is_prepared(path) -> bool:
   return os.path.isfile(os.path.join(os.fspath(path), "dataset_info.json"))
 
 
@@ -291,7 +203,7 @@ class PromptFile(tfds.core.GeneratorBasedBuilder):
 
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "Initial release."}
-  code_path = tfds.core.utils.classproperty(classmethod(_module_code_path))
+  code_path = tfds.core.utils.classproperty(classmethod(module_code_path))
   BUILDER_CONFIGS: list = []
 
   def _info(self) -> tfds.core.DatasetInfo:
@@ -348,8 +260,8 @@ def build_prompt_file_dataset(
       raise ValueError(f"prompt file for split {split!r} not found: {path}")
     read_prompt_file(path, max_chars)  # fail before writing anything
   cfg = PromptFileConfig(name=name, version=PromptFile.VERSION, files=files, max_chars=max_chars)
-  builder = PromptFile(config=cfg, data_dir=os.fspath(data_dir), file_format=_FILE_FORMAT)
-  with _exclusive(os.fspath(data_dir)):
+  builder = PromptFile(config=cfg, data_dir=os.fspath(data_dir), file_format=FILE_FORMAT)
+  with exclusive(os.fspath(data_dir)):
     return _build_prompt_file(builder, files, max_chars, overwrite)
 
 
@@ -357,7 +269,7 @@ def _build_prompt_file(builder, files: Mapping[str, str], max_chars: int, overwr
   """build_prompt_file_dataset's check-and-build, with data_dir locked."""
   name = builder.builder_config.name
   path = os.fspath(builder.data_path)
-  if _is_prepared(path):
+  if is_prepared(path):
     stored = tfds.builder_from_directory(path).info
     want = {f"sha256_{k}": _sha256_file(v) for k, v in files.items()}
     same = (
@@ -373,7 +285,7 @@ def _build_prompt_file(builder, files: Mapping[str, str], max_chars: int, overwr
           f"or settings; pass overwrite=True or choose another name"
       )
     shutil.rmtree(path)
-  _prepare(builder)
+  prepare_builder(builder)
   return path
 
 
@@ -456,9 +368,10 @@ def load_prompts(
   first use, validated with max_chars).
   """
   data_dir = os.fspath(data_dir)
+  _load_builtin_sets()
   name = _ALIASES.get(name, name)
-  if name == SHAPES_BENCH:
-    prepare_shapes_bench(data_dir)
+  if name in _PROMPT_SETS:
+    _PROMPT_SETS[name](data_dir)
   elif os.path.isfile(name) or (
       not name.startswith(PROMPT_FILE + "/") and (name.endswith(".txt") or os.sep in name)
   ):
@@ -473,7 +386,7 @@ def load_prompts(
   else:
     dataset_root = os.path.join(data_dir, *name.split("/"))
     has_version = os.path.isdir(dataset_root) and any(
-        _is_prepared(os.path.join(dataset_root, v)) for v in os.listdir(dataset_root)
+        is_prepared(os.path.join(dataset_root, v)) for v in os.listdir(dataset_root)
     )
     if not has_version:
       hint = (

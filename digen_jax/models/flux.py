@@ -54,8 +54,8 @@ from digen_jax.models.mmdit import (
     RMSNorm,
     TextPoolEmbedder,
     TimestepEmbedder,
-    _linear,
-    _modulate,
+    linear,
+    modulate,
     block_macs,
     block_param_count,
     check_attention_choice,
@@ -166,9 +166,9 @@ class SingleStreamAttention(nnx.Module):
     d, hd = config.inner_dim, config.attention_head_dim
     self.heads = config.num_attention_heads
     self.implementation = config.attention
-    self.to_q = _linear(d, d, rngs, param_dtype)
-    self.to_k = _linear(d, d, rngs, param_dtype)
-    self.to_v = _linear(d, d, rngs, param_dtype)
+    self.to_q = linear(d, d, rngs, param_dtype)
+    self.to_k = linear(d, d, rngs, param_dtype)
+    self.to_v = linear(d, d, rngs, param_dtype)
     self.norm_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
     self.norm_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
 
@@ -186,17 +186,17 @@ class SingleStreamBlock(nnx.Module):
   def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
     d = config.inner_dim
     self.eps = config.eps
-    self.mod = _linear(
+    self.mod = linear(
         d, 3 * d, rngs, param_dtype
     )  # AdaLayerNormZeroSingle.linear: (shift, scale, gate)
-    self.proj_mlp = _linear(d, MLP_RATIO * d, rngs, param_dtype)
+    self.proj_mlp = linear(d, MLP_RATIO * d, rngs, param_dtype)
     self.attn = SingleStreamAttention(config, rngs=rngs, param_dtype=param_dtype)
-    self.proj_out = _linear(d + MLP_RATIO * d, d, rngs, param_dtype)
+    self.proj_out = linear(d + MLP_RATIO * d, d, rngs, param_dtype)
 
   def __call__(self, x, temb, rope):
     """x [B, S, D] joint [text, image] tokens, temb [B, D], rope = (cos, sin) [S, Dh/2] -> [B, S, D]."""
     shift, scale, gate = jnp.split(self.mod(jax.nn.silu(temb)), 3, axis=-1)
-    h = _modulate(layer_norm(x, self.eps), shift, scale)
+    h = modulate(layer_norm(x, self.eps), shift, scale)
     mlp = jax.nn.gelu(self.proj_mlp(h), approximate=True)
     out = self.proj_out(jnp.concatenate([self.attn(h, *rope), mlp], axis=-1))
     return x + gate[:, None, :] * out
@@ -216,8 +216,8 @@ class Flux(nnx.Module):
     self.text_pool = TextPoolEmbedder(
         config.pooled_projection_dim, d, rngs=rngs, param_dtype=param_dtype
     )
-    self.txt_in = _linear(config.joint_attention_dim, d, rngs, param_dtype)
-    self.img_in = _linear(config.in_channels, d, rngs, param_dtype)
+    self.txt_in = linear(config.joint_attention_dim, d, rngs, param_dtype)
+    self.img_in = linear(config.in_channels, d, rngs, param_dtype)
     # Both stacks: every param gets a leading layer axis (lax.scan in __call__).
     self.blocks = stacked_blocks(
         lambda r: MMDiTBlock(config, rngs=r, param_dtype=param_dtype), config.num_layers, rngs
@@ -227,8 +227,8 @@ class Flux(nnx.Module):
         config.num_single_layers,
         rngs,
     )
-    self.norm_out = _linear(d, 2 * d, rngs, param_dtype)
-    self.proj_out = _linear(d, config.out_dim, rngs, param_dtype)
+    self.norm_out = linear(d, 2 * d, rngs, param_dtype)
+    self.proj_out = linear(d, config.out_dim, rngs, param_dtype)
 
   def __call__(
       self,
@@ -290,7 +290,7 @@ class Flux(nnx.Module):
     img = x[:, n_txt:]
 
     scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
-    img = _modulate(layer_norm(img, cfg.eps), shift, scale)
+    img = modulate(layer_norm(img, cfg.eps), shift, scale)
     return self.proj_out(img).astype(jnp.float32)
 
   def _check_inputs(self, latents, sigma, text, pooled, guidance):

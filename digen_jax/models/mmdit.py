@@ -393,7 +393,7 @@ def run_stacked(
 # Modules.
 
 
-def _linear(n_in: int, n_out: int, rngs: nnx.Rngs, param_dtype: Any) -> nnx.Linear:
+def linear(n_in: int, n_out: int, rngs: nnx.Rngs, param_dtype: Any) -> nnx.Linear:
   # dtype=None: compute in the promoted dtype of input and params; we cast inputs to the params' dtype.
   return nnx.Linear(n_in, n_out, use_bias=True, param_dtype=param_dtype, rngs=rngs)
 
@@ -413,8 +413,8 @@ class TimestepEmbedder(nnx.Module):
   """diffusers TimestepEmbedding: linear_1 -> SiLU -> linear_2, on the 256-channel sinusoidal embedding."""
 
   def __init__(self, dim: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-    self.linear_1 = _linear(TIMESTEP_CHANNELS, dim, rngs, param_dtype)
-    self.linear_2 = _linear(dim, dim, rngs, param_dtype)
+    self.linear_1 = linear(TIMESTEP_CHANNELS, dim, rngs, param_dtype)
+    self.linear_2 = linear(dim, dim, rngs, param_dtype)
 
   def __call__(self, sigma: jax.Array, scale: float = TIMESTEP_SCALE) -> jax.Array:
     """sigma [B] -> [B, dim]; `scale` as in ``timestep_embedding``."""
@@ -435,8 +435,8 @@ class TextPoolEmbedder(nnx.Module):
   """Pooled prompt -> timestep-embedding offset: linear_1 -> SiLU -> linear_2 (see MMDiTConfig.pooled_text)."""
 
   def __init__(self, in_dim: int, dim: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-    self.linear_1 = _linear(in_dim, dim, rngs, param_dtype)
-    self.linear_2 = _linear(dim, dim, rngs, param_dtype)
+    self.linear_1 = linear(in_dim, dim, rngs, param_dtype)
+    self.linear_2 = linear(dim, dim, rngs, param_dtype)
 
   def __call__(self, pooled: jax.Array) -> jax.Array:
     return self.linear_2(jax.nn.silu(self.linear_1(pooled.astype(self.linear_1.kernel.dtype))))
@@ -446,8 +446,8 @@ class MLP(nnx.Module):
   """diffusers FeedForward(activation_fn='gelu-approximate'): Linear(D, 4D) -> tanh-GELU -> Linear(4D, D)."""
 
   def __init__(self, dim: int, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-    self.fc1 = _linear(dim, MLP_RATIO * dim, rngs, param_dtype)
-    self.fc2 = _linear(MLP_RATIO * dim, dim, rngs, param_dtype)
+    self.fc1 = linear(dim, MLP_RATIO * dim, rngs, param_dtype)
+    self.fc2 = linear(MLP_RATIO * dim, dim, rngs, param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
@@ -463,14 +463,14 @@ class JointAttention(nnx.Module):
     d, hd = config.inner_dim, config.attention_head_dim
     self.heads = config.num_attention_heads
     self.implementation = config.attention
-    self.to_q = _linear(d, d, rngs, param_dtype)
-    self.to_k = _linear(d, d, rngs, param_dtype)
-    self.to_v = _linear(d, d, rngs, param_dtype)
-    self.add_q_proj = _linear(d, d, rngs, param_dtype)
-    self.add_k_proj = _linear(d, d, rngs, param_dtype)
-    self.add_v_proj = _linear(d, d, rngs, param_dtype)
-    self.to_out = _linear(d, d, rngs, param_dtype)
-    self.to_add_out = _linear(d, d, rngs, param_dtype)
+    self.to_q = linear(d, d, rngs, param_dtype)
+    self.to_k = linear(d, d, rngs, param_dtype)
+    self.to_v = linear(d, d, rngs, param_dtype)
+    self.add_q_proj = linear(d, d, rngs, param_dtype)
+    self.add_k_proj = linear(d, d, rngs, param_dtype)
+    self.add_v_proj = linear(d, d, rngs, param_dtype)
+    self.to_out = linear(d, d, rngs, param_dtype)
+    self.to_add_out = linear(d, d, rngs, param_dtype)
     self.norm_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
     self.norm_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
     self.norm_added_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
@@ -508,7 +508,7 @@ class JointAttention(nnx.Module):
     return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
 
 
-def _modulate(x, shift, scale):
+def modulate(x, shift, scale):
   return x * (1 + scale[:, None, :]) + shift[:, None, :]
 
 
@@ -522,8 +522,8 @@ class MMDiTBlock(nnx.Module):
   def __init__(self, config: MMDiTConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
     d = config.inner_dim
     self.eps = config.eps
-    self.img_mod = _linear(d, 6 * d, rngs, param_dtype)
-    self.txt_mod = _linear(d, 6 * d, rngs, param_dtype)
+    self.img_mod = linear(d, 6 * d, rngs, param_dtype)
+    self.txt_mod = linear(d, 6 * d, rngs, param_dtype)
     self.attn = JointAttention(config, rngs=rngs, param_dtype=param_dtype)
     self.img_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
     self.txt_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
@@ -535,15 +535,15 @@ class MMDiTBlock(nnx.Module):
     t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = jnp.split(self.txt_mod(jax.nn.silu(temb)), 6, axis=-1)
 
     img_attn, txt_attn = self.attn(
-        _modulate(layer_norm(img, self.eps), i_sh1, i_sc1),
-        _modulate(layer_norm(txt, self.eps), t_sh1, t_sc1),
+        modulate(layer_norm(img, self.eps), i_sh1, i_sc1),
+        modulate(layer_norm(txt, self.eps), t_sh1, t_sc1),
         rope,
         key_mask,
     )
     img = img + i_g1[:, None, :] * img_attn
     txt = txt + t_g1[:, None, :] * txt_attn
-    img = img + i_g2[:, None, :] * self.img_mlp(_modulate(layer_norm(img, self.eps), i_sh2, i_sc2))
-    txt = txt + t_g2[:, None, :] * self.txt_mlp(_modulate(layer_norm(txt, self.eps), t_sh2, t_sc2))
+    img = img + i_g2[:, None, :] * self.img_mlp(modulate(layer_norm(img, self.eps), i_sh2, i_sc2))
+    txt = txt + t_g2[:, None, :] * self.txt_mlp(modulate(layer_norm(txt, self.eps), t_sh2, t_sc2))
     return img, txt
 
 
@@ -557,8 +557,8 @@ class MMDiT(nnx.Module):
     d = config.inner_dim
     self.time_embed = TimestepEmbedder(d, rngs=rngs, param_dtype=param_dtype)
     self.txt_norm = RMSNorm(config.joint_attention_dim, config.eps, param_dtype=param_dtype)
-    self.img_in = _linear(config.in_channels, d, rngs, param_dtype)
-    self.txt_in = _linear(config.joint_attention_dim, d, rngs, param_dtype)
+    self.img_in = linear(config.in_channels, d, rngs, param_dtype)
+    self.txt_in = linear(config.joint_attention_dim, d, rngs, param_dtype)
     if config.pooled_text:
       self.text_pool = TextPoolEmbedder(
           config.joint_attention_dim, d, rngs=rngs, param_dtype=param_dtype
@@ -568,8 +568,8 @@ class MMDiT(nnx.Module):
     self.blocks = stacked_blocks(
         lambda r: MMDiTBlock(config, rngs=r, param_dtype=param_dtype), config.num_layers, rngs
     )
-    self.norm_out = _linear(d, 2 * d, rngs, param_dtype)
-    self.proj_out = _linear(d, config.out_dim, rngs, param_dtype)
+    self.norm_out = linear(d, 2 * d, rngs, param_dtype)
+    self.proj_out = linear(d, config.out_dim, rngs, param_dtype)
 
   def __call__(
       self,
@@ -614,7 +614,7 @@ class MMDiT(nnx.Module):
     )
 
     scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
-    img = _modulate(layer_norm(img, cfg.eps), shift, scale)
+    img = modulate(layer_norm(img, cfg.eps), shift, scale)
     return self.proj_out(img).astype(jnp.float32)
 
   def _check_inputs(self, latents, sigma, text, text_mask, img_shape):

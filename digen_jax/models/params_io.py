@@ -1,8 +1,9 @@
 """Save / load model parameters as a small self-describing folder (safetensors + JSON, no pickle).
 
-Two kinds of model are stored this way, told apart by config.json's "format": the MMDiT
-(FORMAT, e.g. the ShapesBench base generator) and the ShapesBench autoencoder (AE_FORMAT,
-models/shapes_ae.py). `model_config` is the kind's config dataclass.
+Each kind of model stored this way has a "format" in config.json: the MMDiT (FORMAT, e.g. the
+ShapesBench base generator) here, others registered by their own module with `register_kind`
+(the ShapesBench autoencoder, tasks/shapes/autoencoder.py). `model_config` is the kind's config
+dataclass.
 
 A params folder holds:
   params.safetensors   one tensor per parameter, keyed by its dotted path in the NNX state
@@ -37,12 +38,20 @@ from safetensors.numpy import save_file
 
 from digen_jax.models import streaming
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
-from digen_jax.models.shapes_ae import ShapesAE, ShapesAEConfig
 
 FORMAT = "digen_jax.mmdit_params/1"
-AE_FORMAT = "digen_jax.shapes_ae/1"
-# format -> (config class, module class); both modules take (config, rngs=...).
-_KINDS = {FORMAT: (MMDiTConfig, MMDiT), AE_FORMAT: (ShapesAEConfig, ShapesAE)}
+# format -> (config class, module class); every module takes (config, rngs=...).
+_KINDS: dict[str, tuple[type, Any]] = {FORMAT: (MMDiTConfig, MMDiT)}
+
+
+def register_kind(fmt: str, config_cls: type, module_cls: Any) -> None:
+  """Lets save_params / load_params store modules of `module_cls` (built as
+  module_cls(config, rngs=...)) under config.json's format `fmt`."""
+  if _KINDS.get(fmt, (config_cls, module_cls)) != (config_cls, module_cls):
+    raise ValueError(f"params format {fmt!r} is already registered to {_KINDS[fmt]}")
+  _KINDS[fmt] = (config_cls, module_cls)
+
+
 WEIGHTS_FILE = "params.safetensors"
 CONFIG_FILE = "config.json"
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -100,7 +109,7 @@ def save_params(
   """Writes params.safetensors + config.json into `folder` (created if needed); returns the folder.
 
   params: the model's nnx.State (as from nnx.split(model)); its keys and shapes must be those of
-  the module model_config describes (MMDiT or ShapesAE). extra: JSON-serialisable dict stored
+  the module model_config describes (MMDiT or a registered kind). extra: JSON-serialisable dict stored
   under "extra".
   """
   fmt = _kind(model_config)[0]
@@ -183,7 +192,7 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
   if not isinstance(meta, dict) or meta.get("format") not in _KINDS:
     raise ValueError(
         f"{path}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, "
-        f"expected {FORMAT!r} (or {AE_FORMAT!r})"
+        f"expected one of {sorted(_KINDS)}"
     )
   return meta
 
@@ -241,8 +250,9 @@ def load_params(folder: str | os.PathLike) -> tuple[Any, nnx.State, dict[str, An
   return load_params_sharded(folder, lambda abstract: jax.tree.map(lambda _: device, abstract))
 
 
-def load_model(folder: str | os.PathLike) -> MMDiT | ShapesAE:
-  """The module (MMDiT or ShapesAE) with the float32 params of a folder written by save_params."""
+def load_model(folder: str | os.PathLike) -> nnx.Module:
+  """The module (MMDiT, or a registered kind) with the float32 params of a folder written by
+  save_params."""
   config, state, _ = load_params(folder)
   graphdef, _ = _abstract_state(config)
   return nnx.merge(graphdef, state)

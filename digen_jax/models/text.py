@@ -184,13 +184,6 @@ class CachedEncoder:
     return out_e, out_m
 
 
-def shapes_vocab() -> list[str]:
-  """Every word the ShapesBench grammar can emit (sorted)."""
-  from digen_jax.data.shapes.grammar import grammar_words  # data -> model dependency kept local
-
-  return grammar_words()
-
-
 def table_digest(encoder) -> str:
   """sha256 of a word encoder's table + vocab (a CachedEncoder is looked through): a checkpoint
   records it so a later run can check it encodes prompts the same way."""

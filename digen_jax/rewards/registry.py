@@ -11,6 +11,7 @@ score; bad *shapes* (wrong rank, batch/prompt mismatch) are caller bugs and rais
 
 from __future__ import annotations
 
+import importlib
 import math
 import threading
 from typing import Callable, Mapping, Sequence
@@ -21,6 +22,19 @@ import numpy as np
 RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
 
 _REGISTRY: dict[str, RewardFn] = {}
+# Modules whose import registers the built-in rewards (each defines its own with @register),
+# loaded on the first lookup: 'shapes', 'shapes_dense', 'shapes_strict', 'shapes_strict_atoms',
+# 'jpeg_compressibility', 'jpeg_incompressibility'.
+BUILTIN_MODULES = ("digen_jax.rewards.jpeg", "digen_jax.tasks.shapes.checker")
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+  global _builtins_loaded
+  if not _builtins_loaded:
+    _builtins_loaded = True
+    for module in BUILTIN_MODULES:
+      importlib.import_module(module)
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -47,10 +61,12 @@ def _ident(fn) -> str:
 
 
 def registered_names() -> list[str]:
+  _load_builtins()
   return sorted(_REGISTRY)
 
 
 def get_reward(name: str) -> RewardFn:
+  _load_builtins()
   if name not in _REGISTRY:
     raise ValueError(f"unknown reward {name!r}; registered rewards: {registered_names()}")
   return _REGISTRY[name]
@@ -112,6 +128,7 @@ def build_reward(weights: Mapping[str, float]) -> RewardFn:
   """
   if not isinstance(weights, Mapping) or not weights:
     raise ValueError(f"weights must be a non-empty dict name -> float; got {weights!r}")
+  _load_builtins()
   unknown = [k for k in weights if k not in _REGISTRY]
   if unknown:
     raise ValueError(f"unknown reward(s) {unknown}; registered rewards: {registered_names()}")
@@ -195,6 +212,7 @@ def register_callables(spec: str, field: str = "config.reward.callables") -> lis
     if _USER_TARGETS.get(name) == target:
       names.append(name)
       continue
+    _load_builtins()
     if name in _REGISTRY:
       raise ValueError(
           f"{field}: reward name {name!r} is already registered "

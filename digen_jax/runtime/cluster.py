@@ -25,7 +25,7 @@ from typing import Sequence
 import jax
 from jax.sharding import Mesh
 
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 ROLES = ('trainer', 'rollout')
 

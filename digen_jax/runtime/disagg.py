@@ -30,7 +30,7 @@ import time
 from absl import logging
 import numpy as np
 
-from digen_jax import interrupt
+from digen_jax.process import interrupt
 from digen_jax.runtime import distributed
 from digen_jax.runtime import pipeline
 from digen_jax.runtime import publish

@@ -27,7 +27,7 @@ import time
 
 import jax
 
-from digen_jax import interrupt
+from digen_jax.process import interrupt
 
 ENV_COORDINATOR = 'DIGEN_COORDINATOR_ADDRESS'
 ENV_NUM_PROCESSES = 'DIGEN_NUM_PROCESSES'
@@ -190,7 +190,7 @@ def timed_out(e: Exception) -> bool:
 
 def kv_get(key: str, timeout_s: float = 60.0) -> str:
   """Blocks until some process has set `key` (or raises after timeout_s) and returns its value.
-  Waits in slices of at most KV_POLL_S so that a SIGTERM/SIGINT (digen_jax.interrupt) stops a
+  Waits in slices of at most KV_POLL_S so that a SIGTERM/SIGINT (digen_jax.process.interrupt) stops a
   process waiting for a peer that will never answer."""
   deadline = time.monotonic() + timeout_s
   while True:

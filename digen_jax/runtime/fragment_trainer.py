@@ -20,7 +20,7 @@ import numpy as np
 from digen_jax import programs
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.runtime import fragments as frag_lib
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import workers
 
 
@@ -83,7 +83,7 @@ class FragmentTrainer:
   def begin(self, step: int):
     self._step = step
     step_arr = jax.device_put(np.int32(step), self._rep)
-    _, k_update = workers._step_keys(self.t._base_key, step_arr)  # pylint: disable=protected-access
+    _, k_update = workers.step_keys(self.t._base_key, step_arr)
     return self._select(k_update, step_arr), self._zero(self.t.params)
 
   def encode(self, prompts: list[str]):

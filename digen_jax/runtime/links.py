@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax import interrupt
+from digen_jax.process import interrupt
 from digen_jax.runtime import distributed
 from digen_jax.runtime import publish
 from digen_jax.runtime import transfer

@@ -38,7 +38,7 @@ from absl import logging
 import jax
 import numpy as np
 
-from digen_jax import interrupt
+from digen_jax.process import interrupt
 from digen_jax.runtime import distributed
 from digen_jax.runtime import fragment_trainer
 from digen_jax.runtime import fragments as frag_lib

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from digen_jax.models import lora as lora_lib
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import transfer
 
 WEIGHTS_TAG = 'weights'

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax import interrupt
+from digen_jax.process import interrupt
 from digen_jax import programs
 from digen_jax.runtime import distributed
 from digen_jax.runtime import fragments as frag_lib
 from digen_jax.runtime import links
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import publish
 from digen_jax.runtime import schedule as sched_lib
 from digen_jax.runtime import trace as trace_lib
@@ -98,7 +98,7 @@ class FragmentSampler:
       with self.tracer.span(
           self._devices, self.role, program, step=step, fragment=f, version=version
       ):
-        k_rollout, _ = workers._step_keys(self._base_key, step_arr)  # pylint: disable=protected-access
+        k_rollout, _ = workers.step_keys(self._base_key, step_arr)
         uncond = self._uncond if self._uncond is not None else cond
         traj, images = self._program(params, cond, uncond, k_rollout, step_arr, offset)
         images = jax.device_get(images)
@@ -229,7 +229,7 @@ def rollout_loop(
 
 def _write_grid(workdir: str, step: int, frags: list[Fragment], batch_prompts, plan):
   """samples/step_<step>.png of the fragments this role sampled (TAG ones are not here)."""
-  from digen_jax import visualize  # pylint: disable=g-import-not-at-top
+  from digen_jax.outputs import visualize  # pylint: disable=g-import-not-at-top
 
   images = np.concatenate([f.images for f in frags])
   captions = [

@@ -18,10 +18,10 @@ from typing import Any, Callable
 from absl import logging
 import numpy as np
 
-from digen_jax import checkpoint as ckpt_lib
-from digen_jax import faults
-from digen_jax import interrupt
-from digen_jax import metrics as metrics_lib
+from digen_jax.outputs import checkpoint as ckpt_lib
+from digen_jax.outputs import faults
+from digen_jax.process import interrupt
+from digen_jax.outputs import metrics as metrics_lib
 from digen_jax.runtime import publish
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.runtime import workers

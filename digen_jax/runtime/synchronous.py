@@ -15,8 +15,8 @@ import time
 
 import jax
 
-from digen_jax import interrupt
-from digen_jax import visualize
+from digen_jax.process import interrupt
+from digen_jax.outputs import visualize
 from digen_jax.runtime import publish
 from digen_jax.runtime import steps as steps_lib
 from digen_jax.runtime import trace as trace_lib

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 import jax
 
-from digen_jax import figures
+from digen_jax.outputs import figures
 
 
 @dataclasses.dataclass(frozen=True)

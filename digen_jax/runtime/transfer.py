@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import transfer as jax_transfer
 from jax.sharding import Sharding, SingleDeviceSharding
 
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 from digen_jax.runtime import distributed
 
 _KV_PREFIX = 'digen/xfer'

@@ -26,17 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax import checkpoint as ckpt_lib
-from digen_jax import evaluation
+from digen_jax.outputs import checkpoint as ckpt_lib
+from digen_jax.experiment import evaluation
+from digen_jax.outputs import eval_report
 from digen_jax import programs
 from digen_jax.models import family as family_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.rl import advantages as adv_lib
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 
 @jax.jit
-def _step_keys(base_key, step):
+def step_keys(base_key, step):
   """(k_rollout, k_update) of `step`: the same in every role, mode and process."""
   k = jax.random.split(jax.random.fold_in(base_key, step))
   return k[0], k[1]
@@ -145,7 +146,7 @@ class RolloutWorker:
         _span(tracer, self.mesh, 'rollout', 'rollout', step, policy.version),
     ):
       step_arr = jax.device_put(np.int32(step), self._rep)
-      k_rollout, _ = _step_keys(self._base_key, step_arr)
+      k_rollout, _ = step_keys(self._base_key, step_arr)
       uncond = self._uncond if self._uncond is not None else cond
       traj, images = self._rollout(policy.params, cond, uncond, k_rollout, step_arr)
       images = jax.device_get(images)
@@ -267,7 +268,7 @@ class TrainerWorker:
     """The update program's arguments for `batch` and its conditioning at `step` (arrays or,
     to compile, their abstract layouts)."""
     step_arr = jax.device_put(np.int32(step), self._rep)
-    _, k_update = _step_keys(self._base_key, step_arr)
+    _, k_update = step_keys(self._base_key, step_arr)
     uncond = self._uncond if self._uncond is not None else cond
     return (
         self.params,
@@ -398,6 +399,6 @@ class EvalRunner:
 
   def __call__(self, policy) -> dict:
     result = self.evaluator(policy.params, seed=self.exp.config.eval.seed)
-    grid = evaluation.write_report(result, os.path.join(self.workdir, 'eval'), policy.version)
+    grid = eval_report.write_report(result, os.path.join(self.workdir, 'eval'), policy.version)
     logging.info('eval at step %d: %s (%s)', policy.version, result['metrics'], grid)
     return {'step': policy.version, **result['metrics']}

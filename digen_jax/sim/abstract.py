@@ -18,17 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax import experiment
+from digen_jax.experiment import build as experiment
 from digen_jax import programs
-from digen_jax import tiny_pipeline
-from digen_jax import weights as weights_lib
+from digen_jax.experiment import tiny_pipeline
+from digen_jax.experiment import weights as weights_lib
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.models import family as family_lib
 from digen_jax.models import flux_vae
 from digen_jax.models import lora as lora_lib
 from digen_jax.models import vae as vae_lib
 from digen_jax.rl import timesteps as timesteps_lib
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 
 def vae_config(config, spec: str):
@@ -36,7 +36,8 @@ def vae_config(config, spec: str):
   family's (models/family.py: Qwen-Image's or FLUX's AutoencoderKL). `spec`: 'auto' reads
   vae/config.json from config.model.checkpoint when it is a pipeline folder (configuration only),
   else the real VAE when config.latent.channels matches it and the toy VAE of
-  digen_jax/tiny_pipeline.py otherwise; 'real'; 'tiny'; or a vae/config.json or pipeline folder."""
+  digen_jax/experiment/tiny_pipeline.py otherwise; 'real'; 'tiny'; or a vae/config.json or pipeline folder.
+  """
   if config.latent.space != 'vae':
     return None, 'none (pixel space: identity decoder)'
   z = int(config.latent.channels)
@@ -65,7 +66,7 @@ def vae_config(config, spec: str):
     kw = dict(tiny_pipeline.VAE)
     if kw['z_dim'] != z:
       kw.update(z_dim=z, latents_mean=[0.0] * z, latents_std=[1.0] * z)
-    return vae_lib.VAEConfig(**kw), f'tiny (digen_jax/tiny_pipeline.py VAE, z_dim {z})'
+    return vae_lib.VAEConfig(**kw), f'tiny (digen_jax/experiment/tiny_pipeline.py VAE, z_dim {z})'
 
   if spec == 'real':
     cfg, what = real()

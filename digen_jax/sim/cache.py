@@ -27,7 +27,7 @@ import subprocess
 import sys
 from typing import Any
 
-from digen_jax.sim import costs as costs_lib
+from digen_jax.sim import program_costs as costs_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COSTS_DIR = os.path.join(REPO, 'benchmarks', 'costs')

@@ -128,8 +128,8 @@ class Layout:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
-  """The schedule settings of a run (config.schedule's fields that change the order)."""
+class Modes:
+  """The execution modes of a run (config.schedule's fields that change the order of work)."""
 
   fragments: int = 1
   unit: str = 'group'
@@ -166,7 +166,7 @@ class Simulation:
       self,
       costs: StepCosts,
       layout: Layout,
-      schedule: Schedule,
+      schedule: Modes,
       *,
       groups: int,
       group_size: int,
@@ -489,7 +489,7 @@ class Result:
 def simulate(
     costs: StepCosts,
     layout: Layout,
-    schedule: Schedule,
+    schedule: Modes,
     *,
     groups: int,
     group_size: int,

@@ -154,7 +154,7 @@ def run_model(
   path, variant = cache.split_config_arg(config_arg)
   if 'pretrain' in config:
     raise PlanError(
-        f'{config_arg} is a pretraining config (python -m digen_jax.pretrain); the '
+        f'{config_arg} is a pretraining config (python -m digen_jax.tasks.shapes.pretrain); the '
         'planner plans GRPO runs: give an RL config, e.g. configs/shapes.py'
     )
   r, m = config.rl, config.model

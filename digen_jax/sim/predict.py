@@ -40,12 +40,12 @@ MODE_KEYS = {
 VARIANTS = ('mp2', 'sp')
 
 
-def rung_schedule(rung: str, fragments: int, unit: str, tcss_fraction: float) -> engine.Schedule:
+def rung_schedule(rung: str, fragments: int, unit: str, tcss_fraction: float) -> engine.Modes:
   """The schedule of a rung: each rung turns on one more technique (benchmarks/ladder.py)."""
   if rung not in RUNGS:
     raise ValueError(f'rung {rung!r} is not one of {RUNGS}')
   level = RUNGS.index(rung)
-  return engine.Schedule(
+  return engine.Modes(
       fragments=fragments if level >= 2 else 1,
       unit=unit if level >= 2 else 'group',
       tsp=level >= 3,
@@ -64,7 +64,7 @@ def _get(seconds: dict, key: str, layout: str) -> float:
 
 
 def step_costs(
-    prof: dict, layout_name: str, schedule: engine.Schedule, single_core: dict | None = None
+    prof: dict, layout_name: str, schedule: engine.Modes, single_core: dict | None = None
 ) -> engine.StepCosts:
   """A profiled layout's seconds -> the StepCosts of `schedule` (see the module docstring).
 
@@ -143,7 +143,7 @@ def span_seconds(events: list[dict], skip_steps: int = 1) -> dict[str, float]:
 
 
 def at_measured_spans(
-    prof: dict, layout_name: str, schedule: engine.Schedule, spans: dict[str, float]
+    prof: dict, layout_name: str, schedule: engine.Modes, spans: dict[str, float]
 ) -> engine.StepCosts:
   """step_costs with each program's seconds replaced by its mean span in a measured run of the
   same rung (span_seconds): the programs as they ran there, beside each other. The checkpoint's

@@ -42,7 +42,7 @@ import time
 from absl import app
 from absl import flags
 
-from digen_jax import cli
+from digen_jax.process import cli
 
 LAYOUTS = ('colocated', 'sp', 'mp2')
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,7 +119,7 @@ def profile_child(
   from digen_jax.runtime import workers  # pylint: disable=g-import-not-at-top
   from digen_jax import programs  # pylint: disable=g-import-not-at-top
 
-  from digen_jax import compile_cache  # pylint: disable=g-import-not-at-top
+  from digen_jax.process import compile_cache  # pylint: disable=g-import-not-at-top
 
   info = distributed.maybe_initialize()
   compile_cache.enable()  # the runs it predicts then start from the same compiled programs

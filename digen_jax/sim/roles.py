@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from digen_jax.sim import costs as costs_lib
+from digen_jax.sim import program_costs as costs_lib
 from digen_jax.sim import hardware
 from digen_jax.sim import timing
 

@@ -42,9 +42,9 @@ RUNG_OF = {v: k for k, v in predict.MODE_KEYS.items()}
 EXTRA_MODES = ('gap_tag', 'gap_tag_tcss')
 
 
-def schedule_of(mode: str, fragments: int, tcss_fraction: float) -> engine.Schedule:
+def schedule_of(mode: str, fragments: int, tcss_fraction: float) -> engine.Modes:
   if mode in EXTRA_MODES:
-    return engine.Schedule(
+    return engine.Modes(
         fragments=fragments,
         unit='group',
         tsp=False,
@@ -104,7 +104,7 @@ class Candidate:
   fragments: int
   costs: engine.StepCosts
   layout: engine.Layout
-  schedule: engine.Schedule
+  schedule: engine.Modes
   bound_s: float  # the ranking bound: seconds per step
   choices: dict  # the options taken per work item
   result: dict | None = None  # the simulation's summary
@@ -241,7 +241,7 @@ class Planner:
         1,
         costs,
         engine.Layout(g.n, g.n, colocated=True),
-        engine.Schedule(),
+        engine.Modes(),
         bound,
         {'rollout': roll, 'grad': grad, 'apply_s': apply},
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from digen_jax.sim import costs as costs_lib
+from digen_jax.sim import program_costs as costs_lib
 from digen_jax.sim import hardware
 
 

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from digen_jax.runtime.mesh import make_mesh  # noqa: E402
+from digen_jax.parallel.mesh import make_mesh  # noqa: E402
 
 n_local = jax.local_device_count()
 assert jax.process_count() == info.num_processes, (jax.process_count(), info)

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
 from digen_jax.runtime import transfer  # noqa: E402
-from digen_jax.runtime.mesh import make_mesh  # noqa: E402
+from digen_jax.parallel.mesh import make_mesh  # noqa: E402
 
 assert info.num_processes == 2 and jax.local_device_count() == 2, (info, jax.local_devices())
 me, peer = info.process_id, 1 - info.process_id

@@ -73,9 +73,9 @@ def config_and_workdir():
 def setup():
   """Common start of every entry point: logs, compilation cache, config. -> (config, workdir, n_dev)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from digen_jax import compile_cache  # pylint: disable=g-import-not-at-top
+  from digen_jax.process import compile_cache  # pylint: disable=g-import-not-at-top
 
-  from digen_jax import figures  # pylint: disable=g-import-not-at-top
+  from digen_jax.outputs import figures  # pylint: disable=g-import-not-at-top
 
   quiet_library_logs()
   try:
@@ -92,7 +92,7 @@ def setup():
 
 def build_experiment(config, workdir: str, num_devices: int):
   """experiment.build with bad input reported as one line before anything compiles or is written."""
-  from digen_jax import experiment  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import build as experiment  # pylint: disable=g-import-not-at-top
 
   try:
     return experiment.build(config, workdir, num_devices)

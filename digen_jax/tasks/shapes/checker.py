@@ -1,7 +1,7 @@
 """ShapesBench checker: scores an image against its prompt with plain code (no learned model).
 
 It judges what a person would: an object counts as the prompted shape only if it looks like
-the renderer's drawing of that shape (digen_jax/data/shapes/render.py: axis-aligned circle,
+the renderer's drawing of that shape (digen_jax/tasks/shapes/render.py: axis-aligned circle,
 square, and an upward isosceles triangle with base = height), up to position, size and a slight
 blur; stretched, rotated, hollow, concave, dithered or merged blobs are not a shape at all.
 
@@ -131,7 +131,7 @@ from typing import Optional, Sequence
 import numpy as np
 from scipy import ndimage  # scipy is a hard dependency of jax, so always installed with it
 
-from digen_jax.data.shapes.grammar import BACKGROUNDS, COLORS, SHAPES, ShapesPrompt, parse
+from digen_jax.tasks.shapes.grammar import BACKGROUNDS, COLORS, SHAPES, ShapesPrompt, parse
 from digen_jax.rewards.registry import check_batch, register
 
 RANGE_TOL = 0.1

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from digen_jax import faults
+from digen_jax.outputs import faults
 
 DIGEST_FILE = 'digest.json'
 TMP_MARKER = (

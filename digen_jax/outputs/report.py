@@ -1,5 +1,5 @@
 """End-of-run report: reward.png (reward and eval accuracy against step; unless DIGEN_PLOTS=0,
-digen_jax/figures.py) and a short summary."""
+digen_jax/outputs/figures.py) and a short summary."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 
 from absl import logging
 
-from digen_jax import evaluation
-from digen_jax import figures
-from digen_jax import metrics as metrics_lib
+from digen_jax.outputs import eval_report
+from digen_jax.outputs import figures
+from digen_jax.outputs import metrics as metrics_lib
 
 ACC = 'eval/strict_accuracy'
 
@@ -82,7 +82,7 @@ def write_before_after(workdir: str, summary: dict) -> str | None:
   ]
   if not all(os.path.exists(p) for p in paths):
     return None
-  return evaluation.before_after_grid(
+  return eval_report.before_after_grid(
       *paths,
       os.path.join(workdir, 'eval', 'before_after.png'),
       labels=(f'step {summary["base_eval_step"]}', f'step {summary["final_eval_step"]}'),

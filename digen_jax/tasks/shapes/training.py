@@ -19,8 +19,8 @@ from typing import Iterator
 
 import numpy as np
 
-from digen_jax.data.shapes import grammar
-from digen_jax.data.shapes import render as render_lib
+from digen_jax.tasks.shapes import grammar
+from digen_jax.tasks.shapes import render as render_lib
 
 
 @dataclasses.dataclass(frozen=True)

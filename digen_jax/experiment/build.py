@@ -15,11 +15,11 @@ import ml_collections
 import numpy as np
 import optax
 
-from digen_jax import configlib
+from digen_jax.experiment import config as configlib
 from digen_jax.data import prompts as prompt_data
-from digen_jax.diffusion import schedule as schedule_lib
+from digen_jax.diffusion import sigmas as sigmas_lib
 from digen_jax.diffusion import sde as sde_lib
-from digen_jax import weights as weights_lib
+from digen_jax.experiment import weights as weights_lib
 from digen_jax.models import attention as attention_lib
 from digen_jax.models import family as family_lib
 from digen_jax.models import params_io
@@ -27,6 +27,7 @@ from digen_jax.models import text as text_lib
 from digen_jax.models import text_cache
 from digen_jax.rewards import registry as reward_registry
 from digen_jax.rl import timesteps as timesteps_lib
+from digen_jax.tasks.shapes import grammar
 
 
 @dataclasses.dataclass
@@ -125,13 +126,11 @@ def attention_choice(config) -> str:
 def checkpoint_folder(path: str, field: str = 'config.model.checkpoint') -> str:
   """A checkpoint path as an existing folder (repo-relative paths such as the shipped
   assets/shapes_base work from any cwd); ValueError naming `field` otherwise."""
-  repo_relative = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
-  if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(repo_relative):
-    path = repo_relative
+  path = weights_lib.repo_path(path)
   if not os.path.isdir(path):
     raise ValueError(
         f'{field}={path!r} is not a readable folder; give a params '
-        'folder (params.safetensors + config.json, from digen_jax.pretrain), a diffusers '
+        'folder (params.safetensors + config.json, from digen_jax.tasks.shapes.pretrain), a diffusers '
         'QwenImage folder (config.json + *.safetensors), or run configs/qwenimage.py:tiny'
     )
   return path
@@ -177,7 +176,7 @@ def build_text_encoder(config):
   """The frozen word encoder, or the embedding cache of a real encoder (no torch here)."""
   if config.text.encoder == 'word':
     enc = text_lib.WordEncoder(
-        text_lib.shapes_vocab(),
+        grammar.grammar_words(),
         dim=config.model.joint_attention_dim,
         max_length=config.text.max_length,
         seed=config.text.seed,
@@ -229,13 +228,13 @@ def check_prompt_cache(config, text_encoder, prompt_lists) -> None:
 def build_schedule(config, num_tokens: int) -> np.ndarray:
   s = config.sampler
   base = (
-      schedule_lib.qwenimage_scheduler_config()
+      sigmas_lib.qwenimage_scheduler_config()
       if s.scheduler == 'qwenimage'
-      else schedule_lib.flux_scheduler_config()
+      else sigmas_lib.flux_scheduler_config()
   )
   shift = s.shift if s.shift > 0 else None
   return np.asarray(
-      schedule_lib.sigmas(base, s.num_steps, image_seq_len=num_tokens, shift=shift), np.float32
+      sigmas_lib.sigmas(base, s.num_steps, image_seq_len=num_tokens, shift=shift), np.float32
   )
 
 

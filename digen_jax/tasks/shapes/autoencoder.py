@@ -10,7 +10,7 @@ on rendered images turns latents into pixels, so sharp edges are the decoder's j
 
 SiLU between layers. With `shape_channels` = 3, the first three latent channels are taught to
 hold, per latent cell, the share of the cell covered by a circle, a square and a triangle
-(`cell_means` of render.shape_coverage; digen_jax.pretrain_ae adds the term). Why: in a purely reconstructive latent a
+(`cell_means` of render.shape_coverage; digen_jax.tasks.shapes.pretrain_ae adds the term). Why: in a purely reconstructive latent a
 square and a circle of the same size differ by a few corner pixels, so a flow model's loss barely
 rewards reading the shape word (benchmarks/RESULTS.md, shapes_probe); with shape channels the shape
 word moves the latent as much as the colour word does, as semantically regularised VAEs of real
@@ -39,7 +39,12 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from digen_jax.data.shapes.grammar import SHAPES
+from digen_jax.models import params_io
+from digen_jax.models import streaming
+from digen_jax.tasks.shapes.grammar import SHAPES
+
+# config.json's format of an autoencoder params folder (models/params_io.py).
+AE_FORMAT = 'digen_jax.shapes_ae/1'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,14 +171,12 @@ class ShapesAE(nnx.Module):
 
 
 def read_vae_config(folder) -> ShapesAEConfig:
-  """The config of an autoencoder params folder (digen_jax.pretrain_ae's DIR/params)."""
-  from digen_jax.models import params_io  # pylint: disable=g-import-not-at-top (params_io imports us)
-
+  """The config of an autoencoder params folder (digen_jax.tasks.shapes.pretrain_ae's DIR/params)."""
   meta = params_io.read_config(folder)
-  if meta.get('format') != params_io.AE_FORMAT:
+  if meta.get('format') != AE_FORMAT:
     raise ValueError(
         f'{folder} holds {meta.get("format")!r}, not a ShapesBench autoencoder '
-        f'({params_io.AE_FORMAT!r}); make one with python -m digen_jax.pretrain_ae'
+        f'({AE_FORMAT!r}); make one with python -m digen_jax.tasks.shapes.pretrain_ae'
     )
   return ShapesAEConfig(**meta['model_config'])
 
@@ -186,6 +189,7 @@ def abstract_vae(config: ShapesAEConfig, param_dtype: Any = jnp.float32):
 
 def vae_key_table(config: ShapesAEConfig):
   """Our own layout: every param's file key is its dotted path."""
-  from digen_jax.models import streaming  # pylint: disable=g-import-not-at-top
-
   return streaming.identity_table(abstract_vae(config)[1])
+
+
+params_io.register_kind(AE_FORMAT, ShapesAEConfig, ShapesAE)

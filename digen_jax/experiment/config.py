@@ -67,7 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.latent = ml_collections.ConfigDict()
   c.latent.space = 'vae'  # 'pixel' (identity decoder, tiny configs), 'vae' (the pipeline
   # folder's VAE) or 'ae' (our autoencoder at latent.ae)
-  c.latent.ae = ''  # 'ae' space: a digen_jax.pretrain_ae params folder
+  c.latent.ae = ''  # 'ae' space: a digen_jax.tasks.shapes.pretrain_ae params folder
   c.latent.channels = 16  # unpacked latent channels (3 for pixel space)
   c.latent.height = 166  # latent grid (pixels for 'pixel' space)
   c.latent.width = 166

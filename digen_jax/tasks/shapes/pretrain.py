@@ -1,6 +1,6 @@
 """Flow-matching pretraining of the ShapesBench base generator (the policy GRPO later post-trains).
 
-  python -m digen_jax.pretrain --config=configs/shapes_pretrain.py --workdir=DIR
+  python -m digen_jax.tasks.shapes.pretrain --config=configs/shapes_pretrain.py --workdir=DIR
 
 Each step takes a batch of (image, caption) pairs from `data.shapes.training` (train-split
 prompts rendered on the fly, optionally rendered ahead by `data_workers` processes; a
@@ -47,22 +47,22 @@ import ml_collections
 import numpy as np
 import optax
 
-from digen_jax import cli
-from digen_jax import configlib
-from digen_jax import experiment
-from digen_jax import metrics as metrics_lib
-from digen_jax import visualize
-from digen_jax.data.shapes import grammar
-from digen_jax.data.shapes import training as training_data
+from digen_jax.process import cli
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import build as experiment
+from digen_jax.outputs import metrics as metrics_lib
+from digen_jax.outputs import visualize
+from digen_jax.tasks.shapes import grammar
+from digen_jax.tasks.shapes import training as training_data
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.models import initialize
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import mmdit
 from digen_jax.models import params_io
-from digen_jax.models import shapes_ae
+from digen_jax.tasks.shapes import autoencoder as shapes_ae
 from digen_jax.models import vae as vae_lib
 from digen_jax.models import text as text_lib
-from digen_jax.rewards import shapes_checker
+from digen_jax.tasks.shapes import checker as shapes_checker
 
 _SIGMA_SAMPLING = ('logit_normal', 'uniform')
 
@@ -80,7 +80,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if lat.space not in ('pixel', 'ae'):
     raise ValueError(
         f"config.latent.space={lat.space!r}: pretraining renders pixels; use 'pixel' or "
-        "'ae' (a digen_jax.pretrain_ae autoencoder at config.latent.ae)"
+        "'ae' (a digen_jax.tasks.shapes.pretrain_ae autoencoder at config.latent.ae)"
     )
   if lat.frames != 1 or lat.height != lat.width:
     raise ValueError(
@@ -774,7 +774,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
           )
       },
       'command': ' '.join(
-          [os.path.basename(sys.executable), '-m', 'digen_jax.pretrain'] + sys.argv[1:]
+          [os.path.basename(sys.executable), '-m', 'digen_jax.tasks.shapes.pretrain'] + sys.argv[1:]
       ),
   }
   save(
@@ -805,11 +805,11 @@ def main(argv):
   try:
     validate(config)
   except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, before compiling
-    sys.exit(f'digen_jax.pretrain: {e}')
+    sys.exit(f'digen_jax.tasks.shapes.pretrain: {e}')
   try:
     summary = train(config, workdir)
   except FloatingPointError as e:  # diverged: its message names the step and the fix
-    sys.exit(f'digen_jax.pretrain: {e}')
+    sys.exit(f'digen_jax.tasks.shapes.pretrain: {e}')
   ev = summary['final_eval']
   print(
       f"pretrain: {summary['steps']} steps in {summary['train_wall_s']:.0f}s, final loss "

@@ -1,6 +1,6 @@
 """Toy Qwen-Image and FLUX.1 pipeline folders: the real diffusers layouts and classes at test size.
 
-  python -m digen_jax.tiny_pipeline --out=DIR [--seed=0] [--family=qwenimage|flux]
+  python -m digen_jax.experiment.tiny_pipeline --out=DIR [--seed=0] [--family=qwenimage|flux]
 
 `build(folder, seed)` saves diffusers' `QwenImagePipeline(...)` with `save_pretrained`, so
 model_index.json, transformer/, vae/, text_encoder/, tokenizer/ and scheduler/ are exactly what a
@@ -82,7 +82,7 @@ def _tokenizer():
   from transformers import Qwen2Tokenizer
   from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-  from digen_jax.data.shapes.grammar import grammar_words
+  from digen_jax.tasks.shapes.grammar import grammar_words
 
   # The same pipeline Qwen2Tokenizer builds around its BPE, so training splits text as it will.
   bpe = Tokenizer(
@@ -195,7 +195,7 @@ def build(folder: str, seed: int = 0) -> dict[str, Any]:
   from diffusers import QwenImagePipeline  # pylint: disable=g-import-not-at-top
   from diffusers import QwenImageTransformer2DModel  # pylint: disable=g-import-not-at-top
 
-  from digen_jax.diffusion import schedule  # pylint: disable=g-import-not-at-top
+  from digen_jax.diffusion import sigmas as sigmas_lib  # pylint: disable=g-import-not-at-top
 
   folder = _new_folder(folder, seed)
   sub = _streams(seed)
@@ -209,7 +209,7 @@ def build(folder: str, seed: int = 0) -> dict[str, Any]:
       tokenizer.get_vocab(), TRANSFORMER['joint_attention_dim'], sub('text_encoder')
   )
   scheduler = FlowMatchEulerDiscreteScheduler(
-      **dataclasses.asdict(schedule.qwenimage_scheduler_config())
+      **dataclasses.asdict(sigmas_lib.qwenimage_scheduler_config())
   )
   pipe = QwenImagePipeline(
       scheduler=scheduler,
@@ -261,7 +261,7 @@ FLUX_CLIP_MAX_LENGTH = 77
 
 
 def _flux_words() -> list[str]:
-  from digen_jax.data.shapes.grammar import grammar_words  # pylint: disable=g-import-not-at-top
+  from digen_jax.tasks.shapes.grammar import grammar_words  # pylint: disable=g-import-not-at-top
 
   return grammar_words() + 'and cat photo astronaut riding horse moon'.split()
 
@@ -336,7 +336,7 @@ def build_flux(folder: str, seed: int = 0) -> dict[str, Any]:
   from transformers import CLIPTextConfig, CLIPTextModel  # pylint: disable=g-import-not-at-top
   from transformers import T5Config, T5EncoderModel  # pylint: disable=g-import-not-at-top
 
-  from digen_jax.diffusion import schedule  # pylint: disable=g-import-not-at-top
+  from digen_jax.diffusion import sigmas as sigmas_lib  # pylint: disable=g-import-not-at-top
 
   folder = _new_folder(folder, seed)
   sub = _streams(seed)
@@ -378,7 +378,7 @@ def build_flux(folder: str, seed: int = 0) -> dict[str, Any]:
   for name, module in (('clip', clip), ('t5', t5), ('transformer', transformer), ('vae', vae)):
     _randomize(module, sub(name))
   scheduler = FlowMatchEulerDiscreteScheduler(
-      **dataclasses.asdict(schedule.flux_scheduler_config())
+      **dataclasses.asdict(sigmas_lib.flux_scheduler_config())
   )
   pipe = FluxPipeline(
       scheduler=scheduler,
@@ -422,7 +422,7 @@ def main(argv):
     make = {'qwenimage': build, 'flux': build_flux}[flags.FLAGS.family]
     sizes = make(flags.FLAGS.out, seed=flags.FLAGS.seed)
   except ValueError as e:
-    raise SystemExit(f'digen_jax.tiny_pipeline: {e}') from None
+    raise SystemExit(f'digen_jax.experiment.tiny_pipeline: {e}') from None
   print(json.dumps(sizes, indent=1))
 
 

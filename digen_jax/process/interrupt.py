@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from digen_jax import faults
+from digen_jax.outputs import faults
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

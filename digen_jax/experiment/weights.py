@@ -27,10 +27,10 @@ import jax.numpy as jnp
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.models import params_io
-from digen_jax.models import shapes_ae
+from digen_jax.tasks.shapes import autoencoder as shapes_ae
 from digen_jax.models import streaming
 from digen_jax.models import vae as vae_lib
-from digen_jax.runtime import mesh as mesh_lib
+from digen_jax.parallel import mesh as mesh_lib
 
 PIPELINE_INDEX = 'model_index.json'
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -189,9 +189,14 @@ def _transformer_source(config, family, mcfg, same_architecture):
   return graphdef, abstract_of(abstract), loader
 
 
-def _repo_path(path: str) -> str:
-  """A repo-relative path (e.g. the shipped assets/...) resolved from any working directory."""
-  here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+# The checkout's root (digen_jax/experiment/weights.py is three levels down).
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def repo_path(path: str) -> str:
+  """A repo-relative path (e.g. the shipped assets/...) resolved from any working directory:
+  `path` itself unless it is relative, missing here and present under the checkout's root."""
+  here = os.path.join(REPO, path)
   return (
       here if not os.path.isabs(path) and not os.path.isdir(path) and os.path.isdir(here) else path
   )
@@ -207,9 +212,9 @@ def _vae_source(config, family) -> VAESource | None:
     if not folder:
       raise ValueError(
           "config.latent.space='ae' decodes with a ShapesBench autoencoder: set "
-          'config.latent.ae to a params folder made by python -m digen_jax.pretrain_ae'
+          'config.latent.ae to a params folder made by python -m digen_jax.tasks.shapes.pretrain_ae'
       )
-    folder = _repo_path(folder)
+    folder = repo_path(folder)
     acfg = shapes_ae.read_vae_config(folder)
     if acfg.latent_channels != config.latent.channels:
       raise ValueError(

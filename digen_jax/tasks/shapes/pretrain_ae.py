@@ -1,7 +1,7 @@
 """Trains the ShapesBench autoencoder (models/shapes_ae.py) on rendered images; checks it keeps shapes.
 
-  python -m digen_jax.pretrain_ae --workdir=DIR [--steps=4000] [--batch=64] [--size=32]
-  python -m digen_jax.pretrain_ae --workdir=DIR --init_from=AE/params --decoder_only --split=all
+  python -m digen_jax.tasks.shapes.pretrain_ae --workdir=DIR [--steps=4000] [--batch=64] [--size=32]
+  python -m digen_jax.tasks.shapes.pretrain_ae --workdir=DIR --init_from=AE/params --decoder_only --split=all
 
 The second form trains only the decoder of an existing autoencoder, on renders of every
 composition of the grammar (images only; the autoencoder never sees a caption): the latents, and so
@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from digen_jax.data.shapes import training as training_data
+from digen_jax.tasks.shapes import training as training_data
 from digen_jax.models import initialize
 from digen_jax.models import params_io
-from digen_jax.models import shapes_ae
-from digen_jax.rewards import shapes_checker
+from digen_jax.tasks.shapes import autoencoder as shapes_ae
+from digen_jax.tasks.shapes import checker as shapes_checker
 
 
 def ae_loss(
@@ -331,9 +331,11 @@ def main(argv):
   f = flags.FLAGS
   for name in ('steps', 'batch', 'eval_images', 'latent_channels', 'width'):
     if f[name].value < 1:
-      raise SystemExit(f'digen_jax.pretrain_ae: --{name}={f[name].value} must be >= 1')
+      raise SystemExit(f'digen_jax.tasks.shapes.pretrain_ae: --{name}={f[name].value} must be >= 1')
   if f.size % 4 or f.size < 16:
-    raise SystemExit(f'digen_jax.pretrain_ae: --size={f.size} must be a multiple of 4, >= 16')
+    raise SystemExit(
+        f'digen_jax.tasks.shapes.pretrain_ae: --size={f.size} must be a multiple of 4, >= 16'
+    )
   os.makedirs(f.workdir, exist_ok=True)
   s = train(
       f.workdir,

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from digen_jax.data.shapes.grammar import BACKGROUNDS, COLORS, SHAPES, ShapesPrompt, parse
+from digen_jax.tasks.shapes.grammar import BACKGROUNDS, COLORS, SHAPES, ShapesPrompt, parse
 
 # Extent (bounding-box side) ranges as fractions of the image size, per layout kind.
 _EXTENT_FRAC = {1: (0.32, 0.44), 2: (0.26, 0.34), 3: (0.26, 0.34), "relation": (0.26, 0.34)}

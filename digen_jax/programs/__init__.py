@@ -1,0 +1,52 @@
+"""The jitted programs of every execution mode (common.py: what they share; rollout.py: the
+sampling scan + decode; update.py: the GRPO update, full-batch and per fragment)."""
+
+from digen_jax.programs.common import (
+    Bound,
+    behaviour_of,
+    captured_arrays,
+    clear_memo,
+    cond_shardings,
+    frozen_shardings,
+    guidance_of,
+    make_velocity_fn,
+    program_key,
+    ref_shardings,
+    step_loop_for,
+    trajectory_shardings,
+    velocity_fn_of,
+)
+from digen_jax.programs.rollout import make_rollout
+from digen_jax.programs.update import (
+    ACC_SUM_KEYS,
+    make_apply,
+    make_fragment_grad,
+    make_select,
+    make_update,
+    make_zero_acc,
+    tsp_steps,
+)
+
+__all__ = [
+    'ACC_SUM_KEYS',
+    'Bound',
+    'behaviour_of',
+    'captured_arrays',
+    'clear_memo',
+    'cond_shardings',
+    'frozen_shardings',
+    'guidance_of',
+    'make_apply',
+    'make_fragment_grad',
+    'make_rollout',
+    'make_select',
+    'make_update',
+    'make_velocity_fn',
+    'make_zero_acc',
+    'program_key',
+    'ref_shardings',
+    'step_loop_for',
+    'trajectory_shardings',
+    'tsp_steps',
+    'velocity_fn_of',
+]

@@ -1,0 +1,103 @@
+"""The rollout program: the whole sampling scan, then the decode, in one jitted program."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from digen_jax.diffusion import sampler as sampler_lib
+from digen_jax.parallel import mesh as mesh_lib
+from digen_jax.programs import common
+from digen_jax.rl import timesteps as timesteps_lib
+
+
+def make_rollout(
+    exp,
+    mesh,
+    param_shardings=None,
+    traj_shardings=None,
+    *,
+    with_offset=False,
+    frozen=None,
+    deterministic=False,
+):
+  """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3]),
+  data-parallel over `mesh`: the sampling scan, then the decode (VAE or identity) in the same
+  program, so latents never leave the devices before the reward sees pixels.
+
+  deterministic: every step Euler (the ODE sampler eval uses); the program returns the images
+  only.
+
+  with_offset: the program takes a 6th argument, offset (int32 scalar): the batch position of
+  its first sample, so a fragment of the logical batch draws exactly the noise the whole-batch
+  program gives those samples (GAP, TAG).
+
+  Params arrive as the rollout copy: replicated unless `param_shardings` says otherwise (e.g. an
+  FSDP layout on the rollout mesh); cond/uncond are batch-sharded. `traj_shardings` (a
+  Trajectory of shardings) pins the output layout; None lets XLA choose. `frozen`: the frozen
+  weights on `mesh` (default: loaded replicated, with the decoder)."""
+  if frozen is None:
+    frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
+  velocity_fn = common.velocity_fn_of(exp)
+  # numpy, not a device array: staged into the program as a literal. A jax.Array closed over
+  # here would be a captured constant, which a GPU's transfer guard refuses to lower.
+  sigmas = np.asarray(exp.sigmas, np.float32)
+  T = len(exp.sigmas) - 1
+  guidance, norm_rescale = common.guidance_of(exp)
+
+  def rollout(params, cond, uncond, key, step, offset, frozen):
+    if deterministic:
+      sde_steps = jnp.zeros((T,), bool)
+    else:
+      sde_steps = timesteps_lib.sde_step_mask(exp.selection, T, step)
+    b = cond['text'].shape[0]
+    # One noise key per sample: a sample's trajectory does not depend on how the batch is cut.
+    keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b) + offset)
+    traj = sampler_lib.sample(
+        velocity_fn,
+        exp.weights.effective(params, frozen),
+        cond,
+        sigmas,
+        keys,
+        latent_shape=(b, *exp.latent_shape),
+        sde_cfg=exp.sde_cfg,
+        sde_steps=sde_steps,
+        guidance_scale=guidance,
+        uncond=uncond if guidance is not None else None,
+        norm_rescale=norm_rescale,
+    )
+    images = exp.weights.decode(frozen, traj.latents[-1])
+    return images if deterministic else (traj, images)
+
+  rep = mesh_lib.replicated(mesh)
+  cond_sharding = common.cond_shardings(mesh, exp.cond_abstract(1))
+  in_sh = (
+      rep if param_shardings is None else param_shardings,
+      cond_sharding,
+      cond_sharding,
+      rep,
+      rep,
+  )
+  image_sh = mesh_lib.batch_sharding(mesh, 4)
+  out_sh = image_sh if deterministic else (traj_shardings, image_sh)
+  frozen_sh = common.frozen_shardings(frozen)
+
+  def make():
+    if with_offset:
+      return jax.jit(rollout, in_shardings=in_sh + (rep, frozen_sh), out_shardings=out_sh)
+    return jax.jit(
+        lambda p, c, u, k, s, fr: rollout(p, c, u, k, s, 0, fr),
+        in_shardings=in_sh + (frozen_sh,),
+        out_shardings=out_sh,
+    )
+
+  parts = (
+      mesh,
+      common.layout_key(param_shardings),
+      common.layout_key(traj_shardings),
+      with_offset,
+      deterministic,
+      common.layout_key(frozen_sh),
+  )
+  return common.Bound(common.memoized('rollout', exp, parts, make), frozen)

@@ -1,0 +1,230 @@
+"""The package's structure holds: which folder may import which (a small table), no import
+cycles (function-level imports included), no use of another module's private names, the
+package root holding only the entry points, and the schedule state machine free of devices.
+
+Read from the source with `ast` (nothing is imported), so a violation names the file and line.
+"""
+
+import ast
+import collections
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(REPO, 'digen_jax')
+
+# Entry points: the only modules in the package root (python -m digen_jax.<name>).
+ENTRY_POINTS = {'main', 'eval', 'plan', 'encode_prompts'}
+# Folder -> the folders its modules may import (besides its own). The arrows that must never
+# exist are the ones missing: model code knows nothing of RL, tasks or meshes' owners; RL math
+# nothing of meshes; programs nothing of the runtime; the runtime nothing of the simulator.
+ALLOWED = {
+    'diffusion': set(),
+    'parallel': set(),
+    'data': set(),
+    'rewards': set(),
+    'outputs': set(),
+    'models': set(),
+    'rl': {'diffusion'},
+    'programs': {'diffusion', 'models', 'parallel', 'rl'},
+    'experiment': {
+        'data',
+        'diffusion',
+        'models',
+        'outputs',
+        'parallel',
+        'programs',
+        'rewards',
+        'rl',
+        'tasks',
+    },
+    'tasks': {
+        'data',
+        'diffusion',
+        'experiment',
+        'models',
+        'outputs',
+        'parallel',
+        'process',
+        'rewards',
+        'rl',
+    },
+    'process': {'experiment', 'outputs'},
+    'runtime': {
+        'data',
+        'diffusion',
+        'experiment',
+        'models',
+        'outputs',
+        'parallel',
+        'process',
+        'programs',
+        'rl',
+    },
+    'sim': {
+        'diffusion',
+        'experiment',
+        'models',
+        'outputs',
+        'parallel',
+        'process',
+        'programs',
+        'rl',
+        'runtime',
+    },
+}
+# The DigenRL schedule is a pure state machine: no devices, threads, clocks or models in it.
+PURE = {'digen_jax.runtime.schedule', 'digen_jax.runtime.bts', 'digen_jax.runtime.fragments'}
+PURE_ALLOWED_EXTERNAL = {'__future__', 'dataclasses', 'math', 'typing'}
+
+
+def _modules() -> dict[str, str]:
+  out = {}
+  for folder, _, files in os.walk(PACKAGE):
+    for f in files:
+      if f.endswith('.py'):
+        path = os.path.join(folder, f)
+        name = os.path.relpath(path, REPO)[:-3].replace(os.sep, '.')
+        out[name[: -len('.__init__')] if name.endswith('.__init__') else name] = path
+  return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: str):
+  """[(line, imported module, names taken from it or None)] of a file, every import
+  (function-level ones too)."""
+  out = []
+  for node in ast.walk(ast.parse(open(path).read(), path)):
+    if isinstance(node, ast.Import):
+      out += [(node.lineno, a.name, None) for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      out.append((node.lineno, node.module, [a.name for a in node.names]))
+  return out
+
+
+def _targets(module: str, names) -> list[str]:
+  """The package modules an import statement depends on."""
+  if not module.startswith('digen_jax'):
+    return []
+  if names is None:
+    return [module] if module in MODULES else []
+  subs = [f'{module}.{n}' for n in names if f'{module}.{n}' in MODULES]
+  rest = [n for n in names if f'{module}.{n}' not in MODULES]
+  return subs + ([module] if rest and module in MODULES else [])
+
+
+def _graph() -> dict[str, dict[str, int]]:
+  graph = {}
+  for name, path in MODULES.items():
+    deps = {}
+    for line, module, names in _imports(path):
+      for t in _targets(module, names):
+        if t != name:
+          deps.setdefault(t, line)
+    graph[name] = deps
+  return graph
+
+
+def _area(module: str) -> str:
+  """The folder of digen_jax a module lives in ('root' for the entry points)."""
+  parts = module.split('.')
+  return parts[1] if len(parts) > 1 and os.path.isdir(os.path.join(PACKAGE, parts[1])) else 'root'
+
+
+def test_the_root_holds_only_entry_points():
+  root = {
+      m.split('.')[1]
+      for m in MODULES
+      if m.count('.') == 1 and not os.path.isdir(os.path.join(PACKAGE, m.split('.')[1]))
+  }
+  assert (
+      root == ENTRY_POINTS
+  ), f'modules in digen_jax/ besides the entry points: {root - ENTRY_POINTS}'
+  areas = {_area(m) for m in MODULES} - {'root'}
+  assert areas == set(ALLOWED), f'folders without a row in ALLOWED: {areas ^ set(ALLOWED)}'
+
+
+def test_imports_follow_the_table():
+  bad = []
+  for name, deps in _graph().items():
+    src = _area(name)
+    if src == 'root':
+      continue  # entry points may import anything
+    for dep, line in deps.items():
+      dst = _area(dep)
+      if dst != src and dst not in ALLOWED[src]:
+        bad.append(f'{MODULES[name]}:{line}: {src} -> {dst} ({dep})')
+  assert not bad, 'imports outside the table:\n' + '\n'.join(bad)
+
+
+def test_no_import_cycles():
+  graph = _graph()
+  index, low, stack, on, cycles = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in graph[v]:
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      comp = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        comp.append(w)
+        if w == v:
+          break
+      if len(comp) > 1:
+        cycles.append(sorted(comp))
+
+  for v in graph:
+    if v not in index:
+      visit(v)
+  assert not cycles, f'import cycles (function-level imports count): {cycles}'
+
+
+def test_no_private_names_of_other_modules():
+  bad = []
+  for name, path in MODULES.items():
+    tree = ast.parse(open(path).read(), path)
+    aliases = {}
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        for a in node.names:
+          full = f'{node.module}.{a.name}'
+          if full in MODULES:
+            aliases[a.asname or a.name] = full
+          elif node.module.startswith('digen_jax') and a.name.startswith('_'):
+            bad.append(f'{path}:{node.lineno}: imports {node.module}.{a.name}')
+      elif isinstance(node, ast.Import):
+        for a in node.names:
+          if a.asname and a.name in MODULES:
+            aliases[a.asname] = a.name
+    for node in ast.walk(tree):
+      if (
+          isinstance(node, ast.Attribute)
+          and isinstance(node.value, ast.Name)
+          and node.value.id in aliases
+          and node.attr.startswith('_')
+          and not node.attr.startswith('__')
+      ):
+        bad.append(f'{path}:{node.lineno}: {aliases[node.value.id]}.{node.attr}')
+  assert not bad, "another module's private names:\n" + '\n'.join(bad)
+
+
+def test_the_schedule_state_machine_has_no_devices_or_clocks():
+  bad = collections.defaultdict(list)
+  for name in PURE:
+    for line, module, names in _imports(MODULES[name]):
+      deps = _targets(module, names)
+      if module.startswith('digen_jax'):
+        bad[name] += [f'{line}: {d}' for d in deps if d not in PURE]
+      elif module.split('.')[0] not in PURE_ALLOWED_EXTERNAL:
+        bad[name].append(f'{line}: {module}')
+  assert not any(bad.values()), dict(bad)
