@@ -72,6 +72,44 @@ def _key_layout(noise_key) -> tuple[jax.Array, bool]:
   return key, batch_ndim == 1
 
 
+def _noise(
+    noise_key, latent_shape: tuple[int, ...], initial_latents: Optional[jax.Array]
+) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+  """(x at σ_0 [B, N, C], step t -> step t's noise [B, N, C]) from one key or per-sample keys
+  (module docstring); x at σ_0 is `initial_latents` when given."""
+  b = latent_shape[0]
+  key, per_sample = _key_layout(noise_key)
+  if per_sample and key.shape[0] != b:
+    raise ValueError(f"sample: {key.shape[0]} per-sample noise keys for batch size B={b}.")
+
+  if per_sample:
+    keys = jax.vmap(jax.random.split)(key)  # [B, 2]
+    init_key, step_key = keys[:, 0], keys[:, 1]
+  else:
+    init_key, step_key = jax.random.split(key)
+
+  if initial_latents is None:
+    if per_sample:
+      x0 = jax.vmap(lambda k: jax.random.normal(k, latent_shape[1:], _F32))(init_key)
+    else:
+      x0 = jax.random.normal(init_key, latent_shape, _F32)
+  else:
+    x0 = jnp.asarray(initial_latents, _F32)
+    if x0.shape != latent_shape:
+      raise ValueError(
+          f"sample: initial_latents has shape {x0.shape}; expected latent_shape={latent_shape}."
+      )
+
+  def step_noise(t):
+    if per_sample:
+      return jax.vmap(
+          lambda k: jax.random.normal(jax.random.fold_in(k, t), latent_shape[1:], _F32)
+      )(step_key)
+    return jax.random.normal(jax.random.fold_in(step_key, t), latent_shape, _F32)
+
+  return x0, step_noise
+
+
 def sample(
     velocity_fn: Callable[..., jax.Array],
     params: Any,
@@ -116,34 +154,7 @@ def sample(
   sde_steps = jnp.asarray(sde_steps, jnp.bool_)
   if sde_steps.shape != (t_steps,):
     raise ValueError(f"sample: sde_steps has shape {sde_steps.shape}; expected [T]=({t_steps},).")
-  key, per_sample = _key_layout(noise_key)
-  if per_sample and key.shape[0] != b:
-    raise ValueError(f"sample: {key.shape[0]} per-sample noise keys for batch size B={b}.")
-
-  if per_sample:
-    keys = jax.vmap(jax.random.split)(key)  # [B, 2]
-    init_key, step_key = keys[:, 0], keys[:, 1]
-  else:
-    init_key, step_key = jax.random.split(key)
-
-  if initial_latents is None:
-    if per_sample:
-      x0 = jax.vmap(lambda k: jax.random.normal(k, latent_shape[1:], _F32))(init_key)
-    else:
-      x0 = jax.random.normal(init_key, latent_shape, _F32)
-  else:
-    x0 = jnp.asarray(initial_latents, _F32)
-    if x0.shape != latent_shape:
-      raise ValueError(
-          f"sample: initial_latents has shape {x0.shape}; expected latent_shape={latent_shape}."
-      )
-
-  def step_noise(t):
-    if per_sample:
-      return jax.vmap(
-          lambda k: jax.random.normal(jax.random.fold_in(k, t), latent_shape[1:], _F32)
-      )(step_key)
-    return jax.random.normal(jax.random.fold_in(step_key, t), latent_shape, _F32)
+  x0, step_noise = _noise(noise_key, latent_shape, initial_latents)
 
   def body(x, t):
     s = jnp.broadcast_to(sigmas[t], (b,))

@@ -175,15 +175,34 @@ def grpo_objective(
     weights = weights * jnp.asarray(step_weights, _F32)[:, None]
   if behaviour not in ("stored", "self"):
     raise ValueError(f"grpo_objective: behaviour={behaviour!r}: use 'stored' or 'self'.")
-  logp_old = g["logp_old"] if behaviour == "stored" else jax.lax.stop_gradient(logp_new)
+  return _loss_and_metrics(
+      logp_new, g["logp_old"], kl, adv, weights, clip_range, kl_beta, denominator, behaviour
+  )
+
+
+def _loss_and_metrics(
+    logp_new: jax.Array,
+    logp_stored: jax.Array,
+    kl: jax.Array,
+    adv: jax.Array,
+    weights: jax.Array,
+    clip_range: float,
+    kl_beta: float,
+    denominator,
+    behaviour: str,
+) -> tuple[jax.Array, dict]:
+  """`grpo_objective`'s loss and metrics from the recomputed [K, B] log-probs and KL, the
+  rollout's stored log-probs and the pair weights."""
+  logp_old = logp_stored if behaviour == "stored" else jax.lax.stop_gradient(logp_new)
   loss, metrics = ppo_clip_loss(
       logp_new, logp_old, adv, clip_range, weights, denominator=denominator
   )
-  dev = jnp.abs(jnp.exp(jax.lax.stop_gradient(logp_new) - g["logp_old"]) - 1.0)
+  # How far the trainer's forward is from the rollout's, whichever behaviour the ratio uses.
+  dev = jnp.abs(jnp.exp(jax.lax.stop_gradient(logp_new) - logp_stored) - 1.0)
   metrics["rollout_ratio_max_dev"] = jnp.max(jnp.where(weights > 0, dev, 0.0))
   w_sum = metrics["weight_sum"]
   kl_sum = jnp.sum(weights * kl)
-  if use_kl:
+  if kl_beta > 0:
     den = w_sum if denominator is None else jnp.asarray(denominator, _F32)
     loss = loss + kl_beta * kl_sum / jnp.where(den > 0, den, 1.0)
   metrics = dict(metrics, loss=loss, kl=kl_sum / jnp.where(w_sum > 0, w_sum, 1.0))
