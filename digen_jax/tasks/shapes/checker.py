@@ -117,6 +117,10 @@ blur at 16 px, 99.9% of objects are >= 0.2 width inside (a 4-pixel square blurre
 pixel is nearly a circle). A shape drawn with exact geometry (finer anti-aliasing than the
 renderer's 4x4 samples) fits as well: err < 0.03 at 16 px.
 
+Code: scene.py segments and classifies (steps 1-3, 5, 6: `analyze`, `Blob`, the shape gates),
+geometry.py measures each object (step 4); this module holds the relation rule (step 7), the
+atoms, both scoring paths and the registered rewards.
+
 Cost: ~0.6 ms an image at 16 px on one core (~40 ms for a 64-image batch; the previous
 fill/skewness checker took ~13 ms), most of it in the per-object template and hull.
 """
@@ -124,88 +128,56 @@ fill/skewness checker took ~13 ms), most of it in the per-object template and hu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
-from scipy import ndimage  # scipy is a hard dependency of jax, so always installed with it
 
-from digen_jax.tasks.shapes.grammar import BACKGROUNDS, COLORS, SHAPES, ShapesPrompt, parse
 from digen_jax.rewards.registry import check_batch, register
+from digen_jax.tasks.shapes.grammar import SHAPES, ShapesPrompt, parse
+from digen_jax.tasks.shapes.scene import (
+    ASPECT_MAX,
+    Blob,
+    FILL_MIN,
+    HOLES_MAX,
+    MARGIN_WIDTHS,
+    MIN_SHAPE_FRAC,
+    SKEW_MAX,
+    SOLIDITY_MIN,
+    Scene,
+    TEMPLATE_ERR_MAX,
+    TEMPLATE_GAP_MIN,
+    TRIANGLE_SKEW_Y_MAX,
+    analyze,
+    shape_gates,
+    shape_margin,
+)
 
-RANGE_TOL = 0.1
-BG_UNIFORM_TOL = 0.15
-BG_UNIFORM_FRAC = 0.5
-BG_MATCH_TOL = 0.2
-BG_REGION_FRAC = 0.9
-RESIDUAL_TOL = 0.2
-MIN_COLOR_CONTRAST = 0.3
-RIM_PX = 2
-RIM_ALPHA_MIN = 0.15
-MIN_AREA_FRAC = 0.006
-MIN_SHAPE_FRAC = 0.015
-SOLIDITY_MIN = 0.9
-HOLES_MAX = 0.01
-FILL_MIN = {"circle": 0.68, "square": 0.85, "triangle": 0.45}
-TEMPLATE_ERR_MAX = 0.10
-TEMPLATE_GAP_MIN = 0.02
-TEMPLATE_BLURS = (0.5, 0.8)  # besides the sharp template
-ASPECT_MAX = 1.25
-SKEW_MAX = 0.4
-TRIANGLE_SKEW_Y_MAX = -0.1
+# What other modules use: the segmentation and shape gates (scene.py) stay importable from here.
+__all__ = [
+    "Blob",
+    "CheckResult",
+    "Scene",
+    "analyze",
+    "atom_rates",
+    "check",
+    "check_all",
+    "relation_holds",
+    "relation_margin",
+    "shape_gates",
+    "shape_margin",
+    "shape_ok",
+    "shapes_dense_reward",
+    "shapes_reward",
+    "shapes_strict",
+    "shapes_strict_atoms_reward",
+    "shapes_strict_reward",
+    "strict_atoms",
+    "strict_atoms_all",
+]
+
 POSITION_THRESHOLD = 0.1
 MARGIN_TEMPERATURE = 0.25  # in gate widths: one width past a threshold -> sigmoid(-4) = 0.018
-MARGIN_WIDTHS = {
-    "size": 0.5,
-    "solidity": 0.05,
-    "holes": 0.005,
-    "fill": 0.05,
-    "template_err": 0.03,
-    "template_gap": 0.02,
-    "aspect": 0.1,
-    "skew": 0.1,
-    "upright": 0.1,
-    "relation": 0.12,
-}
-
-_EIGHT = np.ones((3, 3), bool)
-_AREA = {"circle": math.pi / 4, "square": 1.0, "triangle": 0.5}  # renderer: area / extent^2
-_AREA_ARRAY = np.array([_AREA[s] for s in SHAPES], np.float32)
-_SUBROWS = 16
-_COLOR_NAMES = tuple(COLORS)
-_COLOR_RGB = np.asarray([COLORS[c] for c in _COLOR_NAMES], np.float32)
-_BG_NAMES = tuple(BACKGROUNDS)
-_BG_RGB = np.asarray([BACKGROUNDS[b] for b in _BG_NAMES], np.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Blob:
-  """One detected object and its geometry (module docstring, step 4). Pixels, y downward;
-  w/h are soft extents."""
-
-  color: str
-  shape: str  # the shape whose every gate passes (shape_margin > 0), else "none"
-  mass: float
-  cx: float
-  cy: float
-  w: float
-  h: float
-  size_frac: float
-  aspect: float
-  aspect_tri: float
-  skew_x: float
-  skew_y: float
-  solidity: float
-  holes: float
-  fill: float
-  err: dict  # shape -> template error
-
-
-@dataclasses.dataclass(frozen=True)
-class Scene:
-  background: Optional[str]  # palette name of the whole background region, or None
-  blobs: dict[str, list[Blob]]  # colour -> components, largest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,295 +187,6 @@ class CheckResult:
   strict: bool
   dense: float = 0.0  # mean of soft atoms (see module docstring); 0 for invalid images
   soft: dict = dataclasses.field(default_factory=dict)  # atom -> its credit in `dense`
-
-
-def _to_unit(image: np.ndarray) -> Optional[np.ndarray]:
-  """[-1, 1] image -> [0, 1] float32, or None if it is not a valid image."""
-  image = np.asarray(image)
-  if image.ndim != 3 or image.shape[-1] != 3 or min(image.shape[:2]) < 3:
-    return None
-  if not np.issubdtype(image.dtype, np.floating) and not np.issubdtype(image.dtype, np.integer):
-    return None
-  x = image.astype(np.float32)
-  if not np.all(np.isfinite(x)) or np.max(np.abs(x)) > 1.0 + RANGE_TOL:
-    return None
-  return (np.clip(x, -1.0, 1.0) + 1.0) * 0.5
-
-
-def _aspect(vx: float, vy: float, cxy: float) -> float:
-  """sqrt(largest / smallest eigenvalue) of [[vx, cxy], [cxy, vy]]."""
-  half_tr = 0.5 * (vx + vy)
-  disc = math.sqrt(max(half_tr * half_tr - (vx * vy - cxy * cxy), 0.0))
-  return math.sqrt((half_tr + disc) / max(half_tr - disc, 1e-9))
-
-
-def _hull_area(pts: np.ndarray) -> float:
-  """Area of the convex hull of [N, 2] points (Andrew's monotone chain; 0 if degenerate)."""
-  p = pts[np.lexsort((pts[:, 1], pts[:, 0]))].tolist()
-  hull = []
-  for seq in (p, p[::-1]):  # lower, then upper chain
-    chain = []
-    for x, y in seq:
-      while len(chain) >= 2:
-        (x1, y1), (x2, y2) = chain[-2], chain[-1]
-        if (x2 - x1) * (y - y1) - (y2 - y1) * (x - x1) > 0:
-          break
-        chain.pop()
-      chain.append((x, y))
-    hull += chain[:-1]
-  area, (x0, y0) = 0.0, hull[-1] if hull else (0.0, 0.0)
-  for x1, y1 in hull:
-    area += x0 * y1 - x1 * y0
-    x0, y0 = x1, y1
-  return abs(area) / 2
-
-
-def _solidity(a: np.ndarray, mass: float) -> float:
-  """mass / area of the convex hull of the 0.5 iso-contour of `a` (linearly interpolated
-  crossings between 4-neighbours; outside the crop counts as 0)."""
-  s = np.full((a.shape[0] + 2, a.shape[1] + 2), -0.5, np.float32)
-  s[1:-1, 1:-1] = a - 0.5
-  pos = s > 0
-  y0, x0 = np.nonzero(pos[:, :-1] != pos[:, 1:])  # crossing between (y0, x0) and (y0, x0 + 1)
-  lo, hi = s[y0, x0], s[y0, x0 + 1]
-  y1, x1 = np.nonzero(pos[:-1] != pos[1:])  # between (y1, x1) and (y1 + 1, x1)
-  lo1, hi1 = s[y1, x1], s[y1 + 1, x1]
-  hull = _hull_area(
-      np.stack(
-          [np.concatenate([x0 + lo / (lo - hi), x1]), np.concatenate([y0, y1 + lo1 / (lo1 - hi1)])],
-          axis=1,
-      )
-  )
-  return mass / hull if hull > 0.0 else 1.0  # a line (no area) is left to the other gates
-
-
-# Small dense matmuls are the fastest way to blur the few-pixel canvases of a 16-32 px image,
-# but multi-threaded BLAS on bigger ones can be 100x slower on a busy CPU: above _MATMUL_MAX
-# pixels a side the blur runs as an ndimage filter.
-_MATMUL_MAX = 24
-
-
-@functools.lru_cache(maxsize=None)
-def _blur_matrix(size: int, sigma: float) -> np.ndarray:
-  """[size, size]: K @ X @ K.T is ndimage.gaussian_filter(X, sigma, mode="constant")."""
-  i = np.arange(size, dtype=np.float64)
-  radius = int(4.0 * sigma + 0.5)  # gaussian_filter's default truncation
-  k = np.exp(-0.5 * ((i[:, None] - i[None, :]) / sigma) ** 2)
-  k[np.abs(i[:, None] - i[None, :]) > radius] = 0.0
-  norm = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2).sum()
-  return (k / norm).astype(np.float32)
-
-
-def _blur(t: np.ndarray, size: int, sigma: float) -> np.ndarray:
-  """Gaussian blur (zero padding) of every [size, size] map of t [n, size, size]."""
-  if size <= _MATMUL_MAX:
-    k = _blur_matrix(size, sigma)
-    return k @ t @ k.T
-  return ndimage.gaussian_filter(t, (0.0, sigma, sigma), mode="constant")
-
-
-def _templates(size: int, cx: float, cy: float, mass: float) -> np.ndarray:
-  """[3, size, size] coverage of the renderer's circle, square and up-triangle (the geometry of
-  render._inside) of the given mass and centroid: exact across each of _SUBROWS sub-rows of a
-  pixel row, where every shape is one span [cx - half_width(y), cx + half_width(y)]."""
-  e = np.sqrt(np.float32(mass) / _AREA_ARRAY)  # extents
-  h = e / 2
-  box_cy = np.array([cy, cy, cy - e[2] / 6], np.float32)  # triangle: centroid e/6 below centre
-  r0 = max(int(math.floor(float(np.min(box_cy - h)))), 0)
-  r1 = min(int(math.ceil(float(np.max(box_cy + h)))) + 1, size)
-  dy = (np.arange(r0 * _SUBROWS, r1 * _SUBROWS, dtype=np.float32) + 0.5) / _SUBROWS - box_cy[
-      :, None
-  ]  # [3, sub-rows]
-  t = dy[2] / e[2] + 0.5  # 0 at the apex, 1 at the base
-  half_width = np.empty_like(dy)
-  half_width[0] = np.sqrt(np.maximum(h[0] * h[0] - dy[0] * dy[0], 0.0))
-  half_width[1] = np.where(np.abs(dy[1]) <= h[1], h[1], 0.0)
-  half_width[2] = np.where((t >= 0.0) & (t <= 1.0), h[2] * t, 0.0)
-  col = np.arange(size, dtype=np.float32)
-  cov = np.clip(
-      np.minimum(cx + half_width[..., None], col + 1.0)
-      - np.maximum(cx - half_width[..., None], col),
-      0.0,
-      1.0,
-  )  # [3, sub-rows, size]
-  out = np.zeros((3, size, size), np.float32)
-  out[:, r0:r1] = cov.reshape(3, r1 - r0, _SUBROWS, size).mean(axis=2)
-  return out
-
-
-def _template_errors(a: np.ndarray, r0: int, c0: int, cx: float, cy: float, mass: float) -> dict:
-  """err_s for every shape (module docstring, step 4): `a` on a crop at (r0, c0) against the
-  renderer's shape s with the same mass and centroid, sharp or blurred."""
-  # A square canvas around the centroid that holds the crop and every template (they reach
-  # at most 2e/3 < 0.7 e_max from the centroid: the triangle's apex).
-  e_max = math.sqrt(mass / _AREA["triangle"])
-  half = (
-      int(math.ceil(max(cx - c0, c0 + a.shape[1] - cx, cy - r0, r0 + a.shape[0] - cy, 0.7 * e_max)))
-      + 1
-  )
-  ox, oy = int(math.floor(cx)) - half, int(math.floor(cy)) - half
-  size = 2 * half + 1
-  canvas = np.zeros((size, size), np.float32)
-  canvas[r0 - oy : r0 - oy + a.shape[0], c0 - ox : c0 - ox + a.shape[1]] = a
-  t = _templates(size, cx - ox, cy - oy, mass)
-  errs = np.abs(canvas - t).sum(axis=(1, 2))
-  for sigma in TEMPLATE_BLURS:
-    errs = np.minimum(errs, np.abs(canvas - _blur(t, size, sigma)).sum(axis=(1, 2)))
-  return {s: float(e) / (2.0 * mass) for s, e in zip(SHAPES, errs)}
-
-
-def _holes(a: np.ndarray, mine: np.ndarray) -> float:
-  """sum(1 - a) over the background pixels enclosed by the core `mine`: 4-connected non-core
-  regions that do not reach the crop's border (as ndimage.binary_fill_holes)."""
-  # A hole lies between two core runs of a row: rows with one run at most have none.
-  starts = mine[:, 1:] & ~mine[:, :-1]
-  if not (starts.sum(axis=1) + mine[:, 0] > 1).any():
-    return 0.0
-  labels, n = ndimage.label(~mine)
-  if n <= 1:
-    return 0.0
-  border = np.concatenate([labels[0], labels[-1], labels[:, 0], labels[:, -1]])
-  enclosed = (labels > 0) & ~np.isin(labels, border)
-  return float((1.0 - a)[enclosed].sum())
-
-
-def _blob(
-    name: str, a: np.ndarray, mine: np.ndarray, r0: int, c0: int, mass: float, img_area: int
-) -> Blob:
-  """Geometry of one component: `a` its soft coverage on a crop at (r0, c0), `mine` its core."""
-  col, row = a.sum(axis=0), a.sum(axis=1)  # marginal mass profiles
-  dx = np.arange(c0 + 0.5, c0 + a.shape[1])
-  dy = np.arange(r0 + 0.5, r0 + a.shape[0])
-  cx, cy = float(col @ dx) / mass, float(row @ dy) / mass
-  dx -= cx
-  dy -= cy
-  dx2, dy2 = dx * dx, dy * dy
-  vx = float(col @ dx2) / mass + 1.0 / 12  # + a pixel's own variance
-  vy = float(row @ dy2) / mass + 1.0 / 12
-  cxy = float(dy @ a @ dx) / mass
-  w, h = float(a.max(axis=0).sum()), float(a.max(axis=1).sum())
-  b = Blob(
-      color=name,
-      shape="none",
-      mass=mass,
-      cx=cx,
-      cy=cy,
-      w=w,
-      h=h,
-      size_frac=mass / img_area,
-      aspect=_aspect(vx, vy, cxy),
-      aspect_tri=_aspect(vx, 0.75 * vy, math.sqrt(0.75) * cxy),
-      skew_x=float(col @ (dx2 * dx)) / mass / vx**1.5,
-      skew_y=float(row @ (dy2 * dy)) / mass / vy**1.5,
-      solidity=_solidity(a, mass),
-      holes=_holes(a, mine) / mass,
-      fill=mass / max(w * h, 1e-6),
-      err=_template_errors(a, r0, c0, cx, cy, mass),
-  )
-  # The gates are exclusive (template gap), so at most one shape passes.
-  object.__setattr__(b, "shape", next((s for s in SHAPES if shape_margin(b, s) > 0.0), "none"))
-  return b
-
-
-def _blobs_for_color(name: str, core: np.ndarray, soft: np.ndarray) -> list[Blob]:
-  labels, n = ndimage.label(core, structure=_EIGHT)
-  if n == 0:
-    return []
-  h_img, w_img = core.shape
-  min_mass = MIN_AREA_FRAC * h_img * w_img
-  # Each pixel belongs to its nearest component (chessboard distance); see module docstring.
-  if n == 1:
-    dist, owner = ndimage.distance_transform_cdt(~core, metric="chessboard"), None
-  else:
-    dist, (iy, ix) = ndimage.distance_transform_cdt(~core, metric="chessboard", return_indices=True)
-    owner = labels[iy, ix]
-  soft = np.where((dist <= 1) | ((dist <= RIM_PX) & (soft >= RIM_ALPHA_MIN)), soft, 0.0)
-  blobs = []
-  for k, sl in enumerate(ndimage.find_objects(labels), start=1):
-    r0, r1 = max(sl[0].start - RIM_PX, 0), min(sl[0].stop + RIM_PX, h_img)
-    c0, c1 = max(sl[1].start - RIM_PX, 0), min(sl[1].stop + RIM_PX, w_img)
-    a = soft[r0:r1, c0:c1]
-    if owner is not None:
-      a = np.where(owner[r0:r1, c0:c1] == k, a, 0.0)
-    mass = float(a.sum())
-    if mass < min_mass:
-      continue
-    blobs.append(_blob(name, a, labels[r0:r1, c0:c1] == k, r0, c0, mass, h_img * w_img))
-  blobs.sort(key=lambda b: -b.mass)
-  return blobs
-
-
-def _border_background(u: np.ndarray) -> Optional[np.ndarray]:
-  border = np.concatenate([u[0], u[-1], u[1:-1, 0], u[1:-1, -1]], axis=0)
-  bg = np.median(border, axis=0).astype(np.float32)
-  if np.mean(np.linalg.norm(border - bg, axis=-1) < BG_UNIFORM_TOL) < BG_UNIFORM_FRAC:
-    return None
-  return bg
-
-
-def analyze(image: np.ndarray, colors: Sequence[str] = tuple(COLORS)) -> Optional[Scene]:
-  """Segments one [H, W, 3] image in [-1, 1]; None if invalid or without a uniform border."""
-  u = _to_unit(image)
-  if u is None:
-    return None
-  bg = _border_background(u)
-  if bg is None:
-    return None
-  rel = u - bg
-  d = _COLOR_RGB - bg  # [C, 3]
-  dd = (d * d).sum(axis=-1)
-  seen = dd >= MIN_COLOR_CONTRAST**2  # a colour too close to the background cannot be seen
-  proj = rel @ d.T  # [H, W, C]
-  alpha = proj / np.where(seen, dd, 1.0)
-  a01 = np.clip(alpha, 0.0, 1.0)
-  # Squared distance to the segment bg -> colour: |rel|^2 - 2 a <rel, d> + a^2 |d|^2.
-  resid2 = (rel * rel).sum(axis=-1, keepdims=True) + a01 * (a01 * dd - 2.0 * proj)
-  resid2 = np.where(seen, resid2, np.inf)
-  ok = resid2 < RESIDUAL_TOL**2
-  core = ok & (alpha > 0.5)
-  own = ok & (resid2 <= resid2.min(axis=-1, keepdims=True) + 1e-6)
-  blobs = {}
-  for c in colors:
-    i = _COLOR_NAMES.index(c)
-    blobs[c] = _blobs_for_color(c, core[..., i], np.where(own[..., i], a01[..., i], 0.0))
-  # Background (step 6): the pixels that are no palette object, core or rim.
-  obj = ndimage.binary_dilation(core.any(axis=-1), _EIGHT, iterations=RIM_PX) & ok.any(axis=-1)
-  region = u[~obj]
-  name = None
-  if len(region):
-    near = np.linalg.norm(region[:, None, :] - _BG_RGB, axis=-1) < BG_MATCH_TOL  # [N, 3]
-    frac = near.mean(axis=0)
-    j = int(np.argmax(frac))
-    if frac[j] >= BG_REGION_FRAC:
-      name = _BG_NAMES[j]
-  return Scene(name, blobs)
-
-
-def shape_gates(b: Blob, shape: str) -> dict[str, float]:
-  """Signed margin of every gate of `shape` in its natural units: > 0 iff the gate passes."""
-  err = b.err[shape]
-  gates = {
-      "size": b.size_frac / MIN_SHAPE_FRAC - 1.0,
-      "solidity": b.solidity - SOLIDITY_MIN,
-      "holes": HOLES_MAX - b.holes,
-      "fill": b.fill - FILL_MIN[shape],
-      "template_err": TEMPLATE_ERR_MAX - err,
-      "template_gap": min(b.err[o] for o in SHAPES if o != shape) - err - TEMPLATE_GAP_MIN,
-  }
-  if shape == "triangle":
-    gates["aspect"] = ASPECT_MAX - b.aspect_tri
-    gates["skew"] = SKEW_MAX - abs(b.skew_x)
-    gates["upright"] = TRIANGLE_SKEW_Y_MAX - b.skew_y
-  else:
-    gates["aspect"] = ASPECT_MAX - b.aspect
-    gates["skew"] = SKEW_MAX - max(abs(b.skew_x), abs(b.skew_y))
-  return gates
-
-
-def shape_margin(b: Blob, shape: str) -> float:
-  """Signed distance of blob `b` into `shape`'s acceptance region in gate widths
-  (MARGIN_WIDTHS): the smallest normalised gate margin; > 0 iff every gate passes."""
-  return min(m / MARGIN_WIDTHS[g] for g, m in shape_gates(b, shape).items())
 
 
 def _soft(margin: float) -> float:
