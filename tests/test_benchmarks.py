@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from digen_jax.models import mmdit
+from digen_jax.models import rope
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
@@ -106,12 +107,12 @@ def test_rope_half_split_equals_interleaved():
   x = jnp.asarray(rng.standard_normal((2, 5, heads, hd), dtype=np.float32))
   ang = rng.uniform(-3, 3, (5, hd // 2)).astype(np.float32)
   cos, sin = jnp.cos(ang), jnp.sin(ang)
-  ref = mmdit.apply_rope(x, cos, sin)
+  ref = rope.apply_rope(x, cos, sin)
   flat = x.reshape(2, 5, heads * hd)
-  half = mmdit.to_half_split(flat, hd).reshape(x.shape)
-  out = mmdit.apply_rope_half(half, *mmdit.half_split_tables(cos, sin))
+  half = rope.to_half_split(flat, hd).reshape(x.shape)
+  out = rope.apply_rope_half(half, *rope.half_split_tables(cos, sin))
   np.testing.assert_array_equal(
-      np.asarray(out), np.asarray(mmdit.to_half_split(ref.reshape(2, 5, -1), hd)).reshape(x.shape)
+      np.asarray(out), np.asarray(rope.to_half_split(ref.reshape(2, 5, -1), hd)).reshape(x.shape)
   )
 
 

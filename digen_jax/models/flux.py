@@ -6,9 +6,10 @@ False) to float32 rounding; see tests/test_flux_parity.py. Weights are loaded fr
 
 Most of the model is QwenImage's (``digen_jax.models.mmdit``) with other diffusers names: the double-stream
 FluxTransformerBlock is exactly ``MMDiTBlock`` (AdaLayerNormZero x2 per stream, joint attention with per-head q/k
-RMSNorm, text tokens first, tanh-GELU FeedForward), the timestep embedder and the pooled-text projection
-(PixArtAlphaTextProjection, linear-SiLU-linear) are ``TimestepEmbedder`` and ``TextPoolEmbedder``, and the RoPE
-rotation is the same interleaved-pair rotation (run in mmdit's half-split form). What is FLUX's own:
+RMSNorm, text tokens first, tanh-GELU FeedForward); the timestep embedder, the pooled-text projection
+(PixArtAlphaTextProjection, linear-SiLU-linear) and the single-stream q/k/v projection are layers.py's
+``TimestepEmbedder``, ``TextPoolEmbedder`` and ``QKVProjection``; the RoPE rotation is rope.py's (the same
+interleaved-pair rotation, run in the half-split form). What is FLUX's own:
 
   * no RMSNorm on the text input; a pooled (CLIP) text vector and, for -dev, the guidance scale are added to the
     timestep embedding;
@@ -46,30 +47,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from digen_jax.models.mmdit import (
+from digen_jax.models import dit
+from digen_jax.models.layers import (
     MLP_RATIO,
     TIMESTEP_CHANNELS,
     TIMESTEP_SCALE,
-    MMDiTBlock,
-    RMSNorm,
+    QKVProjection,
     TextPoolEmbedder,
     TimestepEmbedder,
-    linear,
-    modulate,
-    block_macs,
-    block_param_count,
-    check_attention_choice,
     layer_norm,
+    linear,
+    linear_param_count,
+    modulate,
     multihead_attention,
-    project_qkv,
-    rope_tables,
-    run_stacked,
-    stacked_blocks,
+    output_head,
 )
+from digen_jax.models.mmdit import MMDiTBlock, block_macs, block_param_count
+from digen_jax.models.rope import rope_tables
+from digen_jax.models.stacking import run_stacked, stacked_blocks
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxConfig:
+class FluxConfig(dit.TransformerDims):
   """Architecture of a FLUX.1 transformer. Defaults are diffusers' (FLUX.1-schnell; -dev sets guidance_embeds)."""
 
   patch_size: int = 1
@@ -95,47 +94,23 @@ class FluxConfig:
     object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
     if self.out_channels is None:
       object.__setattr__(self, "out_channels", self.in_channels)
-    for name in (
-        "patch_size",
-        "in_channels",
-        "out_channels",
-        "num_layers",
-        "num_single_layers",
-        "attention_head_dim",
-        "num_attention_heads",
-        "joint_attention_dim",
-        "pooled_projection_dim",
-    ):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"FluxConfig.{name} must be a positive int, got {value!r}")
-    if len(self.axes_dims_rope) != 3 or any(a <= 0 or a % 2 for a in self.axes_dims_rope):
-      raise ValueError(
-          f"FluxConfig.axes_dims_rope must be 3 positive even ints (one per id axis), "
-          f"got {self.axes_dims_rope}"
-      )
-    if sum(self.axes_dims_rope) != self.attention_head_dim:
-      raise ValueError(
-          f"FluxConfig.axes_dims_rope must sum to attention_head_dim={self.attention_head_dim}, "
-          f"got sum({self.axes_dims_rope}) = {sum(self.axes_dims_rope)}"
-      )
-    if not self.rope_theta > 0:
-      raise ValueError(f"FluxConfig.rope_theta must be > 0, got {self.rope_theta}")
-    if not self.eps > 0:
-      raise ValueError(f"FluxConfig.eps must be > 0, got {self.eps}")
-    check_attention_choice("FluxConfig", self.attention)
-    for name in ("guidance_embeds", "remat", "scan_layers"):
-      if not isinstance(getattr(self, name), (bool, np.bool_)):
-        raise ValueError(f"FluxConfig.{name} must be a bool, got {getattr(self, name)!r}")
-
-  @property
-  def inner_dim(self) -> int:
-    return self.num_attention_heads * self.attention_head_dim
-
-  @property
-  def out_dim(self) -> int:
-    """Channels per output token: patch_size**2 * out_channels."""
-    return self.patch_size * self.patch_size * self.out_channels
+    dit.check_transformer_config(
+        "FluxConfig",
+        self,
+        int_fields=(
+            "patch_size",
+            "in_channels",
+            "out_channels",
+            "num_layers",
+            "num_single_layers",
+            "attention_head_dim",
+            "num_attention_heads",
+            "joint_attention_dim",
+            "pooled_projection_dim",
+        ),
+        bool_fields=("guidance_embeds", "remat", "scan_layers"),
+        rope_axes="one per id axis",
+    )
 
 
 def image_ids(h: int, w: int) -> np.ndarray:
@@ -158,26 +133,13 @@ def rope_cos_sin(
 # Modules.
 
 
-class SingleStreamAttention(nnx.Module):
+class SingleStreamAttention(QKVProjection):
   """FluxAttention(pre_only=True): Q/K/V with per-head RMSNorm on Q and K and RoPE, one softmax over the joint
   sequence, no output projection (the block's proj_out mixes it with the MLP branch)."""
 
-  def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-    d, hd = config.inner_dim, config.attention_head_dim
-    self.heads = config.num_attention_heads
-    self.implementation = config.attention
-    self.to_q = linear(d, d, rngs, param_dtype)
-    self.to_k = linear(d, d, rngs, param_dtype)
-    self.to_v = linear(d, d, rngs, param_dtype)
-    self.norm_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
-    self.norm_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
-
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [B, S, D], tables [S, Dh/2] -> [B, S, D]."""
-    q, k, v = project_qkv(
-        x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k, cos, sin, self.heads
-    )
-    return multihead_attention(q, k, v, None, self.implementation)
+    return multihead_attention(*self.project(x, cos, sin), None, self.implementation)
 
 
 class SingleStreamBlock(nnx.Module):
@@ -288,25 +250,11 @@ class Flux(nnx.Module):
         scan_layers=cfg.scan_layers,
     )
     img = x[:, n_txt:]
-
-    scale, shift = jnp.split(self.norm_out(jax.nn.silu(temb)), 2, axis=-1)
-    img = modulate(layer_norm(img, cfg.eps), shift, scale)
-    return self.proj_out(img).astype(jnp.float32)
+    return output_head(img, temb, self.norm_out, self.proj_out, cfg.eps)
 
   def _check_inputs(self, latents, sigma, text, pooled, guidance):
     cfg = self.config
-    if latents.ndim != 3 or latents.shape[-1] != cfg.in_channels:
-      raise ValueError(
-          f"latents must be [B, N_img, in_channels={cfg.in_channels}], got {latents.shape}"
-      )
-    b, n_img = latents.shape[:2]
-    if sigma.shape != (b,):
-      raise ValueError(f"sigma must be [B={b}], got {sigma.shape}")
-    if text.ndim != 3 or text.shape[0] != b or text.shape[-1] != cfg.joint_attention_dim:
-      raise ValueError(
-          f"text must be [B={b}, L, joint_attention_dim={cfg.joint_attention_dim}], "
-          f"got {text.shape}"
-      )
+    b, n_img, n_txt = dit.check_token_inputs(cfg, latents, sigma, text)
     if pooled.shape != (b, cfg.pooled_projection_dim):
       raise ValueError(
           f"pooled must be [B={b}, pooled_projection_dim={cfg.pooled_projection_dim}], "
@@ -322,18 +270,14 @@ class Flux(nnx.Module):
       raise ValueError(
           "guidance was given but the model has no guidance embedding (guidance_embeds=False)"
       )
-    return b, n_img, text.shape[1]
+    return b, n_img, n_txt
 
   @staticmethod
   def _img_ids(img_shape, img_ids, n_img):
     if (img_shape is None) == (img_ids is None):
       raise ValueError("pass exactly one of img_shape=(h_tokens, w_tokens) and img_ids [N_img, 3]")
     if img_ids is None:
-      if (
-          not isinstance(img_shape, (tuple, list))
-          or len(img_shape) != 2
-          or any(not isinstance(s, (int, np.integer)) or s <= 0 for s in img_shape)
-      ):
+      if not dit.is_static_shape(img_shape, 2):
         raise ValueError(
             f"img_shape must be 2 positive static ints (h_tokens, w_tokens), got {img_shape!r}"
         )
@@ -372,28 +316,23 @@ def _concrete_ids(ids, n, name):
 def count_params(config: FluxConfig) -> int:
   """Number of parameters of Flux(config) (equals diffusers' model for the same config)."""
   d, hd = config.inner_dim, config.attention_head_dim
-
-  def lin(i, o):
-    return i * o + o
-
-  embed = lin(TIMESTEP_CHANNELS, d) + lin(d, d)  # one TimestepEmbedder
   single = (
-      lin(d, 3 * d)  # AdaLayerNormZeroSingle
-      + 3 * lin(d, d)
-      + 2 * hd  # q/k/v, q/k RMSNorm scales
-      + lin(d, MLP_RATIO * d)
-      + lin((1 + MLP_RATIO) * d, d)
-  )  # proj_mlp, proj_out
+      linear_param_count(d, 3 * d)  # AdaLayerNormZeroSingle
+      + 3 * linear_param_count(d, d)  # q, k, v
+      + 2 * hd  # q/k RMSNorm scales
+      + linear_param_count(d, MLP_RATIO * d)  # proj_mlp
+      + linear_param_count((1 + MLP_RATIO) * d, d)  # proj_out
+  )
   return (
-      embed * (2 if config.guidance_embeds else 1)
-      + lin(config.pooled_projection_dim, d)
-      + lin(d, d)
-      + lin(config.joint_attention_dim, d)
-      + lin(config.in_channels, d)
+      TimestepEmbedder.param_count(d) * (2 if config.guidance_embeds else 1)
+      + linear_param_count(config.pooled_projection_dim, d)
+      + linear_param_count(d, d)  # text_pool
+      + linear_param_count(config.joint_attention_dim, d)
+      + linear_param_count(config.in_channels, d)
       + config.num_layers * block_param_count(d, hd)
       + config.num_single_layers * single
-      + lin(d, 2 * d)
-      + lin(d, config.out_dim)
+      + linear_param_count(d, 2 * d)  # norm_out
+      + linear_param_count(d, config.out_dim)
   )
 
 

@@ -7,12 +7,16 @@ and whether per-layer tensors are stacked along a new leading axis (layers under
 
     table = convert.diffusers_key_table(model_config)      # {"blocks.attn.to_q.kernel": TensorSource(...)}
     value = tensor_source.gather(table["img_in.kernel"], state_dict.__getitem__)   # full array, our layout
+
+Tables are written two ways, both with the builders here: the transformers list their Linear layers
+and block stacks (`build_key_table`, `BlockStack`); the VAEs' leaf modules each give their own
+params' sources (`table_from_modules`, most of them through `weight_and_bias`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 from flax import nnx
 import jax.numpy as jnp
@@ -62,6 +66,70 @@ class TensorSource:
 
 
 KeyTable = Mapping[str, TensorSource]
+# (file module path, our module path) pairs of Linear layers, e.g.
+# ("img_mlp.net.0.proj", ("img_mlp", "fc1")).
+LinearEntries = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def weight_and_bias(
+    ours: str,
+    theirs: str,
+    perm: tuple[int, ...] | None,
+    shape: tuple[int, ...] | None = None,
+) -> dict[str, TensorSource]:
+  """The sources of a layer with a kernel and a bias: our `ours`.kernel <- `theirs`.weight (axes
+  `perm`, held as `shape`: see TensorSource) and `ours`.bias <- `theirs`.bias."""
+  return {
+      f'{ours}.kernel': TensorSource((f'{theirs}.weight',), perm=perm, shape=shape),
+      f'{ours}.bias': TensorSource((f'{theirs}.bias',)),
+  }
+
+
+class BlockStack(NamedTuple):
+  """A stack of file blocks held as ONE module with a leading layer axis (stacking.stacked_blocks).
+
+  name: our module name ("blocks"); prefix: the file's module list ("transformer_blocks"), layer
+  i's keys start with f"{prefix}.{i}."; linears / tensors: as for ``build_key_table``, relative
+  to one block.
+  """
+
+  name: str
+  prefix: str
+  num_layers: int
+  linears: LinearEntries
+  tensors: LinearEntries = ()
+
+
+def build_key_table(
+    linears: LinearEntries, tensors: LinearEntries, stacks: tuple[BlockStack, ...] = ()
+) -> dict[str, TensorSource]:
+  """Our dotted param path -> its file source.
+
+  linears: (file module prefix, our module path) pairs of Linear layers: weight [out, in] ->
+  kernel [in, out] (transposed), bias -> bias. tensors: (file key, our param path) pairs taken as
+  they are (norm scales). stacks: per-block linears and tensors, stacked along our leading layer
+  axis (one file key per layer).
+  """
+  table: dict[str, TensorSource] = {}
+  for prefix, path in linears:
+    table.update(weight_and_bias('.'.join(path), prefix, perm=(1, 0)))
+  for key, path in tensors:
+    table['.'.join(path)] = TensorSource((key,))
+  for stack in stacks:
+    layers = range(stack.num_layers)
+    for prefix, path in stack.linears:
+      name = '.'.join((stack.name,) + path)
+      table[f'{name}.kernel'] = TensorSource(
+          tuple(f'{stack.prefix}.{i}.{prefix}.weight' for i in layers), perm=(1, 0), stacked=True
+      )
+      table[f'{name}.bias'] = TensorSource(
+          tuple(f'{stack.prefix}.{i}.{prefix}.bias' for i in layers), stacked=True
+      )
+    for key, path in stack.tensors:
+      table['.'.join((stack.name,) + path)] = TensorSource(
+          tuple(f'{stack.prefix}.{i}.{key}' for i in layers), stacked=True
+      )
+  return table
 
 
 def gather(source: TensorSource, read: Callable[[str], np.ndarray]) -> np.ndarray:
