@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import time
+from typing import Any, Callable
 
 from absl import app
 from absl import flags
@@ -126,23 +127,70 @@ def train(
   training renders are drawn from ('all' = every composition of the grammar; captions are unused).
   """
   t0 = time.time()
+  new_model = {
+      'latent_channels': latent_channels,
+      'width': width,
+      'shape_channels': shape_channels,
+      'color_channels': color_channels,
+  }
+  cfg, graphdef, params = _initial_model(init_from, decoder_only, new_model, seed)
+  optimizer = _optimizer(params, lr, steps, decoder_only)
+  spec = training_data.BatchSpec(
+      batch=batch,
+      size=size,
+      seed=seed,
+      split=split,
+      shape_maps=bool(cfg.shape_channels),
+      color_maps=bool(cfg.color_channels),
+  )
+  step = make_step(graphdef, optimizer, perturb, shape_weight, color_weight)
+  params, losses = _train_steps(step, params, optimizer.init(params), cfg, spec, steps, workers)
+  cfg, checks = _latent_stats_and_checks(
+      graphdef, params, cfg, size, seed, eval_images, perturb, decoder_only
+  )
+  settings = {
+      'steps': steps,
+      'batch': batch,
+      'size': size,
+      'lr': lr,
+      'perturb': perturb,
+      'seed': seed,
+      'init_from': init_from,
+      'decoder_only': decoder_only,
+      'split': split,
+  }
+  weights = {'shape_weight': shape_weight, 'color_weight': color_weight}
+  summary = _summary(settings, cfg, weights, params, losses, checks)
+  summary['wall_s'] = time.time() - t0
+  params_io.save_params(os.path.join(workdir, 'params'), params, cfg, extra=summary)
+  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def _initial_model(
+    init_from: str, decoder_only: bool, new_model: dict[str, int], seed: int
+) -> tuple[shapes_ae.ShapesAEConfig, Any, nnx.State]:
+  """(config, graphdef, params) to start from: init_from's autoencoder (its config wins over
+  `new_model`, which is then never built), else a new one with `new_model`'s ShapesAEConfig
+  fields, seeded by `seed`."""
   if init_from:
     cfg, params, _ = params_io.load_params(init_from)
     if not isinstance(cfg, shapes_ae.ShapesAEConfig):
       raise ValueError(f'init_from={init_from!r} is not a ShapesBench autoencoder folder')
-    graphdef = shapes_ae.abstract_vae(cfg)[0]
-    latent_channels, width = cfg.latent_channels, cfg.width
-    shape_channels, color_channels = cfg.shape_channels, cfg.color_channels
-  else:
-    if decoder_only:
-      raise ValueError('decoder_only needs init_from (an autoencoder whose decoder to train)')
-    cfg = shapes_ae.ShapesAEConfig(
-        latent_channels=latent_channels,
-        width=width,
-        shape_channels=shape_channels,
-        color_channels=color_channels,
-    )
-    graphdef, params = nnx.split(initialize.build(shapes_ae.ShapesAE, cfg, seed))
+    return cfg, shapes_ae.abstract_vae(cfg)[0], params
+  if decoder_only:
+    raise ValueError('decoder_only needs init_from (an autoencoder whose decoder to train)')
+  cfg = shapes_ae.ShapesAEConfig(**new_model)
+  graphdef, params = nnx.split(initialize.build(shapes_ae.ShapesAE, cfg, seed))
+  return cfg, graphdef, params
+
+
+def _optimizer(
+    params: nnx.State, lr: float, steps: int, decoder_only: bool
+) -> optax.GradientTransformation:
+  """AdamW after a global-norm clip, warm-up then cosine decay to 10% of lr; with decoder_only
+  the encoder's params are frozen."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, steps // 10 + 1), steps, lr * 0.1)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   if decoder_only:
@@ -151,17 +199,20 @@ def train(
         lambda path, _: 'train' if path[0].startswith('dec') else 'freeze', params
     )
     optimizer = optax.multi_transform({'train': optimizer, 'freeze': optax.set_to_zero()}, labels)
-  opt_state = optimizer.init(params)
-  step = make_step(graphdef, optimizer, perturb, shape_weight, color_weight)
-  spec = training_data.BatchSpec(
-      batch=batch,
-      size=size,
-      seed=seed,
-      split=split,
-      shape_maps=bool(shape_channels),
-      color_maps=bool(color_channels),
-  )
-  key = jax.random.key(seed + 1)
+  return optimizer
+
+
+def _train_steps(
+    step: Callable,
+    params: nnx.State,
+    opt_state: Any,
+    cfg: shapes_ae.ShapesAEConfig,
+    spec: training_data.BatchSpec,
+    steps: int,
+    workers: int,
+) -> tuple[nnx.State, list[float]]:
+  """The step loop over the rendered batches; returns the params and the loss every 200 steps."""
+  key = jax.random.key(spec.seed + 1)
   losses = []
   with training_data.BatchStream(spec, workers=workers) as stream:
     for i in range(1, steps + 1):
@@ -176,8 +227,25 @@ def train(
         if not np.isfinite(losses[-1]):
           raise FloatingPointError(f'pretrain_ae: non-finite loss at step {i}; lower --lr')
         logging.info('step %d  loss %.5f', i, losses[-1])
+  return params, losses
 
-  # Latent statistics and the checks, on images the training never drew (another seed).
+
+def _latent_stats_and_checks(
+    graphdef,
+    params: nnx.State,
+    cfg: shapes_ae.ShapesAEConfig,
+    size: int,
+    seed: int,
+    eval_images: int,
+    perturb: float,
+    decoder_only: bool,
+) -> tuple[shapes_ae.ShapesAEConfig, dict[str, Any]]:
+  """Latent statistics and the checks, on images the training never drew (another seed).
+
+  Returns the config with the measured latent mean / std (with decoder_only, the ones it had)
+  and the measurements: per-channel RMS error of the semantic channels, reconstruction MSE and
+  the strict accuracy of ground truth, reconstructions, reconstructions of perturbed latents and
+  of held-out pairs."""
   model = nnx.merge(graphdef, params)
   fresh = training_data.training_batch(
       training_data.BatchSpec(
@@ -213,64 +281,53 @@ def train(
   )
   held_out_recon = np.asarray(decode(params, encode(params, jnp.asarray(held_out.images))))
   recon = np.asarray(decode(params, jnp.asarray(z)))
-  noisy = np.asarray(
-      decode(
-          params,
-          jnp.asarray(
-              z
-              + perturb
-              * std
-              * np.random.default_rng(seed).standard_normal(z.shape).astype(np.float32)
-          ),
-      )
-  )
-  summary = {
-      'steps': steps,
-      'batch': batch,
-      'size': size,
-      'lr': lr,
-      'perturb': perturb,
-      'seed': seed,
-      'init_from': init_from,
-      'decoder_only': decoder_only,
-      'split': split,
+  eps = np.random.default_rng(seed).standard_normal(z.shape).astype(np.float32)
+  noisy = np.asarray(decode(params, jnp.asarray(z + perturb * std * eps)))
+  strict = lambda images, truths: float(shapes_checker.shapes_strict(images, truths).mean())
+  return cfg, {
+      'semantic_err': semantic_err,
+      'recon_mse': float(np.mean((recon - fresh.images) ** 2)),
+      'strict_ground_truth': strict(fresh.images, fresh.truths),
+      'strict_reconstructed': strict(recon, fresh.truths),
+      'strict_reconstructed_perturbed': strict(noisy, fresh.truths),
+      'strict_reconstructed_held_out': strict(held_out_recon, held_out.truths),
+      'latent_mean': mean.tolist(),
+      'latent_std': std.tolist(),
+  }
+
+
+def _summary(
+    settings: dict[str, Any],
+    cfg: shapes_ae.ShapesAEConfig,
+    weights: dict[str, float],
+    params: nnx.State,
+    losses: list[float],
+    checks: dict[str, Any],
+) -> dict[str, Any]:
+  """summary.json (and the params folder's extra): the run's settings, the autoencoder's config,
+  the final loss and the checks."""
+  semantic_err = checks['semantic_err']
+  k = cfg.shape_channels
+  return {
+      **settings,
       'config': {
-          'latent_channels': latent_channels,
-          'width': width,
-          'shape_channels': shape_channels,
-          'shape_weight': shape_weight,
-          'color_channels': color_channels,
-          'color_weight': color_weight,
+          'latent_channels': cfg.latent_channels,
+          'width': cfg.width,
+          'shape_channels': cfg.shape_channels,
+          'shape_weight': weights['shape_weight'],
+          'color_channels': cfg.color_channels,
+          'color_weight': weights['color_weight'],
       },
       'shape_channel_rmse': (
-          float(np.sqrt(np.mean(np.square(semantic_err[:shape_channels]))))
-          if shape_channels
-          else None
+          float(np.sqrt(np.mean(np.square(semantic_err[:k])))) if cfg.shape_channels else None
       ),
       'color_channel_rmse': (
-          float(np.sqrt(np.mean(np.square(semantic_err[shape_channels:]))))
-          if color_channels
-          else None
+          float(np.sqrt(np.mean(np.square(semantic_err[k:])))) if cfg.color_channels else None
       ),
       'num_params': int(sum(x.size for x in jax.tree.leaves(params))),
       'final_loss': losses[-1] if losses else None,
-      'recon_mse': float(np.mean((recon - fresh.images) ** 2)),
-      'strict_ground_truth': float(shapes_checker.shapes_strict(fresh.images, fresh.truths).mean()),
-      'strict_reconstructed': float(shapes_checker.shapes_strict(recon, fresh.truths).mean()),
-      'strict_reconstructed_perturbed': float(
-          shapes_checker.shapes_strict(noisy, fresh.truths).mean()
-      ),
-      'strict_reconstructed_held_out': float(
-          shapes_checker.shapes_strict(held_out_recon, held_out.truths).mean()
-      ),
-      'latent_mean': mean.tolist(),
-      'latent_std': std.tolist(),
-      'wall_s': time.time() - t0,
+      **{name: v for name, v in checks.items() if name != 'semantic_err'},
   }
-  params_io.save_params(os.path.join(workdir, 'params'), params, cfg, extra=summary)
-  with open(os.path.join(workdir, 'summary.json'), 'w') as f:
-    json.dump(summary, f, indent=2)
-  return summary
 
 
 def define_flags() -> None:
