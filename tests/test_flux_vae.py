@@ -171,7 +171,7 @@ def test_config_and_key_table_match_diffusers(ref, folder):
   # A config.json without a key means diffusers' default, not FLUX's.
   default = AutoencoderKL().config
   got = flux_vae.config_from_diffusers({})
-  for field in flux_vae._CONFIG_KEYS:
+  for field in flux_vae.CONFIG_KEYS:
     want = default[field] if default[field] is not None else 0.0  # shift_factor None -> 0.0
     assert getattr(got, field) == (tuple(want) if isinstance(want, list) else want), field
 

@@ -18,6 +18,7 @@ import torch
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import tensor_source
 from digen_jax.models import vae
+from digen_jax.models import vae_blocks
 from tests import diffusers_models
 
 # Three downsamplings (8x, as Qwen-Image), both 2-D and 3-D resample modes, resnets with and
@@ -239,12 +240,12 @@ def test_blends_match_diffusers(ref, a_len, b_len, extent):
   from_t = lambda x: x[:, :, 0].permute(0, 2, 3, 1).numpy()
   want_v = from_t(ref.blend_v(to_t(a), to_t(b), extent))
   np.testing.assert_allclose(
-      vae._blend_v(jnp.asarray(a), jnp.asarray(b), extent), want_v, rtol=1e-6, atol=1e-6
+      vae_blocks.blend_v(jnp.asarray(a), jnp.asarray(b), extent), want_v, rtol=1e-6, atol=1e-6
   )
   at, bt = a.transpose(0, 2, 1, 3).copy(), b.transpose(0, 2, 1, 3).copy()  # along width
   want_h = from_t(ref.blend_h(to_t(at), to_t(bt), extent))
   np.testing.assert_allclose(
-      vae._blend_h(jnp.asarray(at), jnp.asarray(bt), extent), want_h, rtol=1e-6, atol=1e-6
+      vae_blocks.blend_h(jnp.asarray(at), jnp.asarray(bt), extent), want_h, rtol=1e-6, atol=1e-6
   )
 
 
@@ -252,7 +253,10 @@ def test_attention_query_chunks_equal_whole():
   rng = np.random.default_rng(6)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 37, 8)), jnp.float32) for _ in range(3))
   np.testing.assert_allclose(
-      vae.attention(q, k, v, query_chunk=16), vae.attention(q, k, v), rtol=1e-6, atol=1e-6
+      vae_blocks.spatial_attention(q, k, v, query_chunk=16),
+      vae_blocks.spatial_attention(q, k, v),
+      rtol=1e-6,
+      atol=1e-6,
   )
 
 

@@ -16,8 +16,9 @@ The blocks are diffusers' (Encoder / Decoder of models/autoencoders/vae.py): Res
 (GroupNorm, SiLU, 3x3 conv, twice; a 1x1 shortcut when the channels change), Downsample2D (zero-pad
 right/bottom by 1, 3x3 stride-2 conv), Upsample2D (nearest 2x, 3x3 conv) and a mid block of
 resnet, one-head self-attention over all h*w positions, resnet. What is the same as the Qwen-Image
-VAE comes from models/vae.py: the convs and resamplers, the chunked attention, the 1x1-conv leaf,
-batch chunking, tiled decode and TileConfig, the packed entry points and the streamed loader.
+VAE comes from vae_blocks.py: the convs and resamplers, the chunked attention, the 1x1-conv leaf,
+the residual block's forward, encode / decode with batch chunking and tiled decode (ImageVAE,
+TileConfig) and the packed entry points; the load path is models/loading.py's.
 
 diffusers' AutoencoderKL.decode does not clamp; FluxPipeline's image postprocessing does
 ((x / 2 + 0.5).clamp(0, 1)). Our decode clips to [-1, 1], as the Qwen-Image VAE's does.
@@ -35,9 +36,6 @@ group-norm statistics and the attention softmax run in float32; outputs are floa
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
-from pathlib import Path
 from typing import Any, Mapping
 
 from flax import nnx
@@ -45,11 +43,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.models import streaming
+from digen_jax.models import config_checks
+from digen_jax.models import loading
 from digen_jax.models import tensor_source
-from digen_jax.models import vae as vae_lib
-from digen_jax.models.tensor_source import TensorSource
-from digen_jax.models.vae import TileConfig
+from digen_jax.models.tensor_source import TensorSource, weight_and_bias
+from digen_jax.models.vae_blocks import (
+    ImageVAE,
+    KernelBias,
+    Pointwise,
+    PreNormResidual,
+    apply_in_order,
+    conv2d,
+    decode_packed as decode_packed,  # re-exported: this VAE's packed entry points
+    downsample_conv,
+    encode_packed as encode_packed,
+    spatial_attention,
+    upsample_conv,
+)
 
 DIFFUSERS_CLASS_NAME = 'AutoencoderKL'
 
@@ -86,16 +96,11 @@ class FluxVAEConfig:
     object.__setattr__(self, 'block_out_channels', tuple(self.block_out_channels))
     if self.shift_factor is None:
       object.__setattr__(self, 'shift_factor', 0.0)
-    for name in (
-        'in_channels',
-        'out_channels',
-        'layers_per_block',
-        'latent_channels',
-        'norm_num_groups',
-    ):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f'FluxVAEConfig.{name} must be a positive int, got {value!r}')
+    config_checks.require_positive_ints(
+        'FluxVAEConfig',
+        self,
+        ('in_channels', 'out_channels', 'layers_per_block', 'latent_channels', 'norm_num_groups'),
+    )
     if not self.block_out_channels or any(
         not isinstance(c, (int, np.integer)) or isinstance(c, bool) or c <= 0
         for c in self.block_out_channels
@@ -126,7 +131,8 @@ class FluxVAEConfig:
     return 2 ** (len(self.block_out_channels) - 1)
 
 
-_CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(FluxVAEConfig))
+# The config.json keys that are FluxVAEConfig fields.
+CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(FluxVAEConfig))
 # AutoencoderKL.__init__'s defaults for our fields (a config.json missing a key means these).
 _DIFFUSERS_DEFAULTS = dict(
     in_channels=3,
@@ -151,23 +157,14 @@ def config_from_diffusers(cfg: Mapping[str, Any]) -> FluxVAEConfig:
   than silu, block types other than DownEncoderBlock2D / UpDecoderBlock2D (one per entry of
   block_out_channels), and latents_mean / latents_std that are set (FluxPipeline never uses them:
   a VAE normalised per channel is not FLUX's)."""
-  cls = cfg.get('_class_name', DIFFUSERS_CLASS_NAME)
-  if cls != DIFFUSERS_CLASS_NAME:
-    raise ValueError(f'VAE config _class_name is {cls!r}; expected {DIFFUSERS_CLASS_NAME!r}')
   structural = ('act_fn', 'down_block_types', 'up_block_types', 'latents_mean', 'latents_std')
-  unknown = sorted(
-      k
-      for k in cfg
-      if not k.startswith('_')
-      and k not in _CONFIG_KEYS
-      and k not in structural
-      and k not in _IGNORED_KEYS
+  loading.check_config_keys(
+      cfg,
+      DIFFUSERS_CLASS_NAME,
+      CONFIG_KEYS + structural + _IGNORED_KEYS,
+      kind='VAE',
+      what='FluxVAEConfig',
   )
-  if unknown:
-    raise ValueError(
-        f'unknown VAE config keys {unknown}; FluxVAEConfig understands '
-        f'{list(_CONFIG_KEYS + structural + _IGNORED_KEYS)}'
-    )
   if cfg.get('act_fn', 'silu') != 'silu':
     raise ValueError(f"VAE config act_fn={cfg['act_fn']!r} is not supported (only 'silu')")
   for name in ('latents_mean', 'latents_std'):
@@ -176,7 +173,7 @@ def config_from_diffusers(cfg: Mapping[str, Any]) -> FluxVAEConfig:
           f'VAE config {name} is set; this AutoencoderKL normalises latents with '
           'scaling_factor and shift_factor only (as FluxPipeline does)'
       )
-  config = FluxVAEConfig(**{k: cfg.get(k, _DIFFUSERS_DEFAULTS[k]) for k in _CONFIG_KEYS})
+  config = FluxVAEConfig(**{k: cfg.get(k, _DIFFUSERS_DEFAULTS[k]) for k in CONFIG_KEYS})
   n = len(config.block_out_channels)
   for name, block in (('down_block_types', _DOWN_BLOCK), ('up_block_types', _UP_BLOCK)):
     types = cfg.get(name, (block,))
@@ -206,42 +203,33 @@ def group_norm(
 
 
 # ---------------------------------------------------------------------------------------------
-# Modules. As in models/vae.py: each leaf module knows its diffusers keys (`sources`);
-# containers mirror diffusers' attribute names and list indices, so a leaf's path is its
-# diffusers module path.
+# Leaves (vae_blocks.py: each gives its diffusers `sources`) and blocks.
 
 
-class Conv2d(nnx.Module):
+class Conv2d(KernelBias):
   """A diffusers 3x3 nn.Conv2d, kernel [3, 3, in, out]. Called: stride 1, padding 1 (the
-  resamplers apply the kernel through vae.downsample_conv / vae.upsample_conv instead)."""
+  resamplers apply the kernel through downsample_conv / upsample_conv instead)."""
 
   def __init__(self, cin: int, cout: int, *, param_dtype, rngs: nnx.Rngs):
-    self.kernel = nnx.Param(vae_lib.kernel_init(rngs, (3, 3, cin, cout), param_dtype))
-    self.bias = nnx.Param(jnp.zeros((cout,), param_dtype))
+    super().__init__((3, 3, cin, cout), param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return vae_lib.conv2d(x, self.kernel[...], self.bias[...], padding=[(1, 1), (1, 1)])
+    return conv2d(x, self.kernel[...], self.bias[...], padding=[(1, 1), (1, 1)])
 
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
     del shapes
-    return {
-        f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(2, 3, 1, 0)),
-        f'{path}.bias': TensorSource((f'{path}.bias',)),
-    }
+    return weight_and_bias(path, path, perm=(2, 3, 1, 0))
 
 
-class Linear(vae_lib.Pointwise):
-  """A diffusers nn.Linear held as vae.Pointwise holds a 1x1 conv: kernel [in, out] <- weight
+class Linear(Pointwise):
+  """A diffusers nn.Linear held as Pointwise holds a 1x1 conv: kernel [in, out] <- weight
   [out, in]."""
 
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
     del shapes
-    return {
-        f'{path}.kernel': TensorSource((f'{path}.weight',), perm=(1, 0)),
-        f'{path}.bias': TensorSource((f'{path}.bias',)),
-    }
+    return weight_and_bias(path, path, perm=(1, 0))
 
 
 class GroupNorm(nnx.Module):
@@ -264,11 +252,11 @@ class GroupNorm(nnx.Module):
     }
 
 
-# vae.Pointwise: the 1x1 convs (conv_shortcut, quant_conv, post_quant_conv).
-_LEAVES = (Conv2d, Linear, vae_lib.Pointwise, GroupNorm)
+# Pointwise: the 1x1 convs (conv_shortcut, quant_conv, post_quant_conv).
+_LEAVES = (Conv2d, Linear, Pointwise, GroupNorm)
 
 
-class ResnetBlock2D(nnx.Module):
+class ResnetBlock2D(PreNormResidual):
   """diffusers ResnetBlock2D as the VAE builds it (no time embedding, output_scale_factor 1):
   shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))."""
 
@@ -278,13 +266,14 @@ class ResnetBlock2D(nnx.Module):
     self.conv1 = Conv2d(cin, cout, **kw)
     self.norm2 = GroupNorm(cout, groups, param_dtype=param_dtype)
     self.conv2 = Conv2d(cout, cout, **kw)
-    self.conv_shortcut = vae_lib.Pointwise(cin, cout, **kw) if cin != cout else None
+    self.conv_shortcut = Pointwise(cin, cout, **kw) if cin != cout else None
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    h = x if self.conv_shortcut is None else self.conv_shortcut(x)
-    x = self.conv1(jax.nn.silu(self.norm1(x)))
-    x = self.conv2(jax.nn.silu(self.norm2(x)))
-    return x + h
+
+def resnet_stack(cin: int, cout: int, layers: int, groups: int, **kw) -> nnx.List:
+  """The `layers` ResnetBlock2D of an encoder or decoder block (cin -> cout in the first)."""
+  return nnx.List(
+      [ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
+  )
 
 
 class Attention(nnx.Module):
@@ -302,28 +291,28 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     b, h, w, c = x.shape
     n = self.group_norm(x).reshape(b, h * w, c)
-    out = vae_lib.attention(self.to_q(n), self.to_k(n), self.to_v(n))
+    out = spatial_attention(self.to_q(n), self.to_k(n), self.to_v(n))
     return x + self.to_out[0](out).reshape(b, h, w, c)
 
 
 class Downsample2D(nnx.Module):
-  """diffusers Downsample2D(use_conv=True, padding=0): vae.downsample_conv. H -> H / 2."""
+  """diffusers Downsample2D(use_conv=True, padding=0): downsample_conv. H -> H / 2."""
 
   def __init__(self, dim: int, *, param_dtype, rngs: nnx.Rngs):
     self.conv = Conv2d(dim, dim, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return vae_lib.downsample_conv(x, self.conv.kernel[...], self.conv.bias[...])
+    return downsample_conv(x, self.conv.kernel[...], self.conv.bias[...])
 
 
 class Upsample2D(nnx.Module):
-  """diffusers Upsample2D(use_conv=True): vae.upsample_conv (nearest 2x, 3x3 conv). H -> 2H."""
+  """diffusers Upsample2D(use_conv=True): upsample_conv (nearest 2x, 3x3 conv). H -> 2H."""
 
   def __init__(self, dim: int, *, param_dtype, rngs: nnx.Rngs):
     self.conv = Conv2d(dim, dim, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return vae_lib.upsample_conv(x, self.conv.kernel[...], self.conv.bias[...])
+    return upsample_conv(x, self.conv.kernel[...], self.conv.bias[...])
 
 
 class DownEncoderBlock2D(nnx.Module):
@@ -340,18 +329,12 @@ class DownEncoderBlock2D(nnx.Module):
       param_dtype,
       rngs: nnx.Rngs,
   ):
-    kw = dict(param_dtype=param_dtype, rngs=rngs)
-    self.resnets = nnx.List(
-        [ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
-    )
-    self.downsamplers = nnx.List([Downsample2D(cout, **kw)] if downsample else [])
+    self.resnets = resnet_stack(cin, cout, layers, groups, param_dtype=param_dtype, rngs=rngs)
+    down = [Downsample2D(cout, param_dtype=param_dtype, rngs=rngs)] if downsample else []
+    self.downsamplers = nnx.List(down)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    for resnet in self.resnets:
-      x = resnet(x)
-    for down in self.downsamplers:
-      x = down(x)
-    return x
+    return apply_in_order(x, self.resnets, self.downsamplers)
 
 
 class UpDecoderBlock2D(nnx.Module):
@@ -368,18 +351,12 @@ class UpDecoderBlock2D(nnx.Module):
       param_dtype,
       rngs: nnx.Rngs,
   ):
-    kw = dict(param_dtype=param_dtype, rngs=rngs)
-    self.resnets = nnx.List(
-        [ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
-    )
-    self.upsamplers = nnx.List([Upsample2D(cout, **kw)] if upsample else [])
+    self.resnets = resnet_stack(cin, cout, layers, groups, param_dtype=param_dtype, rngs=rngs)
+    up = [Upsample2D(cout, param_dtype=param_dtype, rngs=rngs)] if upsample else []
+    self.upsamplers = nnx.List(up)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    for resnet in self.resnets:
-      x = resnet(x)
-    for up in self.upsamplers:
-      x = up(x)
-    return x
+    return apply_in_order(x, self.resnets, self.upsamplers)
 
 
 class UNetMidBlock2D(nnx.Module):
@@ -418,10 +395,7 @@ class Encoder(nnx.Module):
     self.conv_out = Conv2d(ch[-1], 2 * config.latent_channels, **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = self.conv_in(x)
-    for block in self.down_blocks:
-      x = block(x)
-    x = self.mid_block(x)
+    x = apply_in_order(x, [self.conv_in], self.down_blocks, [self.mid_block])
     return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
 
 
@@ -444,28 +418,27 @@ class Decoder(nnx.Module):
     self.conv_out = Conv2d(ch[-1], config.out_channels, **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = self.mid_block(self.conv_in(x))
-    for block in self.up_blocks:
-      x = block(x)
+    x = apply_in_order(x, [self.conv_in, self.mid_block], self.up_blocks)
     return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
 
 
-class FluxVAE(nnx.Module):
-  """AutoencoderKL (channels-last) with FluxPipeline's latent scaling. See the module docstring.
-  The same interface as vae.QwenImageVAE, so vae.decode_packed / encode_packed take either."""
+class FluxVAE(ImageVAE):
+  """AutoencoderKL (channels-last) with FluxPipeline's latent scaling; encode / decode are
+  ImageVAE's, so decode_packed / encode_packed take it as they take vae.QwenImageVAE. See the
+  module docstring."""
 
   def __init__(self, config: FluxVAEConfig, *, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     self.config = config
     kw = dict(param_dtype=param_dtype, rngs=rngs)
     z = config.latent_channels
     self.encoder = Encoder(config, **kw)
-    self.quant_conv = vae_lib.Pointwise(2 * z, 2 * z, **kw) if config.use_quant_conv else None
-    self.post_quant_conv = vae_lib.Pointwise(z, z, **kw) if config.use_post_quant_conv else None
+    self.quant_conv = Pointwise(2 * z, 2 * z, **kw) if config.use_quant_conv else None
+    self.post_quant_conv = Pointwise(z, z, **kw) if config.use_post_quant_conv else None
     self.decoder = Decoder(config, **kw)
 
   @property
-  def dtype(self):
-    return self.decoder.conv_in.kernel.dtype
+  def image_channels(self) -> int:
+    return self.config.in_channels
 
   @property
   def latent_channels(self) -> int:
@@ -480,46 +453,15 @@ class FluxVAE(nnx.Module):
     """Inverse of normalize, as FluxPipeline writes it: z / scaling_factor + shift_factor."""
     return z.astype(jnp.float32) / self.config.scaling_factor + self.config.shift_factor
 
-  def encode(self, images: jax.Array, *, batch_chunk: int = 0) -> jax.Array:
-    """[B, H, W, C] in [-1, 1] (H, W multiples of 8) -> latent mean (the posterior's mode)
-    [B, H/8, W/8, latent_channels], float32, not normalised. batch_chunk > 0: that many images
-    at a time."""
-    r, c = self.config.spatial_compression, self.config.in_channels
-    if images.ndim != 4 or images.shape[-1] != c or images.shape[1] % r or images.shape[2] % r:
-      raise ValueError(
-          f'VAE encode needs images [B, H, W, {c}] with H and W multiples of {r}, '
-          f'got shape {images.shape}'
-      )
-    z = self.config.latent_channels
+  def encode_mean(self, x: jax.Array) -> jax.Array:
+    """Images in the compute dtype -> the posterior's mean [B, H/8, W/8, latent_channels]."""
+    moments = self.encoder(x)
+    if self.quant_conv is not None:
+      moments = self.quant_conv(moments)
+    return moments[..., : self.config.latent_channels]
 
-    def run(x):
-      moments = self.encoder(x.astype(self.dtype))
-      if self.quant_conv is not None:
-        moments = self.quant_conv(moments)
-      return moments[..., :z]
-
-    return vae_lib.map_chunks(run, images, batch_chunk).astype(jnp.float32)
-
-  def decode(
-      self, latents: jax.Array, *, batch_chunk: int = 0, tile: TileConfig | None = None
-  ) -> jax.Array:
-    """[B, h, w, latent_channels] (not normalised) -> images [B, 8h, 8w, C] float32 clipped to
-    [-1, 1]. batch_chunk > 0: decode that many images at a time (lax.map; same result). tile:
-    decode overlapping spatial tiles and blend them as diffusers' tiled_decode (vae.tiled_decode
-    says which TileConfig AutoencoderKL's tiling is)."""
-    z = self.config.latent_channels
-    if latents.ndim != 4 or latents.shape[-1] != z:
-      raise ValueError(f'VAE decode needs latents [B, h, w, {z}], got shape {latents.shape}')
-    if tile is not None:
-      r = self.config.spatial_compression
-      tile.check(r)
-      fn = functools.partial(vae_lib.tiled_decode, self._decode_raw, tile=tile, compression=r)
-    else:
-      fn = self._decode_raw
-    out = vae_lib.map_chunks(fn, latents.astype(self.dtype), batch_chunk)
-    return jnp.clip(out.astype(jnp.float32), -1.0, 1.0)
-
-  def _decode_raw(self, z: jax.Array) -> jax.Array:
+  def decode_raw(self, z: jax.Array) -> jax.Array:
+    """Latents (not normalised) -> unclipped images."""
     if self.post_quant_conv is not None:
       z = self.post_quant_conv(z)
     return self.decoder(z)
@@ -527,56 +469,31 @@ class FluxVAE(nnx.Module):
 
 # ---------------------------------------------------------------------------------------------
 # Packed (transformer-token) entry points: FluxPipeline._pack_latents / _unpack_latents are
-# QwenImagePipeline's (2x2 patches, channel-major inside a token), so vae.py's serve both; the
+# QwenImagePipeline's (2x2 patches, channel-major inside a token), so vae_blocks' serve both; the
 # model supplies the scaling (FluxVAE.normalize / denormalize).
 #   decode_packed(model, tokens [B, (h/2)(w/2), 64], latent_hw=(h, w)) -> images [B, 8h, 8w, 3]
 #   encode_packed(model, images [B, H, W, 3]) -> tokens [B, (H/16)(W/16), 64]
-
-decode_packed = vae_lib.decode_packed
-encode_packed = vae_lib.encode_packed
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading.
-
-
-def _build(config: FluxVAEConfig, param_dtype) -> FluxVAE:
-  return FluxVAE(config, param_dtype=param_dtype, rngs=nnx.Rngs(0))
-
-
-def abstract_vae(config: FluxVAEConfig, param_dtype: Any = jnp.float32):
-  """(graphdef, abstract nnx.State of ShapeDtypeStructs): the model built under nnx.eval_shape."""
-  return nnx.split(nnx.eval_shape(lambda: _build(config, param_dtype)))
+#
+# Loading (models/loading.py's load path).
 
 
 def vae_key_table(config: FluxVAEConfig) -> dict[str, TensorSource]:
   """Our dotted param path -> its diffusers source (every param, every diffusers key once)."""
-  model = nnx.eval_shape(lambda: _build(config, jnp.float32))
+  model = MODEL.abstract_module(config)
   return tensor_source.table_from_modules(model, _LEAVES, 'flux_vae.vae_key_table')
 
 
-def load_vae_state(model: FluxVAE, state_dict: Mapping[str, Any]) -> FluxVAE:
-  """Set every param of `model` IN PLACE from a diffusers state dict {key: array}; returns it.
-  `model` may be abstract (nnx.eval_shape). Arrays are cast to each param's dtype. Raises
-  ValueError naming missing / unexpected keys or a key whose shape does not fit."""
-  return tensor_source.fill_params(model, vae_key_table(model.config), state_dict, 'VAE')
-
-
-def resolve_vae_folder(path: str | os.PathLike) -> Path:
-  """The folder holding the VAE's config.json: `path` itself or `path`/vae (pipeline folder)."""
-  return streaming.component_folder(path, 'vae', DIFFUSERS_CLASS_NAME)
-
-
-def read_vae_config(path: str | os.PathLike) -> FluxVAEConfig:
-  """FluxVAEConfig from a diffusers vae/ folder or pipeline folder."""
-  return streaming.read_component_config(resolve_vae_folder(path), config_from_diffusers)
-
-
-def load_vae_folder(path: str | os.PathLike, param_dtype: Any = jnp.float32) -> FluxVAE:
-  """FluxVAE with weights from a diffusers folder (vae/ or a pipeline folder holding vae/;
-  *.safetensors, optionally sharded with an index), streamed tensor by tensor onto the first
-  local device through the key table (models/streaming.py). No random init is made."""
-  folder = resolve_vae_folder(path)
-  config = read_vae_config(folder)
-  graphdef, abstract = abstract_vae(config, param_dtype)
-  return streaming.load_module(folder, vae_key_table(config), graphdef, abstract)
+MODEL = loading.DiffusersModel(
+    DIFFUSERS_CLASS_NAME, 'vae', config_from_diffusers, FluxVAE, vae_key_table, 'VAE'
+)
+# The folder holding the VAE's config.json: the path itself or path/vae (pipeline folder).
+resolve_vae_folder = MODEL.folder
+# FluxVAEConfig from a diffusers vae/ folder or pipeline folder.
+read_vae_config = MODEL.read_config
+# (graphdef, abstract nnx.State of ShapeDtypeStructs) of FluxVAE(config, param_dtype).
+abstract_vae = MODEL.abstract
+# Set every param of a (maybe abstract) FluxVAE in place from a diffusers state dict.
+load_vae_state = MODEL.load_state
+# FluxVAE with weights streamed from a diffusers folder onto the first local device:
+#   model = flux_vae.load_vae_folder('/ckpt/FLUX.1-dev', param_dtype=jnp.bfloat16)  # or .../vae
+load_vae_folder = MODEL.load_folder
