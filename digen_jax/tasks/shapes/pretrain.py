@@ -117,6 +117,8 @@ class _Programs:
 
 @dataclasses.dataclass(frozen=True)
 class _TrainState:
+  """What each step changes: the weights, the optimizer state and the EMA."""
+
   params: nnx.State
   opt_state: Any
   ema: Any  # the EMA of params; None when config.pretrain.ema == 0
