@@ -317,17 +317,17 @@ def test_loader_errors_name_the_key(ref, folder, ours):
   fresh = lambda: nnx.eval_shape(lambda: flux_vae.FluxVAE(cfg, rngs=nnx.Rngs(0)))
   q = 'decoder.mid_block.attentions.0.to_q.weight'
   with pytest.raises(ValueError, match=f'missing diffusers keys \\(1\\): {q}'):
-    flux_vae.load_vae_state(fresh(), {k: v for k, v in sd.items() if k != q})
+    flux_vae.LOADER.load_state(fresh(), {k: v for k, v in sd.items() if k != q})
   with pytest.raises(ValueError, match='unexpected diffusers keys \\(1\\): quant_conv.weight'):
-    flux_vae.load_vae_state(fresh(), {**sd, 'quant_conv.weight': np.zeros((32, 32, 1, 1))})
+    flux_vae.LOADER.load_state(fresh(), {**sd, 'quant_conv.weight': np.zeros((32, 32, 1, 1))})
   with pytest.raises(
       ValueError, match=f"{q}' has shape \\(16, 8\\).*" 'decoder.mid_block.attentions.0.to_q.kernel'
   ):
-    flux_vae.load_vae_state(fresh(), {**sd, q: sd[q][:, :8]})
+    flux_vae.LOADER.load_state(fresh(), {**sd, q: sd[q][:, :8]})
   up = 'decoder.up_blocks.0.upsamplers.0.conv.weight'
   with pytest.raises(ValueError, match=f"{up}' has shape \\(16, 16, 3\\).*rank 3"):
-    flux_vae.load_vae_state(fresh(), {**sd, up: sd[up][..., 0]})
-  loaded = flux_vae.load_vae_state(fresh(), sd)
+    flux_vae.LOADER.load_state(fresh(), {**sd, up: sd[up][..., 0]})
+  loaded = flux_vae.LOADER.load_state(fresh(), sd)
   a = nnx.to_flat_state(nnx.state(loaded, nnx.Param))
   b = nnx.to_flat_state(nnx.state(ours, nnx.Param))
   for (pa, va), (pb, vb) in zip(a, b):  # the in-memory and streamed loaders agree

@@ -266,21 +266,21 @@ def test_loader_errors_name_the_key(ref, folder, ours):
   fresh = lambda: nnx.eval_shape(lambda: vae.QwenImageVAE(cfg, rngs=nnx.Rngs(0)))
   gamma = 'decoder.mid_block.attentions.0.norm.gamma'
   with pytest.raises(ValueError, match=f'missing diffusers keys \\(1\\): {gamma}'):
-    vae.load_vae_state(fresh(), {k: v for k, v in sd.items() if k != gamma})
+    vae.LOADER.load_state(fresh(), {k: v for k, v in sd.items() if k != gamma})
   with pytest.raises(ValueError, match='unexpected diffusers keys \\(1\\): encoder.extra.weight'):
-    vae.load_vae_state(fresh(), {**sd, 'encoder.extra.weight': np.zeros(3, np.float32)})
+    vae.LOADER.load_state(fresh(), {**sd, 'encoder.extra.weight': np.zeros(3, np.float32)})
   conv = 'decoder.up_blocks.1.upsamplers.0.resample.1.weight'
   with pytest.raises(
       ValueError,
       match=f"{conv}' has shape \\(16, 16, 3, 3\\).*"
       'decoder.up_blocks.1.upsamplers.0.resample.kernel',
   ):
-    vae.load_vae_state(fresh(), {**sd, conv: sd[conv][:, :16]})
+    vae.LOADER.load_state(fresh(), {**sd, conv: sd[conv][:, :16]})
   with pytest.raises(ValueError, match=f"{conv}' has shape \\(16, 32, 3\\).*rank 3"):
-    vae.load_vae_state(fresh(), {**sd, conv: sd[conv][..., 0]})
+    vae.LOADER.load_state(fresh(), {**sd, conv: sd[conv][..., 0]})
   with pytest.raises(ValueError, match=f"{gamma}' has shape \\(16, 1, 1\\).*cannot be held"):
-    vae.load_vae_state(fresh(), {**sd, gamma: sd[gamma][:16]})
-  ok = vae.load_vae_state(fresh(), {**sd, gamma: sd[gamma][:, 0, 0]})  # size-1 axes may differ
+    vae.LOADER.load_state(fresh(), {**sd, gamma: sd[gamma][:16]})
+  ok = vae.LOADER.load_state(fresh(), {**sd, gamma: sd[gamma][:, 0, 0]})  # size-1 axes may differ
   np.testing.assert_array_equal(
       ok.decoder.mid_block.attentions[0].norm.gamma[...], sd[gamma][:, 0, 0]
   )

@@ -25,14 +25,7 @@ from digen_jax.models.tensor_source import BlockStack, TensorSource, build_key_t
 DIFFUSERS_CLASS_NAME = "QwenImageTransformer2DModel"
 
 # diffusers config key -> MMDiTConfig field (identical names; out_channels=None means in_channels).
-_CONFIG_KEYS = (
-    "patch_size",
-    "in_channels",
-    "out_channels",
-    "num_layers",
-    "attention_head_dim",
-    "num_attention_heads",
-    "joint_attention_dim",
+_CONFIG_KEYS = MMDiTConfig.SIZE_FIELDS + (
     "axes_dims_rope",
     "guidance_embeds",
     "zero_cond_t",
@@ -94,17 +87,20 @@ def diffusers_key_table(config: MMDiTConfig) -> dict[str, TensorSource]:
   return build_key_table(_GLOBAL_LINEARS, _GLOBAL_NORMS, (blocks,))
 
 
-# The load path (models/loading.py) of QwenImage transformers.
-TRANSFORMER = loading.DiffusersModel(
-    DIFFUSERS_CLASS_NAME, "transformer", config_from_diffusers, MMDiT, diffusers_key_table, "MMDiT"
+# The load path (models/loading.py) of QwenImage transformers; the module-level names below are its methods.
+LOADER = loading.DiffusersModel(
+    DIFFUSERS_CLASS_NAME,
+    "transformer",
+    config_from_diffusers,
+    MMDiT,
+    "MMDiT",
+    key_table=diffusers_key_table,
 )
-# Set every param of an MMDiT (which may be abstract) in place from a diffusers state dict; returns it.
-load_diffusers_state = TRANSFORMER.load_state
-# The folder holding the transformer's config.json: the path itself or path/transformer (pipeline folder).
-resolve_transformer_folder = TRANSFORMER.folder
 # MMDiTConfig of a transformer folder (or a pipeline folder with transformer/), with overrides.
-read_config = TRANSFORMER.read_config
+read_config = LOADER.read_config
+# Set every param of an MMDiT (which may be abstract) in place from a diffusers state dict; returns it.
+load_diffusers_state = LOADER.load_state
 # (config, graphdef, state) streamed straight onto shardings_fn(abstract_state); see DiffusersModel.load_sharded.
-load_diffusers_sharded = TRANSFORMER.load_sharded
-# MMDiT with weights from a diffusers folder on the first local device.
-load_diffusers_folder = TRANSFORMER.load_folder
+load_diffusers_sharded = LOADER.load_sharded
+# MMDiT with weights from a diffusers folder, on the first local device.
+load_diffusers_folder = LOADER.load_folder

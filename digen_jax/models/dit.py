@@ -1,13 +1,15 @@
 """What the diffusion transformers (mmdit.MMDiT, flux.Flux, video to come) share above their layers.
 
-`TransformerDims` gives a config dataclass its derived widths, `check_transformer_config` checks
-the fields every family has, and `check_token_inputs` / `is_static_shape` check a forward's
-inputs, so each family's config and forward only add what is its own.
+`TransformerConfig` is the base of every family's config dataclass: the fields every family has
+(rotary axes, norm eps, execution options), the derived widths and the checks of the common
+fields. `check_token_inputs` and `is_static_shape` check a forward's inputs. A family's config and
+forward thus only add what is its own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -15,9 +17,45 @@ import numpy as np
 from digen_jax.models import config_checks
 
 
-class TransformerDims:
-  """Mixin of the transformer config dataclasses (fields num_attention_heads,
-  attention_head_dim, patch_size, out_channels)."""
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Base of the transformer configs (frozen dataclasses). A family's config adds its sizes
+  (num_attention_heads, attention_head_dim, patch_size, in_channels, out_channels, ...) and
+  flags, names its positive-int fields in SIZE_FIELDS (they are also diffusers' config keys),
+  any further bool fields in BOOL_FIELDS, and says in ROPE_AXES what its three rotary axes are."""
+
+  SIZE_FIELDS: ClassVar[tuple[str, ...]] = ()
+  BOOL_FIELDS: ClassVar[tuple[str, ...]] = ()
+  ROPE_AXES: ClassVar[str] = ''
+
+  # Head dims per rotary axis (each even; they sum to attention_head_dim).
+  axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+  # Hard-coded in diffusers (theta=10000 in QwenEmbedRope and FluxPosEmbed, eps=1e-6 for every
+  # norm); kept as fields so that a variant that changes them is one config line away.
+  rope_theta: float = 10000.0
+  eps: float = 1e-6
+  # Execution options; none changes the math or the params.
+  # remat: rematerialise each block in the backward pass (jax.checkpoint).
+  remat: bool = False
+  # scan_layers: run each block stack under lax.scan (one compiled block: compile time
+  # independent of num_layers). False unrolls them into a Python loop: compile time grows with
+  # num_layers, but under autodiff nothing is stacked across layers (stacking.py), which is much
+  # of a CPU update's time without remat.
+  scan_layers: bool = True
+  # attention: models/attention.py's implementation ("auto": cuDNN's fused kernel on a GPU in
+  # bf16, the portable XLA path elsewhere; "portable"; "fused"). Same math either way.
+  attention: str = 'auto'
+
+  def __post_init__(self):
+    object.__setattr__(self, 'axes_dims_rope', tuple(int(a) for a in self.axes_dims_rope))
+    owner = type(self).__name__
+    config_checks.require_positive_ints(owner, self, self.SIZE_FIELDS)
+    config_checks.check_rope_axes(
+        owner, self.axes_dims_rope, self.attention_head_dim, self.ROPE_AXES
+    )
+    config_checks.require_positive(owner, self, ('rope_theta', 'eps'))
+    config_checks.require_bools(owner, self, ('remat', 'scan_layers') + self.BOOL_FIELDS)
+    config_checks.check_attention_choice(owner, self.attention)
 
   @property
   def inner_dim(self) -> int:
@@ -27,23 +65,6 @@ class TransformerDims:
   def out_dim(self) -> int:
     """Channels per output token: patch_size**2 * out_channels."""
     return self.patch_size * self.patch_size * self.out_channels
-
-
-def check_transformer_config(
-    owner: str,
-    config: Any,
-    int_fields: Iterable[str],
-    bool_fields: Iterable[str],
-    rope_axes: str,
-) -> None:
-  """The fields every transformer config has: `int_fields` positive ints, axes_dims_rope (3 axes,
-  described by `rope_axes`) summing to attention_head_dim, rope_theta and eps > 0, `bool_fields`
-  bools, attention a known implementation. ValueError naming `owner`.field otherwise."""
-  config_checks.require_positive_ints(owner, config, int_fields)
-  config_checks.check_rope_axes(owner, config.axes_dims_rope, config.attention_head_dim, rope_axes)
-  config_checks.require_positive(owner, config, ('rope_theta', 'eps'))
-  config_checks.require_bools(owner, config, bool_fields)
-  config_checks.check_attention_choice(owner, config.attention)
 
 
 def is_static_shape(value: Any, rank: int) -> bool:

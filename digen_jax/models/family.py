@@ -54,21 +54,28 @@ class Family:
     return initialize.build(self.module, cfg, seed)
 
 
-def _mmdit_config(m) -> mmdit.MMDiTConfig:
-  return mmdit.MMDiTConfig(
-      patch_size=m.patch_size,
+def _shared_fields(m) -> dict:
+  """The architecture config fields every family reads the same way from config.model."""
+  return dict(
       in_channels=m.in_channels,
-      out_channels=m.out_channels,
       num_layers=m.num_layers,
       attention_head_dim=m.attention_head_dim,
       num_attention_heads=m.num_attention_heads,
       joint_attention_dim=m.joint_attention_dim,
       axes_dims_rope=tuple(m.axes_dims_rope),
-      pooled_text=bool(m.pooled_text),
       rope_theta=float(m.rope_theta),
       remat=bool(m.remat),
       scan_layers=bool(m.scan_layers),
       attention=str(m.attention),
+  )
+
+
+def _mmdit_config(m) -> mmdit.MMDiTConfig:
+  return mmdit.MMDiTConfig(
+      patch_size=m.patch_size,
+      out_channels=m.out_channels,
+      pooled_text=bool(m.pooled_text),
+      **_shared_fields(m),
   )
 
 
@@ -77,20 +84,11 @@ def _flux_config(m) -> flux.FluxConfig:
   # transformer's own patch embedding is 1, as in FluxTransformer2DModel.
   return flux.FluxConfig(
       patch_size=1,
-      in_channels=m.in_channels,
       out_channels=m.out_channels * m.patch_size**2,
-      num_layers=m.num_layers,
       num_single_layers=m.num_single_layers,
-      attention_head_dim=m.attention_head_dim,
-      num_attention_heads=m.num_attention_heads,
-      joint_attention_dim=m.joint_attention_dim,
       pooled_projection_dim=m.pooled_projection_dim,
       guidance_embeds=bool(m.guidance_embeds),
-      axes_dims_rope=tuple(m.axes_dims_rope),
-      rope_theta=float(m.rope_theta),
-      remat=bool(m.remat),
-      scan_layers=bool(m.scan_layers),
-      attention=str(m.attention),
+      **_shared_fields(m),
   )
 
 

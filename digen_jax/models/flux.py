@@ -68,8 +68,24 @@ from digen_jax.models.stacking import run_stacked, stacked_blocks
 
 
 @dataclasses.dataclass(frozen=True)
-class FluxConfig(dit.TransformerDims):
-  """Architecture of a FLUX.1 transformer. Defaults are diffusers' (FLUX.1-schnell; -dev sets guidance_embeds)."""
+class FluxConfig(dit.TransformerConfig):
+  """Architecture of a FLUX.1 transformer. Defaults are diffusers' (FLUX.1-schnell; -dev sets guidance_embeds);
+  rotary axes, eps and the execution options (which apply to both block stacks) are dit.TransformerConfig's.
+  """
+
+  SIZE_FIELDS = (
+      "patch_size",
+      "in_channels",
+      "out_channels",
+      "num_layers",
+      "num_single_layers",
+      "attention_head_dim",
+      "num_attention_heads",
+      "joint_attention_dim",
+      "pooled_projection_dim",
+  )
+  BOOL_FIELDS = ("guidance_embeds",)
+  ROPE_AXES = "one per id axis"
 
   patch_size: int = 1
   in_channels: int = 64  # the 16-channel VAE latent packed 2x2 by the pipeline
@@ -81,36 +97,11 @@ class FluxConfig(dit.TransformerDims):
   joint_attention_dim: int = 4096  # T5 hidden size
   pooled_projection_dim: int = 768  # CLIP pooled size
   guidance_embeds: bool = False
-  axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
-  # Hard-coded in diffusers (FluxPosEmbed(theta=10000), eps=1e-6 for every norm and q/k RMSNorm).
-  rope_theta: float = 10000.0
-  eps: float = 1e-6
-  # Execution options (MMDiTConfig's); neither changes the math or the params. They apply to both stacks.
-  remat: bool = False
-  scan_layers: bool = True
-  attention: str = "auto"  # models/attention.py's implementation, as MMDiTConfig.attention
 
   def __post_init__(self):
-    object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
     if self.out_channels is None:
       object.__setattr__(self, "out_channels", self.in_channels)
-    dit.check_transformer_config(
-        "FluxConfig",
-        self,
-        int_fields=(
-            "patch_size",
-            "in_channels",
-            "out_channels",
-            "num_layers",
-            "num_single_layers",
-            "attention_head_dim",
-            "num_attention_heads",
-            "joint_attention_dim",
-            "pooled_projection_dim",
-        ),
-        bool_fields=("guidance_embeds", "remat", "scan_layers"),
-        rope_axes="one per id axis",
-    )
+    super().__post_init__()
 
 
 def image_ids(h: int, w: int) -> np.ndarray:

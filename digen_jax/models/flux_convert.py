@@ -28,19 +28,7 @@ from digen_jax.models.tensor_source import BlockStack, TensorSource, build_key_t
 DIFFUSERS_CLASS_NAME = "FluxTransformer2DModel"
 
 # diffusers config keys (identical FluxConfig field names; out_channels=None means in_channels).
-_CONFIG_KEYS = (
-    "patch_size",
-    "in_channels",
-    "out_channels",
-    "num_layers",
-    "num_single_layers",
-    "attention_head_dim",
-    "num_attention_heads",
-    "joint_attention_dim",
-    "pooled_projection_dim",
-    "guidance_embeds",
-    "axes_dims_rope",
-)
+_CONFIG_KEYS = FluxConfig.SIZE_FIELDS + ("guidance_embeds", "axes_dims_rope")
 
 # (diffusers module prefix, our module path): Linear weight [out, in] -> kernel [in, out], bias -> bias.
 _GLOBAL_LINEARS = (
@@ -100,17 +88,18 @@ def flux_key_table(config: FluxConfig) -> dict[str, TensorSource]:
 
 
 # The load path (models/loading.py) of FLUX transformers.
-TRANSFORMER = loading.DiffusersModel(
-    DIFFUSERS_CLASS_NAME, "transformer", config_from_diffusers, Flux, flux_key_table, "Flux"
+LOADER = loading.DiffusersModel(
+    DIFFUSERS_CLASS_NAME,
+    "transformer",
+    config_from_diffusers,
+    Flux,
+    "Flux",
+    key_table=flux_key_table,
 )
-# Set every param of a Flux (which may be abstract) in place from a diffusers state dict; returns it.
-load_flux_state = TRANSFORMER.load_state
-# The folder holding the transformer's config.json: the path itself or path/transformer (pipeline folder).
-resolve_transformer_folder = TRANSFORMER.folder
 # FluxConfig of a transformer folder (or a pipeline folder with transformer/), with overrides.
-read_config = TRANSFORMER.read_config
+read_config = LOADER.read_config
 # (config, graphdef, state) streamed straight onto shardings_fn(abstract_state); see DiffusersModel.load_sharded.
-load_flux_sharded = TRANSFORMER.load_sharded
+load_flux_sharded = LOADER.load_sharded
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -138,10 +127,10 @@ def load_flux_from_diffusers(
     if config is None:
       raise ValueError("loading from a state dict needs config=FluxConfig(...)")
     config = dataclasses.replace(config, **config_overrides)
-    model = TRANSFORMER.abstract_module(config, param_dtype)
-    return load_flux_state(model, {k: _as_numpy(v) for k, v in source.items()})
+    model = LOADER.abstract_module(config, param_dtype)
+    return LOADER.load_state(model, {k: _as_numpy(v) for k, v in source.items()})
   if config is not None:
     raise ValueError(
         "a diffusers folder carries its own config.json; pass config_overrides, not config"
     )
-  return TRANSFORMER.load_folder(source, param_dtype, **config_overrides)
+  return LOADER.load_folder(source, param_dtype, **config_overrides)

@@ -45,7 +45,6 @@ import numpy as np
 
 from digen_jax.models import config_checks
 from digen_jax.models import loading
-from digen_jax.models import tensor_source
 from digen_jax.models.tensor_source import TensorSource, weight_and_bias
 from digen_jax.models.vae_blocks import (
     ImageVAE,
@@ -269,13 +268,6 @@ class ResnetBlock2D(PreNormResidual):
     self.conv_shortcut = Pointwise(cin, cout, **kw) if cin != cout else None
 
 
-def resnet_stack(cin: int, cout: int, layers: int, groups: int, **kw) -> nnx.List:
-  """The `layers` ResnetBlock2D of an encoder or decoder block (cin -> cout in the first)."""
-  return nnx.List(
-      [ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
-  )
-
-
 class Attention(nnx.Module):
   """diffusers Attention as UNetMidBlock2D builds it in a VAE: one head of all C channels over the
   h*w positions, group norm in front, residual: x + to_out(attn(q, k, v) of group_norm(x))."""
@@ -295,68 +287,58 @@ class Attention(nnx.Module):
     return x + self.to_out[0](out).reshape(b, h, w, c)
 
 
-class Downsample2D(nnx.Module):
-  """diffusers Downsample2D(use_conv=True, padding=0): downsample_conv. H -> H / 2."""
+class Resample2D(nnx.Module):
+  """diffusers Downsample2D(use_conv=True, padding=0), H -> H / 2 (downsample_conv), or, with
+  `up`, Upsample2D(use_conv=True), H -> 2H (upsample_conv: nearest 2x, then a 3x3 conv)."""
 
-  def __init__(self, dim: int, *, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, dim: int, up: bool, *, param_dtype, rngs: nnx.Rngs):
+    self.up = up
     self.conv = Conv2d(dim, dim, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return downsample_conv(x, self.conv.kernel[...], self.conv.bias[...])
+    resample = upsample_conv if self.up else downsample_conv
+    return resample(x, self.conv.kernel[...], self.conv.bias[...])
 
 
-class Upsample2D(nnx.Module):
-  """diffusers Upsample2D(use_conv=True): upsample_conv (nearest 2x, 3x3 conv). H -> 2H."""
+class ResnetStage(nnx.Module):
+  """`layers` ResnetBlock2D (cin -> cout in the first), then an optional resampler: the body of
+  DownEncoderBlock2D and UpDecoderBlock2D, which name the resampler list (RESAMPLERS) as
+  diffusers does."""
 
-  def __init__(self, dim: int, *, param_dtype, rngs: nnx.Rngs):
-    self.conv = Conv2d(dim, dim, param_dtype=param_dtype, rngs=rngs)
+  RESAMPLERS = ''  # the attribute holding the resampler list: its diffusers name
+
+  def __init__(
+      self,
+      cin: int,
+      cout: int,
+      layers: int,
+      groups: int,
+      resample: bool,
+      *,
+      param_dtype,
+      rngs: nnx.Rngs,
+  ):
+    kw = dict(param_dtype=param_dtype, rngs=rngs)
+    self.resnets = nnx.List(
+        [ResnetBlock2D(cin if i == 0 else cout, cout, groups, **kw) for i in range(layers)]
+    )
+    up = self.RESAMPLERS == 'upsamplers'
+    setattr(self, self.RESAMPLERS, nnx.List([Resample2D(cout, up, **kw)] if resample else []))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return upsample_conv(x, self.conv.kernel[...], self.conv.bias[...])
+    return apply_in_order(x, self.resnets, getattr(self, self.RESAMPLERS))
 
 
-class DownEncoderBlock2D(nnx.Module):
+class DownEncoderBlock2D(ResnetStage):
   """diffusers DownEncoderBlock2D: `layers` resnets, then an optional downsampler."""
 
-  def __init__(
-      self,
-      cin: int,
-      cout: int,
-      layers: int,
-      groups: int,
-      downsample: bool,
-      *,
-      param_dtype,
-      rngs: nnx.Rngs,
-  ):
-    self.resnets = resnet_stack(cin, cout, layers, groups, param_dtype=param_dtype, rngs=rngs)
-    down = [Downsample2D(cout, param_dtype=param_dtype, rngs=rngs)] if downsample else []
-    self.downsamplers = nnx.List(down)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return apply_in_order(x, self.resnets, self.downsamplers)
+  RESAMPLERS = 'downsamplers'
 
 
-class UpDecoderBlock2D(nnx.Module):
+class UpDecoderBlock2D(ResnetStage):
   """diffusers UpDecoderBlock2D: `layers` resnets, then an optional upsampler."""
 
-  def __init__(
-      self,
-      cin: int,
-      cout: int,
-      layers: int,
-      groups: int,
-      upsample: bool,
-      *,
-      param_dtype,
-      rngs: nnx.Rngs,
-  ):
-    self.resnets = resnet_stack(cin, cout, layers, groups, param_dtype=param_dtype, rngs=rngs)
-    up = [Upsample2D(cout, param_dtype=param_dtype, rngs=rngs)] if upsample else []
-    self.upsamplers = nnx.List(up)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return apply_in_order(x, self.resnets, self.upsamplers)
+  RESAMPLERS = 'upsamplers'
 
 
 class UNetMidBlock2D(nnx.Module):
@@ -477,23 +459,13 @@ class FluxVAE(ImageVAE):
 # Loading (models/loading.py's load path).
 
 
-def vae_key_table(config: FluxVAEConfig) -> dict[str, TensorSource]:
-  """Our dotted param path -> its diffusers source (every param, every diffusers key once)."""
-  model = MODEL.abstract_module(config)
-  return tensor_source.table_from_modules(model, _LEAVES, 'flux_vae.vae_key_table')
-
-
-MODEL = loading.DiffusersModel(
-    DIFFUSERS_CLASS_NAME, 'vae', config_from_diffusers, FluxVAE, vae_key_table, 'VAE'
+LOADER = loading.DiffusersModel(
+    DIFFUSERS_CLASS_NAME, 'vae', config_from_diffusers, FluxVAE, 'VAE', leaves=_LEAVES
 )
-# The folder holding the VAE's config.json: the path itself or path/vae (pipeline folder).
-resolve_vae_folder = MODEL.folder
-# FluxVAEConfig from a diffusers vae/ folder or pipeline folder.
-read_vae_config = MODEL.read_config
-# (graphdef, abstract nnx.State of ShapeDtypeStructs) of FluxVAE(config, param_dtype).
-abstract_vae = MODEL.abstract
-# Set every param of a (maybe abstract) FluxVAE in place from a diffusers state dict.
-load_vae_state = MODEL.load_state
-# FluxVAE with weights streamed from a diffusers folder onto the first local device:
-#   model = flux_vae.load_vae_folder('/ckpt/FLUX.1-dev', param_dtype=jnp.bfloat16)  # or .../vae
-load_vae_folder = MODEL.load_folder
+# The interface of family.vae (models/family.py): config, abstract module and key table.
+read_vae_config = LOADER.read_config
+abstract_vae = LOADER.abstract
+vae_key_table = LOADER.table
+# FluxVAE with weights streamed from a diffusers folder (vae/ or a pipeline folder holding it) onto
+# the first local device.
+load_vae_folder = LOADER.load_folder

@@ -7,8 +7,9 @@ once: finding the component folder, reading its config, building the module abst
 safetensors straight onto device shardings (models/streaming.py). The transformer converters
 (convert.py, flux_convert.py) and the VAEs (vae.py, flux_vae.py) each define one.
 
-    model = QWENIMAGE_TRANSFORMER.load_folder('/ckpt/Qwen-Image')      # pipeline or model folder
-    cfg, graphdef, state = QWENIMAGE_TRANSFORMER.load_sharded(folder, shardings_fn, jnp.bfloat16)
+    model = convert.LOADER.load_folder('/ckpt/Qwen-Image')        # pipeline or model folder
+    cfg, graphdef, state = flux_convert.LOADER.load_sharded(folder, shardings_fn, jnp.bfloat16)
+    table = vae.LOADER.table(vae_config)                           # {our param: TensorSource}
 
 `check_config_keys` and `config_kwargs` are the config.json checks they share: a config of
 another class, or one with a key we do not understand (it may change the math), is refused.
@@ -88,16 +89,26 @@ class DiffusersModel:
 
   class_name: diffusers' _class_name. subfolder: its folder in a pipeline ('transformer', 'vae').
   parse_config: (config.json dict, **overrides) -> our config. module: (config, *, rngs,
-  param_dtype) -> our module. key_table: our config -> {our dotted param path: TensorSource}.
-  label: names the model in error messages ('MMDiT', 'VAE').
+  param_dtype) -> our module. label: names the model in error messages ('MMDiT', 'VAE').
+  The key table ({our dotted param path: TensorSource}) comes from key_table(config), or, for a
+  module whose leaf modules each give their own sources, from those `leaves`
+  (tensor_source.table_from_modules).
   """
 
   class_name: str
   subfolder: str
   parse_config: Callable[..., Any]
   module: Callable[..., nnx.Module]
-  key_table: Callable[[Any], KeyTable]
   label: str
+  key_table: Callable[[Any], KeyTable] | None = None
+  leaves: tuple[type, ...] = ()
+
+  def table(self, config: Any) -> KeyTable:
+    """Our dotted param path -> its diffusers source (every param, every diffusers key once)."""
+    if self.key_table is not None:
+      return self.key_table(config)
+    model = self.abstract_module(config)
+    return tensor_source.table_from_modules(model, self.leaves, f'the {self.label} key table')
 
   def folder(self, path: str | os.PathLike) -> Path:
     """The folder holding the model's config.json: `path` itself or `path`/`subfolder` (a pipeline
@@ -122,7 +133,7 @@ class DiffusersModel:
     """Set every param of `model` IN PLACE from a diffusers state dict {key: array [torch
     layout]}; returns `model`, which may be abstract (`abstract_module`). Arrays are cast to each
     param's dtype. ValueError names missing / unexpected keys or a key whose shape does not fit."""
-    return tensor_source.fill_params(model, self.key_table(model.config), state_dict, self.label)
+    return tensor_source.fill_params(model, self.table(model.config), state_dict, self.label)
 
   def load_sharded(
       self,
@@ -145,7 +156,7 @@ class DiffusersModel:
     graphdef, abstract = self.abstract(config, param_dtype)
     state = streaming.load(
         checkpoint,
-        self.key_table(config),
+        self.table(config),
         abstract,
         shardings_fn(abstract),
         param_dtype,

@@ -62,8 +62,20 @@ from digen_jax.models.stacking import run_stacked, stacked_blocks
 
 
 @dataclasses.dataclass(frozen=True)
-class MMDiTConfig(dit.TransformerDims):
-  """Architecture of a QwenImage transformer. Defaults are diffusers' (the 20B QwenImage release)."""
+class MMDiTConfig(dit.TransformerConfig):
+  """Architecture of a QwenImage transformer. Defaults are diffusers' (the 20B QwenImage release); rotary axes,
+  eps and the execution options are dit.TransformerConfig's."""
+
+  SIZE_FIELDS = (
+      "patch_size",
+      "in_channels",
+      "out_channels",
+      "num_layers",
+      "attention_head_dim",
+      "num_attention_heads",
+      "joint_attention_dim",
+  )
+  ROPE_AXES = "frame, height, width"
 
   patch_size: int = 2
   in_channels: int = 64
@@ -72,11 +84,6 @@ class MMDiTConfig(dit.TransformerDims):
   attention_head_dim: int = 128
   num_attention_heads: int = 24
   joint_attention_dim: int = 3584
-  axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
-  # Hard-coded in diffusers (QwenEmbedRope(theta=10000), eps=1e-6 for every norm); kept as fields so that a
-  # variant that changes them is one config line away.
-  rope_theta: float = 10000.0
-  eps: float = 1e-6
   # Diffusers flags that change the math; only the default (False) variant is implemented.
   guidance_embeds: bool = False
   zero_cond_t: bool = False
@@ -87,35 +94,9 @@ class MMDiTConfig(dit.TransformerDims):
   # to the timestep embedding, so every block's modulation sees the prompt directly instead of only through
   # attention. False (the default) is diffusers' QwenImage exactly.
   pooled_text: bool = False
-  # Execution options; none changes the math or the params.
-  # remat: rematerialise each block in the backward pass (jax.checkpoint).
-  remat: bool = False
-  # scan_layers: run the blocks under lax.scan (one compiled block: compile time independent of num_layers).
-  # False unrolls them into a Python loop: compile time grows with num_layers, but under autodiff nothing is
-  # stacked across layers (a scan zero-fills [num_layers, ...] residual buffers, writes each layer's residuals
-  # into them and slices them back out in the backward pass), which is much of a CPU update's time without remat.
-  scan_layers: bool = True
-  # attention: models/attention.py's implementation ("auto": cuDNN's fused kernel on a GPU in bf16, the portable
-  # XLA path elsewhere; "portable"; "fused"). Same math either way.
-  attention: str = "auto"
 
   def __post_init__(self):
-    object.__setattr__(self, "axes_dims_rope", tuple(int(a) for a in self.axes_dims_rope))
-    dit.check_transformer_config(
-        "MMDiTConfig",
-        self,
-        int_fields=(
-            "patch_size",
-            "in_channels",
-            "out_channels",
-            "num_layers",
-            "attention_head_dim",
-            "num_attention_heads",
-            "joint_attention_dim",
-        ),
-        bool_fields=("remat", "scan_layers"),
-        rope_axes="frame, height, width",
-    )
+    super().__post_init__()
     if self.guidance_embeds:
       raise ValueError(
           "MMDiTConfig.guidance_embeds=True (FLUX-style guidance embedding) is not supported; "

@@ -40,7 +40,6 @@ import numpy as np
 
 from digen_jax.models import config_checks
 from digen_jax.models import loading
-from digen_jax.models import tensor_source
 from digen_jax.models.tensor_source import TensorSource, weight_and_bias
 from digen_jax.models.vae_blocks import (
     ImageVAE,
@@ -441,23 +440,13 @@ def denormalize_latents(z: jax.Array, config: VAEConfig) -> jax.Array:
 # Loading (models/loading.py's load path).
 
 
-def vae_key_table(config: VAEConfig) -> dict[str, TensorSource]:
-  """Our dotted param path -> its diffusers source (every param, every diffusers key once)."""
-  model = MODEL.abstract_module(config)
-  return tensor_source.table_from_modules(model, _LEAVES, 'vae_key_table')
-
-
-MODEL = loading.DiffusersModel(
-    DIFFUSERS_CLASS_NAME, 'vae', config_from_diffusers, QwenImageVAE, vae_key_table, 'VAE'
+LOADER = loading.DiffusersModel(
+    DIFFUSERS_CLASS_NAME, 'vae', config_from_diffusers, QwenImageVAE, 'VAE', leaves=_LEAVES
 )
-# The folder holding the VAE's config.json: the path itself or path/vae (pipeline folder).
-resolve_vae_folder = MODEL.folder
-# VAEConfig from a diffusers vae/ folder or pipeline folder.
-read_vae_config = MODEL.read_config
-# (graphdef, abstract nnx.State of ShapeDtypeStructs) of QwenImageVAE(config, param_dtype).
-abstract_vae = MODEL.abstract
-# Set every param of a (maybe abstract) QwenImageVAE in place from a diffusers state dict.
-load_vae_state = MODEL.load_state
-# QwenImageVAE with weights streamed from a diffusers folder onto the first local device:
-#   model = vae.load_vae_folder('/ckpt/Qwen-Image', param_dtype=jnp.bfloat16)   # or .../vae
-load_vae_folder = MODEL.load_folder
+# The interface of family.vae (models/family.py): config, abstract module and key table.
+read_vae_config = LOADER.read_config
+abstract_vae = LOADER.abstract
+vae_key_table = LOADER.table
+# QwenImageVAE with weights streamed from a diffusers folder (vae/ or a pipeline folder holding it) onto
+# the first local device.
+load_vae_folder = LOADER.load_folder
