@@ -1,13 +1,15 @@
 """Load diffusers ``QwenImageTransformer2DModel`` checkpoints into ``digen_jax.models.mmdit.MMDiT``.
 
-Only safetensors files are read (never pickle / torch.load). Every diffusers tensor must map to exactly one of our
-params and every one of our params must be set, else a ValueError lists what is missing or unexpected. The load
-path itself is models/loading.py's (shared with FLUX and the VAEs); this module holds QwenImage's key table.
+Only safetensors files are read (never pickle / torch.load). Every diffusers tensor must map to
+exactly one of our params and every one of our params must be set, else a ValueError lists what is
+missing or unexpected. The load path itself is models/loading.py's (shared with FLUX and the
+VAEs); this module holds QwenImage's config keys and key table.
 
-    model = load_diffusers_folder("/ckpt/Qwen-Image")            # pipeline folder (uses transformer/) or model folder
-    cfg, graphdef, state = load_diffusers_sharded("/ckpt/Qwen-Image", lambda s: mesh_lib.fsdp_shardings(s, mesh))
+    model = load_diffusers_folder("/ckpt/Qwen-Image")     # pipeline folder (transformer/) or model
+    cfg, graphdef, state = load_diffusers_sharded(
+        "/ckpt/Qwen-Image", lambda s: mesh_lib.fsdp_shardings(s, mesh))
     cfg = config_from_diffusers(json.load(open("config.json")))
-    load_diffusers_state(model, {key: np.ndarray})                # in place
+    load_diffusers_state(model, {key: np.ndarray})         # in place
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can hand out BF16 tensors)
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: safetensors hands out BF16)
 
 from digen_jax.models import loading
 from digen_jax.models.layers import embedder_linears, feed_forward_linears
@@ -33,8 +35,9 @@ _CONFIG_KEYS = MMDiTConfig.SIZE_FIELDS + (
     "use_layer3d_rope",
 )
 
-# mmdit.JointAttention under its diffusers names, relative to a block (also FLUX's double-stream blocks):
-# (diffusers module prefix, our module path) of its Linear layers, then (diffusers key, our param) of its norms.
+# mmdit.JointAttention under its diffusers names, relative to a block (also FLUX's double-stream
+# blocks): (diffusers module prefix, our module path) of its Linear layers, then (diffusers key,
+# our param) of its norms.
 JOINT_ATTENTION_LINEARS = (
     ("attn.to_q", ("attn", "to_q")),
     ("attn.to_k", ("attn", "to_k")),
@@ -59,7 +62,8 @@ _GLOBAL_LINEARS = (
     ("proj_out", ("proj_out",)),
 )
 _GLOBAL_NORMS = (("txt_norm.weight", ("txt_norm", "scale")),)
-# Per block, relative to "transformer_blocks.{i}."; ours are stacked along a leading layer axis under "blocks".
+# Per block, relative to "transformer_blocks.{i}."; ours are stacked along a leading layer axis
+# under "blocks".
 _BLOCK_LINEARS = (
     ("img_mod.1", ("img_mod",)),
     ("txt_mod.1", ("txt_mod",)),
@@ -70,24 +74,25 @@ _BLOCK_LINEARS = (
 
 
 def config_from_diffusers(cfg: Mapping[str, Any], **overrides: Any) -> MMDiTConfig:
-  """MMDiTConfig from a diffusers transformer config.json dict. Keys starting with '_' (metadata) are ignored;
-  any other unknown key raises (it may change the math). `overrides` set MMDiTConfig fields (e.g. remat=True).
-  """
+  """MMDiTConfig from a diffusers transformer config.json dict. Keys starting with '_' (metadata)
+  are ignored; any other unknown key raises (it may change the math). `overrides` set MMDiTConfig
+  fields (e.g. remat=True)."""
   return loading.transformer_config(
       MMDiTConfig, DIFFUSERS_CLASS_NAME, _CONFIG_KEYS, cfg, **overrides
   )
 
 
 def diffusers_key_table(config: MMDiTConfig) -> dict[str, TensorSource]:
-  """Our dotted param path -> its diffusers source: Linear weights [out, in] transposed to kernels [in, out];
-  per-block tensors stacked along our leading layer axis (one diffusers key per layer)."""
+  """Our dotted param path -> its diffusers source: Linear weights [out, in] transposed to kernels
+  [in, out]; per-block tensors stacked along our leading layer axis (one diffusers key per layer).
+  """
   blocks = BlockStack(
       "blocks", "transformer_blocks", config.num_layers, _BLOCK_LINEARS, JOINT_ATTENTION_NORMS
   )
   return build_key_table(_GLOBAL_LINEARS, _GLOBAL_NORMS, (blocks,))
 
 
-# The load path (models/loading.py) of QwenImage transformers; the module-level names below are its methods.
+# The load path (models/loading.py) of QwenImage transformers; the names below are its methods.
 LOADER = loading.DiffusersModel(
     DIFFUSERS_CLASS_NAME,
     "transformer",
@@ -98,9 +103,9 @@ LOADER = loading.DiffusersModel(
 )
 # MMDiTConfig of a transformer folder (or a pipeline folder with transformer/), with overrides.
 read_config = LOADER.read_config
-# Set every param of an MMDiT (which may be abstract) in place from a diffusers state dict; returns it.
+# Set every param of an MMDiT (maybe abstract) in place from a diffusers state dict; returns it.
 load_diffusers_state = LOADER.load_state
-# (config, graphdef, state) streamed straight onto shardings_fn(abstract_state); see DiffusersModel.load_sharded.
+# (config, graphdef, state) streamed onto shardings_fn(abstract_state): DiffusersModel.load_sharded.
 load_diffusers_sharded = LOADER.load_sharded
 # MMDiT with weights from a diffusers folder, on the first local device.
 load_diffusers_folder = LOADER.load_folder

@@ -2,19 +2,24 @@
 
 `TransformerConfig` is the base of every family's config dataclass: the fields every family has
 (rotary axes, norm eps, execution options), the derived widths and the checks of the common
-fields. `check_token_inputs` and `is_static_shape` check a forward's inputs. A family's config and
-forward thus only add what is its own.
+fields. `TransformerModel` is the base of every family's top-level module: it holds the config,
+runs block stacks with the config's execution options and ends in the AdaLN output head.
+`check_token_inputs` and `is_static_shape` check a forward's inputs. A family's config and model
+thus only add what is their own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
+from flax import nnx
 import jax
 import numpy as np
 
 from digen_jax.models import config_checks
+from digen_jax.models import layers
+from digen_jax.models import stacking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +70,40 @@ class TransformerConfig:
   def out_dim(self) -> int:
     """Channels per output token: patch_size**2 * out_channels."""
     return self.patch_size * self.patch_size * self.out_channels
+
+
+class TransformerModel(nnx.Module):
+  """Base of the families' top-level modules. Holds `config` (an instance of the subclass's
+  CONFIG), runs block stacks with its execution options (`run_blocks`) and maps the final tokens
+  through the AdaLN output head (`output`; the subclass makes norm_out and proj_out with
+  layers.output_layers)."""
+
+  CONFIG: ClassVar[type] = TransformerConfig
+
+  def __init__(self, config: TransformerConfig):
+    if not isinstance(config, self.CONFIG):
+      raise ValueError(
+          f'{type(self).__name__} needs a {self.CONFIG.__name__}, got {type(config).__name__}'
+      )
+    self.config = config
+
+  def run_blocks(
+      self, blocks: nnx.Module, carry: Any, call: Callable[[nnx.Module, Any], Any], num_layers: int
+  ) -> Any:
+    """carry = call(block_i, carry) over a block stack (stacking.run_stacked), with the config's
+    remat and scan_layers."""
+    return stacking.run_stacked(
+        blocks,
+        carry,
+        call,
+        num_layers=num_layers,
+        remat=self.config.remat,
+        scan_layers=self.config.scan_layers,
+    )
+
+  def output(self, tokens: jax.Array, temb: jax.Array) -> jax.Array:
+    """Final image tokens [B, N, D], temb [B, D] -> [B, N, out_dim] float32 (layers.output_head)."""
+    return layers.output_head(tokens, temb, self.norm_out, self.proj_out, self.config.eps)
 
 
 def is_static_shape(value: Any, rank: int) -> bool:

@@ -1,40 +1,46 @@
 """FLUX.1 transformer (double-stream + single-stream MMDiT) in flax NNX.
 
-Matches diffusers' ``FluxTransformer2DModel`` (0.42.1; FLUX.1-dev with guidance_embeds=True, FLUX.1-schnell with
-False) to float32 rounding; see tests/test_flux_parity.py. Weights are loaded from diffusers checkpoints by
-``digen_jax.models.flux_convert``.
+Matches diffusers' ``FluxTransformer2DModel`` (0.42.1; FLUX.1-dev with guidance_embeds=True,
+FLUX.1-schnell with False) to float32 rounding; see tests/test_flux_parity.py. Weights are loaded
+from diffusers checkpoints by ``digen_jax.models.flux_convert``.
 
-Most of the model is QwenImage's (``digen_jax.models.mmdit``) with other diffusers names: the double-stream
-FluxTransformerBlock is exactly ``MMDiTBlock`` (AdaLayerNormZero x2 per stream, joint attention with per-head q/k
-RMSNorm, text tokens first, tanh-GELU FeedForward); the timestep embedder, the pooled-text projection
-(PixArtAlphaTextProjection, linear-SiLU-linear) and the single-stream q/k/v projection are layers.py's
-``TimestepEmbedder``, ``TextPoolEmbedder`` and ``QKVProjection``; the RoPE rotation is rope.py's (the same
-interleaved-pair rotation, run in the half-split form). What is FLUX's own:
+Most of the model is QwenImage's (``digen_jax.models.mmdit``) with other diffusers names: the
+double-stream FluxTransformerBlock is exactly ``MMDiTBlock`` (AdaLayerNormZero x2 per stream,
+joint attention with per-head q/k RMSNorm, text tokens first, tanh-GELU FeedForward); the
+timestep embedder, the pooled-text projection (PixArtAlphaTextProjection, linear-SiLU-linear) and
+the single-stream q/k/v projection are layers.py's ``TimestepEmbedder``, ``TextPoolEmbedder`` and
+``QKVProjection``; the RoPE rotation is rope.py's (the same interleaved-pair rotation, run in the
+half-split form). What is FLUX's own:
 
-  * no RMSNorm on the text input; a pooled (CLIP) text vector and, for -dev, the guidance scale are added to the
-    timestep embedding;
-  * timestep and guidance are multiplied by 1000 before a scale-1 sinusoidal embedding (FluxPipeline passes sigma
-    in [0, 1] and the raw guidance scale);
-  * RoPE positions are 3-axis ids (text all zero; image (0, row, col)), angles computed in float64 (FluxPosEmbed);
-  * after the double-stream blocks, single-stream blocks run on the joint [text, image] sequence: AdaLayerNormZeroSingle
-    (shift, scale, gate), attention and an MLP in parallel from the same normed input, one proj_out over their
-    concatenation.
+  * no RMSNorm on the text input; a pooled (CLIP) text vector and, for -dev, the guidance scale
+    are added to the timestep embedding;
+  * timestep and guidance are multiplied by 1000 before a scale-1 sinusoidal embedding
+    (FluxPipeline passes sigma in [0, 1] and the raw guidance scale);
+  * RoPE positions are 3-axis ids (text all zero; image (0, row, col)), angles computed in
+    float64 (FluxPosEmbed);
+  * after the double-stream blocks, single-stream blocks run on the joint [text, image] sequence:
+    AdaLayerNormZeroSingle (shift, scale, gate), attention and an MLP in parallel from the same
+    normed input, one proj_out over their concatenation.
 
 Layout of our parameters (diffusers name in brackets):
 
   time_embed.linear_1 / linear_2      [time_text_embed.timestep_embedder] 256 -> D -> D
   guidance_embed.linear_1 / linear_2  [time_text_embed.guidance_embedder] only with guidance_embeds
-  text_pool.linear_1 / linear_2       [time_text_embed.text_embedder] pooled_projection_dim -> D -> D
+  text_pool.linear_1 / linear_2       [time_text_embed.text_embedder] pooled_projection_dim -> D
+                                      -> D
   txt_in, img_in                      [context_embedder, x_embedder]
-  blocks.*                            [transformer_blocks.{i}] ONE MMDiTBlock stacked over num_layers
-  single_blocks.*                     [single_transformer_blocks.{i}] ONE SingleStreamBlock stacked over
-                                      num_single_layers (both stacks run under lax.scan, or unrolled; MMDiTConfig)
-  norm_out                            [norm_out.linear] AdaLayerNormContinuous (D -> 2D, chunk order: scale, shift)
+  blocks.*                            [transformer_blocks.{i}] ONE MMDiTBlock stacked over
+                                      num_layers
+  single_blocks.*                     [single_transformer_blocks.{i}] ONE SingleStreamBlock stacked
+                                      over num_single_layers (both stacks run under lax.scan, or
+                                      unrolled: TransformerConfig.scan_layers)
+  norm_out                            [norm_out.linear] AdaLayerNormContinuous (D -> 2D, chunk
+                                      order: scale, shift)
   proj_out                            D -> patch_size**2 * out_channels
 
-Precision as in mmdit.py: matmuls in the params' dtype, norms / RoPE / softmax statistics in float32, float32
-output; the timestep and guidance stay float32 before the sinusoidal embedding (diffusers rounds them to the compute
-dtype first; identical in a float32 forward).
+Precision as in mmdit.py: matmuls in the params' dtype, norms / RoPE / softmax statistics in
+float32, float32 output; the timestep and guidance stay float32 before the sinusoidal embedding
+(diffusers rounds them to the compute dtype first; identical in a float32 forward).
 """
 
 from __future__ import annotations
@@ -60,17 +66,18 @@ from digen_jax.models.layers import (
     linear_param_count,
     modulate,
     multihead_attention,
-    output_head,
+    output_layers,
 )
 from digen_jax.models.mmdit import MMDiTBlock, block_macs, block_param_count
 from digen_jax.models.rope import rope_tables
-from digen_jax.models.stacking import run_stacked, stacked_blocks
+from digen_jax.models.stacking import stacked_blocks
 
 
 @dataclasses.dataclass(frozen=True)
 class FluxConfig(dit.TransformerConfig):
-  """Architecture of a FLUX.1 transformer. Defaults are diffusers' (FLUX.1-schnell; -dev sets guidance_embeds);
-  rotary axes, eps and the execution options (which apply to both block stacks) are dit.TransformerConfig's.
+  """Architecture of a FLUX.1 transformer. Defaults are diffusers' (FLUX.1-schnell; -dev sets
+  guidance_embeds); rotary axes, eps and the execution options (which apply to both block stacks)
+  are dit.TransformerConfig's.
   """
 
   SIZE_FIELDS = (
@@ -105,8 +112,8 @@ class FluxConfig(dit.TransformerConfig):
 
 
 def image_ids(h: int, w: int) -> np.ndarray:
-  """FluxPipeline._prepare_latent_image_ids: token (row, col) of an h x w grid (row-major) -> (0, row, col).
-  Returns [h*w, 3] int64."""
+  """FluxPipeline._prepare_latent_image_ids: token (row, col) of an h x w grid (row-major) -> (0,
+  row, col). Returns [h*w, 3] int64."""
   rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
   return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.int64)
 
@@ -114,19 +121,20 @@ def image_ids(h: int, w: int) -> np.ndarray:
 def rope_cos_sin(
     ids: np.ndarray, axes_dims: tuple[int, ...], theta: float = 10000.0
 ) -> tuple[np.ndarray, np.ndarray]:
-  """FluxPosEmbed tables for position ids [S, 3]: (cos, sin) [S, head_dim/2] float32, entry i rotating the
-  interleaved pair (x[2i], x[2i+1]) (diffusers repeats each entry twice; mmdit's RoPE takes them once).
+  """FluxPosEmbed tables for position ids [S, 3]: (cos, sin) [S, head_dim/2] float32, entry i
+  rotating the interleaved pair (x[2i], x[2i+1]) (diffusers repeats each entry twice; mmdit's RoPE
+  takes them once).
   """
   return rope_tables(np.asarray(ids), axes_dims, theta, freqs_dtype=np.float64)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Modules.
 
 
 class SingleStreamAttention(QKVProjection):
-  """FluxAttention(pre_only=True): Q/K/V with per-head RMSNorm on Q and K and RoPE, one softmax over the joint
-  sequence, no output projection (the block's proj_out mixes it with the MLP branch)."""
+  """FluxAttention(pre_only=True): Q/K/V with per-head RMSNorm on Q and K and RoPE, one softmax over
+  the joint sequence, no output projection (the block's proj_out mixes it with the MLP branch)."""
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [B, S, D], tables [S, Dh/2] -> [B, S, D]."""
@@ -134,20 +142,21 @@ class SingleStreamAttention(QKVProjection):
 
 
 class SingleStreamBlock(nnx.Module):
-  """FluxSingleTransformerBlock: x + gate * proj_out([attn(h), gelu_tanh(proj_mlp(h))]), h = AdaLN(x)."""
+  """FluxSingleTransformerBlock: x + gate * proj_out([attn(h), gelu_tanh(proj_mlp(h))]) with
+  h = AdaLN(x)."""
 
   def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
     d = config.inner_dim
     self.eps = config.eps
-    self.mod = linear(
-        d, 3 * d, rngs, param_dtype
-    )  # AdaLayerNormZeroSingle.linear: (shift, scale, gate)
+    # AdaLayerNormZeroSingle.linear: (shift, scale, gate).
+    self.mod = linear(d, 3 * d, rngs, param_dtype)
     self.proj_mlp = linear(d, MLP_RATIO * d, rngs, param_dtype)
     self.attn = SingleStreamAttention(config, rngs=rngs, param_dtype=param_dtype)
     self.proj_out = linear(d + MLP_RATIO * d, d, rngs, param_dtype)
 
   def __call__(self, x, temb, rope):
-    """x [B, S, D] joint [text, image] tokens, temb [B, D], rope = (cos, sin) [S, Dh/2] -> [B, S, D]."""
+    """x [B, S, D] joint [text, image] tokens, temb [B, D], rope = (cos, sin) [S, Dh/2]
+    -> [B, S, D]."""
     shift, scale, gate = jnp.split(self.mod(jax.nn.silu(temb)), 3, axis=-1)
     h = modulate(layer_norm(x, self.eps), shift, scale)
     mlp = jax.nn.gelu(self.proj_mlp(h), approximate=True)
@@ -155,13 +164,13 @@ class SingleStreamBlock(nnx.Module):
     return x + gate[:, None, :] * out
 
 
-class Flux(nnx.Module):
+class Flux(dit.TransformerModel):
   """FLUX.1 transformer: predicts the flow velocity for packed latent tokens."""
 
+  CONFIG = FluxConfig
+
   def __init__(self, config: FluxConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-    if not isinstance(config, FluxConfig):
-      raise ValueError(f"config must be a FluxConfig, got {type(config).__name__}")
-    self.config = config
+    super().__init__(config)
     d = config.inner_dim
     self.time_embed = TimestepEmbedder(d, rngs=rngs, param_dtype=param_dtype)
     if config.guidance_embeds:
@@ -180,8 +189,7 @@ class Flux(nnx.Module):
         config.num_single_layers,
         rngs,
     )
-    self.norm_out = linear(d, 2 * d, rngs, param_dtype)
-    self.proj_out = linear(d, config.out_dim, rngs, param_dtype)
+    self.norm_out, self.proj_out = output_layers(d, config.out_dim, rngs, param_dtype)
 
   def __call__(
       self,
@@ -195,13 +203,15 @@ class Flux(nnx.Module):
       img_ids: np.ndarray | None = None,
       txt_ids: np.ndarray | None = None,
   ) -> jax.Array:
-    """latents [B, N_img, in_channels] packed latent tokens; sigma [B] in [0, 1] (FluxPipeline's timestep / 1000);
-    text [B, L, joint_attention_dim] (T5, no mask: every token attends); pooled [B, pooled_projection_dim]
-    (CLIP); guidance [B] raw guidance scale, required iff guidance_embeds.
+    """latents [B, N_img, in_channels] packed latent tokens; sigma [B] in [0, 1] (FluxPipeline's
+    timestep / 1000); text [B, L, joint_attention_dim] (T5, no mask: every token attends); pooled
+    [B, pooled_projection_dim] (CLIP); guidance [B] raw guidance scale, required iff
+    guidance_embeds.
 
-    Positions: img_shape = (h_tokens, w_tokens) static ints for FluxPipeline's grid ids ``image_ids(h, w)``, or
-    img_ids [N_img, 3] given directly; txt_ids [L, 3] (default all zero). Ids must be concrete numpy (the RoPE
-    tables are built at trace time): under jit, close over them. Returns [B, N_img, out_dim] float32.
+    Positions: img_shape = (h_tokens, w_tokens) static ints for FluxPipeline's grid ids
+    ``image_ids(h, w)``, or img_ids [N_img, 3] given directly; txt_ids [L, 3] (default all zero).
+    Ids must be concrete numpy (the RoPE tables are built at trace time): under jit, close over
+    them. Returns [B, N_img, out_dim] float32.
     """
     cfg = self.config
     b, n_img, n_txt = self._check_inputs(latents, sigma, text, pooled, guidance)
@@ -222,26 +232,17 @@ class Flux(nnx.Module):
       temb = temb + self.guidance_embed(TIMESTEP_SCALE * guidance.astype(jnp.float32), scale=1.0)
     temb = temb + self.text_pool(pooled)
 
-    img, txt = run_stacked(
-        self.blocks,
-        (img, txt),
-        lambda block, c: block(*c, temb, double_rope, None),
-        num_layers=cfg.num_layers,
-        remat=cfg.remat,
-        scan_layers=cfg.scan_layers,
+    img, txt = self.run_blocks(
+        self.blocks, (img, txt), lambda block, c: block(*c, temb, double_rope, None), cfg.num_layers
     )
-    # diffusers concatenates and splits the streams around every single-stream block; once is the same.
+    # diffusers concatenates and splits the streams around every single-stream block; once is the
+    # same.
     x = jnp.concatenate([txt, img], axis=1)
-    x = run_stacked(
-        self.single_blocks,
-        x,
-        lambda block, x: block(x, temb, joint_rope),
-        num_layers=cfg.num_single_layers,
-        remat=cfg.remat,
-        scan_layers=cfg.scan_layers,
+    x = self.run_blocks(
+        self.single_blocks, x, lambda block, x: block(x, temb, joint_rope), cfg.num_single_layers
     )
     img = x[:, n_txt:]
-    return output_head(img, temb, self.norm_out, self.proj_out, cfg.eps)
+    return self.output(img, temb)
 
   def _check_inputs(self, latents, sigma, text, pooled, guidance):
     cfg = self.config
@@ -300,7 +301,7 @@ def _concrete_ids(ids, n, name):
   return ids
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Analytic sizes.
 
 
@@ -328,9 +329,9 @@ def count_params(config: FluxConfig) -> int:
 
 
 def flops_per_forward(config: FluxConfig, batch: int, n_img: int, n_txt: int) -> float:
-  """Analytic matmul FLOPs (2 per multiply-add) of one forward on `batch` samples with n_img image and n_txt text
-  tokens: every Linear plus the two attention matmuls (QK^T, PV); norms, RoPE, softmax and activations excluded
-  (as mmdit.flops_per_forward)."""
+  """Analytic matmul FLOPs (2 per multiply-add) of one forward on `batch` samples with n_img image
+  and n_txt text tokens: every Linear plus the two attention matmuls (QK^T, PV); norms, RoPE,
+  softmax and activations excluded (as mmdit.flops_per_forward)."""
   d = config.inner_dim
   s = n_img + n_txt
   embed = TIMESTEP_CHANNELS * d + d * d  # one row per sample

@@ -1,12 +1,14 @@
 """Load diffusers ``FluxTransformer2DModel`` checkpoints into ``digen_jax.models.flux.Flux``.
 
-The FLUX counterpart of ``digen_jax.models.convert`` (the same load path, models/loading.py, and the same checks:
-every diffusers tensor maps to exactly one of our params and every one of our params is set; only safetensors files
-are read). The double-stream blocks' attention entries are convert's: they are QwenImage's block.
+The FLUX counterpart of ``digen_jax.models.convert``: the same load path (models/loading.py) and
+the same checks (every diffusers tensor maps to exactly one of our params and every one of our
+params is set; only safetensors files are read). The double-stream blocks' attention entries are
+convert's: those blocks are QwenImage's.
 
-    model = load_flux_from_diffusers("/ckpt/FLUX.1-dev")              # pipeline folder (transformer/) or model folder
+    model = load_flux_from_diffusers("/ckpt/FLUX.1-dev")   # pipeline folder (transformer/) or model
     model = load_flux_from_diffusers(torch_model.state_dict(), config)  # in-memory state dict
-    cfg, graphdef, state = load_flux_sharded("/ckpt/FLUX.1-dev", lambda s: mesh_lib.fsdp_shardings(s, mesh))
+    cfg, graphdef, state = load_flux_sharded(
+        "/ckpt/FLUX.1-dev", lambda s: mesh_lib.fsdp_shardings(s, mesh))
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ DIFFUSERS_CLASS_NAME = "FluxTransformer2DModel"
 # diffusers config keys (identical FluxConfig field names; out_channels=None means in_channels).
 _CONFIG_KEYS = FluxConfig.SIZE_FIELDS + ("guidance_embeds", "axes_dims_rope")
 
-# (diffusers module prefix, our module path): Linear weight [out, in] -> kernel [in, out], bias -> bias.
+# (diffusers module prefix, our module path): Linear weight [out, in] -> kernel [in, out], bias.
 _GLOBAL_LINEARS = (
     *embedder_linears("time_text_embed.timestep_embedder", "time_embed"),
     *embedder_linears("time_text_embed.text_embedder", "text_pool"),
@@ -63,16 +65,17 @@ _SINGLE_NORMS = (
 
 
 def config_from_diffusers(cfg: Mapping[str, Any], **overrides: Any) -> FluxConfig:
-  """FluxConfig from a diffusers FluxTransformer2DModel config.json dict (unknown non-'_' keys raise);
-  `overrides` set FluxConfig fields (e.g. remat=True)."""
+  """FluxConfig from a diffusers FluxTransformer2DModel config.json dict (unknown non-'_' keys
+  raise); `overrides` set FluxConfig fields (e.g. remat=True)."""
   return loading.transformer_config(
       FluxConfig, DIFFUSERS_CLASS_NAME, _CONFIG_KEYS, cfg, **overrides
   )
 
 
 def flux_key_table(config: FluxConfig) -> dict[str, TensorSource]:
-  """Our dotted param path -> its diffusers source: Linear weights [out, in] transposed to kernels [in, out];
-  per-block tensors stacked along our leading layer axis (one diffusers key per layer)."""
+  """Our dotted param path -> its diffusers source: Linear weights [out, in] transposed to kernels
+  [in, out]; per-block tensors stacked along our leading layer axis (one diffusers key per layer).
+  """
   linears = _GLOBAL_LINEARS + (_GUIDANCE_LINEARS if config.guidance_embeds else ())
   double = BlockStack(
       "blocks", "transformer_blocks", config.num_layers, _DOUBLE_LINEARS, JOINT_ATTENTION_NORMS
@@ -98,12 +101,13 @@ LOADER = loading.DiffusersModel(
 )
 # FluxConfig of a transformer folder (or a pipeline folder with transformer/), with overrides.
 read_config = LOADER.read_config
-# (config, graphdef, state) streamed straight onto shardings_fn(abstract_state); see DiffusersModel.load_sharded.
+# (config, graphdef, state) streamed onto shardings_fn(abstract_state): DiffusersModel.load_sharded.
 load_flux_sharded = LOADER.load_sharded
 
 
 def _as_numpy(value: Any) -> np.ndarray:
-  # torch tensors (e.g. a torch model's state_dict()) without importing torch here; bf16 has no numpy view in torch.
+  # torch tensors (e.g. a torch model's state_dict()) without importing torch here; bf16 has no
+  # numpy view in torch.
   if hasattr(value, "detach"):
     value = value.detach().cpu()
     return (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
@@ -117,11 +121,13 @@ def load_flux_from_diffusers(
     param_dtype: Any = jnp.float32,
     **config_overrides: Any,
 ) -> Flux:
-  """Flux with weights from diffusers: `source` is a folder (config.json + *.safetensors, optionally sharded; or
-  a pipeline folder with transformer/) or a state dict {key: numpy array or torch tensor}.
+  """Flux with weights from diffusers: `source` is a folder (config.json + *.safetensors,
+  optionally sharded; or a pipeline folder with transformer/) or a state dict {key: numpy array
+  or torch tensor}.
 
-  A folder's config comes from its config.json (`config` must then be None; `config_overrides` adjust it); a state
-  dict needs `config`. Params are stored in `param_dtype` on the first local device, never randomly initialised.
+  A folder's config comes from its config.json (`config` must then be None; `config_overrides`
+  adjust it); a state dict needs `config`. Params are stored in `param_dtype` on the first local
+  device, never randomly initialised.
   """
   if isinstance(source, Mapping):
     if config is None:

@@ -46,19 +46,7 @@ import numpy as np
 from digen_jax.models import config_checks
 from digen_jax.models import loading
 from digen_jax.models.tensor_source import TensorSource, weight_and_bias
-from digen_jax.models.vae_blocks import (
-    ImageVAE,
-    KernelBias,
-    Pointwise,
-    PreNormResidual,
-    apply_in_order,
-    conv2d,
-    decode_packed as decode_packed,  # re-exported: this VAE's packed entry points
-    downsample_conv,
-    encode_packed as encode_packed,
-    spatial_attention,
-    upsample_conv,
-)
+from digen_jax.models import vae_blocks
 
 DIFFUSERS_CLASS_NAME = 'AutoencoderKL'
 
@@ -123,6 +111,11 @@ class FluxVAEConfig:
     for name in ('use_quant_conv', 'use_post_quant_conv', 'mid_block_add_attention'):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f'FluxVAEConfig.{name} must be a bool, got {getattr(self, name)!r}')
+
+  @property
+  def image_channels(self) -> int:
+    """The image's channels (in_channels; decode gives out_channels, the same for FLUX.1)."""
+    return self.in_channels
 
   @property
   def spatial_compression(self) -> int:
@@ -205,7 +198,7 @@ def group_norm(
 # Leaves (vae_blocks.py: each gives its diffusers `sources`) and blocks.
 
 
-class Conv2d(KernelBias):
+class Conv2d(vae_blocks.KernelBias):
   """A diffusers 3x3 nn.Conv2d, kernel [3, 3, in, out]. Called: stride 1, padding 1 (the
   resamplers apply the kernel through downsample_conv / upsample_conv instead)."""
 
@@ -213,7 +206,7 @@ class Conv2d(KernelBias):
     super().__init__((3, 3, cin, cout), param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return conv2d(x, self.kernel[...], self.bias[...], padding=[(1, 1), (1, 1)])
+    return vae_blocks.conv2d(x, self.kernel[...], self.bias[...], padding=[(1, 1), (1, 1)])
 
   @staticmethod
   def sources(path: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, TensorSource]:
@@ -221,7 +214,7 @@ class Conv2d(KernelBias):
     return weight_and_bias(path, path, perm=(2, 3, 1, 0))
 
 
-class Linear(Pointwise):
+class Linear(vae_blocks.Pointwise):
   """A diffusers nn.Linear held as Pointwise holds a 1x1 conv: kernel [in, out] <- weight
   [out, in]."""
 
@@ -251,11 +244,11 @@ class GroupNorm(nnx.Module):
     }
 
 
-# Pointwise: the 1x1 convs (conv_shortcut, quant_conv, post_quant_conv).
-_LEAVES = (Conv2d, Linear, Pointwise, GroupNorm)
+# vae_blocks.Pointwise: the 1x1 convs (conv_shortcut, quant_conv, post_quant_conv).
+_LEAVES = (Conv2d, Linear, vae_blocks.Pointwise, GroupNorm)
 
 
-class ResnetBlock2D(PreNormResidual):
+class ResnetBlock2D(vae_blocks.PreNormResidual):
   """diffusers ResnetBlock2D as the VAE builds it (no time embedding, output_scale_factor 1):
   shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))."""
 
@@ -265,7 +258,7 @@ class ResnetBlock2D(PreNormResidual):
     self.conv1 = Conv2d(cin, cout, **kw)
     self.norm2 = GroupNorm(cout, groups, param_dtype=param_dtype)
     self.conv2 = Conv2d(cout, cout, **kw)
-    self.conv_shortcut = Pointwise(cin, cout, **kw) if cin != cout else None
+    self.conv_shortcut = vae_blocks.Pointwise(cin, cout, **kw) if cin != cout else None
 
 
 class Attention(nnx.Module):
@@ -283,7 +276,7 @@ class Attention(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     b, h, w, c = x.shape
     n = self.group_norm(x).reshape(b, h * w, c)
-    out = spatial_attention(self.to_q(n), self.to_k(n), self.to_v(n))
+    out = vae_blocks.spatial_attention(self.to_q(n), self.to_k(n), self.to_v(n))
     return x + self.to_out[0](out).reshape(b, h, w, c)
 
 
@@ -296,7 +289,7 @@ class Resample2D(nnx.Module):
     self.conv = Conv2d(dim, dim, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    resample = upsample_conv if self.up else downsample_conv
+    resample = vae_blocks.upsample_conv if self.up else vae_blocks.downsample_conv
     return resample(x, self.conv.kernel[...], self.conv.bias[...])
 
 
@@ -326,7 +319,7 @@ class ResnetStage(nnx.Module):
     setattr(self, self.RESAMPLERS, nnx.List([Resample2D(cout, up, **kw)] if resample else []))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return apply_in_order(x, self.resnets, getattr(self, self.RESAMPLERS))
+    return vae_blocks.apply_in_order(x, self.resnets, getattr(self, self.RESAMPLERS))
 
 
 class DownEncoderBlock2D(ResnetStage):
@@ -377,7 +370,7 @@ class Encoder(nnx.Module):
     self.conv_out = Conv2d(ch[-1], 2 * config.latent_channels, **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = apply_in_order(x, [self.conv_in], self.down_blocks, [self.mid_block])
+    x = vae_blocks.apply_in_order(x, [self.conv_in], self.down_blocks, [self.mid_block])
     return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
 
 
@@ -400,11 +393,11 @@ class Decoder(nnx.Module):
     self.conv_out = Conv2d(ch[-1], config.out_channels, **kw)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = apply_in_order(x, [self.conv_in, self.mid_block], self.up_blocks)
+    x = vae_blocks.apply_in_order(x, [self.conv_in, self.mid_block], self.up_blocks)
     return self.conv_out(jax.nn.silu(self.conv_norm_out(x)))
 
 
-class FluxVAE(ImageVAE):
+class FluxVAE(vae_blocks.ImageVAE):
   """AutoencoderKL (channels-last) with FluxPipeline's latent scaling; encode / decode are
   ImageVAE's, so decode_packed / encode_packed take it as they take vae.QwenImageVAE. See the
   module docstring."""
@@ -414,17 +407,9 @@ class FluxVAE(ImageVAE):
     kw = dict(param_dtype=param_dtype, rngs=rngs)
     z = config.latent_channels
     self.encoder = Encoder(config, **kw)
-    self.quant_conv = Pointwise(2 * z, 2 * z, **kw) if config.use_quant_conv else None
-    self.post_quant_conv = Pointwise(z, z, **kw) if config.use_post_quant_conv else None
+    self.quant_conv = vae_blocks.Pointwise(2 * z, 2 * z, **kw) if config.use_quant_conv else None
+    self.post_quant_conv = vae_blocks.Pointwise(z, z, **kw) if config.use_post_quant_conv else None
     self.decoder = Decoder(config, **kw)
-
-  @property
-  def image_channels(self) -> int:
-    return self.config.in_channels
-
-  @property
-  def latent_channels(self) -> int:
-    return self.config.latent_channels
 
   def normalize(self, z: jax.Array) -> jax.Array:
     """Latent means -> the transformer's latent space: (z - shift_factor) * scaling_factor, as
@@ -455,7 +440,12 @@ class FluxVAE(ImageVAE):
 # model supplies the scaling (FluxVAE.normalize / denormalize).
 #   decode_packed(model, tokens [B, (h/2)(w/2), 64], latent_hw=(h, w)) -> images [B, 8h, 8w, 3]
 #   encode_packed(model, images [B, H, W, 3]) -> tokens [B, (H/16)(W/16), 64]
-#
+
+decode_packed = vae_blocks.decode_packed
+encode_packed = vae_blocks.encode_packed
+
+
+# ---------------------------------------------------------------------------------------------
 # Loading (models/loading.py's load path).
 
 

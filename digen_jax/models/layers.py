@@ -109,6 +109,14 @@ def output_head(
   return proj_out(x).astype(jnp.float32)
 
 
+def output_layers(
+    dim: int, out_dim: int, rngs: nnx.Rngs, param_dtype: Any
+) -> tuple[nnx.Linear, nnx.Linear]:
+  """(norm_out, proj_out) of ``output_head``: D -> 2D and D -> out_dim Linears, made in that
+  order."""
+  return linear(dim, 2 * dim, rngs, param_dtype), linear(dim, out_dim, rngs, param_dtype)
+
+
 def linear_param_count(n_in: int, n_out: int) -> int:
   """Parameters of a Linear layer with bias."""
   return n_in * n_out + n_out

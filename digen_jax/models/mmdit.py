@@ -1,32 +1,38 @@
 """QwenImage double-stream MMDiT transformer in flax NNX.
 
-Matches diffusers' ``QwenImageTransformer2DModel`` (0.42.1, default variant: no guidance embedding, no
-``zero_cond_t``, no additional timestep condition, plain ``QwenEmbedRope``) to float32 rounding; see
-tests/test_mmdit_parity.py. Weights are loaded from diffusers checkpoints by ``digen_jax.models.convert``.
+Matches diffusers' ``QwenImageTransformer2DModel`` (0.42.1, default variant: no guidance
+embedding, no ``zero_cond_t``, no additional timestep condition, plain ``QwenEmbedRope``) to
+float32 rounding; see tests/test_mmdit_parity.py. Weights are loaded from diffusers checkpoints
+by ``digen_jax.models.convert``.
 
 Layout of our parameters (names mirror diffusers so the converter table reads one-to-one):
 
-  time_embed.linear_1 / linear_2      TimestepEmbedding MLP (256 -> D -> D)
-  txt_norm.scale                      RMSNorm over joint_attention_dim
-  text_pool.linear_1 / linear_2       only with MMDiTConfig.pooled_text (not QwenImage): pooled prompt -> D -> D
-  img_in, txt_in                      input projections to D = heads * head_dim
-  blocks.*                            ONE MMDiTBlock whose params carry a leading [num_layers] axis; the forward
-                                      pass runs it under lax.scan (one compiled block instead of num_layers copies)
-                                      or, with MMDiTConfig.scan_layers=False, as num_layers unrolled calls
-  norm_out                            AdaLayerNormContinuous projection (D -> 2D, chunk order: scale, shift)
-  proj_out                            D -> patch_size**2 * out_channels
+  time_embed.linear_1 / linear_2  TimestepEmbedding MLP (256 -> D -> D)
+  txt_norm.scale                  RMSNorm over joint_attention_dim
+  text_pool.linear_1 / linear_2   only with MMDiTConfig.pooled_text (not QwenImage): pooled
+                                  prompt -> D -> D
+  img_in, txt_in                  input projections to D = heads * head_dim
+  blocks.*                        ONE MMDiTBlock whose params carry a leading [num_layers] axis;
+                                  the forward pass runs it under lax.scan (one compiled block
+                                  instead of num_layers copies) or, with scan_layers=False, as
+                                  num_layers unrolled calls (stacking.py)
+  norm_out                        AdaLayerNormContinuous projection (D -> 2D, chunk order: scale,
+                                  shift)
+  proj_out                        D -> patch_size**2 * out_channels
 
 Linear kernels are [in, out] (torch stores [out, in]).
 
-The pieces every family shares live in their own modules: layers.py (norms, embedders, MLP, modulation, the
-q/k/v projection), rope.py, stacking.py (block stacks under lax.scan) and dit.py (config and input checks).
-FLUX.1 (digen_jax.models.flux) reuses MMDiTBlock as its double-stream block. Attention itself is
-models/attention.py's, shared by every family.
+The pieces every family shares live in their own modules: layers.py (norms, embedders, MLP,
+modulation, the q/k/v projection, the output head), rope.py, stacking.py (block stacks) and
+dit.py (the config and model bases, input checks). FLUX.1 (digen_jax.models.flux) reuses
+MMDiTBlock as its double-stream block. Attention itself is models/attention.py's, shared by every
+family.
 
-Precision: matmuls run in the params' dtype (activations are cast to it on entry), so casting every param to
-bfloat16 gives a bf16 forward. RMSNorm/LayerNorm statistics, RoPE rotation and the attention softmax run in
-float32; the output is float32. One deliberate difference from diffusers: diffusers rounds the timestep to the
-compute dtype before the sinusoidal embedding; we keep sigma in float32 there (identical in a float32 forward).
+Precision: matmuls run in the params' dtype (activations are cast to it on entry), so casting
+every param to bfloat16 gives a bf16 forward. RMSNorm/LayerNorm statistics, RoPE rotation and the
+attention softmax run in float32; the output is float32. One deliberate difference from
+diffusers: diffusers rounds the timestep to the compute dtype before the sinusoidal embedding; we
+keep sigma in float32 there (identical in a float32 forward).
 """
 
 from __future__ import annotations
@@ -54,17 +60,17 @@ from digen_jax.models.layers import (
     masked_mean,
     modulate,
     multihead_attention,
-    output_head,
+    output_layers,
     project_qkv,
 )
 from digen_jax.models.rope import rope_tables
-from digen_jax.models.stacking import run_stacked, stacked_blocks
+from digen_jax.models.stacking import stacked_blocks
 
 
 @dataclasses.dataclass(frozen=True)
 class MMDiTConfig(dit.TransformerConfig):
-  """Architecture of a QwenImage transformer. Defaults are diffusers' (the 20B QwenImage release); rotary axes,
-  eps and the execution options are dit.TransformerConfig's."""
+  """Architecture of a QwenImage transformer. Defaults are diffusers' (the 20B QwenImage release);
+  rotary axes, eps and the execution options are dit.TransformerConfig's."""
 
   SIZE_FIELDS = (
       "patch_size",
@@ -89,10 +95,11 @@ class MMDiTConfig(dit.TransformerConfig):
   zero_cond_t: bool = False
   use_additional_t_cond: bool = False
   use_layer3d_rope: bool = False
-  # Not a QwenImage flag: FLUX-style pooled text conditioning. The masked mean of the (RMS-normed) text tokens goes
-  # through a linear-SiLU-linear projection (``text_pool``, FLUX's PixArtAlphaTextProjection shape) and is added
-  # to the timestep embedding, so every block's modulation sees the prompt directly instead of only through
-  # attention. False (the default) is diffusers' QwenImage exactly.
+  # Not a QwenImage flag: FLUX-style pooled text conditioning. The masked mean of the (RMS-normed)
+  # text tokens goes through a linear-SiLU-linear projection (``text_pool``, FLUX's
+  # PixArtAlphaTextProjection shape) and is added to the timestep embedding, so every block's
+  # modulation sees the prompt directly instead of only through attention. False (the default) is
+  # diffusers' QwenImage exactly.
   pooled_text: bool = False
 
   def __post_init__(self):
@@ -110,16 +117,16 @@ class MMDiTConfig(dit.TransformerConfig):
         )
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # QwenEmbedRope positions.
 
 
 def rope_positions(img_shape: tuple[int, int, int], n_txt: int) -> tuple[np.ndarray, np.ndarray]:
   """QwenEmbedRope positions (scale_rope=True).
 
-  Image token (f, y, x) (row-major over img_shape) gets (f, y - (h - h//2), x - (w - w//2)): height and width
-  centred on zero. Text token j gets j + max(h//2, w//2) on all three axes, i.e. text starts after the largest
-  image position. Returns (img_pos [F*H*W, 3], txt_pos [n_txt, 3]) int64.
+  Image token (f, y, x) (row-major over img_shape) gets (f, y - (h - h//2), x - (w - w//2)): height
+  and width centred on zero. Text token j gets j + max(h//2, w//2) on all three axes, i.e. text
+  starts after the largest image position. Returns (img_pos [F*H*W, 3], txt_pos [n_txt, 3]) int64.
   """
   frames, h, w = img_shape
   f_pos = np.arange(frames)
@@ -139,20 +146,22 @@ def rope_cos_sin(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """Rotation tables for image and text tokens, deterministic numpy, float32.
 
-  Returns (img_cos, img_sin [N_img, head_dim/2], txt_cos, txt_sin [n_txt, head_dim/2]); entry i rotates the
-  interleaved pair (x[2i], x[2i+1]); the half-dims are split over axes (frame, height, width) as axes_dims/2.
+  Returns (img_cos, img_sin [N_img, head_dim/2], txt_cos, txt_sin [n_txt, head_dim/2]); entry i
+  rotates the interleaved pair (x[2i], x[2i+1]); the half-dims are split over axes (frame, height,
+  width) as axes_dims/2.
   """
   img_pos, txt_pos = rope_positions(img_shape, n_txt)
   return (*rope_tables(img_pos, axes_dims, theta), *rope_tables(txt_pos, axes_dims, theta))
 
 
 class JointAttention(QKVProjection):
-  """Joint text+image attention (QwenDoubleStreamAttnProcessor2_0): separate Q/K/V/out projections per stream,
-  per-head RMSNorm on Q and K, RoPE, one softmax over the concatenated [text, image] sequence. The image stream's
-  projections are QKVProjection's; the text stream's are the add_* ones.
+  """Joint text+image attention (QwenDoubleStreamAttnProcessor2_0): separate Q/K/V/out projections
+  per stream, per-head RMSNorm on Q and K, RoPE, one softmax over the concatenated [text, image]
+  sequence. The image stream's projections are QKVProjection's; the text stream's are the add_*
+  ones.
 
-  config: MMDiTConfig, or any config QKVProjection takes (flux.FluxConfig: FLUX's double-stream attention is the
-  same computation)."""
+  config: MMDiTConfig, or any config QKVProjection takes (flux.FluxConfig: FLUX's double-stream
+  attention is the same computation)."""
 
   def __init__(self, config: Any, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
     super().__init__(config, rngs=rngs, param_dtype=param_dtype)
@@ -166,8 +175,9 @@ class JointAttention(QKVProjection):
     self.norm_added_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
 
   def __call__(self, img, txt, tables, key_mask):
-    """img [B, N, D], txt [B, L, D]; tables = (img_cos, img_sin, txt_cos, txt_sin) [S, Dh/2] RoPE tables; key_mask
-    [B, L+N] bool (False = padded text key) or None. Returns (img_out [B, N, D], txt_out [B, L, D]).
+    """img [B, N, D], txt [B, L, D]; tables = (img_cos, img_sin, txt_cos, txt_sin) [S, Dh/2] RoPE
+    tables; key_mask [B, L+N] bool (False = padded text key) or None. Returns (img_out [B, N, D],
+    txt_out [B, L, D]).
     """
     img_cos, img_sin, txt_cos, txt_sin = tables
     iq, ik, iv = self.project(img, img_cos, img_sin)
@@ -183,8 +193,8 @@ class JointAttention(QKVProjection):
         self.heads,
     )
 
-    # Order [text, image], as diffusers; the concatenation and the move to head-major [B, H, S, Dh] fuse into
-    # one copy.
+    # Order [text, image], as diffusers; the concatenation and the move to head-major [B, H, S, Dh]
+    # fuse into one copy.
     def joint(t, i):
       return jnp.concatenate([t, i], axis=1)
 
@@ -198,8 +208,9 @@ class JointAttention(QKVProjection):
 class MMDiTBlock(nnx.Module):
   """One double-stream block (QwenImageTransformerBlock): AdaLN(shift, scale, gate) x2 per stream.
 
-  Also FLUX's FluxTransformerBlock (same math: AdaLayerNormZero chunks in this order, LayerNorm eps 1e-6, tanh-GELU
-  FeedForward x4); its diffusers names differ and are mapped by the FLUX key table (digen_jax.models.flux).
+  Also FLUX's FluxTransformerBlock (same math: AdaLayerNormZero chunks in this order, LayerNorm eps
+  1e-6, tanh-GELU FeedForward x4); its diffusers names differ and are mapped by the FLUX key table
+  (digen_jax.models.flux).
   """
 
   def __init__(self, config: MMDiTConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
@@ -212,7 +223,8 @@ class MMDiTBlock(nnx.Module):
     self.txt_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
 
   def __call__(self, img, txt, temb, tables, key_mask):
-    """img [B, N, D], txt [B, L, D], temb [B, D]; tables and key_mask as JointAttention -> (img, txt)."""
+    """img [B, N, D], txt [B, L, D], temb [B, D]; tables and key_mask as JointAttention -> (img,
+    txt)."""
     # Chunk order along the 6D axis: (shift1, scale1, gate1, shift2, scale2, gate2).
     i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = jnp.split(self.img_mod(jax.nn.silu(temb)), 6, axis=-1)
     t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = jnp.split(self.txt_mod(jax.nn.silu(temb)), 6, axis=-1)
@@ -230,13 +242,13 @@ class MMDiTBlock(nnx.Module):
     return img, txt
 
 
-class MMDiT(nnx.Module):
+class MMDiT(dit.TransformerModel):
   """QwenImage transformer: predicts the flow velocity for packed latent patch tokens."""
 
+  CONFIG = MMDiTConfig
+
   def __init__(self, config: MMDiTConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-    if not isinstance(config, MMDiTConfig):
-      raise ValueError(f"config must be an MMDiTConfig, got {type(config).__name__}")
-    self.config = config
+    super().__init__(config)
     d = config.inner_dim
     self.time_embed = TimestepEmbedder(d, rngs=rngs, param_dtype=param_dtype)
     self.txt_norm = RMSNorm(config.joint_attention_dim, config.eps, param_dtype=param_dtype)
@@ -251,8 +263,7 @@ class MMDiT(nnx.Module):
     self.blocks = stacked_blocks(
         lambda r: MMDiTBlock(config, rngs=r, param_dtype=param_dtype), config.num_layers, rngs
     )
-    self.norm_out = linear(d, 2 * d, rngs, param_dtype)
-    self.proj_out = linear(d, config.out_dim, rngs, param_dtype)
+    self.norm_out, self.proj_out = output_layers(d, config.out_dim, rngs, param_dtype)
 
   def __call__(
       self,
@@ -263,9 +274,10 @@ class MMDiT(nnx.Module):
       *,
       img_shape: tuple[int, int, int],
   ) -> jax.Array:
-    """latents [B, N_img, in_channels] packed patch tokens; sigma [B] in [0, 1]; text [B, L, joint_attention_dim];
-    text_mask [B, L] (1 = real token, 0 = padding) or None (all real); img_shape = (frames, h_tokens, w_tokens)
-    static ints with frames*h*w == N_img. Returns [B, N_img, patch_size**2 * out_channels] float32.
+    """latents [B, N_img, in_channels] packed patch tokens; sigma [B] in [0, 1]; text [B, L,
+    joint_attention_dim]; text_mask [B, L] (1 = real token, 0 = padding) or None (all real);
+    img_shape = (frames, h_tokens, w_tokens) static ints with frames*h*w == N_img. Returns [B,
+    N_img, patch_size**2 * out_channels] float32.
     """
     cfg = self.config
     b, n_img, n_txt = self._check_inputs(latents, sigma, text, text_mask, img_shape)
@@ -284,24 +296,21 @@ class MMDiT(nnx.Module):
     if text_mask is None:
       key_mask = None
     else:
-      # Padded text keys are hidden from every query; image keys are always visible, so no row is empty.
+      # Padded text keys are hidden from every query; image keys are always visible, so no row is
+      # empty.
       key_mask = jnp.concatenate([text_mask.astype(bool), jnp.ones((b, n_img), bool)], axis=1)
 
-    img, _ = run_stacked(
-        self.blocks,
-        (img, txt),
-        lambda block, c: block(*c, temb, tables, key_mask),
-        num_layers=cfg.num_layers,
-        remat=cfg.remat,
-        scan_layers=cfg.scan_layers,
+    img, _ = self.run_blocks(
+        self.blocks, (img, txt), lambda block, c: block(*c, temb, tables, key_mask), cfg.num_layers
     )
-    return output_head(img, temb, self.norm_out, self.proj_out, cfg.eps)
+    return self.output(img, temb)
 
   def _check_inputs(self, latents, sigma, text, text_mask, img_shape):
     b, n_img, n_txt = dit.check_token_inputs(self.config, latents, sigma, text)
     if not dit.is_static_shape(img_shape, 3):
       raise ValueError(
-          f"img_shape must be 3 positive static ints (frames, h_tokens, w_tokens), got {img_shape!r}"
+          "img_shape must be 3 positive static ints (frames, h_tokens, w_tokens), "
+          f"got {img_shape!r}"
       )
     if int(np.prod(img_shape)) != n_img:
       raise ValueError(
@@ -313,7 +322,7 @@ class MMDiT(nnx.Module):
     return b, n_img, n_txt
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
 # Analytic sizes.
 
 
@@ -342,9 +351,9 @@ def block_param_count(d: int, head_dim: int) -> int:
 
 
 def flops_per_forward(config: MMDiTConfig, batch: int, n_img: int, n_txt: int) -> float:
-  """Analytic matmul FLOPs (2 per multiply-add) of one forward on `batch` samples with n_img image and n_txt text
-  tokens: every Linear plus the two attention matmuls (QK^T, PV). Norms, RoPE, softmax and activations are
-  excluded (they are O(tokens * D), negligible next to the matmuls)."""
+  """Analytic matmul FLOPs (2 per multiply-add) of one forward on `batch` samples with n_img image
+  and n_txt text tokens: every Linear plus the two attention matmuls (QK^T, PV). Norms, RoPE,
+  softmax and activations are excluded (they are O(tokens * D), negligible next to the matmuls)."""
   d, j = config.inner_dim, config.joint_attention_dim
   s = n_img + n_txt
   per_sample = (

@@ -156,6 +156,11 @@ class VAEConfig:
     return self.z_dim
 
   @property
+  def image_channels(self) -> int:
+    """The image's channels (input_channels)."""
+    return self.input_channels
+
+  @property
   def spatial_compression(self) -> int:
     """Pixels per latent along each spatial axis (diffusers' spatial_compression_ratio)."""
     return 2 ** len(self.temperal_downsample)
@@ -393,14 +398,6 @@ class QwenImageVAE(ImageVAE):
     self.post_quant_conv = CausalConv(config.z_dim, config.z_dim, (1, 1, 1), **kw)
     self.decoder = Decoder(config, **kw)
 
-  @property
-  def image_channels(self) -> int:
-    return self.config.input_channels
-
-  @property
-  def latent_channels(self) -> int:
-    return self.config.z_dim
-
   def normalize(self, z: jax.Array) -> jax.Array:
     """Latent means -> the transformer's latent space (normalize_latents)."""
     return normalize_latents(z, self.config)
@@ -447,6 +444,6 @@ LOADER = loading.DiffusersModel(
 read_vae_config = LOADER.read_config
 abstract_vae = LOADER.abstract
 vae_key_table = LOADER.table
-# QwenImageVAE with weights streamed from a diffusers folder (vae/ or a pipeline folder holding it) onto
-# the first local device.
+# QwenImageVAE with weights streamed from a diffusers folder (vae/ or a pipeline folder holding
+# it) onto the first local device.
 load_vae_folder = LOADER.load_folder

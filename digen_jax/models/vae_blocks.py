@@ -244,14 +244,22 @@ def apply_in_order(x: jax.Array, *stages: Iterable[Callable[[jax.Array], jax.Arr
 class ImageVAE(nnx.Module):
   """encode / decode of a channels-last image VAE (vae.QwenImageVAE, flux_vae.FluxVAE).
 
-  A subclass holds `config` (with spatial_compression) and `decoder` (whose conv_in kernel sets
-  the compute dtype), and gives image_channels, latent_channels, encode_mean (images in the
+  A subclass holds `config` (with image_channels, latent_channels and spatial_compression) and
+  `decoder` (whose conv_in kernel sets the compute dtype), and gives encode_mean (images in the
   compute dtype -> latent means), decode_raw (latents -> unclipped images), and normalize /
   denormalize (latent means <-> the transformer's latent space, float32)."""
 
   @property
   def dtype(self):
     return self.decoder.conv_in.kernel.dtype
+
+  @property
+  def image_channels(self) -> int:
+    return self.config.image_channels
+
+  @property
+  def latent_channels(self) -> int:
+    return self.config.latent_channels
 
   def encode(self, images: jax.Array, *, batch_chunk: int = 0) -> jax.Array:
     """[B, H, W, C] in [-1, 1] (H, W multiples of the compression r) -> latent mean (the
