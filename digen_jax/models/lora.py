@@ -473,7 +473,21 @@ def load_diffusers_lora(
   peft, ours = _read_metadata(meta, file)
   if not tensors:
     raise ValueError(f'{file} holds no tensors')
+  kernels = _table_kernels(table)
+  adapters = _adapters_from_tensors(file, tensors, kernels, table)
+  paths = sorted(adapters)
+  cfg = _config_from_file(file, adapters, peft, ours, kernels)
+  if _match(kernels, cfg) != paths:
+    raise ValueError(
+        f'{file}: targets {cfg.targets!r} in its metadata select '
+        f'{_match(kernels, cfg)}, but the file holds adapters for {paths}'
+    )
+  return adapters, cfg
 
+
+def _lora_modules(file: Path, tensors: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+  """{diffusers module: {'A': key, 'B': key}} of a file's tensors; ValueError for a key of another
+  format or a module without both halves."""
   by_module: dict[str, dict[str, str]] = {}
   bad = []
   for k in tensors:
@@ -491,8 +505,18 @@ def load_diffusers_lora(
   unpaired = sorted(m for m, ab in by_module.items() if set(ab) != {'A', 'B'})
   if unpaired:
     raise ValueError(f'{file}: modules without both lora_A and lora_B: {unpaired[:10]}')
+  return by_module
 
-  kernels = _table_kernels(table)
+
+def _adapters_from_tensors(
+    file: Path,
+    tensors: Mapping[str, Any],
+    kernels: Mapping[str, tuple[str, ...]],
+    table: KeyTable,
+) -> dict[str, dict[str, np.ndarray]]:
+  """The file's lora_A / lora_B tensors as our adapters {kernel path: {'a', 'b'}} (float32, our
+  [in, r] / [r, out] layout, stacked over the layers of stacked kernels)."""
+  by_module = _lora_modules(file, tensors)
   where = {m: (path, i) for path, mods in kernels.items() for i, m in enumerate(mods)}
   unknown = sorted(m for m in by_module if m not in where)
   if unknown:
@@ -500,9 +524,8 @@ def load_diffusers_lora(
         f'{file}: LoRA modules that are not Linear layers of this model: '
         f'{unknown[:10]} (a LoRA for another architecture or size?)'
     )
-  paths = sorted({where[m][0] for m in by_module})
   adapters = {}
-  for path in paths:
+  for path in sorted({where[m][0] for m in by_module}):
     mods = kernels[path]
     absent = [m for m in mods if m not in by_module]
     if absent:
@@ -520,7 +543,19 @@ def load_diffusers_lora(
         raise ValueError(f'{file}: the layers of {path} have different adapter shapes: {e}') from e
     else:
       adapters[path] = {'a': a[0], 'b': b[0]}
+  return adapters
 
+
+def _config_from_file(
+    file: Path,
+    adapters: Mapping[str, Mapping[str, np.ndarray]],
+    peft: Mapping[str, Any],
+    ours: Mapping[str, Any],
+    kernels: Mapping[str, tuple[str, ...]],
+) -> LoraConfig:
+  """The LoraConfig of a file's adapters: their one rank, alpha from diffusers' metadata (absent:
+  alpha = r), targets from our metadata or else matching exactly the adapted modules. ValueError
+  for what plain LoRA here cannot load or for metadata that disagrees with the weights."""
   ranks = {ad['a'].shape[-1] for ad in adapters.values()} | {
       ad['b'].shape[-2] for ad in adapters.values()
   }
@@ -536,7 +571,7 @@ def load_diffusers_lora(
     if peft.get(field):
       raise ValueError(f'{file}: {field}=True is not supported (plain LoRA only)')
   targets = ours.get('targets') or (
-      '^(?:' + '|'.join(_layer_pattern(kernels[p]) for p in paths) + ')$'
+      '^(?:' + '|'.join(_layer_pattern(kernels[p]) for p in sorted(adapters)) + ')$'
   )
   cfg = LoraConfig(rank=rank, alpha=float(peft.get('lora_alpha', rank)), targets=targets)
   if ours and (ours.get('rank'), ours.get('alpha')) != (cfg.rank, cfg.alpha):
@@ -544,9 +579,4 @@ def load_diffusers_lora(
         f'{file}: our metadata (rank {ours.get("rank")}, alpha {ours.get("alpha")}) '
         f"disagrees with diffusers' (r {cfg.rank}, lora_alpha {cfg.alpha})"
     )
-  if _match(kernels, cfg) != paths:
-    raise ValueError(
-        f'{file}: targets {targets!r} in its metadata select '
-        f'{_match(kernels, cfg)}, but the file holds adapters for {paths}'
-    )
-  return adapters, cfg
+  return cfg
