@@ -28,10 +28,8 @@ Variants (comma-separated, e.g. `:full,disagg`):
            -> VAE decode -> JPEG + ShapesBench rewards -> GRPO (LoRA; add `full` for all weights)
 """
 
-import os
-import tempfile
-
 from digen_jax.experiment import config as configlib
+from digen_jax.experiment import pipeline_recipes
 
 VARIANTS = ('schnell', 'dance', 'full', 'disagg', 'tiny', 'tiny_pipeline')
 
@@ -55,11 +53,7 @@ def get_config(arg: str | None = None):
   c.model.pooled_projection_dim = 768  # CLIP-L
   c.model.guidance_embeds = True
   c.model.axes_dims_rope = (16, 56, 56)
-  c.model.remat = True
-  c.latent.space = 'vae'
-  c.latent.channels = 16
-  c.latent.height = c.latent.width = 64
-  c.latent.vae_batch_chunk = 4
+  pipeline_recipes.pipeline_grpo(c)  # 512x512 images, bf16, LoRA-sized lr (pipeline_recipes)
   c.text.encoder = 't5-clip'
   c.text.max_length = 512  # FluxPipeline's max_sequence_length for -dev
   c.sampler.scheduler = 'flux'
@@ -68,23 +62,12 @@ def get_config(arg: str | None = None):
   c.sampler.guidance_scale = 0.0  # no CFG: FLUX.1 is guidance-distilled
   c.sampler.distilled_guidance = 3.5
   c.sampler.sde = 'flow_grpo'
-  c.sampler.noise_level = 0.7
-  c.optim.compute_dtype = 'bfloat16'
-  c.model.frozen_dtype = 'bfloat16'
-  c.rl.behaviour_logprobs = 'trainer'  # bf16 rollout vs trainer rounding (see configs/qwenimage.py)
   c.model.lora.rank = 32
   c.model.lora.alpha = 64.0
   # FLUX's attention projections, double-stream (both streams) and single-stream blocks.
   c.model.lora.targets = (
       r'attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$'
   )
-  c.optim.lr = 3e-4
-  c.rl.group_size = 16
-  c.rl.prompts_per_step = 8
-  c.rl.timesteps = 'random_fraction'
-  c.rl.timestep_fraction = 0.6
-  c.data.prompts = ''  # a prompt file (one per line) or tfds name: set it
-  c.eval.every = 0
 
   if 'schnell' in variants:
     c.model.guidance_embeds = False
@@ -100,15 +83,12 @@ def get_config(arg: str | None = None):
     c.rl.group_size = 12
     c.rl.prompts_per_step = 4
   if 'full' in variants or 'dance' in variants:
-    c.model.lora.rank = 0
-    c.optim.lr = 1e-5
+    pipeline_recipes.full_finetuning(c)
 
   if 'tiny' in variants:
     # Same architecture at toy size, random init, pixel space (identity decoder), the word
     # encoder (its pooled vector is the mean of its tokens): runs in seconds on a CPU.
-    c.model.init = 'random'
-    c.model.lora.rank = 0
-    c.model.remat = False
+    pipeline_recipes.tiny_pixel_space(c)
     c.model.num_layers = 1
     c.model.num_single_layers = 2
     c.model.num_attention_heads = 2
@@ -116,64 +96,18 @@ def get_config(arg: str | None = None):
     c.model.axes_dims_rope = (4, 6, 6)
     c.model.joint_attention_dim = 32
     c.model.pooled_projection_dim = 32
-    c.model.frozen_dtype = 'float32'
-    c.latent.space = 'pixel'
-    c.latent.channels = 3
-    c.latent.vae_batch_chunk = 0
-    c.model.in_channels = 12
-    c.model.out_channels = 3
-    c.latent.height = c.latent.width = 16
-    c.text.encoder = 'word'
-    c.text.max_length = 16
-    c.sampler.num_steps = 6
-    c.sampler.shift = 3.0
-    c.optim.compute_dtype = 'float32'
-    c.rl.behaviour_logprobs = 'rollout'
-    c.optim.lr = 1e-4
-    c.rl.group_size = 4
-    c.rl.prompts_per_step = 2
-    c.rl.timesteps = 'all_but_last'
-    c.data.prompts = 'shapes'
-    c.total_steps = 3
 
   if 'tiny_pipeline' in variants:
     # digen_jax/experiment/tiny_pipeline.py's FLUX toy sizes (FLUX_TRANSFORMER, FLUX_VAE).
-    c.model.checkpoint = os.path.join(tempfile.gettempdir(), 'digen_tiny_flux')
-    c.model.build_tiny_pipeline = True
-    c.model.remat = False
-    c.model.in_channels = 16
-    c.model.out_channels = 4
+    pipeline_recipes.tiny_pipeline(c, 'digen_tiny_flux', full='full' in variants)
     c.model.num_layers = 1
     c.model.num_single_layers = 2
-    c.model.attention_head_dim = 16
-    c.model.num_attention_heads = 2
     c.model.joint_attention_dim = 48
     c.model.pooled_projection_dim = 32
-    c.model.axes_dims_rope = (4, 6, 6)
-    c.model.lora.rank = 4 if 'full' not in variants else 0
-    c.model.lora.alpha = 8.0
-    c.latent.channels = 4
     c.latent.height = c.latent.width = 16  # 32x32 images (the toy VAE compresses 2x)
-    c.latent.vae_batch_chunk = 4
-    c.text.cache = os.path.join(c.model.checkpoint, 'text_cache')
     c.text.max_length = 32  # the T5 sequence length (FLUX attends to the pads)
-    c.sampler.num_steps = 4
-    c.optim.compute_dtype = 'float32'
-    c.model.frozen_dtype = 'float32'
     c.rl.behaviour_logprobs = 'rollout'
-    c.optim.lr = 1e-3
-    c.rl.group_size = 4
-    c.rl.prompts_per_step = 2
-    c.rl.timesteps = 'all_but_last'
-    c.data.prompts = 'shapes'
-    c.reward.weights = 'jpeg_compressibility:1,shapes:1'
-    c.eval.every = 2
-    c.eval.num_prompts = 4
-    c.eval.samples_per_prompt = 2
-    c.eval.batch_size = 8
-    c.total_steps = 3
 
   if 'disagg' in variants:
-    bf16 = c.optim.compute_dtype == 'bfloat16' and c.model.lora.rank == 0
-    configlib.set_disagg(c, rollout_param_dtype='bfloat16' if bf16 else 'float32')
+    pipeline_recipes.disagg(c)
   return c
