@@ -12,9 +12,9 @@ nnx.eval_shape, LoRA adapters under jax.eval_shape of lora.init_adapters, the VA
 vae.abstract_vae; no text encoder, prompts or reward: the programs do not take them), and for
 a 1-D mesh of N devices lowers and compiles, ahead of time on ShapeDtypeStructs with shardings:
 
-  update              programs.make_update exactly as TrainerWorker builds it: FSDP float32
+  update              programs.make_update exactly as runtime/trainer.py builds it: FSDP float32
                       params and optimizer state (mesh.fsdp_shardings), the batch as
-                      workers.trainer_batch_shardings, the frozen LoRA base FSDP in
+                      the trainer's batch shardings, the frozen LoRA base FSDP in
                       model.frozen_dtype (the VAE too when schedule.tag is on).
   rollout_<layout>    programs.make_rollout (sampling scan + VAE decode) with the rollout copy of
                       the weights laid out as <layout> (--rollout_layouts, default both
@@ -74,10 +74,8 @@ from digen_jax import programs
 from digen_jax.models import family as family_lib
 from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.parallel import mesh as mesh_lib
-from digen_jax.runtime import workers
 from digen_jax.sim import abstract as abstract_lib
 from digen_jax.sim.abstract import abstract_cond
-from digen_jax.sim.abstract import abstract_trajectory
 from digen_jax.sim.abstract import frozen_tree
 from digen_jax.sim.abstract import laid_out
 from digen_jax.sim.abstract import per_device_bytes
@@ -274,7 +272,7 @@ def mmdit_forward_flops(exp, batch: int) -> float:
 
 
 def update_program(exp, mesh, batch: int) -> dict:
-  """The trainer's GRPO update as TrainerWorker compiles it, measured."""
+  """The trainer's fused GRPO update (one fragment) as runtime/trainer.py compiles it, measured."""
   c = exp.config
   rep = mesh_lib.replicated(mesh)
   param_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
@@ -282,7 +280,8 @@ def update_program(exp, mesh, batch: int) -> dict:
   opt_shapes = jax.eval_shape(exp.optimizer.init, params)
   opt_sh = mesh_lib.fsdp_shardings(opt_shapes, mesh)
   opt_state = laid_out(opt_shapes, opt_sh)
-  batch_sh = workers.trainer_batch_shardings(mesh)
+  data = mesh_lib.batch_sharding(mesh, 1)
+  batch_sh = {'traj': programs.trajectory_shardings(mesh), 'adv': data, 'valid': data}
   frozen = frozen_tree(exp, mesh, base='fsdp', decode=bool(c.schedule.tag))
   bound = programs.make_update(
       exp, mesh, param_sh, opt_sh, traj_shardings=batch_sh['traj'], frozen=frozen
@@ -292,7 +291,7 @@ def update_program(exp, mesh, batch: int) -> dict:
   args = {
       'params': params,
       'opt_state': opt_state,
-      'traj': laid_out(abstract_trajectory(exp, batch), batch_sh['traj']),
+      'traj': laid_out(programs.abstract_trajectory(exp, batch), batch_sh['traj']),
       'cond': cond,
       'uncond': cond,
       'adv': jax.ShapeDtypeStruct((batch,), jnp.float32, sharding=batch_sh['adv']),
@@ -346,7 +345,7 @@ def rollout_param_dtype(exp):
 
 
 def rollout_program(exp, mesh, batch: int, layout: str) -> dict:
-  """The rollout (sampling scan + decode) as RolloutWorker compiles it, measured."""
+  """The rollout (sampling scan + decode) as the rollout role compiles it, measured."""
   rep = mesh_lib.replicated(mesh)
   param_sh = (
       mesh_lib.fsdp_shardings(exp.params, mesh)

@@ -2,7 +2,7 @@
 
 runtime.mode='colocated' runs in one process. runtime.mode='disagg' runs in one process (a mesh
 per role over its devices) or in two (python launch/local.py --num_processes=2 -- python -m
-digen_jax.main ...: process 0 trains, process 1 rolls out); see runtime/disagg.py.
+digen_jax.main ...: process 0 trains, process 1 rolls out). Every mode runs runtime/loop.py.
 """
 
 from __future__ import annotations
@@ -97,8 +97,7 @@ def _run(info):
   import jax  # pylint: disable=g-import-not-at-top  (after absl parsed flags such as --jax_*)
   from digen_jax.outputs import report  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import colocated  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import disagg  # pylint: disable=g-import-not-at-top
+  from digen_jax.runtime import loop  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
 
   config, workdir, n = cli.setup()
@@ -118,7 +117,7 @@ def _run(info):
     logging.info(
         'workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n, exp.batch_size
     )
-    colocated.train(exp, workdir, devices=jax.local_devices()[:n])
+    loop.train(exp, workdir, cluster_lib.colocated(jax.local_devices()[:n]))
     report.finish(workdir)
     return
 
@@ -150,7 +149,7 @@ def _run(info):
       exp.batch_size,
       cluster.describe(),
   )
-  disagg.train(exp, workdir, cluster)
+  loop.train(exp, workdir, cluster)
   if writer:
     report.finish(workdir)
 

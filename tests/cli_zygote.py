@@ -30,7 +30,7 @@ import orbax.checkpoint  # noqa: F401
 import optax  # noqa: F401
 import tensorflow_datasets  # noqa: F401
 import digen_jax.experiment.build  # noqa: F401
-import digen_jax.runtime.disagg  # noqa: F401
+import digen_jax.runtime.loop  # noqa: F401
 
 
 def _child(case: dict, out: str, err: str) -> None:

@@ -73,7 +73,7 @@ ALLOWED = {
     },
 }
 # The DigenRL schedule is a pure state machine: no devices, threads, clocks or models in it.
-PURE = {'digen_jax.runtime.schedule', 'digen_jax.runtime.bts', 'digen_jax.runtime.fragments'}
+PURE = {'digen_jax.runtime.schedule', 'digen_jax.runtime.bts', 'digen_jax.experiment.fragments'}
 PURE_ALLOWED_EXTERNAL = {'__future__', 'dataclasses', 'math', 'typing'}
 
 

@@ -219,12 +219,13 @@ def test_training_resumes_past_a_corrupt_latest_checkpoint(tmp_path):
   from configs import qwenimage
   from digen_jax.experiment import config as configlib
   from digen_jax.experiment import build as experiment
-  from digen_jax.runtime import colocated
+  from digen_jax.runtime import cluster as cluster_lib
+  from digen_jax.runtime import loop
 
   def run(workdir):
     config = configlib.apply_overrides(qwenimage.get_config('tiny'), {'total_steps': 2})
     exp = experiment.build(config, str(workdir), 2)
-    return colocated.train(exp, str(workdir), devices=jax.local_devices()[:2])
+    return loop.train(exp, str(workdir), cluster_lib.colocated(jax.local_devices()[:2]))
 
   wd = tmp_path / 'run'
   first = jax.device_get(run(wd)['params'])

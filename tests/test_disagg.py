@@ -15,14 +15,15 @@ import pytest
 from configs import qwenimage
 from digen_jax.outputs import checkpoint as ckpt_lib
 from digen_jax.experiment import config as configlib
+from digen_jax import programs
 from digen_jax.experiment import build as experiment
 from digen_jax.diffusion import sampler as sampler_lib
 from digen_jax.runtime import cluster as cluster_lib
-from digen_jax.runtime import colocated
-from digen_jax.runtime import disagg
+from digen_jax.runtime import loop
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import publish
-from digen_jax.runtime import workers
+from digen_jax.runtime import links
+from digen_jax.runtime import rollout as rollout_lib
 from tests import xla_env
 from tests.mp_scripts import launcher_util as util
 
@@ -171,98 +172,115 @@ def test_resolve_multi_process_rules(trainer, rollout, message):
 # ------------------------------------------------------------------------ publish / batch moves
 
 
-def test_publish_and_batch_move_stay_on_device():
+def test_publish_and_fragment_hand_over_stay_on_device(tmp_path):
   """Trainer FSDP f32 -> rollout replicated (or FSDP) bf16 on other devices, stamped with the
-  version; a rollout batch onto the trainer's layout; all under transfer_guard('disallow')."""
+  version (LocalLink.publish / wait_policy: the one publish path); a fragment onto the
+  trainer's layout (send_fragment / receive_fragment); all under transfer_guard('disallow')."""
   c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=(2, 3), rollout_param_dtype='bfloat16')
   cl = cluster_lib.resolve(c)
-  _, _, params = experiment.build_model(c)
+  exp = experiment.build(c, str(tmp_path), 2)
+  params = exp.params
   trainer_params = jax.device_put(params, mesh_lib.fsdp_shardings(params, cl.trainer.mesh))
   want = [np.asarray(x).astype(jnp.bfloat16) for x in jax.tree.leaves(params)]
+  traj_sh = programs.trajectory_shardings(cl.trainer.mesh)
   for sharding in ('replicated', 'fsdp'):
     cl = dataclasses.replace(cl, rollout_param_sharding=sharding)
     targets = publish.rollout_param_shardings(cl, params)
+    link = links.LocalLink(cl, exp.weights, traj_sh, targets, publish.rollout_param_dtype(cl))
     with jax.transfer_guard('disallow'):
-      policy = publish.publish_local(trainer_params, 7, targets, publish.rollout_param_dtype(cl))
-      jax.block_until_ready(policy.params)
+      link.publish(trainer_params, 7)
+      policy, _ = link.wait_policy(7)
     assert policy.version == 7
     for got, w, t in zip(jax.tree.leaves(policy.params), want, jax.tree.leaves(targets)):
       assert got.dtype == jnp.bfloat16 and got.sharding == t
       assert got.sharding.device_set == set(cl.rollout.devices)
       np.testing.assert_array_equal(np.asarray(got), w)
+    with pytest.raises(RuntimeError, match='expected policy version 8, got 7'):
+      publish.accept(exp.weights, policy, 8)
   mb = publish.publish_megabytes(params, jnp.bfloat16)
   assert mb == pytest.approx(sum(x.size for x in jax.tree.leaves(params)) * 2 / 1e6)
 
   rng = np.random.default_rng(0)
   T, B, N, C = 3, 8, 4, 2
-  host = {
-      'traj': sampler_lib.Trajectory(
-          latents=rng.standard_normal((T + 1, B, N, C)).astype(np.float32),
-          log_probs=rng.standard_normal((T, B)).astype(np.float32),
-          sigmas=np.linspace(1, 0, T + 1).astype(np.float32),
-          sde_steps=np.ones(T, bool),
-          stds=rng.random((T, B)).astype(np.float32),
-      ),
-      'adv': rng.standard_normal(B).astype(np.float32),
-      'valid': rng.random(B) > 0.3,
-  }
-  on_rollout = jax.device_put(host, workers.rollout_batch_shardings(cl.rollout.mesh))
-  dst = workers.trainer_batch_shardings(cl.trainer.mesh)
+  host = sampler_lib.Trajectory(
+      latents=rng.standard_normal((T + 1, B, N, C)).astype(np.float32),
+      log_probs=rng.standard_normal((T, B)).astype(np.float32),
+      sigmas=np.linspace(1, 0, T + 1).astype(np.float32),
+      sde_steps=np.ones(T, bool),
+      stds=rng.random((T, B)).astype(np.float32),
+  )
+  on_rollout = jax.device_put(host, programs.trajectory_shardings(cl.rollout.mesh))
+  frag = links.Fragment(0, 0, 0, on_rollout, np.zeros(B, np.float32), 'rollout')
   with jax.transfer_guard('disallow'):
-    moved = jax.block_until_ready(publish.move_batch_local(on_rollout, dst))
-  for got, w, s in zip(jax.tree.leaves(moved), jax.tree.leaves(host), jax.tree.leaves(dst)):
+    link.send_fragment(frag, [])
+    moved, _, _ = link.receive_fragment()
+  for got, w, s in zip(
+      jax.tree.leaves(moved.traj), jax.tree.leaves(host), jax.tree.leaves(traj_sh)
+  ):
     assert got.sharding == s
     np.testing.assert_array_equal(np.asarray(got), w)
 
 
-def test_abstract_batch_has_the_rollout_shapes(tmp_path):
-  """What the trainer process receives: traced from the rollout program, not compiled."""
-  c = _tiny()
+def test_abstract_fragment_has_the_rollout_shapes(tmp_path):
+  """What a trainer process receives: traced from the rollout program, not compiled."""
+  c = _tiny(**{'schedule.fragments': 2})
   exp = experiment.build(c, str(tmp_path), 1)
-  ab = workers.abstract_batch(exp)
-  T, B = c.sampler.num_steps, exp.batch_size
-  assert ab['traj'].latents.shape == (T + 1, B, *exp.latent_shape)
-  assert ab['traj'].log_probs.shape == (T, B) and ab['traj'].sde_steps.dtype == jnp.bool_
-  assert ab['adv'].shape == (B,) and ab['valid'].dtype == jnp.bool_
+  mesh = mesh_lib.make_mesh(jax.devices()[:1])
+  ab = rollout_lib.abstract_fragment(exp, exp.plan, programs.trajectory_shardings(mesh))
+  T, n = c.sampler.num_steps, exp.plan.size
+  assert n == exp.batch_size // 2
+  assert ab.latents.shape == (T + 1, n, *exp.latent_shape)
+  assert ab.log_probs.shape == (T, n) and ab.sde_steps.dtype == jnp.bool_
+  assert ab.latents.sharding == programs.trajectory_shardings(mesh).latents
 
 
-def test_compile_update_leaves_nothing_for_the_first_train_step(tmp_path):
-  """TrainerWorker.compile_update compiles the update from the batch's abstract layout (the
-  two-process trainer does it while the rollout samples its first batch); the first train_step
-  on a real batch then traces and compiles nothing."""
+@pytest.mark.parametrize('fragments', [1, 2])
+def test_trainer_compile_leaves_nothing_for_the_first_fragment(tmp_path, fragments):
+  """Trainer.compile compiles its programs (the fused update; or the fragment gradient and the
+  optimizer step) from a fragment's abstract layout while the rollout samples the first
+  fragment; training the first fragment then traces and compiles nothing."""
   from jax import monitoring
 
-  from digen_jax.runtime import steps as steps_lib
+  from digen_jax.runtime import bookkeeping
   from digen_jax.runtime import trace as trace_lib
+  from digen_jax.runtime import trainer as trainer_lib
 
-  # An lr no other test uses: its update program is not compiled in this process yet.
-  c = configlib.set_disagg(_tiny(**{'optim.lr': 1.2345e-4}), trainer=(0, 1), rollout=(2, 3))
+  # An lr no other test uses: its update programs are not compiled in this process yet.
+  lr = 1.2345e-4 + fragments * 1e-7
+  c = configlib.set_disagg(
+      _tiny(**{'optim.lr': lr, 'schedule.fragments': fragments}), trainer=(0, 1), rollout=(2, 3)
+  )
   cl = cluster_lib.resolve(c)
   exp = experiment.build(c, str(tmp_path), 2)
   tracer = trace_lib.Tracer(False)
-  trainer = steps_lib.TrainerRun(exp, str(tmp_path), cl, tracer).trainer
+  ckpt = bookkeeping.checkpointer(c, str(tmp_path), False)
+  trainer = trainer_lib.Trainer(exp, cl.trainer.mesh, ckpt, exp.plan, tag=False)
+  assert trainer.fused == (fragments == 1)
   sh = publish.rollout_param_shardings(cl, exp.params)
-  policy = publish.publish_local(exp.params, 0, sh, publish.rollout_param_dtype(cl))
-  rollout = workers.RolloutWorker(
-      exp, cl.rollout.mesh, sh, 'allow', frozen_fsdp=publish.rollout_frozen_fsdp(cl)
-  )
-  out = rollout.generate(policy, exp.prompts.next_batch(), 0, tracer)
-  batch = publish.move_batch_local(out.batch, trainer.batch_shardings)
+  sampler = rollout_lib.Sampler(exp, cl.rollout.mesh, sh, exp.plan, 'rollout', tracer, 'allow')
+  prompts = [p for p in exp.prompts.next_batch() for _ in range(exp.plan.group_size)]
+  policy = jax.device_put(exp.params, sh)
+  frag = sampler.sample(policy, 0, prompts, 0, 0)
+  traj = jax.device_put(frag.traj, trainer.traj_shardings)
+  rewards = np.resize(frag.rewards, exp.plan.batch)
+  cond = trainer.encode(exp.plan.prompts(0, prompts))
+  state = trainer.begin(0)
+  adv = trainer.advantages(0, rewards)
   events = []
   record = lambda name, *_, **__: events.append(name) if '/compile' in name else None
   monitoring.register_event_listener(record)
   monitoring.register_event_duration_secs_listener(record)
   try:
-    trainer.compile_update()
+    trainer.compile(state)
     compiled = list(events)
     events.clear()
-    m, _ = trainer.train_step(batch, out.batch_prompts, 0, tracer)
+    state = jax.block_until_ready(trainer.train(state, traj, cond, *adv))
   finally:
     monitoring.unregister_event_listener(record)
     monitoring.unregister_event_duration_listener(record)
+    trainer.close()
   assert '/jax/core/compile/jaxpr_trace_duration' in compiled, compiled
   assert events == [], events
-  assert np.isfinite(m['loss']) and m['nonfinite'] == 0
 
 
 def _cli(workdir, *flags, env=None, timeout=600):
@@ -291,7 +309,7 @@ def disagg_one_process(tmp_path_factory):
   wd = str(tmp_path_factory.mktemp('disagg1p'))
   c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=(2, 3))
   cl = cluster_lib.resolve(c)
-  out = disagg.train(experiment.build(c, wd, 2), wd, cl)
+  out = loop.train(experiment.build(c, wd, 2), wd, cl)
   return out, wd
 
 
@@ -302,7 +320,7 @@ def test_disagg_one_process_equals_colocated(disagg_one_process, tmp_path):
   expected difference is 0 (asserted to 1e-6 relative)."""
   dis, dis_wd = disagg_one_process
   wd = str(tmp_path / 'colocated')
-  col = colocated.train(experiment.build(_tiny(), wd, 2), wd, devices=jax.devices()[:2])
+  col = loop.train(experiment.build(_tiny(), wd, 2), wd, cluster_lib.colocated(jax.devices()[:2]))
   diff = _max_abs_diff(dis['params'], col['params'])
   print(f'disagg(1 process, 2+2 devices) vs colocated(2 devices): max |dparams| = {diff:.3g}')
   for x, y in zip(_leaves(dis['params']), _leaves(col['params'])):

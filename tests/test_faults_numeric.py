@@ -20,7 +20,8 @@ from digen_jax.experiment import build as experiment
 from digen_jax.outputs import faults
 from digen_jax.rewards import registry
 from digen_jax.rl import advantages
-from digen_jax.runtime import colocated
+from digen_jax.runtime import cluster as cluster_lib
+from digen_jax.runtime import loop
 
 # ------------------------------------------------------------------------------------- units
 
@@ -172,7 +173,7 @@ def test_nan_rewards_skip_updates_and_k_in_a_row_stop_the_run(tmp_path):
   config = _config(6, **{'runtime.max_consecutive_skips': 2})
   exp = experiment.build(config, wd, 2)
   with pytest.raises(faults.NonFiniteError) as e:
-    colocated.train(exp, wd, devices=jax.local_devices()[:2])
+    loop.train(exp, wd, cluster_lib.colocated(jax.local_devices()[:2]))
   msg = str(e.value)
   assert msg.startswith('2 consecutive updates skipped') and 'last checkpoint (step 4)' in msg
   assert repr(_PLAN['prompts'][5][0]) in msg and 'step 4:' in msg and 'step 5:' in msg
@@ -210,7 +211,7 @@ def test_gap_fragments_skip_a_batch_whose_reward_raises(tmp_path, caplog):
   config = _config(3, **{'schedule.fragments': 2, 'schedule.trace': False})
   exp = experiment.build(config, wd, 2)
   with caplog.at_level(logging.ERROR):
-    colocated.train(exp, wd, devices=jax.local_devices()[:2])
+    loop.train(exp, wd, cluster_lib.colocated(jax.local_devices()[:2]))
   rows = [json.loads(l) for l in open(os.path.join(wd, 'metrics.jsonl'))]
   assert [r['nonfinite'] for r in rows] == [0, 1, 0]
   assert [r['skipped_updates'] for r in rows] == [0, 1, 1]

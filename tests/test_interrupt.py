@@ -21,8 +21,7 @@ from digen_jax.experiment import config as configlib
 from digen_jax.experiment import build as experiment
 from digen_jax.process import interrupt
 from digen_jax.runtime import cluster as cluster_lib
-from digen_jax.runtime import colocated
-from digen_jax.runtime import disagg
+from digen_jax.runtime import loop
 from tests.mp_scripts import launcher_util as util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,8 +143,8 @@ def _train(mode, workdir, signal_after_rewards=None, steps=STEPS):
 
     exp.reward_fn = reward
   if mode == 'colocated':
-    return colocated.train(exp, workdir, devices=jax.devices()[:2])
-  return disagg.train(exp, workdir, cluster_lib.resolve(c))
+    return loop.train(exp, workdir, cluster_lib.colocated(jax.devices()[:2]))
+  return loop.train(exp, workdir, cluster_lib.resolve(c))
 
 
 def _rows(workdir):
@@ -358,7 +357,7 @@ def test_two_processes_sigterm_kill9_and_relaunch(tmp_path):
       trainer=(0, 1),
       rollout=(2, 3),
   )
-  ref = disagg.train(experiment.build(c, ref_wd, 2), ref_wd, cluster_lib.resolve(c))
+  ref = loop.train(experiment.build(c, ref_wd, 2), ref_wd, cluster_lib.resolve(c))
   from digen_jax.outputs import checkpoint as ckpt_lib
 
   ck = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))

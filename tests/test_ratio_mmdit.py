@@ -127,7 +127,8 @@ def test_bf16_ratio_is_one_with_trainer_behaviour_logprobs(tmp_path, lora):
   (the real configs' default) makes the update's ratio exactly 1 (ratio_max_dev), and
   'rollout' shows the problem it solves."""
   import json
-  from digen_jax.runtime import colocated
+  from digen_jax.runtime import cluster as cluster_lib
+  from digen_jax.runtime import loop
 
   rows = {}
   for behaviour in ('rollout', 'trainer'):
@@ -140,7 +141,7 @@ def test_bf16_ratio_is_one_with_trainer_behaviour_logprobs(tmp_path, lora):
       c.model.lora.rank, c.model.lora.alpha = 4, 8.0
     wd = tmp_path / behaviour
     exp = experiment.build(c, str(wd), 2)
-    colocated.train(exp, str(wd), devices=jax.devices()[:2])
+    loop.train(exp, str(wd), cluster_lib.colocated(jax.devices()[:2]))
     rows[behaviour] = [json.loads(l) for l in open(wd / 'metrics.jsonl')][0]
   assert rows['trainer']['ratio_max_dev'] == 0.0 and rows['trainer']['ratio_mean'] == 1.0
   assert rows['trainer']['clip_frac'] == 0.0

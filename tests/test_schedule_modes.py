@@ -1,5 +1,6 @@
-"""DigenRL scheduling modes (runtime/pipeline.py): config checks, TSP == serial, and exactness of
-GAP + TSP + TAG against colocated in one process and in two; TCSS staleness bookkeeping."""
+"""DigenRL scheduling modes (runtime/loop.py, every mode one loop): config checks, TSP ==
+serial, and exactness of GAP + TSP + TAG against colocated in one process and in two; TCSS
+staleness bookkeeping."""
 
 import json
 import os
@@ -18,10 +19,9 @@ from digen_jax.experiment import build as experiment
 from digen_jax import programs
 from digen_jax.rl import objective
 from digen_jax.runtime import cluster as cluster_lib
-from digen_jax.runtime import colocated
-from digen_jax.runtime import disagg
+from digen_jax.runtime import loop
 from digen_jax.parallel import mesh as mesh_lib
-from digen_jax.runtime import workers
+from digen_jax.runtime import inputs
 from tests.mp_scripts import launcher_util as util
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,8 +90,9 @@ def test_bad_schedule_fails_naming_the_field(overrides, message):
     configlib.validate(_tiny(**overrides), 2)
 
 
-def test_schedule_defaults_keep_the_synchronous_loop():
-  from digen_jax.runtime import pipeline
+def test_schedule_defaults_are_one_fragment_trained_by_the_fused_update(tmp_path):
+  from digen_jax.runtime import bookkeeping
+  from digen_jax.runtime import trainer as trainer_lib
 
   c = _tiny()
   assert (
@@ -102,8 +103,17 @@ def test_schedule_defaults_keep_the_synchronous_loop():
       c.schedule.tcss_fraction,
       c.schedule.trace,
   ) == (1, 'group', False, False, 0.0, True)
-  assert not pipeline.enabled(c)
-  assert pipeline.enabled(_tiny(**{'schedule.fragments': 2}))
+  mesh = mesh_lib.make_mesh(jax.devices()[:2])
+  for overrides, fused in (
+      ({}, True),
+      ({'schedule.fragments': 2}, False),
+      ({'schedule.tsp': True}, False),
+  ):
+    exp = experiment.build(_tiny(**overrides), str(tmp_path), 2)
+    ckpt = bookkeeping.checkpointer(exp.config, str(tmp_path / 'ckpt'), False)
+    trainer = trainer_lib.Trainer(exp, mesh, ckpt, exp.plan, tag=False)
+    assert trainer.fused == fused, overrides
+    trainer.close()
 
 
 # ------------------------------------------------------------------------------ TSP
@@ -120,7 +130,7 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   psh = mesh_lib.fsdp_shardings(exp.params, mesh)
   params = jax.device_put(exp.params, psh)
   prompts = [p for p in exp.prompts.next_batch() for _ in range(c.rl.group_size)]
-  cond = workers.encode(exp, prompts, mesh)
+  cond = inputs.encode(exp, prompts, mesh)
   traj, _ = programs.make_rollout(exp, mesh)(
       exp.params, cond, cond, jax.random.key(3), jnp.int32(0)
   )
@@ -166,7 +176,7 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
 @pytest.fixture(scope='module')
 def colocated_ref(tmp_path_factory):
   wd = str(tmp_path_factory.mktemp('colocated'))
-  out = colocated.train(experiment.build(_tiny(), wd, 2), wd, devices=jax.devices()[:2])
+  out = loop.train(experiment.build(_tiny(), wd, 2), wd, cluster_lib.colocated(jax.devices()[:2]))
   out['rows'] = _rows(wd)
   init = experiment.build_model(_tiny())[2]
   moved = max(float(np.abs(a - b).max()) for a, b in zip(_leaves(out['params']), _leaves(init)))
@@ -205,7 +215,7 @@ def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit,
       rollout=(2, 3),
   )
   exp = _slow_reward(experiment.build(c, wd, 2), 0.4)
-  out = disagg.train(exp, wd, cluster_lib.resolve(c))
+  out = loop.train(exp, wd, cluster_lib.resolve(c))
   rows = _rows(wd)
   print(
       f'GAP({unit}, M={m})+TSP+TAG vs colocated: max |dparams| = '
@@ -289,7 +299,7 @@ def test_tcss_mixes_at_most_one_version_of_staleness(tmp_path):
       trainer=(0, 1),
       rollout=(2, 3),
   )
-  out = disagg.train(experiment.build(c, wd, 2), wd, cluster_lib.resolve(c))
+  out = loop.train(experiment.build(c, wd, 2), wd, cluster_lib.resolve(c))
   rows = _rows(wd)
   assert [r['step'] for r in rows] == [1, 2, 3]
   for r in rows:

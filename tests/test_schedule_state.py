@@ -8,7 +8,7 @@ import math
 import pytest
 
 from digen_jax.runtime import bts
-from digen_jax.runtime import fragments
+from digen_jax.experiment import fragments
 from digen_jax.runtime import schedule as sched
 
 COSTS = dict(

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from digen_jax.runtime import bts
-from digen_jax.runtime import fragments
+from digen_jax.experiment import fragments
 from digen_jax.runtime import trace
 
 

@@ -46,12 +46,12 @@ def test_lora_kl_reference_is_the_base(tmp_path):
   and the KL is 0 while the adapters are still at their B = 0 init (to float rounding: the policy
   and the reference are two computations of the same function), clearly > 0 after."""
   import json
-  from digen_jax.runtime import colocated
+  from digen_jax.runtime import loop
 
   c, _ = _lora_weights()
   c.rl.kl_beta, c.total_steps, c.optim.lr = 0.1, 2, 3e-2
   exp = experiment.build(c, str(tmp_path), 2)
-  out = colocated.train(exp, str(tmp_path), devices=jax.devices()[:2])
+  out = loop.train(exp, str(tmp_path), cluster_lib.colocated(jax.devices()[:2]))
   assert set(out['params']) == set(exp.params)  # the trainer holds adapters only
   rows = [json.loads(l) for l in open(tmp_path / 'metrics.jsonl')]
   assert rows[0]['kl'] <= 1e-12 and rows[1]['kl'] > 1e-9, rows

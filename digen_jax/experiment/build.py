@@ -19,6 +19,7 @@ from digen_jax.experiment import config as configlib
 from digen_jax.data import prompts as prompt_data
 from digen_jax.diffusion import sigmas as sigmas_lib
 from digen_jax.diffusion import sde as sde_lib
+from digen_jax.experiment import fragments
 from digen_jax.experiment import weights as weights_lib
 from digen_jax.models import attention as attention_lib
 from digen_jax.models import family as family_lib
@@ -44,6 +45,9 @@ class Experiment:
   optimizer: optax.GradientTransformation
   img_shape: tuple[int, int, int]  # (frames, h_tokens, w_tokens)
   latent_shape: tuple[int, int]  # (tokens, packed channels)
+  # How a logical batch is cut into fragments (config.schedule), built once here and handed
+  # to the schedule, the roles and their programs.
+  plan: fragments.FragmentPlan
 
   @property
   def compute_dtype(self):
@@ -343,4 +347,5 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
       optimizer=build_optimizer(config),
       img_shape=img_shape,
       latent_shape=(num_tokens, config.model.in_channels),
+      plan=fragments.plan_of(config),
   )

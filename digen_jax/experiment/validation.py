@@ -355,7 +355,7 @@ def _check_real_model(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_schedule(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """config.schedule against the batch, the devices and the mode (see runtime/pipeline.py)."""
+  """config.schedule against the batch, the devices and the mode (see runtime/loop.py)."""
   s, rl = config.schedule, config.rl
   m, batch = s.fragments, rl.prompts_per_step * rl.group_size
   if m < 1:

@@ -77,10 +77,11 @@ class Weights:
   # ----------------------------------------------------------------- placement (host side)
 
   def init_params(self, shardings):
-    """The initial trainable params on `shardings` (float32 masters)."""
+    """The initial trainable params on `shardings` (float32 masters): a copy, never the
+    buffers of self.params, which the trainer's update donates."""
     if self.lora is None and self.load_transformer is not None:
       return self.load_transformer(shardings, jnp.float32)
-    return jax.device_put(self.params, shardings)
+    return jax.device_put(self.params, shardings, may_alias=False)
 
   def frozen_abstract(self, decode: bool = True) -> dict:
     return {

@@ -16,7 +16,7 @@ from digen_jax.programs.common import (
     trajectory_shardings,
     velocity_fn_of,
 )
-from digen_jax.programs.rollout import make_rollout
+from digen_jax.programs.rollout import abstract_trajectory, make_rollout
 from digen_jax.programs.update import (
     ACC_SUM_KEYS,
     make_apply,
@@ -30,6 +30,7 @@ from digen_jax.programs.update import (
 __all__ = [
     'ACC_SUM_KEYS',
     'Bound',
+    'abstract_trajectory',
     'behaviour_of',
     'captured_arrays',
     'clear_memo',

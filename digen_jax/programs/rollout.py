@@ -12,33 +12,9 @@ from digen_jax.programs import common
 from digen_jax.rl import timesteps as timesteps_lib
 
 
-def make_rollout(
-    exp,
-    mesh,
-    param_shardings=None,
-    traj_shardings=None,
-    *,
-    with_offset=False,
-    frozen=None,
-    deterministic=False,
-):
-  """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3]),
-  data-parallel over `mesh`: the sampling scan, then the decode (VAE or identity) in the same
-  program, so latents never leave the devices before the reward sees pixels.
-
-  deterministic: every step Euler (the ODE sampler eval uses); the program returns the images
-  only.
-
-  with_offset: the program takes a 6th argument, offset (int32 scalar): the batch position of
-  its first sample, so a fragment of the logical batch draws exactly the noise the whole-batch
-  program gives those samples (GAP, TAG).
-
-  Params arrive as the rollout copy: replicated unless `param_shardings` says otherwise (e.g. an
-  FSDP layout on the rollout mesh); cond/uncond are batch-sharded. `traj_shardings` (a
-  Trajectory of shardings) pins the output layout; None lets XLA choose. `frozen`: the frozen
-  weights on `mesh` (default: loaded replicated, with the decoder)."""
-  if frozen is None:
-    frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
+def _rollout_fn(exp, deterministic: bool):
+  """rollout(params, cond, uncond, key, step, offset, frozen) -> (Trajectory, images) (images
+  only when `deterministic`): the sampling scan and the decode, traced into one program."""
   velocity_fn = common.velocity_fn_of(exp)
   # numpy, not a device array: staged into the program as a literal. A jax.Array closed over
   # here would be a captured constant, which a GPU's transfer guard refuses to lower.
@@ -69,6 +45,38 @@ def make_rollout(
     )
     images = exp.weights.decode(frozen, traj.latents[-1])
     return images if deterministic else (traj, images)
+
+  return rollout
+
+
+def make_rollout(
+    exp,
+    mesh,
+    param_shardings=None,
+    traj_shardings=None,
+    *,
+    with_offset=False,
+    frozen=None,
+    deterministic=False,
+):
+  """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3]),
+  data-parallel over `mesh`: the sampling scan, then the decode (VAE or identity) in the same
+  program, so latents never leave the devices before the reward sees pixels.
+
+  deterministic: every step Euler (the ODE sampler eval uses); the program returns the images
+  only.
+
+  with_offset: the program takes a 6th argument, offset (int32 scalar): the batch position of
+  its first sample, so a fragment of the logical batch draws exactly the noise the whole-batch
+  program gives those samples (GAP, TAG).
+
+  Params arrive as the rollout copy: replicated unless `param_shardings` says otherwise (e.g. an
+  FSDP layout on the rollout mesh); cond/uncond are batch-sharded. `traj_shardings` (a
+  Trajectory of shardings) pins the output layout; None lets XLA choose. `frozen`: the frozen
+  weights on `mesh` (default: loaded replicated, with the decoder)."""
+  if frozen is None:
+    frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
+  rollout = _rollout_fn(exp, deterministic)
 
   rep = mesh_lib.replicated(mesh)
   cond_sharding = common.cond_shardings(mesh, exp.cond_abstract(1))
@@ -101,3 +109,22 @@ def make_rollout(
       common.layout_key(frozen_sh),
   )
   return common.Bound(common.memoized('rollout', exp, parts, make), frozen)
+
+
+def abstract_trajectory(exp, batch: int) -> sampler_lib.Trajectory:
+  """The rollout's Trajectory for `batch` samples (ShapeDtypeStructs): the program traced on
+  one local device, nothing compiled or allocated."""
+  mesh = mesh_lib.make_mesh(jax.local_devices()[:1])
+  sds = jax.ShapeDtypeStruct
+  cond = exp.cond_abstract(batch)
+  params = jax.tree.map(lambda x: sds(x.shape, x.dtype), exp.params)
+  frozen = exp.weights.frozen_abstract(decode=True)
+  traj, _ = jax.eval_shape(
+      make_rollout(exp, mesh, frozen=frozen),
+      params,
+      cond,
+      cond,
+      sds((), jax.random.key(0).dtype),
+      sds((), jnp.int32),
+  )
+  return traj

@@ -1,5 +1,12 @@
-"""The update programs: the full-batch GRPO update, and the fragment-wise gradient
-accumulation with its optimizer step (GAP)."""
+"""The update programs: the GRPO gradient of a fragment (accumulated over a logical batch) and
+the optimizer step, or both fused into one program for a batch trained as a single fragment.
+
+One loss (`grpo_loss`) and one optimizer step (`optimizer_step`) serve both forms. The loss of
+the logical batch is sum(w * l) / D with D = sum(w) over the whole batch; D is known only when
+every group is scored, so fragments accumulate the unnormalised gradient of sum(w * l)
+(denominator 1) and `make_apply` divides by D: the same update as the fused program's, to
+float32 rounding.
+"""
 
 from __future__ import annotations
 
@@ -12,67 +19,111 @@ from digen_jax.programs import common
 from digen_jax.rl import objective as objective_lib
 from digen_jax.rl import timesteps as timesteps_lib
 
+_SUM_KEYS = ('loss', 'policy_loss', 'approx_kl', 'clip_frac', 'ratio_mean', 'kl')
+_MAX_KEYS = ('ratio_max_dev', 'rollout_ratio_max_dev')
+# The accumulator's metric scalars (make_zero_acc): summed, maxed, and the total pair weight.
+ACC_SUM_KEYS = _SUM_KEYS + _MAX_KEYS + ('weight_sum',)
+
+
+def grpo_loss(exp, velocity_fn, frozen, batch, ref_params, indices, **options):
+  """loss(params) -> (loss, metrics): the GRPO objective of `batch` (traj, cond, uncond, adv,
+  valid) over the trained step `indices` with the config's clip range, KL, CFG and behaviour
+  log-probs; `options` are grpo_objective's execution options (step_loop, denominator,
+  step_weights, step_constraint). The one loss of every update program."""
+  r = exp.config.rl
+  guidance, norm_rescale = common.guidance_of(exp)
+  traj, cond, uncond, adv, valid = batch
+
+  def loss(params):
+    return objective_lib.grpo_objective(
+        velocity_fn,
+        exp.weights.effective(params, frozen),
+        traj,
+        cond,
+        adv,
+        valid,
+        indices,
+        sde_cfg=exp.sde_cfg,
+        clip_range=r.clip_range,
+        kl_beta=r.kl_beta,
+        ref_params=exp.weights.reference(ref_params, frozen) if r.kl_beta > 0 else None,
+        guidance_scale=guidance,
+        uncond=uncond if guidance is not None else None,
+        norm_rescale=norm_rescale,
+        behaviour=common.behaviour_of(exp),
+        **options,
+    )
+
+  return loss
+
+
+def optimizer_step(optimizer, params, opt_state, grads, loss, finite_inputs=True):
+  """(params, opt_state, grad_norm, nonfinite): one optimizer step, or the state unchanged
+  (nonfinite = 1.0) when the gradient, the loss, `finite_inputs` (a bool scalar) or the new
+  params/state are not all finite: NaN/inf never enters the weights or the moments."""
+  grad_norm = optax.tree.norm(grads)
+  updates, new_o = optimizer.update(grads, opt_state, params)
+  new_p = optax.apply_updates(params, updates)
+  finite = (
+      jnp.isfinite(grad_norm)
+      & jnp.isfinite(loss)
+      & finite_inputs
+      & common.all_finite(new_p)
+      & common.all_finite(new_o)
+  )
+  new_p, new_o = common.keep_if(finite, (new_p, new_o), (params, opt_state))
+  return new_p, new_o, grad_norm, (~finite).astype(jnp.float32)
+
+
+def tsp_steps(exp, mesh) -> tuple[int, int]:
+  """(K, K_pad): trained timesteps per trajectory, and K rounded up to a multiple of the mesh
+  size (TSP lays the timestep axis over the mesh; the pad steps carry weight 0)."""
+  K = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
+  n = mesh.devices.size
+  return K, -(-K // n) * n
+
+
+def _batch_shardings(exp, mesh, traj_shardings):
+  """in_shardings of (traj, cond, uncond, adv, valid) on `mesh`."""
+  cond = common.cond_shardings(mesh, exp.cond_abstract(1))
+  data = mesh_lib.batch_sharding(mesh, 1)
+  return (traj_shardings, cond, cond, data, data)
+
 
 def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, *, frozen=None):
   """update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params)
-       -> (params, opt_state, metrics); rl.inner_epochs PPO epochs over the batch.
+       -> (params, opt_state, metrics): a batch trained as one fragment, gradient and
+  optimizer step in one program, rl.inner_epochs PPO epochs over it (skipped, state unchanged,
+  metrics['nonfinite'] = 1, when anything is not finite: optimizer_step).
   ref_params: the frozen reference (FSDP-sharded like params) when rl.kl_beta > 0, else None.
-  traj_shardings: the layout the trajectory arrives in (None: whatever it has).
-
-  A step whose advantages, loss, gradient or resulting params/optimizer state are not all
-  finite is skipped (params and optimizer state unchanged) and reported as
-  metrics['nonfinite'] = 1: NaN/inf never enters the weights or the optimizer moments.
-  `frozen`: the frozen weights on `mesh` (default: loaded FSDP-sharded, without the decoder);
-  params are the trainable tree (the MMDiT, or LoRA adapters merged into the frozen base
-  inside)."""
+  traj_shardings: the layout the trajectory arrives in (None: whatever it has). `frozen`: the
+  frozen weights on `mesh` (default: loaded FSDP-sharded, without the decoder). Donates params
+  and optimizer state."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = common.velocity_fn_of(exp)
   r = exp.config.rl
   T = len(exp.sigmas) - 1
-  guidance, norm_rescale = common.guidance_of(exp)
-  optimizer = exp.optimizer
 
   def update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params, frozen):
     indices = timesteps_lib.select_timesteps(exp.selection, T, key, step)
-
-    def loss_fn(p):
-      return objective_lib.grpo_objective(
-          velocity_fn,
-          exp.weights.effective(p, frozen),
-          traj,
-          cond,
-          adv,
-          valid,
-          indices,
-          sde_cfg=exp.sde_cfg,
-          clip_range=r.clip_range,
-          kl_beta=r.kl_beta,
-          ref_params=exp.weights.reference(ref_params, frozen) if r.kl_beta > 0 else None,
-          guidance_scale=guidance,
-          uncond=uncond if guidance is not None else None,
-          norm_rescale=norm_rescale,
-          step_loop=common.step_loop_for(r.step_loop, mesh),
-          behaviour=common.behaviour_of(exp),
-      )
+    loss_fn = grpo_loss(
+        exp,
+        velocity_fn,
+        frozen,
+        (traj, cond, uncond, adv, valid),
+        ref_params,
+        indices,
+        step_loop=common.step_loop_for(r.step_loop, mesh),
+    )
 
     def epoch(carry, _):
       p, o = carry
       (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(p)
-      grad_norm = optax.tree.norm(grads)
-      updates, new_o = optimizer.update(grads, o, p)
-      new_p = optax.apply_updates(p, updates)
-      finite = (
-          jnp.isfinite(grad_norm)
-          & jnp.isfinite(loss)
-          & common.all_finite(adv)
-          & common.all_finite(new_p)
-          & common.all_finite(new_o)
+      p, o, grad_norm, nonfinite = optimizer_step(
+          exp.optimizer, p, o, grads, loss, common.all_finite(adv)
       )
-      metrics = dict(
-          metrics, loss=loss, grad_norm=grad_norm, nonfinite=(~finite).astype(jnp.float32)
-      )
-      return common.keep_if(finite, (new_p, new_o), (p, o)), metrics
+      return (p, o), dict(metrics, loss=loss, grad_norm=grad_norm, nonfinite=nonfinite)
 
     (params, opt_state), per_epoch = jax.lax.scan(
         epoch, (params, opt_state), None, length=r.inner_epochs
@@ -83,26 +134,21 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
     return params, opt_state, metrics
 
   rep = mesh_lib.replicated(mesh)
-  data = lambda nd, axis=0: mesh_lib.batch_sharding(mesh, nd, axis)
-  cond_sharding = common.cond_shardings(mesh, exp.cond_abstract(1))
   frozen_sh = common.frozen_shardings(frozen)
+  in_sh = (
+      param_shardings,
+      opt_shardings,
+      *_batch_shardings(exp, mesh, traj_shardings),
+      rep,
+      rep,
+      common.ref_shardings(exp, param_shardings),
+      frozen_sh,
+  )
 
   def make():
     return jax.jit(
         update,
-        in_shardings=(
-            param_shardings,
-            opt_shardings,
-            traj_shardings,
-            cond_sharding,
-            cond_sharding,
-            data(1),
-            data(1),
-            rep,
-            rep,
-            common.ref_shardings(exp, param_shardings),
-            frozen_sh,
-        ),
+        in_shardings=in_sh,
         out_shardings=(param_shardings, opt_shardings, rep),
         donate_argnums=(0, 1),
     )
@@ -115,27 +161,6 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
       common.layout_key(frozen_sh),
   )
   return common.Bound(common.memoized('update', exp, parts, make), frozen)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fragment-wise gradient accumulation (GAP): one gradient program per fragment, one apply per
-# logical batch. The loss of the logical batch is sum(w * l) / D with D = sum(w) over the whole
-# batch; D is known only when every group is scored, so fragments accumulate the unnormalised
-# gradient of sum(w * l) (denominator 1) and `apply` divides by D: the same update as
-# make_update's, to float32 rounding.
-
-_SUM_KEYS = ('loss', 'policy_loss', 'approx_kl', 'clip_frac', 'ratio_mean', 'kl')
-_MAX_KEYS = ('ratio_max_dev', 'rollout_ratio_max_dev')
-# The accumulator's metric scalars (make_zero_acc): summed, maxed, and the total pair weight.
-ACC_SUM_KEYS = _SUM_KEYS + _MAX_KEYS + ('weight_sum',)
-
-
-def tsp_steps(exp, mesh) -> tuple[int, int]:
-  """(K, K_pad): trained timesteps per trajectory, and K rounded up to a multiple of the mesh
-  size (TSP lays the timestep axis over the mesh; the pad steps carry weight 0)."""
-  K = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
-  n = mesh.devices.size
-  return K, -(-K // n) * n
 
 
 def make_select(exp, mesh):
@@ -170,21 +195,25 @@ def make_zero_acc(param_shardings, mesh):
   )
 
 
-def make_fragment_grad(
-    exp, mesh, param_shardings, traj_shardings=None, *, tsp: bool = False, frozen=None
-):
-  """grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params) -> acc + this
-  fragment's gradient of sum(w * l) and its metric sums (acc donated).
+def _accumulate(acc, loss, metrics, grads, adv):
+  """acc + one fragment's gradient and metric sums. policy_loss / loss are already sums
+  (denominator 1); the others are weighted means. A non-finite advantage poisons the loss sum,
+  so `apply` skips the whole logical batch."""
+  w = metrics['weight_sum']
+  sums = dict(acc['sums'])
+  sums['loss'] = sums['loss'] + loss + jnp.where(common.all_finite(adv), 0.0, jnp.nan)
+  sums['policy_loss'] = sums['policy_loss'] + metrics['policy_loss']
+  for k in ('approx_kl', 'clip_frac', 'ratio_mean', 'kl'):
+    sums[k] = sums[k] + metrics[k] * w
+  sums['weight_sum'] = sums['weight_sum'] + w
+  for k in _MAX_KEYS:
+    sums[k] = jnp.maximum(sums[k], metrics[k])
+  return {'grads': jax.tree.map(jnp.add, acc['grads'], grads), 'sums': sums}
 
-  tsp: the K selected steps run as one vmap whose timestep axis is sharded over `mesh`
-  (padded to a multiple of the mesh size with weight-0 steps); else the colocated update's
-  loop (config.rl.step_loop over K via step_loop_for, batch axis sharded). `frozen` as in
-  make_update."""
-  if frozen is None:
-    frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
-  velocity_fn = common.velocity_fn_of(exp)
-  r = exp.config.rl
-  guidance, norm_rescale = common.guidance_of(exp)
+
+def _tsp_options(exp, mesh, indices):
+  """(indices padded to K_pad, grpo_objective options) of TSP: the K selected steps as one vmap
+  whose timestep axis is sharded over `mesh`, padded with weight-0 copies of the first step."""
   K, K_pad = tsp_steps(exp, mesh)
   axes = mesh_lib.data_axes(mesh)
 
@@ -199,78 +228,58 @@ def make_fragment_grad(
         tree,
     )
 
+  step_weights = None
+  if K_pad > K:  # repeat the first selected step; weight 0 keeps it out of everything
+    indices = jnp.concatenate([indices, jnp.broadcast_to(indices[:1], (K_pad - K,))])
+    step_weights = (jnp.arange(K_pad) < K).astype(jnp.float32)
+  return indices, dict(step_weights=step_weights, step_constraint=on_steps, step_loop='vmap')
+
+
+def make_fragment_grad(
+    exp, mesh, param_shardings, traj_shardings=None, *, tsp: bool = False, frozen=None
+):
+  """grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params) -> acc + this
+  fragment's gradient of sum(w * l) and its metric sums (acc donated).
+
+  tsp: the K selected steps run as one vmap whose timestep axis is sharded over `mesh`
+  (_tsp_options); else config.rl.step_loop over K (step_loop_for), the batch axis sharded.
+  `frozen` as in make_update."""
+  if frozen is None:
+    frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
+  velocity_fn = common.velocity_fn_of(exp)
+
   def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params, frozen):
-    step_weights, constraint = None, None
     if tsp:
-      if K_pad > K:  # repeat the first selected step; weight 0 keeps it out of everything
-        indices = jnp.concatenate([indices, jnp.broadcast_to(indices[:1], (K_pad - K,))])
-        step_weights = (jnp.arange(K_pad) < K).astype(jnp.float32)
-      constraint = on_steps
-
-    def loss_fn(p):
-      return objective_lib.grpo_objective(
-          velocity_fn,
-          exp.weights.effective(p, frozen),
-          traj,
-          cond,
-          adv,
-          valid,
-          indices,
-          sde_cfg=exp.sde_cfg,
-          clip_range=r.clip_range,
-          kl_beta=r.kl_beta,
-          ref_params=exp.weights.reference(ref_params, frozen) if r.kl_beta > 0 else None,
-          guidance_scale=guidance,
-          uncond=uncond if guidance is not None else None,
-          norm_rescale=norm_rescale,
-          denominator=1.0,
-          step_weights=step_weights,
-          step_constraint=constraint,
-          step_loop='vmap' if tsp else common.step_loop_for(r.step_loop, mesh),
-          behaviour=common.behaviour_of(exp),
-      )
-
-    (loss, m), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    w = m['weight_sum']
-    sums = dict(acc['sums'])
-    # policy_loss / loss are already sums (denominator 1); the others are weighted means. A
-    # non-finite advantage poisons the loss sum, so `apply` skips the whole logical batch.
-    sums['loss'] = sums['loss'] + loss + jnp.where(common.all_finite(adv), 0.0, jnp.nan)
-    sums['policy_loss'] = sums['policy_loss'] + m['policy_loss']
-    for k in ('approx_kl', 'clip_frac', 'ratio_mean', 'kl'):
-      sums[k] = sums[k] + m[k] * w
-    sums['weight_sum'] = sums['weight_sum'] + w
-    for k in _MAX_KEYS:
-      sums[k] = jnp.maximum(sums[k], m[k])
-    return {'grads': jax.tree.map(jnp.add, acc['grads'], g), 'sums': sums}
+      indices, options = _tsp_options(exp, mesh, indices)
+    else:
+      options = dict(step_loop=common.step_loop_for(exp.config.rl.step_loop, mesh))
+    loss_fn = grpo_loss(
+        exp,
+        velocity_fn,
+        frozen,
+        (traj, cond, uncond, adv, valid),
+        ref_params,
+        indices,
+        denominator=1.0,
+        **options,
+    )
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return _accumulate(acc, loss, metrics, grads, adv)
 
   rep = mesh_lib.replicated(mesh)
-  data = lambda nd: mesh_lib.batch_sharding(mesh, nd)
-  cond_sharding = common.cond_shardings(mesh, exp.cond_abstract(1))
-  acc_sh = {
-      'grads': param_shardings,
-      'sums': {k: rep for k in ACC_SUM_KEYS},
-  }
+  acc_sh = {'grads': param_shardings, 'sums': {k: rep for k in ACC_SUM_KEYS}}
   frozen_sh = common.frozen_shardings(frozen)
+  in_sh = (
+      param_shardings,
+      acc_sh,
+      *_batch_shardings(exp, mesh, traj_shardings),
+      rep,
+      common.ref_shardings(exp, param_shardings),
+      frozen_sh,
+  )
 
   def make():
-    return jax.jit(
-        grad,
-        in_shardings=(
-            param_shardings,
-            acc_sh,
-            traj_shardings,
-            cond_sharding,
-            cond_sharding,
-            data(1),
-            data(1),
-            rep,
-            common.ref_shardings(exp, param_shardings),
-            frozen_sh,
-        ),
-        out_shardings=acc_sh,
-        donate_argnums=(1,),
-    )
+    return jax.jit(grad, in_shardings=in_sh, out_shardings=acc_sh, donate_argnums=(1,))
 
   parts = (
       mesh,
@@ -284,10 +293,9 @@ def make_fragment_grad(
 
 def make_apply(exp, mesh, param_shardings, opt_shardings):
   """apply(params, opt_state, acc) -> (params, opt_state, metrics): one optimizer step with the
-  accumulated gradient divided by the batch's total pair weight; skipped (state unchanged,
-  metrics['nonfinite'] = 1) when the gradient, loss (which a non-finite advantage poisons, see
-  make_fragment_grad) or the new params/state are not finite. Donates params, state."""
-  optimizer = exp.optimizer
+  accumulated gradient divided by the batch's total pair weight (optimizer_step: skipped when
+  anything, the loss a non-finite advantage poisons included, is not finite). Donates params
+  and optimizer state."""
   rep = mesh_lib.replicated(mesh)
 
   def apply(params, opt_state, acc):
@@ -296,35 +304,15 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
     inv = 1.0 / jnp.where(den > 0, den, 1.0)
     grads = jax.tree.map(lambda g: g * inv, acc['grads'])
     loss = s['loss'] * inv
-    grad_norm = optax.tree.norm(grads)
-    updates, new_o = optimizer.update(grads, opt_state, params)
-    new_p = optax.apply_updates(params, updates)
-    finite = (
-        jnp.isfinite(grad_norm)
-        & jnp.isfinite(loss)
-        & common.all_finite(new_p)
-        & common.all_finite(new_o)
+    params, opt_state, grad_norm, nonfinite = optimizer_step(
+        exp.optimizer, params, opt_state, grads, loss
     )
-    metrics = {
-        'loss': loss,
-        'policy_loss': s['policy_loss'] * inv,
-        'approx_kl': s['approx_kl'] * inv,
-        'clip_frac': s['clip_frac'] * inv,
-        'ratio_mean': s['ratio_mean'] * inv,
-        'kl': s['kl'] * inv,
-        'ratio_max_dev': s['ratio_max_dev'],
-        'rollout_ratio_max_dev': s['rollout_ratio_max_dev'],
-        'weight_sum': den,
-        'grad_norm': grad_norm,
-        'nonfinite': (~finite).astype(jnp.float32),
-    }
-    new_p, new_o = common.keep_if(finite, (new_p, new_o), (params, opt_state))
-    return new_p, new_o, metrics
+    metrics = {k: s[k] * inv for k in _SUM_KEYS}
+    metrics.update({k: s[k] for k in _MAX_KEYS})
+    metrics.update(weight_sum=den, grad_norm=grad_norm, nonfinite=nonfinite)
+    return params, opt_state, metrics
 
-  acc_sh = {
-      'grads': param_shardings,
-      'sums': {k: rep for k in ACC_SUM_KEYS},
-  }
+  acc_sh = {'grads': param_shardings, 'sums': {k: rep for k in ACC_SUM_KEYS}}
   return common.memoized(
       'apply',
       exp,

@@ -31,6 +31,7 @@ from digen_jax.runtime import transfer
 KV = 'digen/pipe'
 PEER_TIMEOUT_S = 3600.0
 FRAG_TAG = 'frag'
+WEIGHTS_TAG = 'weights'
 
 
 @dataclasses.dataclass
@@ -116,8 +117,9 @@ class LocalLink:
   """Both roles in one process (the rollout is a thread): weights and fragments move by
   jax.device_put onto the other role's mesh; claims under a lock."""
 
-  def __init__(self, cluster, trainer_traj_shardings, rollout_param_shardings, dtype):
+  def __init__(self, cluster, weights, trainer_traj_shardings, rollout_param_shardings, dtype):
     self._cv = threading.Condition()
+    self._weights = weights
     self._policies: dict[int, publish.Policy] = {}
     self._frags: queue.Queue = queue.Queue()
     self._claims: dict[tuple[int, int], dict] = {}
@@ -125,9 +127,10 @@ class LocalLink:
     self.error: BaseException | None = None
     self._traj_sh = trainer_traj_shardings
     self._param_sh, self._dtype = rollout_param_shardings, dtype
-    # Colocated roles share devices: a publish onto the same sharding would alias the
+    # Colocated roles share devices: an uncast publish onto the same sharding would alias the
     # trainer's buffers, which the optimizer step donates; copy instead.
-    self._copy = bool(set(cluster.trainer.devices) & set(cluster.rollout.devices))
+    shared = bool(set(cluster.trainer.devices) & set(cluster.rollout.devices))
+    self._copy = shared and dtype is None
 
   def _wait(self, pred, what: str):
     with self._cv:
@@ -144,10 +147,11 @@ class LocalLink:
 
   # weights
   def publish(self, params, version: int) -> None:
-    policy = publish.publish_local(params, version, self._param_sh, self._dtype)
+    policy = publish.publish(self._weights, params, version, self._dtype)
+    moved = jax.device_put(policy.params, self._param_sh)
     if self._copy:
-      policy = publish.Policy(jax.tree.map(jnp.copy, policy.params), version)
-    jax.block_until_ready(policy.params)
+      moved = jax.tree.map(jnp.copy, moved)
+    policy = dataclasses.replace(policy, params=jax.block_until_ready(moved))
     with self._cv:
       self._policies = {v: p for v, p in self._policies.items() if v >= version - 1}
       self._policies[version] = policy
@@ -166,7 +170,7 @@ class LocalLink:
   def wait_policy(self, version: int) -> tuple[publish.Policy, float]:
     self._wait(lambda: version in self._policies, f'policy {version}')
     with self._cv:
-      return self._policies[version], 0.0
+      return publish.accept(self._weights, self._policies[version], version), 0.0
 
   # small shared values (prompts, eval rows)
   def put(self, key: str, value) -> None:
@@ -193,7 +197,7 @@ class LocalLink:
 
   # fragments
   def send_fragment(self, frag: Fragment, spans: list[dict]) -> None:
-    traj = jax.block_until_ready(publish.move_batch_local(frag.traj, self._traj_sh))
+    traj = jax.block_until_ready(jax.device_put(frag.traj, self._traj_sh))
     self._frags.put((dataclasses.replace(frag, traj=traj, arrived=time.time()), spans))
 
   def poll(self) -> bool:
@@ -297,27 +301,28 @@ class ChannelLink:
 
   def publish(self, params, version: int) -> None:
     # The first publish of a process carries an adapter digest (a host copy of the adapters);
-    # later ones names and shapes only.
-    manifest = publish.adapter_manifest(self._weights, params, digest=not self._digest_sent)
+    # later ones names and shapes only. Do not donate `params` before weights_delivered.
+    policy = publish.publish(
+        self._weights, params, version, self._dtype, digest=not self._digest_sent
+    )
     self._digest_sent = True
-    publish.send_weights(self.chan, params, version, self._dtype, manifest)
+    info = {'version': policy.version, 'manifest': policy.manifest}
+    self.chan.send(policy.params, WEIGHTS_TAG, info=info)
     self._weights_acked = False
 
   def weights_delivered(self) -> None:
     """Blocks until the rollout holds the latest published weights (once per publish)."""
     if not self._weights_acked:
-      self.chan.wait_delivered(publish.WEIGHTS_TAG)
+      self.chan.wait_delivered(WEIGHTS_TAG)
       self._weights_acked = True
 
   def policy_ready(self, version: int) -> bool:
-    return self.chan.poll(publish.WEIGHTS_TAG)
+    return self.chan.poll(WEIGHTS_TAG)
 
   def wait_policy(self, version: int) -> tuple[publish.Policy, float]:
-    policy, pull_s = publish.receive_weights(self.chan, self._weights_abstract)
-    if policy.version != version:
-      raise RuntimeError(f'rollout expected policy version {version}, got {policy.version}')
-    publish.verify_policy(self._weights, policy)
-    return policy, pull_s
+    d = self.chan.receive_full(self._weights_abstract, WEIGHTS_TAG)
+    policy = publish.Policy(d.tree, int(d.info['version']), d.info.get('manifest'))
+    return publish.accept(self._weights, policy, version), d.pull_s
 
   def put(self, key: str, value) -> None:
     distributed.kv_set(f'{KV}/{key}', json.dumps(value), overwrite=True)

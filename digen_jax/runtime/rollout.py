@@ -1,45 +1,45 @@
-"""The rollout role of the pipelined schedule (runtime/pipeline.py): sample and score
-fragments, driven by the rollout's side of runtime/schedule.py.
+"""The rollout role: sample and score fragments, evaluate, and its side of the schedule.
 
-`FragmentSampler` runs the rollout program on one fragment: on the rollout mesh with the
-published copy, or (TAG) on the trainer mesh with the trainer's own params. `rollout_loop` is
-the rollout role: per step it receives the policy, draws the prompts (the data position has
-one owner), evaluates if due, then claims and samples the fragments the schedule names; with
-TCSS it starts up to floor(phi*M) fragments of the next batch with the policy it holds while
-the next one is not published.
+`Sampler` runs the rollout program on one fragment: on the rollout mesh with the published
+copy, or (TAG) on the trainer mesh with the trainer's own params. `Evals` runs the periodic
+eval with the same program, every step Euler. `RolloutRole` is the rollout's loop: per step it
+draws the prompts (the data position has one owner), receives the policy, evaluates if due,
+then claims and samples the fragments its runtime/schedule.Schedule names, one handler per
+action; with TCSS it starts up to floor(phi*M) fragments of the next batch with the policy it
+holds while the next one is not published.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
-from typing import Any
 
 from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.process import interrupt
 from digen_jax import programs
-from digen_jax.runtime import distributed
-from digen_jax.runtime import fragments as frag_lib
-from digen_jax.runtime import links
+from digen_jax.experiment import evaluation
+from digen_jax.outputs import eval_report
+from digen_jax.outputs import visualize
 from digen_jax.parallel import mesh as mesh_lib
-from digen_jax.runtime import publish
+from digen_jax.process import interrupt
+from digen_jax.experiment import fragments as frag_lib
+from digen_jax.runtime import inputs
+from digen_jax.runtime import links
 from digen_jax.runtime import schedule as sched_lib
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.runtime import transfer
-from digen_jax.runtime import workers
 
 Fragment = links.Fragment
 
 
-class FragmentSampler:
-  """Samples and scores fragments on `mesh` with params laid out as `param_shardings`: the
-  rollout's copy on the rollout mesh, or the trainer's FSDP params on the trainer mesh (TAG)."""
+class Sampler:
+  """Samples and scores fragments of `plan` on `mesh` with params laid out as
+  `param_shardings`: the rollout's copy on the rollout mesh, or the trainer's FSDP params on
+  the trainer mesh (TAG, role 'trainer')."""
 
   def __init__(
       self,
@@ -57,15 +57,11 @@ class FragmentSampler:
     self.exp, self.mesh, self.plan, self.role, self.tracer = exp, mesh, plan, role, tracer
     self.guard_level = guard_level
     self.traj_shardings = programs.trajectory_shardings(mesh)
-    rep = mesh_lib.replicated(mesh)
-    self._rep = rep
+    self._rep = rep = mesh_lib.replicated(mesh)
     # Compiled ahead of time: a first TAG insertion must not pay (and BTS must not profile)
     # the compilation, and the timeline then shows run time only.
-    n = plan.size
-    sds = jax.ShapeDtypeStruct
-    data = lambda nd: mesh_lib.batch_sharding(mesh, nd)
-    cond = exp.cond_abstract(n, data)
-    scalar = lambda dt: sds((), dt, sharding=rep)
+    cond = exp.cond_abstract(plan.size, lambda nd: mesh_lib.batch_sharding(mesh, nd))
+    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)
     # Frozen weights on this mesh (TAG: the trainer's own FSDP copy, shared through the cache).
     frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)
     self._program = (
@@ -83,205 +79,188 @@ class FragmentSampler:
         .compile()
     )
     self._base_key = jax.device_put(jax.random.key(exp.config.seed), rep)
-    self._uncond = workers.uncond(exp, plan.size, mesh)
-    self._devices = list(mesh.devices.flat)
+    self._uncond = inputs.uncond(exp, plan.size, mesh)
+    self.devices = list(mesh.devices.flat)
 
   def sample(self, params, version: int, batch_prompts: list[str], step: int, f: int) -> Fragment:
     """Fragment f of step `step`'s batch (batch_prompts: one per sample) with `params`."""
     prompts = self.plan.prompts(f, batch_prompts)
-    cond = workers.encode(self.exp, prompts, self.mesh)
+    cond = inputs.encode(self.exp, prompts, self.mesh)
     program = 'rollout' if self.role == 'rollout' else 'tag_rollout'
-    with workers.guard(self.guard_level):
+    with inputs.guard(self.guard_level):
       step_arr = jax.device_put(np.int32(step), self._rep)
       offset = jax.device_put(np.int32(f * self.plan.size), self._rep)
       t0 = time.time()
       with self.tracer.span(
-          self._devices, self.role, program, step=step, fragment=f, version=version
+          self.devices, self.role, program, step=step, fragment=f, version=version
       ):
-        k_rollout, _ = workers.step_keys(self._base_key, step_arr)
+        k_rollout, _ = inputs.step_keys(self._base_key, step_arr)
         uncond = self._uncond if self._uncond is not None else cond
         traj, images = self._program(params, cond, uncond, k_rollout, step_arr, offset)
         images = jax.device_get(images)
       t1 = time.time()
     rewards = np.asarray(self.exp.reward_fn(images, prompts), np.float32)
+    reward_s = time.time() - t1
     return Fragment(
-        step,
-        f,
-        version,
-        traj,
-        rewards,
-        self.role,
-        t1 - t0,
-        time.time() - t1,
-        images,
-        t_start=t0,
-        t_end=t1,
+        step, f, version, traj, rewards, self.role, t1 - t0, reward_s, images, t_start=t0, t_end=t1
     )
 
 
-def abstract_fragment(exp, plan, shardings) -> Any:
-  """ShapeDtypeStructs of one fragment's Trajectory on `shardings` (what the trainer process
-  receives): the batch abstract with the sample axis cut to plan.size."""
-  ab = workers.abstract_batch(exp)['traj']
-  cut = lambda x, ax: jax.ShapeDtypeStruct(x.shape[:ax] + (plan.size,) + x.shape[ax + 1 :], x.dtype)
-  ab = (
-      ab._replace(latents=cut(ab.latents, 1), log_probs=cut(ab.log_probs, 1), stds=cut(ab.stds, 1))
-      if hasattr(ab, '_replace')
-      else dataclasses.replace(
-          ab, latents=cut(ab.latents, 1), log_probs=cut(ab.log_probs, 1), stds=cut(ab.stds, 1)
-      )
+class Evals:
+  """Periodic evaluation (config.eval.every) on the rollout mesh with a received policy;
+  writes <workdir>/eval/eval_<version>.{json,png,npz} and returns the metrics row."""
+
+  def __init__(self, exp, mesh, workdir: str, *, frozen_fsdp: bool = False):
+    self.exp, self.workdir = exp, workdir
+    self.every = exp.config.eval.every
+    self.evaluator = None
+    if self.every > 0:
+      prompts = evaluation.eval_prompts(exp, workdir)
+      self.evaluator = evaluation.Evaluator(exp, mesh, prompts, frozen_fsdp=frozen_fsdp)
+
+  @property
+  def enabled(self) -> bool:
+    return self.evaluator is not None
+
+  def due(self, version: int, start: int) -> bool:
+    """Before the rollout of step `version` (a run also evaluates once more at its end): the
+    base model of a fresh run, and every eval.every versions after the resume point (the run
+    that stopped there evaluated it)."""
+    if not self.enabled:
+      return False
+    return (version == 0 and start == 0) or (version > start and version % self.every == 0)
+
+  def __call__(self, policy) -> dict:
+    result = self.evaluator(policy.params, seed=self.exp.config.eval.seed)
+    grid = eval_report.write_report(result, os.path.join(self.workdir, 'eval'), policy.version)
+    logging.info('eval at step %d: %s (%s)', policy.version, result['metrics'], grid)
+    return {'step': policy.version, **result['metrics']}
+
+
+def abstract_fragment(exp, plan: frag_lib.FragmentPlan, shardings):
+  """ShapeDtypeStructs of one fragment's Trajectory on `shardings` (what a trainer process
+  receives)."""
+  traj = programs.abstract_trajectory(exp, plan.size)
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), traj, shardings
   )
-  return workers.with_shardings(ab, shardings)
 
 
-def rollout_loop(
-    exp,
-    workdir: str,
-    link: links.Link,
-    tracer: trace_lib.Tracer,
-    start: int,
-    sampler: FragmentSampler,
-    evals,
-) -> None:
-  """The rollout role from step `start` to the end (and the final eval), the order of its
-  actions given by runtime/schedule.py."""
-  config = exp.config
-  plan = frag_lib.plan_of(config)
-  total = config.total_steps
-  sm = sched_lib.Schedule(
-      plan,
-      start=start,
-      total_steps=total,
-      tcss_fraction=config.schedule.tcss_fraction,
-      final_policy=evals.enabled and start < total,
-  )
-  drawn = set()
-  grid: dict[int, list[Fragment]] = {}  # this role's fragments per step, for samples/
-  every = config.sample_grid_every
-  policy, eval_info, eval_s = None, None, 0.0
+class RolloutRole:
+  """The rollout role of a run from step `start`: `run()` drives its Schedule to the end (and
+  the final eval) through `link`."""
 
-  def draw(step):
-    # The prompts do not depend on the policy: they are drawn before it is received (and
-    # before stale fragments of the step), so neither role waits for them after a publish.
-    if step not in drawn:
-      prompts = exp.prompts.next_batch()
-      batch_prompts = [p for p in prompts for _ in range(plan.group_size)]
-      link.put(
-          f'prompts/{step}', {'batch_prompts': batch_prompts, 'data_position': exp.prompts.position}
-      )
-      drawn.add(step)
-    return link.get(f'prompts/{step}')['batch_prompts']
+  def __init__(
+      self, exp, workdir: str, link, sampler: Sampler, evals: Evals, start: int, writer=None
+  ):
+    """writer: a metrics writer that also takes the sample grids (TensorBoard), or None."""
+    self.exp, self.workdir, self.link, self.sampler, self.evals = exp, workdir, link, sampler, evals
+    self.writer = writer
+    c = exp.config
+    self.plan, self.start, self.total = sampler.plan, start, c.total_steps
+    self.sm = sched_lib.Schedule(
+        self.plan,
+        start=start,
+        total_steps=self.total,
+        tcss_fraction=c.schedule.tcss_fraction,
+        final_policy=evals.enabled and start < self.total,
+    )
+    self.policy, self.eval_info, self.eval_s = None, None, 0.0
+    self._drawn: set[int] = set()
+    self._grid: dict[int, list[Fragment]] = {}  # this role's fragments per step, for samples/
 
-  while True:
-    interrupt.check('in the rollout')  # in-flight fragments are regenerated after a resume
-    ready = sm.stale_window() and link.policy_ready(sm.rollout_step)
-    action = sm.rollout_action(next_policy_ready=ready)
-    if isinstance(action, sched_lib.Done):
-      break
-    if isinstance(action, sched_lib.ReceivePolicy):
-      v = action.version
-      if v == total:  # the final policy: its eval only
-        policy, _ = link.wait_policy(v)
-        sm.policy_received(v)
-        link.put('final_evals', [evals(policy)])
-        continue
-      draw(v)
-      policy, pull_s = link.wait_policy(v)
-      link.release_before(v)
-      sm.policy_received(v)
-      eval_rows, t_eval = [], time.perf_counter()
-      if evals.due(v, start):
-        eval_rows.append(evals(policy))
-      eval_s = time.perf_counter() - t_eval
-      eval_info = {'rows': eval_rows, 'eval_s': eval_s, 'pull_s': pull_s}
-    elif isinstance(action, sched_lib.SampleFragment):
-      step, f = action.step, action.index
-      if not link.claim(step, f, sched_lib.ROLLOUT):  # the trainer took it (TAG)
-        sm.claimed(step, f, sched_lib.TRAINER, time.time())
-        continue
-      sm.claimed(step, f, sched_lib.ROLLOUT, time.time())
-      frag = sampler.sample(policy.params, policy.version, draw(step), step, f)
-      if step == policy.version:  # the step's eval counts before its first fragment
-        frag.eval_s, eval_s = eval_s, 0.0
-      link.send_fragment(frag, tracer.take_new())
-      if every and (step + 1) % every == 0:
-        grid.setdefault(step, []).append(dataclasses.replace(frag, traj=None))
-      logging.info(
-          'rollout: step %d fragment %d/%d (policy v%d) sampled in %.3fs',
-          step + 1,
-          f + 1,
-          plan.num,
-          policy.version,
-          frag.sample_s,
-      )
-    elif isinstance(action, sched_lib.EndRolloutStep):
-      step = action.step
-      link.put(f'evals/{step}', eval_info)  # the trainer reads it after its last fragment
-      if grid.get(step):
-        _write_grid(
-            workdir, step + 1, sorted(grid.pop(step), key=lambda x: x.index), draw(step), plan
-        )
-      sm.rollout_step_ended(step)
-    else:
-      raise AssertionError(f'the rollout cannot {action}')
-  link.finish_rollout()
+  def run(self) -> None:
+    handlers = {
+        sched_lib.ReceivePolicy: self.receive_policy,
+        sched_lib.SampleFragment: self.sample_fragment,
+        sched_lib.EndRolloutStep: self.end_step,
+    }
+    while True:
+      interrupt.check('in the rollout')  # in-flight fragments are regenerated after a resume
+      ready = self.sm.stale_window() and self.link.policy_ready(self.sm.rollout_step)
+      action = self.sm.rollout_action(next_policy_ready=ready)
+      if isinstance(action, sched_lib.Done):
+        break
+      if type(action) not in handlers:
+        raise AssertionError(f'the rollout cannot {action}')
+      handlers[type(action)](action)
+    self.link.finish_rollout()
+
+  def prompts(self, step: int) -> list[str]:
+    """Step `step`'s prompts, one per sample. Drawn before its policy is received (and before
+    stale fragments of the step): they do not depend on the policy, so neither role waits for
+    them after a publish."""
+    if step not in self._drawn:
+      prompts = self.exp.prompts.next_batch()
+      batch_prompts = [p for p in prompts for _ in range(self.plan.group_size)]
+      position = self.exp.prompts.position
+      self.link.put(f'prompts/{step}', {'batch_prompts': batch_prompts, 'data_position': position})
+      self._drawn.add(step)
+    return self.link.get(f'prompts/{step}')['batch_prompts']
+
+  def receive_policy(self, action: sched_lib.ReceivePolicy) -> None:
+    v = action.version
+    if v == self.total:  # the final policy: its eval only
+      self.policy, _ = self.link.wait_policy(v)
+      self.sm.policy_received(v)
+      self.link.put('final_evals', [self.evals(self.policy)])
+      return
+    self.prompts(v)
+    self.policy, pull_s = self.link.wait_policy(v)
+    self.link.release_before(v)
+    self.sm.policy_received(v)
+    rows, t_eval = [], time.perf_counter()
+    if self.evals.due(v, self.start):
+      rows.append(self.evals(self.policy))
+    self.eval_s = time.perf_counter() - t_eval
+    self.eval_info = {'rows': rows, 'eval_s': self.eval_s, 'pull_s': pull_s}
+
+  def sample_fragment(self, action: sched_lib.SampleFragment) -> None:
+    step, f = action.step, action.index
+    if not self.link.claim(step, f, sched_lib.ROLLOUT):  # the trainer took it (TAG)
+      self.sm.claimed(step, f, sched_lib.TRAINER, time.time())
+      return
+    self.sm.claimed(step, f, sched_lib.ROLLOUT, time.time())
+    policy = self.policy
+    frag = self.sampler.sample(policy.params, policy.version, self.prompts(step), step, f)
+    if step == policy.version:  # the step's eval counts before its first fragment
+      frag.eval_s, self.eval_s = self.eval_s, 0.0
+    self.link.send_fragment(frag, self.sampler.tracer.take_new())
+    every = self.exp.config.sample_grid_every
+    if every and (step + 1) % every == 0:
+      self._grid.setdefault(step, []).append(dataclasses.replace(frag, traj=None))
+    logging.info(
+        'rollout: step %d fragment %d/%d (policy v%d) sampled in %.3fs',
+        step + 1,
+        f + 1,
+        self.plan.num,
+        policy.version,
+        frag.sample_s,
+    )
+
+  def end_step(self, action: sched_lib.EndRolloutStep) -> None:
+    step = action.step
+    self.link.put(f'evals/{step}', self.eval_info)  # the trainer reads it after its last fragment
+    if self._grid.get(step):
+      frags = sorted(self._grid.pop(step), key=lambda x: x.index)
+      grid = write_grid(self.workdir, step + 1, frags, self.prompts(step), self.plan)
+      if self.writer is not None:
+        self.writer.write_image('samples', grid, step + 1)
+    self.sm.rollout_step_ended(step)
 
 
-def _write_grid(workdir: str, step: int, frags: list[Fragment], batch_prompts, plan):
-  """samples/step_<step>.png of the fragments this role sampled (TAG ones are not here)."""
-  from digen_jax.outputs import visualize  # pylint: disable=g-import-not-at-top
-
+def write_grid(workdir: str, step: int, frags: list[Fragment], batch_prompts, plan):
+  """samples/step_<step>.png of the fragments this role sampled (TAG ones are not here), one
+  row per prompt group. Returns the grid (uint8 [H, W, 3])."""
   images = np.concatenate([f.images for f in frags])
   captions = [
-      f'{p} | r={r:.3f} | frag {f.index} v{f.version}'
+      f'{p} | r={r:.3f}' + (f' | frag {f.index} v{f.version}' if plan.num > 1 else '')
       for f in frags
       for p, r in zip(plan.prompts(f.index, batch_prompts), f.rewards)
   ]
-  visualize.save_grid(
+  return visualize.save_grid(
       os.path.join(workdir, 'samples', f'step_{step:06d}.png'),
       images,
       captions,
       cols=plan.group_size,
   )
-
-
-def rollout_role(
-    exp, workdir: str, cluster, tracer: trace_lib.Tracer, level: str
-) -> tuple[FragmentSampler, workers.EvalRunner]:
-  """The rollout's FragmentSampler and EvalRunner on the rollout mesh."""
-  frozen_fsdp = publish.rollout_frozen_fsdp(cluster)
-  sampler = FragmentSampler(
-      exp,
-      cluster.rollout.mesh,
-      publish.rollout_param_shardings(cluster, exp.params),
-      frag_lib.plan_of(exp.config),
-      'rollout',
-      tracer,
-      level,
-      publish.rollout_param_dtype(cluster),
-      frozen_fsdp=frozen_fsdp,
-  )
-  evals = workers.EvalRunner(exp, cluster.rollout.mesh, workdir, frozen_fsdp=frozen_fsdp)
-  return sampler, evals
-
-
-def rollout_process(exp, workdir: str, cluster, tracer: trace_lib.Tracer, level: str) -> dict:
-  """The rollout process of a two-process run: starts where the trainer's checkpoint does."""
-  config = exp.config
-  start_info = json.loads(distributed.kv_get(f'{links.KV}/start', links.PEER_TIMEOUT_S))
-  start = int(start_info['step'])
-  exp.prompts.restore(int(start_info['data_position']))
-  rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
-  link = links.ChannelLink(
-      cluster,
-      'rollout',
-      weights=exp.weights,
-      weights_abstract=transfer.abstract(
-          exp.params, rollout_sh, publish.rollout_param_dtype(cluster)
-      ),
-      wait_for_pull=config.schedule.wait_for_pull,
-      shared_claims=config.schedule.tag,
-  )
-  sampler, evals = rollout_role(exp, workdir, cluster, tracer, level)
-  rollout_loop(exp, workdir, link, tracer, start, sampler, evals)
-  return {'step': config.total_steps}

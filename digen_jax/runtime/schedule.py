@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from digen_jax.runtime import bts as bts_lib
-from digen_jax.runtime import fragments as frag_lib
+from digen_jax.experiment import fragments as frag_lib
 
 ROLLOUT, TRAINER = 'rollout', 'trainer'
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from digen_jax.experiment import build as experiment
 from digen_jax import programs
+from digen_jax.experiment import fragments
 from digen_jax.experiment import tiny_pipeline
 from digen_jax.experiment import weights as weights_lib
 from digen_jax.diffusion import sde as sde_lib
@@ -159,6 +160,7 @@ def abstract_experiment(config, vae: str = 'auto'):
       optimizer=experiment.build_optimizer(config),
       img_shape=img_shape,
       latent_shape=(num_tokens, config.model.in_channels),
+      plan=fragments.plan_of(config),
   )
   return exp, vae_what
 
@@ -198,25 +200,6 @@ def per_device_bytes(tree) -> int:
 def abstract_cond(exp, batch: int, mesh):
   """The conditioning dict (Experiment.cond_abstract), batch-sharded on `mesh`."""
   return exp.cond_abstract(batch, lambda nd: mesh_lib.batch_sharding(mesh, nd))
-
-
-def abstract_trajectory(exp, batch: int):
-  """The rollout's Trajectory for `batch` samples (shapes only), as workers.abstract_batch
-  traces it on one local device."""
-  mesh = mesh_lib.make_mesh(jax.local_devices()[:1])
-  sds = jax.ShapeDtypeStruct
-  cond = {k: sds(v.shape, v.dtype) for k, v in abstract_cond(exp, batch, mesh).items()}
-  params = jax.tree.map(lambda x: sds(x.shape, x.dtype), exp.params)
-  frozen = exp.weights.frozen_abstract(decode=True)
-  traj, _ = jax.eval_shape(
-      programs.make_rollout(exp, mesh, frozen=frozen),
-      params,
-      cond,
-      cond,
-      sds((), jax.random.key(0).dtype),
-      sds((), jnp.int32),
-  )
-  return traj
 
 
 def frozen_tree(exp, mesh, *, base: str | None, decode: bool):
@@ -272,73 +255,113 @@ def run_programs(exp, mesh, batch: int, *, rollout_layout: str = 'replicated', o
     grad, grad_tsp   one fragment's gradient (GAP; TSP's timestep-sharded form)
     apply, zero_acc, select   the optimizer step, a zero accumulator, the trained steps
   """
-  rep = mesh_lib.replicated(mesh)
-  fsdp_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
-  params = laid_out(exp.params, fsdp_sh, jnp.float32)
-  cond = abstract_cond(exp, batch, mesh)
-  traj_sh = programs.trajectory_shardings(mesh)
-  step = _scalar(mesh, jnp.int32)
-  acc = {'grads': params, 'sums': _metric_sums(mesh)}
-  opt_shapes = jax.eval_shape(exp.optimizer.init, params)
-  opt_sh = mesh_lib.fsdp_shardings(opt_shapes, mesh)
-  opt = laid_out(opt_shapes, opt_sh)
-  ref = params if programs.ref_shardings(exp, fsdp_sh) is not None else None
-  k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
-  data = lambda dtype: jax.ShapeDtypeStruct(
-      (batch,), dtype, sharding=mesh_lib.batch_sharding(mesh, 1)
-  )
-  traj = None  # traced once, for the programs that take a batch
+  built = _RunPrograms(exp, mesh, batch, rollout_layout)
+  return {name: getattr(built, name)() for name in (only or PROGRAM_NAMES)}
 
-  def batch_args():
-    nonlocal traj
-    if traj is None:
-      traj = laid_out(abstract_trajectory(exp, batch), traj_sh)
-    return traj, cond, cond, data(jnp.float32), data(jnp.bool_)
 
-  def rollout(layout, *, offset=False, deterministic=False, trainer=False):
+PROGRAM_NAMES = (
+    'rollout',
+    'fragment_rollout',
+    'tag_rollout',
+    'eval_rollout',
+    'update',
+    'grad',
+    'grad_tsp',
+    'apply',
+    'zero_acc',
+    'select',
+)
+
+
+class _RunPrograms:
+  """run_programs' programs, each a method, over one set of abstract arguments."""
+
+  def __init__(self, exp, mesh, batch: int, rollout_layout: str):
+    self.exp, self.mesh, self.batch, self.layout = exp, mesh, batch, rollout_layout
+    self.rep = mesh_lib.replicated(mesh)
+    self.fsdp_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
+    self.params = laid_out(exp.params, self.fsdp_sh, jnp.float32)
+    self.cond = abstract_cond(exp, batch, mesh)
+    self.traj_sh = programs.trajectory_shardings(mesh)
+    self.step = _scalar(mesh, jnp.int32)
+    opt_shapes = jax.eval_shape(exp.optimizer.init, self.params)
+    self.opt_sh = mesh_lib.fsdp_shardings(opt_shapes, mesh)
+    self.opt = laid_out(opt_shapes, self.opt_sh)
+    self.ref = self.params if programs.ref_shardings(exp, self.fsdp_sh) is not None else None
+    self._traj = None  # traced once, for the programs that take a batch
+
+  def _batch(self):
+    if self._traj is None:
+      self._traj = laid_out(programs.abstract_trajectory(self.exp, self.batch), self.traj_sh)
+    data = mesh_lib.batch_sharding(self.mesh, 1)
+    sds = lambda dtype: jax.ShapeDtypeStruct((self.batch,), dtype, sharding=data)
+    return self._traj, self.cond, self.cond, sds(jnp.float32), sds(jnp.bool_)
+
+  def _rollout(self, layout, *, offset=False, deterministic=False, trainer=False):
+    exp, mesh = self.exp, self.mesh
     if trainer:
-      param_sh, dtype, base = fsdp_sh, jnp.float32, 'fsdp'
+      param_sh, dtype, base = self.fsdp_sh, jnp.float32, 'fsdp'
     else:
-      param_sh = fsdp_sh if layout == 'fsdp' else jax.tree.map(lambda _: rep, exp.params)
+      rep = self.rep
+      param_sh = self.fsdp_sh if layout == 'fsdp' else jax.tree.map(lambda _: rep, exp.params)
       dtype, base = rollout_param_dtype(exp), layout
-    frozen = frozen_tree(exp, mesh, base=base, decode=True)
     program = programs.make_rollout(
         exp,
         mesh,
         param_sh,
-        None if deterministic else traj_sh,
+        None if deterministic else self.traj_sh,
         with_offset=offset,
-        frozen=frozen,
+        frozen=frozen_tree(exp, mesh, base=base, decode=True),
         deterministic=deterministic,
     )
-    args = (laid_out(exp.params, param_sh, dtype), cond, cond, _key(mesh), step)
-    return program, args + ((step,) if offset else ())
+    args = (laid_out(exp.params, param_sh, dtype), self.cond, self.cond, _key(mesh), self.step)
+    return program, args + ((self.step,) if offset else ())
 
-  def trainer_frozen(decode=False):
-    return frozen_tree(exp, mesh, base='fsdp', decode=decode)
+  def rollout(self):
+    return self._rollout(self.layout)
 
-  def update():
-    program = programs.make_update(exp, mesh, fsdp_sh, opt_sh, traj_sh, frozen=trainer_frozen())
-    return program, (params, opt, *batch_args(), _key(mesh), step, ref)
+  def fragment_rollout(self):
+    return self._rollout(self.layout, offset=True)
 
-  def grad(tsp):
-    program = programs.make_fragment_grad(
-        exp, mesh, fsdp_sh, traj_sh, tsp=tsp, frozen=trainer_frozen(bool(exp.config.schedule.tag))
+  def tag_rollout(self):
+    return self._rollout('fsdp', offset=True, trainer=True)
+
+  def eval_rollout(self):
+    return self._rollout('replicated', offset=True, deterministic=True)
+
+  def _frozen(self, decode=False):
+    return frozen_tree(self.exp, self.mesh, base='fsdp', decode=decode)
+
+  def update(self):
+    program = programs.make_update(
+        self.exp, self.mesh, self.fsdp_sh, self.opt_sh, self.traj_sh, frozen=self._frozen()
     )
-    indices = jax.ShapeDtypeStruct((k,), jnp.int32, sharding=rep)
-    return program, (params, acc, *batch_args(), indices, ref)
+    return program, (self.params, self.opt, *self._batch(), _key(self.mesh), self.step, self.ref)
 
-  builders = {
-      'rollout': lambda: rollout(rollout_layout),
-      'fragment_rollout': lambda: rollout(rollout_layout, offset=True),
-      'tag_rollout': lambda: rollout('fsdp', offset=True, trainer=True),
-      'eval_rollout': lambda: rollout('replicated', offset=True, deterministic=True),
-      'update': update,
-      'grad': lambda: grad(False),
-      'grad_tsp': lambda: grad(True),
-      'apply': lambda: (programs.make_apply(exp, mesh, fsdp_sh, opt_sh), (params, opt, acc)),
-      'zero_acc': lambda: (programs.make_zero_acc(fsdp_sh, mesh), (params,)),
-      'select': lambda: (programs.make_select(exp, mesh), (_key(mesh), step)),
-  }
-  names = builders if only is None else only
-  return {name: builders[name]() for name in names}
+  def _grad(self, tsp: bool):
+    exp = self.exp
+    frozen = self._frozen(bool(exp.config.schedule.tag))
+    program = programs.make_fragment_grad(
+        exp, self.mesh, self.fsdp_sh, self.traj_sh, tsp=tsp, frozen=frozen
+    )
+    k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
+    indices = jax.ShapeDtypeStruct((k,), jnp.int32, sharding=self.rep)
+    acc = {'grads': self.params, 'sums': _metric_sums(self.mesh)}
+    return program, (self.params, acc, *self._batch(), indices, self.ref)
+
+  def grad(self):
+    return self._grad(False)
+
+  def grad_tsp(self):
+    return self._grad(True)
+
+  def apply(self):
+    acc = {'grads': self.params, 'sums': _metric_sums(self.mesh)}
+    program = programs.make_apply(self.exp, self.mesh, self.fsdp_sh, self.opt_sh)
+    return program, (self.params, self.opt, acc)
+
+  def zero_acc(self):
+    return programs.make_zero_acc(self.fsdp_sh, self.mesh), (self.params,)
+
+  def select(self):
+    return programs.make_select(self.exp, self.mesh), (_key(self.mesh), self.step)

@@ -1,8 +1,8 @@
 """Discrete-event simulation of a run: the real schedule (runtime/schedule.py) on a virtual clock.
 
 The same `Schedule` the runtime drives with real programs is driven here by modelled costs:
-each role (trainer, rollout) asks its own Schedule for its next action exactly as
-runtime/pipeline.py and runtime/rollout.py do, the simulator charges the action's seconds
+each role (trainer, rollout) asks its own Schedule for its next action exactly as the one loop
+of runtime/loop.py and runtime/rollout.py do, the simulator charges the action's seconds
 (`StepCosts`) on the role's devices, and events (a fragment reaching the trainer, a publish
 ending, a policy pulled) go back into the Schedules. Claims are arbitrated first come, first
 served, as the runtime's links do. BTS (TAG) decides from the costs it profiles online from
@@ -19,8 +19,10 @@ With `colocated` the roles are the same devices. Hand-overs (a fragment's delive
 that occupy no device.
 
 M = 1 is colocated or naive disaggregation: the schedule then samples the whole batch as one
-fragment, trains it, applies and publishes, the order of runtime/synchronous.py (whose
-full-batch update is charged as one 'grad' of the whole batch; `StepCosts.apply` is then 0).
+fragment, trains it, applies and publishes, as the runtime's loop does for every M (a single
+fragment without TSP runs the fused update program: charged as one 'grad' of the whole batch,
+`StepCosts.apply` then 0). A step's wall time runs from one optimizer step's end to the next,
+the runtime's definition in every mode.
 
 Output: per-step rows (wall from one optimizer step's end to the next, samples/s, utilization
 as trace.utilization computes it from the spans), the spans themselves (trace.Span, virtual
@@ -35,7 +37,7 @@ import statistics
 from typing import Callable
 
 from digen_jax.runtime import bts as bts_lib
-from digen_jax.runtime import fragments as frag_lib
+from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import schedule as sched_lib
 from digen_jax.runtime import trace as trace_lib
 
@@ -138,11 +140,9 @@ class Modes:
   tcss_fraction: float = 0.0
 
   @property
-  def synchronous(self) -> bool:
-    """Whether the runtime runs this with its full-batch loops (runtime/synchronous.py,
-    runtime/disagg.py), as runtime/pipeline.enabled decides: their step's wall time runs from
-    the publish to the update's end, and the bookkeeping after it is outside."""
-    return self.fragments == 1 and not (self.tsp or self.tag or self.tcss_fraction > 0)
+  def fused(self) -> bool:
+    """Whether the trainer runs a batch as one fused update program (runtime/trainer.py)."""
+    return self.fragments == 1 and not self.tsp
 
 
 @dataclasses.dataclass
@@ -324,7 +324,7 @@ class Simulation:
   # ------------------------------------------------------------------------ trainer
 
   def _trainer_next(self) -> bool:
-    """Runs the trainer's next action (runtime/pipeline.py's loop). True if it started one."""
+    """Runs the trainer's next action (runtime/loop.py's TrainerLoop). True if it started one."""
     sm, c = self.trainer_sm, self.costs
     step = sm.trainer_step
     if sm.needs_claims():
@@ -336,7 +336,7 @@ class Simulation:
       def published(t, _):
         sm.published(v, t)
         self.published[v] = t
-        if v > 0 and not self.schedule.synchronous:  # the step's bookkeeping after its publish
+        if v > 0:  # the previous step's bookkeeping, after the publish (runtime/loop.py)
           self._bookkeeping()
 
       self.publish_start[v] = self.now
@@ -346,7 +346,7 @@ class Simulation:
       s, f = action.step, action.index
       self._run(
           TRAINER,
-          'grad' if self.plan.num > 1 else 'update',
+          'update' if self.schedule.fused else 'grad',
           c.grad,
           lambda t, d: sm.trained(s, f, d),
           step=s,
@@ -394,7 +394,7 @@ class Simulation:
   def _applied(self, step: int, t: float) -> None:
     self.trainer_sm.applied(step)
     self.apply_end[step] = t
-    if step + 1 >= self.steps or self.schedule.synchronous:  # bookkeeping before the publish
+    if step + 1 >= self.steps:  # the last step: no publish follows
       self._bookkeeping()
 
   def _bookkeeping(self) -> None:
@@ -406,7 +406,7 @@ class Simulation:
   # ------------------------------------------------------------------------ rollout
 
   def _rollout_next(self) -> bool:
-    """Runs the rollout's next action (runtime/rollout.py's loop). True if it started one."""
+    """Runs the rollout's next action (runtime/rollout.py's RolloutRole). True if it started one."""
     sm, c = self.rollout_sm, self.costs
     ready = sm.stale_window() and sm.rollout_step in self.published
     action = sm.rollout_action(next_policy_ready=ready)
@@ -454,10 +454,7 @@ class Result:
     self.batch = sim.plan.batch
     self.num_devices = sim.layout.num_devices
     ends = [sim.apply_end[s] for s in range(sim.steps)]
-    if sim.schedule.synchronous:  # publish -> update end
-      starts = [sim.publish_start[s] for s in range(sim.steps)]
-    else:  # contiguous: one optimizer step's end to the next
-      starts = [0.0] + ends[:-1]
+    starts = [0.0] + ends[:-1]  # contiguous: one optimizer step's end to the next
     self.rows = []
     for s, (t0, t1) in enumerate(zip(starts, ends)):
       wall = t1 - t0

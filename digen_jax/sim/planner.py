@@ -260,30 +260,7 @@ def plan(
           'rl.group_size or the device counts, or pass --pad to cost padded batches'
       )
     raise PlanError(diagnose(run, parts, knobs, cluster))
-  col = modes['colocated']
-  dis = modes['disagg']
-  out_modes, results = {}, {}
-  for key, c in modes.items():
-    if c is not None and c.layout.num_devices <= settings.trace_devices:
-      planner.simulate(c, real_layout=True)  # every device's spans, for the trace
-    if c is None:
-      why = (
-          'needs >= 2 devices (one per role)'
-          if key != 'colocated' and planner.all.n < 2
-          else 'does not fit in memory'
-          if planner.costed
-          and key != 'colocated'
-          or key == 'colocated'
-          and key not in planner.indivisible
-          else 'no split divides the batch over the devices (--pad costs it padded)'
-      )
-      out_modes[key] = {'samples_per_s': None, 'utilization': None, 'fits': False, 'why': why}
-      continue
-    results[key] = c.result.pop('_sim')
-    row = candidate_json(c)
-    row['x_colocated'] = c.samples_per_s / col.samples_per_s if col else None
-    row['x_disagg'] = c.samples_per_s / dis.samples_per_s if dis else None
-    out_modes[key] = row
+  out_modes, results = _mode_rows(planner, modes, settings)
   fitted = [k for k in search.MODES + search.EXTRA_MODES if modes[k] is not None]
   best = max(fitted, key=lambda k: modes[k].samples_per_s)
   on_policy = [k for k in fitted if not k.endswith('tcss')]
@@ -315,6 +292,41 @@ def plan(
       'notes': list(run.notes) + planner.notes(modes),
       '_results': results,
   }
+
+
+def _mode_rows(planner, modes: dict, settings: Settings) -> tuple[dict, dict]:
+  """(per mode its report row or why it has none, per mode its simulation result)."""
+  col = modes['colocated']
+  dis = modes['disagg']
+  out_modes, results = {}, {}
+  for key, c in modes.items():
+    if c is not None and c.layout.num_devices <= settings.trace_devices:
+      planner.simulate(c, real_layout=True)  # every device's spans, for the trace
+    if c is None:
+      out_modes[key] = {
+          'samples_per_s': None,
+          'utilization': None,
+          'fits': False,
+          'why': _why_not(planner, key),
+      }
+      continue
+    results[key] = c.result.pop('_sim')
+    row = candidate_json(c)
+    row['x_colocated'] = c.samples_per_s / col.samples_per_s if col else None
+    row['x_disagg'] = c.samples_per_s / dis.samples_per_s if dis else None
+    out_modes[key] = row
+  return out_modes, results
+
+
+def _why_not(planner, key: str) -> str:
+  """Why mode `key` has no candidate."""
+  if key != 'colocated' and planner.all.n < 2:
+    return 'needs >= 2 devices (one per role)'
+  if (planner.costed and key != 'colocated') or (
+      key == 'colocated' and key not in planner.indivisible
+  ):
+    return 'does not fit in memory'
+  return 'no split divides the batch over the devices (--pad costs it padded)'
 
 
 def option_json(o: roles.Option | None) -> dict | None:

@@ -4,21 +4,15 @@ costs, layout and schedule the simulator (sim/engine.py) runs, and the ladder's 
 Rungs and variants are benchmarks/ladder.py's: colocated (one process, 2D devices, one mesh),
 then per variant (mp2: two pinned processes; sp: one process, both roles' devices) naive
 disaggregation, +GAP (M fragments), +TSP, +TAG/BTS, +TCSS. How a profile's seconds become a
-rung's StepCosts (what each runtime loop does between its programs):
-
-  full-batch loops (colocated, disagg)   rollout = encode + sampling + scoring + advantages of
-                                         the batch; deliver = the batch's move to the trainer;
-                                         grad = the whole update; publish (+ pull, mp2)
-  pipelined loops (GAP and up)           rollout = a fragment's sampling span; deliver = its
-                                         scoring + hand-over; gap = scoring + hand-over (the
-                                         rollout hands each fragment over before the next one,
-                                         schedule.wait_for_pull) + the next fragment's encode;
-                                         grad = advantages + gradient (TSP: its program);
-                                         apply; tag_rollout = encode + span + scoring on the
-                                         trainer; trainer_host = the step's encodes + selection
-  both                                   + the checkpoint save's blocking part (trainer_host);
-                                         checkpoint = its asynchronous rest, beside the
-                                         trainer's next programs (each / checkpoint_every)
+rung's StepCosts (what the runtime's one loop does between its programs; colocated and naive
+disaggregation are one fragment of the whole batch, n = B, the others n = B / M):
+  rollout = a fragment's sampling span; deliver = its scoring + hand-over; gap = scoring +
+  hand-over (the rollout hands each fragment over before the next one) + the next fragment's
+  encode; grad = advantages + gradient (TSP: its program; one fragment without TSP: the fused
+  update, apply then 0); apply; tag_rollout = encode + span + scoring on the trainer;
+  trainer_host = the step's encodes + selection + the checkpoint save's blocking part;
+  checkpoint = the save's asynchronous rest, beside the trainer's next programs (each /
+  checkpoint_every); publish (+ pull, mp2).
 """
 
 from __future__ import annotations
@@ -90,39 +84,32 @@ def step_costs(
         if key in single_core and key in s
     }
 
-  if schedule.synchronous:
-    return engine.StepCosts(
-        rollout=g(f'rollout+reward/{B}'),
-        grad=g(f'update/{B}'),
-        publish=g('publish'),
-        pull=g('pull'),
-        deliver=g(f'move/{B}'),
-        trainer_host=save_block,
-        checkpoint=save_rest,
-        cores=cores([('rollout', f'rollout+reward/{B}'), ('update', f'update/{B}')]),
-    )
-  if schedule.fragments != prof['fragments']:
+  M = schedule.fragments
+  if M > 1 and M != prof['fragments']:
     raise ValueError(
-        f'the profile holds M={prof["fragments"]} fragment programs, the rung '
-        f'asks for M={schedule.fragments}'
+        f'the profile holds M={prof["fragments"]} fragment programs, the rung asks for M={M}'
     )
+  n = B // M
   hand = g(f'reward/{n}') + g(f'handover/{n}')
-  grad = f'grad_tsp/{n}' if schedule.tsp else f'grad/{n}'
+  grad = f'update/{n}' if schedule.fused else f'grad_tsp/{n}' if schedule.tsp else f'grad/{n}'
+  tag = None
+  if schedule.tag:
+    tag = g(f'encode/{n}') + g(f'tag_rollout/{n}') + g(f'tag_reward/{n}')
   return engine.StepCosts(
       rollout=g(f'rollout/{n}'),
       grad=g(f'adv/{n}') + g(grad),
-      apply=g('apply'),
-      tag_rollout=g(f'encode/{n}') + g(f'tag_rollout/{n}') + g(f'tag_reward/{n}'),
+      apply=0.0 if schedule.fused else g('apply'),
+      tag_rollout=tag,
       publish=g('publish'),
       pull=g('pull'),
       deliver=hand,
       gap=hand + g(f'encode/{n}'),
-      trainer_host=schedule.fragments * g(f'encode/{n}') + g('begin') + save_block,
+      trainer_host=M * g(f'encode/{n}') + g('begin') + save_block,
       checkpoint=save_rest,
       cores=cores(
           [
               ('rollout', f'rollout/{n}'),
-              ('grad', grad),
+              ('update' if schedule.fused else 'grad', grad),
               ('apply', 'apply'),
               ('tag_rollout', f'tag_rollout/{n}'),
           ]
@@ -154,25 +141,18 @@ def at_measured_spans(
   if prof['shared'] and not prof['colocated']:
     raise ValueError(f'layout {layout_name!r} shares cores between roles: its spans are slowed')
   costs = step_costs(prof, layout_name, schedule)
-  s, B, n = prof['seconds'], prof['batch'], prof['fragment']
+  s, n = prof['seconds'], prof['batch'] // schedule.fragments
   span = lambda name, default: spans.get(name, default)
-  if schedule.synchronous:
-    # The full-batch rollout's span is the sampling; scoring and advantages follow it.
-    scoring = _get(s, f'rollout+reward/{B}', layout_name) - _get(s, f'rollout/{B}', layout_name)
-    return dataclasses.replace(
-        costs,
-        rollout=span('rollout', costs.rollout - scoring) + scoring,
-        grad=span('update', costs.grad),
-        publish=span('publish', costs.publish),
-        checkpoint=0.0,
-    )
   tag_rollout = costs.tag_rollout
-  if 'tag_rollout' in spans:  # the span is the sampling; encode and scoring are around it
+  if (
+      tag_rollout is not None and 'tag_rollout' in spans
+  ):  # the span is the sampling; encode and scoring are around it
     tag_rollout += spans['tag_rollout'] - _get(s, f'tag_rollout/{n}', layout_name)
   return dataclasses.replace(
       costs,
       rollout=span('rollout', costs.rollout),
-      grad=span('grad', costs.grad),  # the span holds the advantages and the gradient
+      # The span holds the advantages and the gradient (and, fused, the optimizer step).
+      grad=span('update' if schedule.fused else 'grad', costs.grad),
       apply=span('apply', costs.apply),
       tag_rollout=tag_rollout,
       publish=span('publish', costs.publish),

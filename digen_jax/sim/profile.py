@@ -12,25 +12,26 @@ starts (the device count must be fixed before jax is imported):
   mp2        two processes through launch/local.py --cpu_pinning (one core each, D devices
              each): process 0 trains, process 1 rolls out; hand-overs go through the transfer
              server, as in the real run
-Every program is built as the runtime builds it (runtime/workers.py, runtime/rollout.py,
-runtime/fragment_trainer.py), run once to compile, then timed --repeats times with nothing else
-running (the median is kept): the full-batch rollout and update of the synchronous loops, the
-fragment rollout (device span and host scoring apart), the fragment gradient with and without
-TSP (--fragment_grads: only those the predicted rungs use), the optimizer apply, the
-trainer-side (TAG) fragment rollout, the weight publish and pull, the batch and fragment
-hand-overs, and the trainer's per-step host work (text conditioning of the fragments, the step's
-selection program) and the checkpoint save (its blocking part and the asynchronous rest).
-Nothing here is fitted to a run's throughput.
+Every program is built as the runtime builds it (runtime/trainer.py, runtime/rollout.py,
+runtime/links.py), run once to compile, then timed --repeats times with nothing else running
+(the median is kept), for a fragment of the whole batch (n = B: the colocated and naive
+disaggregation rungs, the fused update) and, on the disaggregated layouts, of B / M samples:
+the fragment rollout (device span and host scoring apart), its hand-over to the trainer, the
+trainer's encode, advantages and gradient (with and without TSP: --fragment_grads, only those
+the predicted rungs use), the optimizer apply, the trainer-side (TAG) fragment rollout, the
+weight publish and pull, the step's selection program and the checkpoint save (its blocking
+part and the asynchronous rest). Nothing here is fitted to a run's throughput.
 
 Output: {'config', 'overrides', 'machine', 'layouts': {name: {'trainer_devices',
 'rollout_devices', 'shared', 'colocated', 'batch', 'fragment', 'seconds': {key: s}}}} with keys
-rollout/<n>, reward/<n>, update/<B>, move/<B>, grad/<n>, grad_tsp/<n>, adv/<n>, apply,
-tag_rollout/<n>, publish, pull, handover/<n>, encode/<n>, begin, checkpoint_block,
+rollout/<n>, reward/<n>, handover/<n>, encode/<n>, adv/<n>, update/<B>, grad/<n>,
+grad_tsp/<n>, apply, tag_rollout/<n>, tag_reward/<n>, publish, pull, begin, checkpoint_block,
 checkpoint; and checkpoint_every (the config's: one save per that many steps).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -41,6 +42,7 @@ import time
 
 from absl import app
 from absl import flags
+import numpy as np
 
 from digen_jax.process import cli
 
@@ -103,259 +105,267 @@ def profile_child(
     repeats: int,
     fragment_grads: tuple[str, ...] = FRAGMENT_GRADS,
 ) -> dict:
-  """Times the programs of `layout` in this process (and its peer, for mp2); of the fragment
-  gradients, those in `fragment_grads` (see the flag). `workdir` takes the runs' checkpoints."""
+  """Times the programs of `layout` in this process (and its peer, for mp2): the one-fragment
+  programs of the colocated and naive-disaggregation rungs (n = B: the fused update), and on
+  the disaggregated layouts the M-fragment ones (n = B / M) with the gradients in
+  `fragment_grads` (see the flag) and TAG's trainer-side rollout. `workdir` takes the
+  checkpoints."""
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  from digen_jax.process import compile_cache  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import fragment_trainer  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import fragments as frag_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import publish  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import steps as steps_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import trace as trace_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
-  from digen_jax.runtime import workers  # pylint: disable=g-import-not-at-top
-  from digen_jax import programs  # pylint: disable=g-import-not-at-top
-
-  from digen_jax.process import compile_cache  # pylint: disable=g-import-not-at-top
 
   info = distributed.maybe_initialize()
   compile_cache.enable()  # the runs it predicts then start from the same compiled programs
   config = _layout_config(config, layout, fragments, unit)
-  multi = info.num_processes > 1
   if layout == 'colocated':
     cluster = cluster_lib.colocated(jax.local_devices())
   else:
     cluster = cluster_lib.resolve(config)
   exp = cli.build_experiment(config, workdir, max(cluster.rollout.size, cluster.trainer.size))
-  me = info.process_id
-  is_trainer = not multi or cluster.role_of(me) == 'trainer'
-  is_rollout = not multi or cluster.role_of(me) == 'rollout'
-  level = 'allow'
-  tracer = trace_lib.Tracer(False)
-  plan = frag_lib.plan_of(config)
-  B, n = plan.batch, plan.size
-  prompts = exp.prompts.next_batch()
-  batch_prompts = [p for p in prompts for _ in range(plan.group_size)]
-  out: dict[str, float] = {}
-  chan = (
-      transfer.Channel(
-          cluster.rollout.process if is_trainer else cluster.trainer.process, name='profile'
-      )
-      if multi
-      else None
-  )
+  prof = _Profile(exp, cluster, workdir, repeats, info.num_processes > 1, info.process_id)
+  plan = exp.plan
+  one = dataclasses.replace(plan, num=1, unit='group')
+  prof.weights()
+  prof.fragment(one, [('update', False)], checkpoint=True)
+  if layout != 'colocated':
+    grads = [(g, g == 'tsp') for g in FRAGMENT_GRADS if g in fragment_grads]
+    prof.fragment(plan, grads, tag=True)
+  out = prof.finish()
+  if not out:
+    return {}
+  return {
+      'trainer_devices': cluster.trainer.size,
+      'rollout_devices': cluster.rollout.size,
+      'shared': layout != 'mp2',
+      'colocated': layout == 'colocated',
+      'batch': plan.batch,
+      'fragment': plan.size,
+      'fragments': plan.num,
+      'group_size': plan.group_size,
+      'checkpoint_every': config.checkpoint_every,
+      'seconds': out,
+  }
 
-  def barrier(name):
+
+class _Profile:
+  """The programs of one layout, built as the runtime builds them (runtime/trainer.py,
+  runtime/rollout.py, runtime/links.py), each timed `repeats` times after a warm-up call with
+  nothing else running; with two processes both run the same phases between barriers."""
+
+  def __init__(self, exp, cluster, workdir: str, repeats: int, multi: bool, me: int):
+    from digen_jax.runtime import bookkeeping  # pylint: disable=g-import-not-at-top
+    from digen_jax.runtime import publish  # pylint: disable=g-import-not-at-top
+    from digen_jax.runtime import trace as trace_lib  # pylint: disable=g-import-not-at-top
+    from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
+
+    self.exp, self.cluster, self.repeats, self.multi = exp, cluster, repeats, multi
+    self.is_trainer = not multi or cluster.role_of(me) == 'trainer'
+    self.is_rollout = not multi or cluster.role_of(me) == 'rollout'
+    self.tracer = trace_lib.Tracer(False)
+    self.checkpointer = None  # the trainer's (the ProcessCheckpointer lives in process 0)
+    if self.is_trainer:
+      self.checkpointer = bookkeeping.checkpointer(exp.config, workdir, multi)
+    self.rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
+    self.dtype = publish.rollout_param_dtype(cluster)
+    self.frozen_fsdp = publish.rollout_frozen_fsdp(cluster)
+    self.chan = None
     if multi:
+      peer = cluster.rollout.process if self.is_trainer else cluster.trainer.process
+      self.chan = transfer.Channel(peer, name='profile')
+    prompts = exp.prompts.next_batch()
+    self.batch_prompts = [p for p in prompts for _ in range(exp.plan.group_size)]
+    self.out: dict[str, float] = {}
+    self.policy = None
+
+  def barrier(self, name: str) -> None:
+    if self.multi:
+      from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
+
       distributed.barrier(f'digen/profile/{name}', timeout_s=1800)
 
-  rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
-  dtype = publish.rollout_param_dtype(cluster)
-  if is_trainer:
-    run = steps_lib.TrainerRun(exp, workdir, cluster, tracer)
-    trainer = run.trainer
-  if is_rollout:
-    policy = publish.publish_local(exp.params, 0, rollout_sh, dtype)
-    rollout = workers.RolloutWorker(
-        exp,
-        cluster.rollout.mesh,
-        rollout_sh,
-        level,
-        frozen_fsdp=publish.rollout_frozen_fsdp(cluster),
-    )
-  if is_rollout and layout != 'colocated':
-    sampler = rollout_lib.FragmentSampler(
-        exp,
-        cluster.rollout.mesh,
-        rollout_sh,
+  def trainer(self, plan, tsp: bool, tag: bool = False):
+    from digen_jax.runtime import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+
+    mesh = self.cluster.trainer.mesh
+    return trainer_lib.Trainer(self.exp, mesh, self.checkpointer, plan, tag=tag, tsp=tsp)
+
+  def weights(self) -> None:
+    """The weight publish (trainer) and pull (rollout), through the links the runtime uses."""
+    from digen_jax.runtime import links  # pylint: disable=g-import-not-at-top
+    from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
+
+    exp, cluster, r = self.exp, self.cluster, self.repeats
+    if not self.multi:
+      trainer = self.trainer(exp.plan, tsp=False)
+      link = links.LocalLink(
+          cluster, exp.weights, trainer.traj_shardings, self.rollout_sh, self.dtype
+      )
+      self.out['publish'] = _median_time(lambda: link.publish(trainer.params, 0), r)
+      self.out['pull'] = 0.0
+      self.policy = link.wait_policy(0)[0]
+      return
+    if self.is_trainer:
+      trainer = self.trainer(exp.plan, tsp=False)
+      link = links.ChannelLink(cluster, 'trainer', weights=exp.weights, dtype=self.dtype)
+      sends = []
+      for v in range(r + 1):
+        t0 = time.perf_counter()
+        link.publish(trainer.params, v)
+        sends.append(time.perf_counter() - t0)
+        link.weights_delivered()
+      self.out['publish'] = statistics.median(sends[1:])
+    else:
+      ab = transfer.abstract(exp.params, self.rollout_sh, self.dtype)
+      link = links.ChannelLink(cluster, 'rollout', weights=exp.weights, weights_abstract=ab)
+      pulls = [link.wait_policy(v) for v in range(r + 1)]
+      self.out['pull'] = statistics.median(p[1] for p in pulls[1:])
+      self.policy = pulls[-1][0]
+    self.barrier('weights')
+
+  def fragment(self, plan, grads, *, checkpoint: bool = False, tag: bool = False) -> None:
+    """The programs of a fragment of plan.size samples: sampling and scoring, the hand-over,
+    the trainer's encode, advantages and gradient(s) (grads: [(name, tsp)]), the optimizer
+    step, the checkpoint save (checkpoint) and TAG's trainer-side rollout (tag)."""
+    n = plan.size
+    frag = self._rollout(plan) if self.is_rollout else None
+    self.barrier(f'rollout/{n}')
+    traj = self._handover(plan, frag)
+    self.barrier(f'handover/{n}')
+    if self.is_trainer:
+      rewards = (
+          np.zeros((plan.batch,), np.float32)
+          if frag is None
+          else np.resize(frag.rewards, plan.batch)
+      )
+      for name, tsp in grads:
+        trainer = self.trainer(plan, tsp=tsp, tag=tag)
+        self._trainer_programs(trainer, plan, name, traj, rewards)
+        if checkpoint:
+          self._checkpoint(trainer)
+          checkpoint = False
+      if tag:
+        self._tag_rollout(trainer, plan)
+      trainer.close()
+    self.barrier(f'trainer/{n}')
+
+  def _rollout(self, plan):
+    from digen_jax.runtime import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
+
+    sampler = rollout_lib.Sampler(
+        self.exp,
+        self.cluster.rollout.mesh,
+        self.rollout_sh,
         plan,
         'rollout',
-        tracer,
-        level,
-        dtype,
-        frozen_fsdp=publish.rollout_frozen_fsdp(cluster),
+        self.tracer,
+        'allow',
+        self.dtype,
+        frozen_fsdp=self.frozen_fsdp,
     )
+    frags = [
+        sampler.sample(self.policy.params, 0, self.batch_prompts, 0, f % plan.num)
+        for f in range(self.repeats + 1)
+    ][1:]
+    self.out[f'rollout/{plan.size}'] = statistics.median(f.sample_s for f in frags)
+    self.out[f'reward/{plan.size}'] = statistics.median(f.reward_s for f in frags)
+    return frags[0]
 
-  # Compile what needs no input from the other process before the first barrier, side by side:
-  # the fragment samplers compile as they are built (the trainer's is TAG's), the update from
-  # the batch's abstract layout, the full-batch rollout on its first call (the timed loops'
-  # warm-up calls then run them compiled).
-  if is_trainer:
-    trainer.compile_update()
-    if layout != 'colocated':
-      tag = rollout_lib.FragmentSampler(
-          exp, cluster.trainer.mesh, trainer.param_shardings, plan, 'trainer', tracer, level
-      )
-  if is_rollout:
-    rollout.generate(policy, prompts, 0, tracer)
+  def _handover(self, plan, frag):
+    """A fragment's trajectory onto the trainer's layout (a jax.device_put in one process, the
+    transfer server across two); its seconds as handover/<n>. Returns it (trainer side)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    from digen_jax import programs  # pylint: disable=g-import-not-at-top
+    from digen_jax.runtime import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
 
-  # ---- the full-batch programs of the synchronous loops (M = 1).
-  barrier('full')
-  if is_rollout:
-    out[f'rollout+reward/{B}'], samples = _timed(
-        lambda: rollout.generate(policy, prompts, 0, tracer), repeats
+    sh = programs.trajectory_shardings(self.cluster.trainer.mesh)
+    key = f'handover/{plan.size}'
+    if not self.multi:
+      move = lambda: jax.block_until_ready(jax.device_put(frag.traj, sh))
+      self.out[key] = _median_time(move, self.repeats)
+      return move()
+    if self.is_rollout:
+      for _ in range(self.repeats + 1):
+        self.chan.send(frag.traj, 'frag')
+        self.chan.wait_delivered('frag')
+      return None
+    ab = rollout_lib.abstract_fragment(self.exp, plan, sh)
+    pulls = [self.chan.receive_full(ab, 'frag') for _ in range(self.repeats + 1)]
+    self.out[key] = statistics.median(d.pull_s for d in pulls[1:])
+    return pulls[-1].tree
+
+  def _trainer_programs(self, trainer, plan, name: str, traj, rewards) -> None:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    n, r = plan.size, self.repeats
+    cond = trainer.encode(plan.prompts(0, self.batch_prompts))
+    self.out[f'encode/{n}'] = _median_time(
+        lambda: trainer.encode(plan.prompts(0, self.batch_prompts)), r
     )
-    out[f'reward/{B}'] = statistics.median(s.reward_s for s in samples)
-    out[f'rollout/{B}'] = statistics.median(s.rollout_s for s in samples)
-    full_batch = samples[-1].batch
-  barrier('full_rollout')
-  batch_abstract = workers.abstract_batch(exp)
-  if multi:
-    if is_rollout:
-      for _ in range(repeats + 1):
-        publish.send_batch(chan, full_batch, {})
-        chan.wait_delivered(publish.BATCH_TAG)
-    else:
-      ab = workers.with_shardings(batch_abstract, trainer.batch_shardings)
-      moves = [publish.receive_batch(chan, ab) for _ in range(repeats + 1)]
-      out[f'move/{B}'] = statistics.median(m[2] for m in moves[1:])
-      trainer_batch = moves[-1][0]
-  else:
-
-    def move():
-      return jax.block_until_ready(publish.move_batch_local(full_batch, trainer.batch_shardings))
-
-    out[f'move/{B}'] = _median_time(move, repeats)
-    trainer_batch = move()
-  barrier('full_move')
-  if is_trainer:
-    out[f'update/{B}'] = _median_time(
-        lambda: trainer.train_step(trainer_batch, batch_prompts, 0, tracer), repeats
+    self.out[f'adv/{n}'] = _median_time(
+        lambda: jax.block_until_ready(trainer.advantages(0, rewards)), r
     )
-    # The checkpoint each step ends with (config.checkpoint_every): what the save call blocks,
-    # then the asynchronous rest (serialization, compression, commit, digest) on this core,
-    # which in a run competes with the next step's programs.
-    every, blocks, rests = config.checkpoint_every, [], []
-    for k in range(1, repeats + 2):
+    self.out['begin'] = _median_time(lambda: jax.block_until_ready(trainer.begin(0)), r)
+    adv = trainer.advantages(0, rewards)
+    state = {'s': trainer.begin(0)}  # the accumulator (or params) is donated: thread it
+
+    def train():
+      state['s'] = jax.block_until_ready(trainer.train(state['s'], traj, cond, *adv))
+
+    key = {'update': 'update', 'plain': 'grad', 'tsp': 'grad_tsp'}[name]
+    self.out[f'{key}/{n}'] = _median_time(train, r)
+    if trainer.fused:
+      return
+    applies = []
+    for _ in range(r + 1):  # apply donates the accumulator: a fresh one each time
+      s = jax.block_until_ready(trainer.train(trainer.begin(0), traj, cond, *adv))
+      t0 = time.perf_counter()
+      jax.device_get(trainer.apply(s))
+      applies.append(time.perf_counter() - t0)
+    self.out['apply'] = statistics.median(applies[1:])
+
+  def _checkpoint(self, trainer) -> None:
+    """The checkpoint each step ends with (config.checkpoint_every): what the save call
+    blocks, then the asynchronous rest (serialization, compression, commit, digest) on this
+    core, which in a run competes with the next step's programs."""
+    every, blocks, rests = self.exp.config.checkpoint_every, [], []
+    for k in range(1, self.repeats + 2):
       t0 = time.perf_counter()
       trainer.save(k * every, 0)
       t1 = time.perf_counter()
       trainer.checkpointer.wait()
       blocks.append(t1 - t0)
       rests.append(time.perf_counter() - t1)
-    out['checkpoint_block'] = statistics.median(blocks[1:])
-    out['checkpoint'] = statistics.median(rests[1:])
-  barrier('full_update')
+    self.out['checkpoint_block'] = statistics.median(blocks[1:])
+    self.out['checkpoint'] = statistics.median(rests[1:])
 
-  # ---- the weight publish (trainer) and pull (rollout).
-  if multi:
-    if is_trainer:
-      sends = []
-      for v in range(repeats + 1):
-        t0 = time.perf_counter()
-        publish.send_weights(chan, trainer.params, v, dtype)
-        sends.append(time.perf_counter() - t0)
-        chan.wait_delivered(publish.WEIGHTS_TAG)
-      out['publish'] = statistics.median(sends[1:])
-    else:
-      ab = transfer.abstract(exp.params, rollout_sh, dtype)
-      pulls = [publish.receive_weights(chan, ab)[1] for _ in range(repeats + 1)]
-      out['pull'] = statistics.median(pulls[1:])
-  else:
-    out['publish'] = _median_time(
-        lambda: jax.block_until_ready(
-            publish.publish_local(trainer.params, 1, rollout_sh, dtype).params
-        ),
-        repeats,
+  def _tag_rollout(self, trainer, plan) -> None:
+    from digen_jax.runtime import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
+
+    mesh = self.cluster.trainer.mesh
+    sampler = rollout_lib.Sampler(
+        self.exp, mesh, trainer.param_shardings, plan, 'trainer', self.tracer, 'allow'
     )
-    out['pull'] = 0.0
-  barrier('weights')
-
-  # ---- the fragment programs of the pipelined schedule (M = plan.num; disagg only).
-  if layout == 'colocated':
-    return {
-        'trainer_devices': cluster.trainer.size,
-        'rollout_devices': cluster.rollout.size,
-        'shared': True,
-        'colocated': True,
-        'batch': B,
-        'fragment': n,
-        'fragments': plan.num,
-        'group_size': plan.group_size,
-        'checkpoint_every': config.checkpoint_every,
-        'seconds': out,
-    }
-  if is_rollout:
-    frags = [
-        sampler.sample(policy.params, 0, batch_prompts, 0, f % plan.num) for f in range(repeats + 1)
-    ][1:]
-    out[f'rollout/{n}'] = statistics.median(f.sample_s for f in frags)
-    out[f'reward/{n}'] = statistics.median(f.reward_s for f in frags)
-    frag = frags[0]
-  barrier('frag_rollout')
-  traj_shardings = programs.trajectory_shardings(cluster.trainer.mesh)
-  if multi:
-    if is_rollout:
-      for _ in range(repeats + 1):
-        chan.send(frag.traj, 'frag')
-        chan.wait_delivered('frag')
-    else:
-      ab = workers.with_shardings(
-          rollout_lib.abstract_fragment(exp, plan, traj_shardings), traj_shardings
-      )
-      pulls = [chan.receive_full(ab, 'frag') for _ in range(repeats + 1)]
-      out[f'handover/{n}'] = statistics.median(d.pull_s for d in pulls[1:])
-      traj = pulls[-1].tree
-  else:
-
-    def hand_over():
-      return jax.block_until_ready(jax.device_put(frag.traj, traj_shardings))
-
-    out[f'handover/{n}'] = _median_time(hand_over, repeats)
-    traj = hand_over()
-  barrier('frag_move')
-  if is_trainer:
-    rewards = np.zeros((B,), np.float32) if multi else np.resize(frag.rewards, B)
-    cond = None
-    for tsp in [g == 'tsp' for g in FRAGMENT_GRADS if g in fragment_grads]:
-      ft = fragment_trainer.FragmentTrainer(exp, trainer, plan, tsp)
-      indices, acc = ft.begin(0)
-      cond = ft.encode(plan.prompts(0, batch_prompts))
-      adv = ft.advantages(0, rewards)
-      state = {'acc': acc}  # the gradient accumulator is donated: thread it through
-
-      def grad():
-        state['acc'] = jax.block_until_ready(ft.grad(state['acc'], indices, traj, cond, *adv))
-
-      out[f'{"grad_tsp" if tsp else "grad"}/{n}'] = _median_time(grad, repeats)
-    out[f'adv/{n}'] = _median_time(
-        lambda: jax.block_until_ready(ft.advantages(0, rewards)), repeats
-    )
-    out[f'encode/{n}'] = _median_time(lambda: ft.encode(plan.prompts(0, batch_prompts)), repeats)
-    out['begin'] = _median_time(lambda: jax.block_until_ready(ft.begin(0)), repeats)
-    applies = []
-    for _ in range(repeats + 1):  # apply donates the accumulator: a fresh one each time
-      acc = jax.block_until_ready(ft.grad(ft.begin(0)[1], indices, traj, cond, *adv))
-      t0 = time.perf_counter()
-      jax.device_get(ft.apply(acc))
-      applies.append(time.perf_counter() - t0)
-    out['apply'] = statistics.median(applies[1:])
     tags = [
-        tag.sample(trainer.params, 0, batch_prompts, 0, f % plan.num) for f in range(repeats + 1)
+        sampler.sample(trainer.params, 0, self.batch_prompts, 0, f % plan.num)
+        for f in range(self.repeats + 1)
     ][1:]
-    out[f'tag_rollout/{n}'] = statistics.median(f.sample_s for f in tags)
-    out[f'tag_reward/{n}'] = statistics.median(f.reward_s for f in tags)
-  barrier('done')
-  if multi:
-    if is_rollout:
-      distributed.kv_set('digen/profile/rollout', json.dumps(out))
+    self.out[f'tag_rollout/{plan.size}'] = statistics.median(f.sample_s for f in tags)
+    self.out[f'tag_reward/{plan.size}'] = statistics.median(f.reward_s for f in tags)
+
+  def finish(self) -> dict:
+    """The seconds (the trainer process gets the rollout's through the key-value store)."""
+    if self.checkpointer is not None:
+      self.checkpointer.close()
+    if not self.multi:
+      return self.out
+    from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
+
+    if self.is_rollout:
+      distributed.kv_set('digen/profile/rollout', json.dumps(self.out))
       return {}
-    out.update(json.loads(distributed.kv_get('digen/profile/rollout', 600)))
-  return {
-      'trainer_devices': cluster.trainer.size,
-      'rollout_devices': cluster.rollout.size,
-      'shared': layout == 'sp',
-      'colocated': layout == 'colocated',
-      'batch': B,
-      'fragment': n,
-      'fragments': plan.num,
-      'group_size': plan.group_size,
-      'checkpoint_every': config.checkpoint_every,
-      'seconds': out,
-  }
+    self.out.update(json.loads(distributed.kv_get('digen/profile/rollout', 600)))
+    return self.out
 
 
 def _child_command(layout: str, argv: list[str], out: str) -> tuple[list[str], dict]:

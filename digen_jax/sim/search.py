@@ -264,7 +264,7 @@ class Planner:
       schedule = dataclasses.replace(schedule, tag=False)
     publish = rm.publish_seconds(run, split.trainer, split.rollout, roll.detail['layout'], k)
     deliver = rm.deliver_seconds(run, b, split.trainer, split.rollout, k)
-    if m == 1 and schedule.synchronous:
+    if schedule.fused:  # one fragment, gradient and optimizer step in one program
       costs = engine.StepCosts(
           rollout=roll.seconds, grad=grad.seconds + apply, publish=publish, deliver=deliver
       )

@@ -1,11 +1,9 @@
-"""The trainer's step skeleton, the same in every schedule (DESIGN.md §4).
+"""The trainer's bookkeeping around its steps, the same in every mode (what a run writes).
 
-Around the schedule's own work a trainer process does the same things in every mode: build
-the trainer state (resumed from <workdir>/checkpoints), publish each policy (timed, under the
-transfer guard, optionally as a trace span), write one metrics.jsonl row per optimizer step
-plus the eval rows, log progress, checkpoint, collect the final eval, and write the trace.
-`TrainerRun` does these once; runtime/synchronous.py, runtime/disagg.py and
-runtime/pipeline.py only decide what happens inside a step.
+Per optimizer step a trainer process writes one metrics.jsonl row (plus the eval rows the
+rollout sends), logs progress, stops the run after too many non-finite updates in a row,
+checkpoints, and on SIGTERM/SIGINT checkpoints the last completed step; at the end it writes
+the trace. `Bookkeeping` does these for the one loop (runtime/loop.py).
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from digen_jax.process import interrupt
 from digen_jax.outputs import metrics as metrics_lib
 from digen_jax.runtime import publish
 from digen_jax.runtime import trace as trace_lib
-from digen_jax.runtime import workers
+from digen_jax.runtime import inputs
 
 
 def _skip_reason(rewards, prompts: list[str] | None) -> str:
@@ -51,16 +49,14 @@ def checkpointer(config, workdir: str, multi_process: bool) -> ckpt_lib.Checkpoi
   )
 
 
-class TrainerRun:
-  """The trainer role's state and bookkeeping over steps [start, total_steps)."""
+class Bookkeeping:
+  """The trainer's bookkeeping over steps [trainer.start, total_steps)."""
 
-  def __init__(self, exp, workdir: str, cluster, tracer: trace_lib.Tracer):
+  def __init__(self, exp, workdir: str, cluster, tracer: trace_lib.Tracer, trainer):
     config = exp.config
     self.exp, self.workdir, self.cluster, self.tracer = exp, workdir, cluster, tracer
     self.level = config.runtime.transfer_guard
-    self.trainer = workers.TrainerWorker(
-        exp, cluster.trainer.mesh, checkpointer(config, workdir, cluster.multi_process), self.level
-    )
+    self.trainer = trainer
     self.start, self.total = self.trainer.start, config.total_steps
     self.rollout_dtype = publish.rollout_param_dtype(cluster)
     self.publish_mb = publish.publish_megabytes(exp.params, self.rollout_dtype)
@@ -109,7 +105,7 @@ class TrainerRun:
     """send(params, version) under the transfer guard, as a 'publish' span over `devices`
     (None: no span). Returns (what send returned, seconds)."""
     t = time.perf_counter()
-    with workers.guard(self.level):
+    with inputs.guard(self.level):
       if devices is None:
         out = send(self.trainer.params, version)
       else:
@@ -134,7 +130,7 @@ class TrainerRun:
       **row_fields,
   ) -> dict:
     """Step `step` is applied (or skipped, if its update was not finite): its metrics row
-    (workers.step_row(**row_fields) + extra), progress, checkpoint. `prompts`: one per sample,
+    (step_row(**row_fields) + extra), progress, checkpoint. `prompts`: one per sample,
     to name the ones with non-finite rewards. Returns the row.
 
     The runtime.max_consecutive_skips-th skipped update in a row raises NonFiniteError before
@@ -155,9 +151,7 @@ class TrainerRun:
       )
     else:
       self.skips = []
-    row = workers.step_row(
-        step=step + 1, cluster=self.cluster, publish_mb=self.publish_mb, **row_fields
-    )
+    row = step_row(step=step + 1, cluster=self.cluster, publish_mb=self.publish_mb, **row_fields)
     row['skipped_updates'] = self.trainer.skipped_updates
     row.update(extra or {})
     self.writer.write(row)
@@ -193,3 +187,52 @@ class TrainerRun:
         'step': self.total,
         **extra,
     }
+
+
+def step_row(
+    *,
+    step: int,
+    policy_version: int,
+    rewards: np.ndarray,
+    valid_frac: float,
+    metrics: dict,
+    wall_s: float,
+    rollout_s: float,
+    reward_s: float,
+    update_s: float,
+    publish_s: float,
+    publish_mb: float,
+    batch_move_s: float,
+    cluster,
+    utilization: float | None = None,
+) -> dict:
+  """The metrics.jsonl row of one optimizer step.
+
+  utilization = busy device-seconds / (devices x wall seconds): given from the trace spans
+  (runtime/trace.py), else estimated as rollout devices busy while sampling, trainer devices
+  while updating (host reward scoring and transfers count as idle)."""
+  busy = cluster.rollout.size * rollout_s + cluster.trainer.size * update_s
+  if utilization is None:
+    utilization = busy / (cluster.num_devices * wall_s)
+  batch = int(np.size(rewards))
+  rewards = np.asarray(rewards, np.float32)
+  finite = rewards[np.isfinite(rewards)]  # a faulty reward's NaN must not hide the others
+  return {
+      'step': step,
+      'policy_version': policy_version,
+      'reward_mean': float(np.mean(finite)) if finite.size else float('nan'),
+      'reward_std': float(np.std(finite)) if finite.size else float('nan'),
+      'nonfinite_rewards': batch - int(finite.size),
+      'samples': batch,
+      'samples_per_s': batch / wall_s,
+      'wall_s': wall_s,
+      'rollout_s': rollout_s,
+      'reward_s': reward_s,
+      'update_s': update_s,
+      'publish_s': publish_s,
+      'publish_mb': publish_mb,
+      'batch_move_s': batch_move_s,
+      'utilization': min(1.0, utilization),
+      'valid_frac': valid_frac,
+      **metrics,
+  }

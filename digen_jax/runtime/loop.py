@@ -1,0 +1,438 @@
+"""The one step loop of every mode: colocated, naive disaggregation, GAP, TSP, TAG/BTS, TCSS,
+in one process or two (DESIGN.md §3).
+
+Each role asks its runtime/schedule.Schedule for its next action and runs one small handler
+per action, with the real programs; the modes are the Schedule's parameters (M = 1 is one
+fragment: colocated or naive disaggregation; M > 1 is GAP; `tag`, `tcss_fraction`) plus the
+trainer's program choice (TSP). The trainer's handlers are here (`TrainerLoop`), the rollout's
+in runtime/rollout.py (`RolloutRole`). The roles meet through a runtime/links.Link: in one
+process the rollout runs in a thread (LocalLink: jax.device_put between the meshes), across two
+processes each process runs its role (ChannelLink: the transfer server). sim/engine.py drives
+the same Schedules on a virtual clock.
+
+Per logical batch (step s): the trainer publishes policy s, the rollout samples and scores
+the fragments it claims and streams them to the trainer; the trainer computes a fragment's
+advantages once its prompt groups are complete and accumulates its gradient (TAG: while it
+has none to train, it may sample an unclaimed fragment itself when BTS predicts a shorter
+step); after the last one it makes exactly one optimizer step, publishes policy s + 1, then
+writes step s's metrics row and checkpoint while the rollout starts the next batch.
+
+Following `schedule.fragments` from the config to the programs: experiment/build.py builds
+the fragment plan once from the validated config (Experiment.plan) -> this module hands it to
+the Schedules and the roles -> runtime/trainer.py and runtime/rollout.py compile their programs
+for plan.size samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+
+from absl import logging
+import jax
+import numpy as np
+
+from digen_jax.process import interrupt
+from digen_jax.runtime import bookkeeping as book_lib
+from digen_jax.runtime import distributed
+from digen_jax.experiment import fragments as frag_lib
+from digen_jax.runtime import inputs
+from digen_jax.runtime import links
+from digen_jax.runtime import publish
+from digen_jax.runtime import rollout as rollout_lib
+from digen_jax.runtime import schedule as sched_lib
+from digen_jax.runtime import trace as trace_lib
+from digen_jax.runtime import trainer as trainer_lib
+from digen_jax.runtime import transfer
+
+
+def train(exp, workdir: str, cluster) -> dict:
+  """Runs config.total_steps optimizer steps of `exp` on `cluster` (runtime/cluster.py) for
+  this process's role(s), resuming from <workdir>/checkpoints. Returns {'params', 'opt_state',
+  'step', 'decisions'} where this process trains, else {'step'}."""
+  config = exp.config
+  tracer = trace_lib.Tracer(config.schedule.trace)
+  if cluster.multi_process:
+    me = distributed.process_info().process_id
+    if cluster.role_of(me) == 'rollout':
+      return _rollout_process(exp, workdir, cluster, tracer)
+  trainer = trainer_lib.Trainer(
+      exp,
+      cluster.trainer.mesh,
+      book_lib.checkpointer(config, workdir, cluster.multi_process),
+      exp.plan,
+      tag=bool(config.schedule.tag),
+  )
+  book = book_lib.Bookkeeping(exp, workdir, cluster, tracer, trainer)
+  tag_sampler = None
+  if config.schedule.tag:
+    tag_sampler = rollout_lib.Sampler(
+        exp, cluster.trainer.mesh, trainer.param_shardings, exp.plan, 'trainer', tracer, book.level
+    )
+  link, rollout_thread = _connect(exp, workdir, cluster, tracer, trainer, book)
+  try:
+    with book.stops_cleanly():
+      out = TrainerLoop(book, trainer, tag_sampler, link).run()
+  except BaseException as e:
+    link.fail(e)
+    if rollout_thread is not None and isinstance(e, interrupt.Interrupted):
+      rollout_thread.join(timeout=30)  # it stops between fragments; the watchdog bounds this
+    raise
+  link.close()
+  if rollout_thread is not None:
+    rollout_thread.join()
+    if link.error is not None:
+      raise RuntimeError('the rollout thread failed') from link.error
+  return out
+
+
+def _connect(exp, workdir: str, cluster, tracer, trainer, book):
+  """(the trainer's link, the rollout thread or None): a ChannelLink to the rollout process,
+  or a LocalLink and the rollout role started in a thread of this process."""
+  start = trainer.start
+  if cluster.multi_process:
+    position = {'step': start, 'data_position': trainer.data_position}
+    distributed.kv_set(f'{links.KV}/start', json.dumps(position))
+    link = links.ChannelLink(
+        cluster,
+        'trainer',
+        weights=exp.weights,
+        dtype=book.rollout_dtype,
+        frag_abstract=rollout_lib.abstract_fragment(exp, exp.plan, trainer.traj_shardings),
+    )
+    return link, None
+  if start:
+    exp.prompts.restore(trainer.data_position)
+  rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
+  link = links.LocalLink(
+      cluster, exp.weights, trainer.traj_shardings, rollout_sh, book.rollout_dtype
+  )
+  role = _rollout_role(exp, workdir, cluster, tracer, link, start, writer=book.writer)
+
+  def run_rollout():
+    try:
+      role.run()
+    except (links.PeerFailed, interrupt.Interrupted):
+      pass  # the trainer stops the run (and says why)
+    except BaseException as e:  # pylint: disable=broad-except
+      logging.exception('rollout thread failed')
+      link.fail(e)
+
+  thread = threading.Thread(target=run_rollout, name='rollout', daemon=True)
+  thread.start()
+  return link, thread
+
+
+def _rollout_role(exp, workdir, cluster, tracer, link, start, writer=None):
+  """The rollout role on the rollout mesh: its Sampler and Evals around `link`."""
+  frozen_fsdp = publish.rollout_frozen_fsdp(cluster)
+  sampler = rollout_lib.Sampler(
+      exp,
+      cluster.rollout.mesh,
+      publish.rollout_param_shardings(cluster, exp.params),
+      exp.plan,
+      'rollout',
+      tracer,
+      exp.config.runtime.transfer_guard,
+      publish.rollout_param_dtype(cluster),
+      frozen_fsdp=frozen_fsdp,
+  )
+  evals = rollout_lib.Evals(exp, cluster.rollout.mesh, workdir, frozen_fsdp=frozen_fsdp)
+  return rollout_lib.RolloutRole(exp, workdir, link, sampler, evals, start, writer=writer)
+
+
+def _rollout_process(exp, workdir: str, cluster, tracer) -> dict:
+  """The rollout process of a two-process run: starts where the trainer's checkpoint does."""
+  config = exp.config
+  start_info = json.loads(distributed.kv_get(f'{links.KV}/start', links.PEER_TIMEOUT_S))
+  start = int(start_info['step'])
+  exp.prompts.restore(int(start_info['data_position']))
+  rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
+  link = links.ChannelLink(
+      cluster,
+      'rollout',
+      weights=exp.weights,
+      weights_abstract=transfer.abstract(
+          exp.params, rollout_sh, publish.rollout_param_dtype(cluster)
+      ),
+      wait_for_pull=config.schedule.wait_for_pull,
+      shared_claims=config.schedule.tag,
+  )
+  _rollout_role(exp, workdir, cluster, tracer, link, start).run()
+  return {'step': config.total_steps}
+
+
+class _Batch:
+  """The trainer's view of one logical batch: its fragments, rewards and advantages, the
+  trainer's accumulation state, and what the step's metrics row reports."""
+
+  def __init__(self, plan: frag_lib.FragmentPlan, step: int):
+    self.plan, self.step = plan, step
+    self.rewards = np.full((plan.batch,), np.nan, np.float32)
+    self.frags: dict[int, links.Fragment] = {}
+    self.adv_valid: dict[int, tuple] = {}
+    self.prompts: list[str] | None = None  # one per sample, from the rollout
+    self.conds: dict[int, object] = {}
+    self.state: dict | None = None  # Trainer.begin's
+    self.decisions: list[dict] = []
+    self.move_s = self.grad_s = self.tag_s = 0.0
+
+  def add(self, frag: links.Fragment) -> None:
+    self.frags[frag.index] = frag
+    self.rewards[list(self.plan.samples(frag.index))] = frag.rewards
+
+
+@dataclasses.dataclass
+class _Applied:
+  """A step whose optimizer step is done and whose row is still to be written."""
+
+  batch: _Batch
+  metrics: dict
+  evals: dict
+  t_start: float  # the step window: the previous step's end ...
+  t_end: float  # ... to this step's optimizer step's end
+  publish_s: float  # the publish that started the step
+
+
+class TrainerLoop:
+  """The trainer role's side of the schedule: one handler per action."""
+
+  def __init__(self, book: book_lib.Bookkeeping, trainer, tag_sampler, link: links.Link):
+    self.book, self.trainer, self.tag_sampler, self.link = book, trainer, tag_sampler, link
+    exp, cluster = book.exp, book.cluster
+    self.plan = exp.plan
+    self.sm = sched_lib.Schedule(
+        self.plan,
+        start=book.start,
+        total_steps=book.total,
+        tag=tag_sampler is not None,
+        tcss_fraction=exp.config.schedule.tcss_fraction,
+        final_policy=book.final_eval,
+        trainer_speed=cluster.trainer.speed,
+        rollout_speed=cluster.rollout.speed,
+    )
+    self.batches: dict[int, _Batch] = {}  # per step; later steps' fragments may come early
+    self.applied: _Applied | None = None
+    # Step windows are contiguous: from one optimizer step's end to the next, so nothing the
+    # trainer does (its publish, the previous step's bookkeeping) is left out of them.
+    self.t_step, self.publish_s = time.time(), 0.0
+
+  def run(self) -> dict:
+    handlers = {
+        sched_lib.Publish: self.publish,
+        sched_lib.TrainFragment: self.train_fragment,
+        sched_lib.Apply: self.apply,
+        sched_lib.SampleFragment: self.sample_fragment,
+        sched_lib.Wait: self.wait,
+    }
+    while True:
+      while self.link.poll():
+        self.take()
+      s = self.sm.trainer_step
+      if self.sm.needs_claims():
+        claims = self.link.claims(s, self.plan.num)
+        self.sm.note_claims(s, {f: (c['who'], c['t']) for f, c in claims.items()})
+      action = self.sm.trainer_action(time.time())
+      if isinstance(action, sched_lib.Done):
+        break
+      handlers[type(action)](action)
+    self.end_step()  # the last step, when no publish followed it
+    if self.book.final_eval:  # policy total_steps was published after the last step
+      self.book.write_rows(self.link.get('final_evals'))
+      self.link.weights_delivered()
+    return self.book.finish(_title(self.book.exp.config), decisions=self.book.tracer.decisions)
+
+  def batch(self, step: int) -> _Batch:
+    return self.batches.setdefault(step, _Batch(self.plan, step))
+
+  # ------------------------------------------------------------------ handlers
+
+  def publish(self, action: sched_lib.Publish) -> None:
+    """Sends policy `version`, then writes the previous step's row (the rollout starts the
+    next batch meanwhile) and prepares the trainer for batch `version`."""
+    v = action.version
+    _, self.publish_s = self.book.publish(self.link.publish, v, self.trainer.devices)
+    self.sm.published(v, self.book.published_at[v])
+    if self.applied is not None and self.book.exp.config.schedule.tcss_fraction == 0:
+      # The rollout's first fragment waits for this pull, and the trainer has nothing to do
+      # before that fragment arrives: let the pull run alone rather than beside the
+      # bookkeeping below (on a shared host the two compete).
+      self.link.weights_delivered()
+    self.end_step()
+    if v < self.book.total:
+      b = self.batch(v)
+      b.prompts = self.link.get(f'prompts/{v}')['batch_prompts']
+      # Text conditioning of every fragment now, while the first fragment is being sampled.
+      b.conds = {
+          f: self.trainer.encode(self.plan.prompts(f, b.prompts)) for f in range(self.plan.num)
+      }
+      with inputs.guard(self.book.level):
+        b.state = self.trainer.begin(v)
+      if v == self.book.start:  # compile while the rollout samples the first fragment
+        self.trainer.compile(b.state)
+
+  def take(self) -> None:
+    """The next fragment from the rollout (blocking) into its batch."""
+    with inputs.guard(self.book.level):
+      frag, spans, pull_s = self.link.receive_fragment()
+    if self.book.cluster.multi_process:
+      self.book.tracer.extend(trace_lib.Span.from_json(s) for s in spans)
+    b = self.batch(frag.step)
+    b.add(frag)
+    b.move_s += pull_s
+    self.sm.fragment_arrived(
+        frag.step,
+        frag.index,
+        frag.version,
+        sched_lib.ROLLOUT,
+        sample_s=frag.sample_s,
+        t_start=frag.t_start,
+        t_end=frag.t_end,
+        arrived=frag.arrived,
+        eval_s=frag.eval_s,
+    )
+
+  def train_fragment(self, action: sched_lib.TrainFragment) -> None:
+    step, f = action.step, action.index
+    b = self.batch(step)
+    if self.trainer.fused:  # its program steps the optimizer: the rollout must hold its copy
+      self.link.weights_delivered()
+    t0 = time.perf_counter()
+    program = 'update' if self.trainer.fused else 'grad'
+    with (
+        inputs.guard(self.book.level),
+        self.book.tracer.span(
+            self.trainer.devices, 'trainer', program, step=step, fragment=f, version=step
+        ),
+    ):
+      b.adv_valid[f] = self.trainer.advantages(f, b.rewards)
+      b.state = self.trainer.train(b.state, b.frags[f].traj, b.conds[f], *b.adv_valid[f])
+      jax.block_until_ready(b.state)
+    dt = time.perf_counter() - t0
+    b.grad_s += dt
+    self.sm.trained(step, f, dt)
+
+  def sample_fragment(self, action: sched_lib.SampleFragment) -> None:
+    """TAG: BTS chose to sample an unclaimed fragment on the trainer mesh (if the rollout has
+    not claimed it meanwhile), with the trainer's current weights (the published ones: no
+    optimizer step happens inside a batch)."""
+    step, f, dec = action.step, action.index, action.decision
+    b = self.batch(step)
+    if self.link.claim(step, f, sched_lib.TRAINER):
+      self.sm.claimed(step, f, sched_lib.TRAINER, time.time())
+      dec['fragment'] = f
+      t0 = time.perf_counter()
+      frag = self.tag_sampler.sample(self.trainer.params, step, b.prompts, step, f)
+      dt = time.perf_counter() - t0
+      b.tag_s += dt
+      b.add(frag)
+      self.sm.fragment_arrived(step, f, step, sched_lib.TRAINER)
+      self.sm.sampled_by_trainer(frag.sample_s + frag.reward_s, dt)
+    else:
+      dec.update(action='wait', reason=f'fragment {f} was claimed by the rollout first')
+    self.record(b, dec)
+    if dec['action'] != 'insert':
+      self.take()
+
+  def wait(self, action: sched_lib.Wait) -> None:
+    """Nothing to train: wait for the rollout's next fragment."""
+    if action.decision is not None:
+      self.record(self.batch(self.sm.trainer_step), action.decision)
+    self.take()
+
+  def record(self, b: _Batch, dec: dict) -> None:
+    """A BTS decision: logged, traced and counted in the step's row."""
+    predicted = ''
+    if 'makespan_wait' in dec:
+      predicted = (
+          f" predicted {dec['makespan_wait']:.3f}s wait vs {dec['makespan_insert']:.3f}s insert"
+      )
+    logging.info('BTS step %d: %s (%s)%s', b.step + 1, dec['action'], dec['reason'], predicted)
+    self.book.tracer.decision(dec)
+    b.decisions.append(dec)
+
+  def apply(self, action: sched_lib.Apply) -> None:
+    """The batch's optimizer step (and further PPO epochs over it). Its row is written after
+    the next publish (Publish) or at the end."""
+    step = action.step
+    b = self.batch(step)
+    evals = self.link.get(f'evals/{step}')
+    self.book.write_rows(evals['rows'])
+    self.link.weights_delivered()  # the rollout holds its copy: params may be donated
+    t0 = time.perf_counter()
+    m = self._optimizer_steps(b)
+    b.grad_s += time.perf_counter() - t0
+    self.sm.applied(step)
+    t_end = time.time()
+    self.applied = _Applied(b, m, evals, self.t_step, t_end, self.publish_s)
+    self.t_step = t_end
+
+  def _optimizer_steps(self, b: _Batch) -> dict:
+    """rl.inner_epochs optimizer steps on the batch (the first on the gradient accumulated as
+    its fragments came); returns the first one's metrics as floats, 'nonfinite' over all."""
+    tr, tracer = self.trainer, self.book.tracer
+    with inputs.guard(self.book.level):
+      with tracer.span(tr.devices, 'trainer', 'apply', step=b.step, version=b.step + 1):
+        m = jax.device_get(tr.apply(b.state))
+      epochs = 1 if tr.fused else self.book.exp.config.rl.inner_epochs  # fused: all inside
+      for _ in range(1, epochs):
+        state = tr.begin(b.step)
+        with tracer.span(tr.devices, 'trainer', 'grad', step=b.step, version=b.step + 1):
+          for f in range(self.plan.num):
+            state = tr.train(state, b.frags[f].traj, b.conds[f], *b.adv_valid[f])
+          jax.block_until_ready(state)
+        with tracer.span(tr.devices, 'trainer', 'apply', step=b.step, version=b.step + 1):
+          m_e = jax.device_get(tr.apply(state))
+        m['nonfinite'] = max(float(m['nonfinite']), float(m_e['nonfinite']))
+    return {k: float(v) for k, v in m.items()}
+
+  def end_step(self) -> None:
+    """The applied step's metrics row, progress and checkpoint (Bookkeeping.end_step)."""
+    if self.applied is None:
+      return
+    a, self.applied = self.applied, None
+    b, plan, book = a.batch, self.plan, self.book
+    frags = [b.frags[f] for f in range(plan.num)]
+    valid_frac = float(
+        np.mean([np.mean(jax.device_get(b.adv_valid[f][1])) for f in range(plan.num)])
+    )
+    versions = np.repeat([x.version for x in frags], plan.size)
+    extra = dict(
+        fragments=plan.num,
+        tag_fragments=sum(x.producer == 'trainer' for x in frags),
+        tag_s=b.tag_s,
+        bts_decisions=len(b.decisions),
+        bts_inserts=sum(d['action'] == 'insert' for d in b.decisions),
+    )
+    if book.exp.config.schedule.tcss_fraction > 0:
+      lags = b.step - versions
+      extra['staleness_mix'] = {str(k): float(np.mean(lags == k)) for k in range(2)}
+    book.end_step(
+        b.step,
+        data_position=self.link.get(f'prompts/{b.step}')['data_position'],
+        extra=extra,
+        prompts=b.prompts,
+        policy_version=int(versions.min()),
+        rewards=b.rewards,
+        valid_frac=valid_frac,
+        metrics=a.metrics,
+        wall_s=a.t_end - a.t_start - a.evals['eval_s'],
+        rollout_s=sum(x.sample_s for x in frags if x.producer == 'rollout'),
+        reward_s=sum(x.reward_s for x in frags),
+        update_s=b.grad_s,
+        publish_s=a.publish_s + a.evals['pull_s'],
+        batch_move_s=b.move_s,
+        utilization=book.tracer.utilization(a.t_start, a.t_end, book.cluster.num_devices),
+    )
+    del self.batches[b.step]
+
+
+def _title(config) -> str:
+  s = config.schedule
+  parts = [config.runtime.mode, f'M={s.fragments} ({s.fragment_unit})']
+  parts += [n for n, on in (('TSP', s.tsp), ('TAG/BTS', s.tag)) if on]
+  if s.tcss_fraction > 0:
+    parts.append(f'TCSS phi={s.tcss_fraction}')
+  return ' + '.join(parts)
