@@ -23,19 +23,22 @@ class FragmentPlan:
   unit: str
 
   def __post_init__(self):
+    """The one check of config.schedule.fragments / fragment_unit against the batch
+    (validation._validate_schedule builds the plan to run it)."""
+    m = self.num
     if self.unit not in UNITS:
       raise ValueError(f'config.schedule.fragment_unit={self.unit!r} is not one of {UNITS}')
-    if self.num < 1:
-      raise ValueError(f'config.schedule.fragments={self.num} must be >= 1')
-    if self.unit == 'group' and self.groups % self.num:
+    if m < 1:
+      raise ValueError(f'config.schedule.fragments={m} must be >= 1 (1 = no GAP)')
+    if self.unit == 'group' and self.groups % m:
       raise ValueError(
-          f'config.schedule.fragments={self.num} must divide rl.prompts_per_step='
-          f"{self.groups} with fragment_unit='group' (or use fragment_unit='sample')"
+          f'config.schedule.fragments={m} must divide rl.prompts_per_step={self.groups} with '
+          "fragment_unit='group'; change fragments or use --config.schedule.fragment_unit=sample"
       )
-    if self.unit == 'sample' and self.batch % self.num:
+    if self.unit == 'sample' and self.batch % m:
       raise ValueError(
-          f'config.schedule.fragments={self.num} must divide the batch '
-          f'rl.prompts_per_step * rl.group_size = {self.batch}'
+          f'config.schedule.fragments={m} must divide the batch rl.prompts_per_step * '
+          f'rl.group_size = {self.batch}'
       )
 
   @property

@@ -15,6 +15,7 @@ import math
 
 import ml_collections
 
+from digen_jax.experiment import fragments
 from digen_jax.rewards import registry as reward_registry
 
 # Every field that names one of a few options, and those options.
@@ -357,20 +358,8 @@ def _check_real_model(config: ml_collections.ConfigDict) -> None:
 def _validate_schedule(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """config.schedule against the batch, the devices and the mode (see runtime/loop.py)."""
   s, rl = config.schedule, config.rl
-  m, batch = s.fragments, rl.prompts_per_step * rl.group_size
-  if m < 1:
-    raise ValueError(f'config.schedule.fragments={m} must be >= 1 (1 = no GAP)')
-  if s.fragment_unit == 'group' and rl.prompts_per_step % m:
-    raise ValueError(
-        f'config.schedule.fragments={m} must divide rl.prompts_per_step='
-        f"{rl.prompts_per_step} with fragment_unit='group'; change fragments or use "
-        '--config.schedule.fragment_unit=sample'
-    )
-  if s.fragment_unit == 'sample' and batch % m:
-    raise ValueError(
-        f'config.schedule.fragments={m} must divide the batch rl.prompts_per_step * '
-        f'rl.group_size = {batch}'
-    )
+  plan = fragments.plan_of(config)  # the fragment count's own rules (FragmentPlan)
+  m, batch = plan.num, plan.batch
   if (batch // m) % num_devices:
     raise ValueError(
         f'a fragment of config.schedule.fragments={m} holds {batch // m} samples, '
