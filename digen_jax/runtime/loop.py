@@ -17,10 +17,12 @@ has none to train, it may sample an unclaimed fragment itself when BTS predicts 
 step); after the last one it makes exactly one optimizer step, publishes policy s + 1, then
 writes step s's metrics row and checkpoint while the rollout starts the next batch.
 
-Following `schedule.fragments` from the config to the programs: experiment/build.py builds
-the fragment plan once from the validated config (Experiment.plan) -> this module hands it to
-the Schedules and the roles -> runtime/trainer.py and runtime/rollout.py compile their programs
-for plan.size samples.
+Following `schedule.fragments` from the config to the programs, three files:
+  experiment/fragments.py  plan_of reads it into a FragmentPlan (its checks run once, when the
+                           config is validated; experiment/build.py keeps it as Experiment.plan)
+  runtime/loop.py          hands exp.plan to both roles' Schedules, the Trainer and the Samplers
+  runtime/trainer.py       compiles the update for plan.size samples (one fragment: the fused
+  (rollout.py)             program), the Sampler its rollout program for plan.size samples
 """
 
 from __future__ import annotations
