@@ -228,3 +228,21 @@ def test_the_schedule_state_machine_has_no_devices_or_clocks():
       elif module.split('.')[0] not in PURE_ALLOWED_EXTERNAL:
         bad[name].append(f'{line}: {module}')
   assert not any(bad.values()), dict(bad)
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 80
+
+
+def test_files_and_functions_stay_small():
+  """No module over 600 lines, no function over 80 (its nested functions counted in)."""
+  bad = []
+  for path in MODULES.values():
+    source = open(path).read()
+    if source.count('\n') > MAX_FILE_LINES:
+      bad.append(f'{path}: {source.count(chr(10))} lines')
+    for node in ast.walk(ast.parse(source, path)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = node.end_lineno - node.lineno + 1
+        if lines > MAX_FUNCTION_LINES:
+          bad.append(f'{path}:{node.lineno}: {node.name} is {lines} lines')
+  assert not bad, 'split these by concern:\n' + '\n'.join(bad)
