@@ -39,42 +39,16 @@ def _tree(src):
   return host, jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(src, s)), host, specs)
 
 
-def test_publish_local_onto_other_mesh_with_bf16_cast():
+def test_abstract_casts_floats_and_rejects_bad_arguments():
   src, dst = _meshes()
   host, tree = _tree(src)
-  targets = {
-      'w': NamedSharding(dst, P(None, 'data')),
-      'b': NamedSharding(dst, P()),
-      'count': NamedSharding(dst, P()),
-  }
-  out = transfer.publish_local(tree, targets, dtype=jnp.bfloat16)
-  assert out['w'].dtype == jnp.bfloat16 and out['b'].dtype == jnp.bfloat16
-  assert out['count'].dtype == jnp.int32  # integers are never cast
-  for k in host:
-    assert out[k].sharding == targets[k], k
-    assert out[k].sharding.device_set == set(dst.devices.flat)
-    want = host[k].astype(jnp.bfloat16) if host[k].dtype == np.float32 else host[k]
-    np.testing.assert_array_equal(np.asarray(out[k]), want, err_msg=k)
-  # Widening back to f32 on a single shared sharding reproduces the bf16 values exactly.
-  back = transfer.publish_local(out, NamedSharding(src, P()), dtype=jnp.float32)
-  assert back['w'].dtype == jnp.float32 and back['count'].dtype == jnp.int32
-  np.testing.assert_array_equal(
-      np.asarray(back['w']), host['w'].astype(jnp.bfloat16).astype(np.float32)
-  )
-  # Without dtype: a plain copy, values and dtypes untouched.
-  same = transfer.publish_local(tree, targets)
-  for k in host:
-    assert same[k].dtype == host[k].dtype
-    np.testing.assert_array_equal(np.asarray(same[k]), host[k])
-
-
-def test_publish_local_rejects_bad_arguments():
-  src, dst = _meshes()
-  _, tree = _tree(src)
+  ab = transfer.abstract(tree, NamedSharding(dst, P()), jnp.bfloat16)
+  assert ab['w'].dtype == jnp.bfloat16 and ab['count'].dtype == jnp.int32  # ints never cast
+  assert ab['w'].shape == host['w'].shape and ab['b'].sharding == NamedSharding(dst, P())
   with pytest.raises(ValueError, match='floating dtype'):
-    transfer.publish_local(tree, NamedSharding(dst, P()), dtype=jnp.int8)
+    transfer.abstract(tree, NamedSharding(dst, P()), jnp.int8)
   with pytest.raises(ValueError, match='does not match'):
-    transfer.publish_local(tree, {'w': NamedSharding(dst, P())})
+    transfer.abstract(tree, {'w': NamedSharding(dst, P())})
 
 
 def _relayout_in_process(x, target_sharding, leaf_index=0):
@@ -118,7 +92,7 @@ def test_receive_layout_plan(src_spec, target, direct):
 
 
 def test_channel_needs_distributed():
-  with pytest.raises(RuntimeError, match='publish_local'):
+  with pytest.raises(RuntimeError, match='jax.device_put'):
     transfer.Channel(peer=1)
 
 

@@ -295,7 +295,7 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
 
 def build(config, workdir: str, num_devices: int) -> Experiment:
   """Validates the config (before anything compiles) and builds the run's parts."""
-  configlib.validate(config, num_devices)
+  plan = configlib.validate(config, num_devices)
   logging.info(
       'attention: %s (config.model.attention=%r)', attention_choice(config), config.model.attention
   )
@@ -347,5 +347,5 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
       optimizer=build_optimizer(config),
       img_shape=img_shape,
       latent_shape=(num_tokens, config.model.in_channels),
-      plan=fragments.plan_of(config),
+      plan=plan,
   )

@@ -132,8 +132,9 @@ _FLOAT_RANGES = {  # field: (lo, lo_inclusive, hi, hi_inclusive, hint)
 }
 
 
-def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """Raises ValueError naming the field and the fix; called before anything compiles."""
+def validate(config: ml_collections.ConfigDict, num_devices: int) -> fragments.FragmentPlan:
+  """Raises ValueError naming the field and the fix; called before anything compiles. Returns
+  the run's fragment plan (built here, once, as part of the checks)."""
   _check_choices(config)
   _check_numbers(config)
   _check_model_against_latent(config)
@@ -144,7 +145,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   check_transfer_host(config.cluster.transfer_host)
   _check_reward(config)
   _check_real_model(config)
-  _validate_schedule(config, num_devices)
+  return _validate_schedule(config, num_devices)
 
 
 def _check_choices(config: ml_collections.ConfigDict) -> None:
@@ -355,7 +356,9 @@ def _check_real_model(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def _validate_schedule(config: ml_collections.ConfigDict, num_devices: int) -> None:
+def _validate_schedule(
+    config: ml_collections.ConfigDict, num_devices: int
+) -> fragments.FragmentPlan:
   """config.schedule against the batch, the devices and the mode (see runtime/loop.py)."""
   s, rl = config.schedule, config.rl
   plan = fragments.plan_of(config)  # the fragment count's own rules (FragmentPlan)
@@ -397,6 +400,7 @@ def _validate_schedule(config: ml_collections.ConfigDict, num_devices: int) -> N
         'meshes: set --config.runtime.mode=disagg (e.g. configs/qwenimage.py:'
         'tiny_disagg)'
     )
+  return plan
 
 
 def _get(config: ml_collections.ConfigDict, dotted: str):

@@ -1,9 +1,7 @@
 """Moving pytrees of jax arrays onto other devices: within a process and across processes.
 
-In one process (colocated / single-process disagg): `publish_local(tree, shardings, dtype)` is a
-`jax.device_put` onto another mesh's shardings, with an optional on-device cast.
-
-Across processes (trainer and rollout in separate jax.distributed processes): a `Channel` to a
+In one process a plain `jax.device_put` onto the other mesh's shardings moves a tree
+(runtime/links.py's LocalLink). Across processes (trainer and rollout in separate jax.distributed processes): a `Channel` to a
 peer process, built on `jax.experimental.transfer`:
 
   sender:    Channel(peer=1).send(params, 'weights')                 # non-blocking
@@ -62,7 +60,7 @@ DEFAULT_HOST = '127.0.0.1'
 
 
 # ------------------------------------------------------------------------------------------
-# In-process publish
+# Layouts and casts
 
 
 def _cast_dtype(dtype) -> np.dtype | None:
@@ -75,17 +73,6 @@ def _cast_dtype(dtype) -> np.dtype | None:
         'are never cast.'
     )
   return dt
-
-
-def _maybe_cast(x, dt, when: str):
-  """Casts floating `x` to `dt` on x's devices; `when` picks narrowing ('pre') or widening ('post')
-  casts so that the bytes moved between devices are the smaller of the two."""
-  if dt is None or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dt:
-    return x
-  narrowing = jnp.dtype(dt).itemsize <= jnp.dtype(x.dtype).itemsize
-  if (when == 'pre') == narrowing:
-    return lax.convert_element_type(x, dt)
-  return x
 
 
 def _flat_shardings(target_shardings, treedef, what: str) -> list[Sharding]:
@@ -101,26 +88,6 @@ def _flat_shardings(target_shardings, treedef, what: str) -> list[Sharding]:
     if not isinstance(s, Sharding):
       raise ValueError(f'{what}: {s!r} is not a jax.sharding.Sharding.')
   return flat
-
-
-def publish_local(tree, target_shardings, dtype=None):
-  """Copies a pytree of arrays onto `target_shardings` (e.g. the rollout mesh) in this process.
-
-  Args:
-    tree: pytree of jax.Arrays (any shardings, e.g. the trainer's FSDP layout).
-    target_shardings: a Sharding per leaf (same tree structure) or one Sharding for every leaf.
-    dtype: optional floating dtype for floating leaves (e.g. bf16 rollout weights); integer leaves
-      keep theirs. Narrowing casts run before the copy, widening ones after it.
-  Returns:
-    The same tree laid out on target_shardings; device-to-device only.
-  """
-  dt = _cast_dtype(dtype)
-  leaves, treedef = jax.tree.flatten(tree)
-  shardings = _flat_shardings(target_shardings, treedef, 'publish_local')
-  pre = [_maybe_cast(x, dt, 'pre') for x in leaves]
-  moved = jax.device_put(pre, shardings)
-  post = [_maybe_cast(x, dt, 'post') for x in moved]
-  return jax.tree.unflatten(treedef, post)
 
 
 def abstract(tree, shardings=None, dtype=None):
@@ -197,7 +164,7 @@ def transfer_server():
       raise RuntimeError(
           'Cross-process transfer needs jax.distributed: launch with '
           'launch/local.py and call distributed.maybe_initialize(); inside one '
-          'process use publish_local instead.'
+          'process use jax.device_put instead.'
       )
     server = start_server(_transfer_host())
     distributed.kv_set(_addr_key(info.process_id), server.address(), overwrite=True)
@@ -334,7 +301,7 @@ class Channel:
     if not info.is_distributed:
       raise RuntimeError(
           'Channel needs jax.distributed (launch/local.py + maybe_initialize()); '
-          'in one process use publish_local.'
+          'in one process use jax.device_put.'
       )
     if not 0 <= peer < info.num_processes or peer == info.process_id:
       raise ValueError(
