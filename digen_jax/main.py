@@ -117,7 +117,8 @@ def _run(info):
     logging.info(
         'workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n, exp.batch_size
     )
-    loop.train(exp, workdir, cluster_lib.colocated(jax.local_devices()[:n]))
+    cluster = cluster_lib.colocated(jax.local_devices()[:n], config.cluster.rollout.param_dtype)
+    loop.train(exp, workdir, cluster)
     report.finish(workdir)
     return
 

@@ -41,9 +41,13 @@ def pipeline_grpo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 def full_finetuning(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Every weight trained (float32 masters on the trainer) instead of LoRA, at lr 1e-5."""
+  """Every weight trained (float32 masters on the trainer) instead of LoRA, at lr 1e-5. Under
+  bf16 compute the rollout samples with a bf16 copy in every mode (its programs cast to bf16
+  anyway: the same samples, half the bytes of the copy and of each publish)."""
   c.model.lora.rank = 0
   c.optim.lr = 1e-5
+  if c.optim.compute_dtype == 'bfloat16':
+    c.cluster.rollout.param_dtype = 'bfloat16'
   return c
 
 
@@ -67,6 +71,7 @@ def tiny_pixel_space(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.sampler.num_steps = 6
   c.sampler.shift = 3.0
   c.optim.compute_dtype = 'float32'
+  c.cluster.rollout.param_dtype = 'float32'  # float32 compute: the copy as trained
   c.rl.behaviour_logprobs = 'rollout'
   c.optim.lr = 1e-4
   _toy_run(c)
@@ -97,6 +102,7 @@ def tiny_pipeline(
   c.text.max_length = 32
   c.sampler.num_steps = 4
   c.optim.compute_dtype = 'float32'
+  c.cluster.rollout.param_dtype = 'float32'  # float32 compute: the copy as trained
   c.model.frozen_dtype = 'float32'
   c.optim.lr = 1e-3
   _toy_run(c)
@@ -119,9 +125,7 @@ def _toy_run(c: ml_collections.ConfigDict) -> None:
 
 def disagg(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Rollout and trainer on separate meshes ('auto' layout: 2 processes -> process 0 trains,
-  process 1 rolls out; 1 process -> half of its devices each). Full fine-tuning publishes a bf16
-  rollout copy when the compute dtype is bf16 (the programs cast to bf16 anyway, so nothing
-  changes but the bytes); LoRA publishes its float32 adapters (the rollout merges them into its
-  own frozen base)."""
-  bf16 = c.optim.compute_dtype == 'bfloat16' and c.model.lora.rank == 0
-  return configlib.set_disagg(c, rollout_param_dtype='bfloat16' if bf16 else 'float32')
+  process 1 rolls out; 1 process -> half of its devices each). The rollout copy keeps the dtype
+  the config gives it (full_finetuning: bf16 under bf16 compute; LoRA: the float32 adapters,
+  which the rollout merges into its own frozen base)."""
+  return configlib.set_disagg(c)

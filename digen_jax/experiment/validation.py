@@ -338,11 +338,7 @@ def _check_real_model(config: ml_collections.ConfigDict) -> None:
         '--config.text.cache=DIR, made by `python -m digen_jax.encode_prompts '
         '--config=<this config> --prompts=<prompts> --out=DIR`'
     )
-  if (
-      config.model.lora.rank > 0
-      and config.runtime.mode == 'disagg'
-      and config.cluster.rollout.param_dtype != 'float32'
-  ):
+  if config.model.lora.rank > 0 and config.cluster.rollout.param_dtype != 'float32':
     raise ValueError(
         'config.cluster.rollout.param_dtype must be float32 with LoRA '
         '(config.model.lora.rank > 0): the publish carries only the small adapters, '

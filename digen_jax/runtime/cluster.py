@@ -102,11 +102,14 @@ class Cluster:
     )
 
 
-def colocated(devices: Sequence[jax.Device]) -> Cluster:
-  """Both roles on one 1-D mesh over `devices` (the colocated baseline)."""
+def colocated(devices: Sequence[jax.Device], rollout_param_dtype: str = 'float32') -> Cluster:
+  """Both roles on one 1-D mesh over `devices` (the colocated baseline); the rollout samples
+  with a copy in `rollout_param_dtype` (config.cluster.rollout.param_dtype)."""
   devices = tuple(devices)
   mesh = mesh_lib.make_mesh(devices)
-  return Cluster(Role('trainer', devices, mesh), Role('rollout', devices, mesh))
+  return Cluster(
+      Role('trainer', devices, mesh), Role('rollout', devices, mesh), rollout_param_dtype
+  )
 
 
 def _axis_names(names) -> tuple[str, ...]:

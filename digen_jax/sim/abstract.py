@@ -231,8 +231,8 @@ def _key(mesh):
 def rollout_param_dtype(exp):
   """The rollout copy's dtype as the runtime publishes it (LoRA: float32 adapters)."""
   c = exp.config
-  if exp.weights.lora is None and c.runtime.mode == 'disagg':
-    return jnp.bfloat16 if c.cluster.rollout.param_dtype == 'bfloat16' else jnp.float32
+  if exp.weights.lora is None and c.cluster.rollout.param_dtype == 'bfloat16':
+    return jnp.bfloat16
   return jnp.float32
 
 

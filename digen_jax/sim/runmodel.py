@@ -343,6 +343,10 @@ def from_cache(name: str, config, entries: list, *, notes: list[str] | None = No
   m = config.model
   layers = int(m.num_layers) + (int(m.num_single_layers) if m.family == 'flux' else 0)
   lora = s['finetune'] == 'lora'
+  # The copy the rollout samples with, in the dtype the config publishes (the cached compile
+  # may have used another): float32 trainable bytes, halved for a bf16 copy of full weights.
+  bf16_copy = not lora and config.cluster.rollout.param_dtype == 'bfloat16'
+  published = c.trainable_bytes // 2 if bf16_copy else c.trainable_bytes
   return RunModel(
       name=name,
       source='xla',
@@ -356,8 +360,8 @@ def from_cache(name: str, config, entries: list, *, notes: list[str] | None = No
       trainable_bytes=c.trainable_bytes,
       optimizer_state_bytes=c.optimizer_state_bytes,
       frozen_base_bytes=c.frozen_base_bytes,
-      published_bytes=c.published_bytes,
-      rollout_param_bytes=c.rollout_param_bytes,
+      published_bytes=published,
+      rollout_param_bytes=published + c.frozen_base_bytes,
       gathered_bytes=c.gathered_bytes,
       rollout=rollout,
       grads=grads,
