@@ -1,10 +1,13 @@
 """python -m digen_jax.sim: the ladder (benchmarks/ladder.py) predicted by the simulator.
 
-    python -m digen_jax.sim --profile=PROFILE.json --json=OUT.json [--steps 8] [--rungs ...]
-        [--variants mp2,sp] [--fragments 16] [--fragment_unit group] [--tcss_fraction 0.5]
-        [--measured=LADDER.json] [--timelines=DIR]
+    python -m digen_jax.sim --config=configs/shapes.py --json=OUT.json [--config.k=v ...]
+    python -m digen_jax.sim --profile=PROFILE.json --json=OUT.json
+        [--steps 8] [--rungs ...] [--variants mp2,sp] [--fragments 16] [--fragment_unit group]
+        [--tcss_fraction 0.5] [--measured=LADDER.json] [--timelines=DIR]
 
-PROFILE.json: this machine's program costs (python -m digen_jax.sim.profile, same config and
+--config profiles the config's programs on this machine first (python -m digen_jax.sim.profile
+in the layouts the variants need, same --config.k=v overrides; the profile is kept beside OUT as
+OUT.profile.json), then predicts; --profile predicts from a profile taken before (same config and
 overrides as the ladder run it predicts). OUT.json has the ladder's keys (DESIGN.md §5:
 'modes', 'modes_by_variant', 'rows'), so predicted and measured rungs compare line by line;
 --measured prints that comparison (relative error of samples/s, absolute error of utilization)
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 from digen_jax.sim import predict
@@ -24,7 +28,9 @@ from digen_jax.sim import predict
 
 def parse_args(argv):
   p = argparse.ArgumentParser(prog='python -m digen_jax.sim', description=__doc__.split('\n')[0])
-  p.add_argument('--profile', required=True, help='sim.profile JSON of this machine')
+  source = p.add_mutually_exclusive_group(required=True)
+  source.add_argument('--profile', help='sim.profile JSON of this machine')
+  source.add_argument('--config', help='a config file[:variant]: profile it here first')
   p.add_argument('--json', required=True, help='where the predicted ladder JSON goes')
   p.add_argument('--steps', type=int, default=8, help='optimizer steps per rung (>= 2)')
   p.add_argument('--rungs', default=','.join(predict.RUNGS))
@@ -34,7 +40,13 @@ def parse_args(argv):
   p.add_argument('--tcss_fraction', type=float, default=0.5)
   p.add_argument('--measured', default=None, help='a ladder JSON to compare with')
   p.add_argument('--timelines', default=None, help='directory for <run>.png timelines')
-  a = p.parse_args(argv)
+  a, rest = p.parse_known_args(argv)
+  a.overrides = [x for x in rest if x.startswith('--config.')]
+  unknown = [x for x in rest if not x.startswith('--config.')]
+  if unknown:
+    p.error(f'unrecognized arguments: {" ".join(unknown)}')
+  if a.overrides and not a.config:
+    p.error('--config.k=v overrides need --config (a profile was taken with its own)')
   a.rungs = [r for r in a.rungs.split(',') if r]
   a.variants = [v for v in a.variants.split(',') if v]
   for r in a.rungs:
@@ -47,10 +59,36 @@ def parse_args(argv):
     p.error(f'--steps={a.steps}: need >= 2 (the first step fills the pipeline)')
   if not 0 < a.tcss_fraction <= 1:
     p.error(f'--tcss_fraction={a.tcss_fraction} must be in (0, 1]')
-  for path in (a.profile, a.measured):
+  for path in (a.profile, a.measured, a.config and a.config.partition(':')[0]):
     if path and not os.path.isfile(path):
       p.error(f'{path}: no such file')
   return a
+
+
+def take_profile(a) -> str:
+  """Profiles a.config (python -m digen_jax.sim.profile, in a child: it fixes the device count)
+  in the layouts the asked rungs and variants run in; returns the profile's path."""
+  out = a.json + '.profile.json'
+  layouts = (['colocated'] if 'colocated' in a.rungs else []) + list(a.variants)
+  grads = (['plain'] if 'gap' in a.rungs else []) + (
+      ['tsp'] if {'tsp', 'tag', 'tcss'} & set(a.rungs) else []
+  )
+  cmd = [
+      sys.executable,
+      '-m',
+      'digen_jax.sim.profile',
+      f'--config={a.config}',
+      f'--out={out}',
+      f'--layouts={",".join(layouts)}',
+      f'--fragments={a.fragments}',
+      f'--fragment_unit={a.fragment_unit}',
+      *([f'--fragment_grads={",".join(grads)}'] if grads else []),
+      *a.overrides,
+  ]
+  print(f'[sim] profiling: {" ".join(cmd[1:])}', flush=True)
+  if subprocess.run(cmd, check=False).returncode:
+    raise ValueError(f'profiling {a.config} failed (its error is above)')
+  return out
 
 
 def measured_spans(ladder: dict) -> dict[str, dict[str, float]]:
@@ -91,6 +129,12 @@ def format_comparison(cmp: dict) -> str:
 
 def main(argv=None) -> int:
   a = parse_args(sys.argv[1:] if argv is None else argv)
+  if a.config:
+    try:
+      a.profile = take_profile(a)
+    except ValueError as e:
+      print(f'digen_jax.sim: {e}', file=sys.stderr)
+      return 2
   with open(a.profile) as f:
     profile = json.load(f)
   measured, spans = None, {}

@@ -17,9 +17,12 @@ cost model (sim/runmodel.py) on each role's accelerators:
   deliver      a fragment's trajectories to the trainer over the NICs
 
 The search: every split of the cluster's parts (each part's count on a grid, both roles >= 1
-device) and every M is ranked by a bound (pipelined modes: the busier role's seconds per step;
-naive modes: the serial sum); the best `simulate_top` of each mode and the best of each M are
-simulated and the best simulated one is kept. Every simulated candidate is reported (`tried`).
+device) and every M gets `step_bound`, a lower bound on the seconds of every simulated step
+(each role's own work per step; with TAG the best division of the fragments between the roles).
+Candidates are simulated in bound order until the next bound is no faster than the best
+simulated step: the best of a mode is the best of all its candidates (branch and bound), so more
+candidates can never make it worse. At least `simulate_top` are simulated (for the report);
+every simulated candidate is reported (`tried`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import dataclasses
 import itertools
 import math
 
+from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.sim import engine
 from digen_jax.sim import hardware
@@ -55,6 +59,25 @@ def schedule_of(mode: str, fragments: int, tcss_fraction: float) -> engine.Modes
 
 
 TCSS_DEFAULT = 0.5  # the ladder's phi when the config has none
+
+
+def step_bound(costs: engine.StepCosts, schedule: engine.Modes) -> float:
+  """A lower bound on the seconds of any simulated step after the first: the work each role
+  must do between two publishes. Fused (one fragment): rollout, hand-over, update and publish
+  one after another. Pipelined: the trainer's M gradients, apply and publish; the rollout's
+  fragments that must start after the previous publish (all but TCSS's stale ones); with TAG,
+  x of those sampled on the trainer instead, x at the continuous optimum (BTS can only do
+  worse)."""
+  if schedule.fused:
+    return costs.rollout + costs.deliver + costs.grad + costs.apply + costs.publish
+  m = schedule.fragments
+  trainer = m * costs.grad + costs.apply + costs.publish
+  fresh = m - frag_lib.stale_count(m, schedule.tcss_fraction)
+  rollout = fresh * costs.rollout
+  if not schedule.tag or costs.tag_rollout is None or rollout <= trainer:
+    return max(rollout, trainer)
+  x = min(fresh, (rollout - trainer) / (costs.rollout + costs.tag_rollout))
+  return max((fresh - x) * costs.rollout, trainer + x * costs.tag_rollout)
 
 
 class PlanError(ValueError):
@@ -234,7 +257,7 @@ class Planner:
     costs = engine.StepCosts(
         rollout=roll.seconds, grad=grad.seconds + apply, publish=switch[id(roll)]
     )
-    bound = costs.rollout + costs.grad + costs.publish
+    bound = step_bound(costs, engine.Modes())
     return Candidate(
         'colocated',
         None,
@@ -268,7 +291,6 @@ class Planner:
       costs = engine.StepCosts(
           rollout=roll.seconds, grad=grad.seconds + apply, publish=publish, deliver=deliver
       )
-      bound = roll.seconds + grad.seconds + apply + publish + deliver
     else:
       costs = engine.StepCosts(
           rollout=roll.seconds,
@@ -278,7 +300,7 @@ class Planner:
           publish=publish,
           deliver=deliver,
       )
-      bound = max(m * roll.seconds, m * grad.seconds + apply + publish)
+    bound = step_bound(costs, schedule)
     return Candidate(
         mode,
         split,
@@ -326,16 +348,22 @@ class Planner:
     for mode in MODES[1:] + EXTRA_MODES:
       ms = [1] if mode == 'disagg' else ([m for m in self.run.fragment_counts() if m > 1] or [1])
       cands = [c for s in all_splits for m in ms if (c := self.disagg(mode, s, m)) is not None]
-      cands.sort(key=lambda c: c.bound_s)
-      # The best bounds, and the best bound of each M (the bound misses the pipeline's fill
-      # and drain, which M trades against the per-fragment costs).
-      pick = cands[: self.simulate_top]
-      for m in ms:
-        pick += [c for c in cands if c.fragments == m][:1]
-      top = [self.simulate(c) for c in dict.fromkeys(pick)]
-      tried[mode] = top
-      modes[mode] = max(top, key=lambda c: c.samples_per_s) if top else None
+      tried[mode] = self.branch_and_bound(cands)
+      modes[mode] = max(tried[mode], key=lambda c: c.samples_per_s) if cands else None
     return {'modes': modes, 'tried': tried}
+
+  def branch_and_bound(self, cands: list[Candidate]) -> list[Candidate]:
+    """Simulates `cands` in bound order until no remaining one can beat the best simulated
+    step (its bound is no shorter), and at least `simulate_top` of them; returns those
+    simulated."""
+    done, best_wall = [], math.inf  # the best simulated seconds per step (batch / samples/s)
+    for c in sorted(cands, key=lambda c: c.bound_s):
+      if c.bound_s >= best_wall and len(done) >= self.simulate_top:
+        break
+      self.simulate(c)
+      done.append(c)
+      best_wall = min(best_wall, self.run.batch / c.samples_per_s)
+    return done
 
   def notes(self, modes: dict) -> list[str]:
     """What the figures show that a reader should know (from the best candidates)."""

@@ -1,0 +1,52 @@
+"""python -m digen_jax.sim's documented form: --config profiles the config on this machine, then
+predicts the ladder (issue 42: it used to require --profile and had no --config)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sim(*args, timeout=900):
+  cmd = [sys.executable, '-m', 'digen_jax.sim', *args]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    'args,message',
+    [
+        (['--json=/tmp/x.json'], 'one of the arguments --profile --config is required'),
+        (['--config=configs/shapes.py', '--profile=p.json', '--json=x'], 'not allowed with'),
+        (['--config=configs/nope.py', '--json=x'], 'configs/nope.py: no such file'),
+        (['--profile=p.json', '--json=x', '--config.seed=1'], 'overrides need --config'),
+        (['--config=configs/shapes.py', '--json=x', '--bogus=1'], 'unrecognized arguments'),
+    ],
+)
+def test_bad_arguments_fail_in_one_line(args, message):
+  r = _sim(*args, timeout=60)
+  assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_config_form_profiles_then_predicts(tmp_path):
+  out = tmp_path / 'sim.json'
+  r = _sim(
+      '--config=configs/shapes.py:pixel',
+      f'--json={out}',
+      '--rungs=colocated,disagg',
+      '--variants=sp',
+      '--steps=3',
+      '--fragments=4',
+      '--config.rl.prompts_per_step=4',
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  doc = json.loads(out.read_text())
+  profile = json.loads((tmp_path / 'sim.json.profile.json').read_text())
+  assert set(profile['layouts']) == {'colocated', 'sp'}
+  assert '--config.rl.prompts_per_step=4' in profile['argv']
+  modes = doc['modes']
+  assert modes['colocated']['samples_per_s'] > 0 and modes['disagg']['samples_per_s'] > 0
