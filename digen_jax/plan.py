@@ -54,7 +54,12 @@ _ROOFLINE = flags.DEFINE_enum(
     "XLA's bytes accessed / HBM bandwidth (XLA:CPU's counts: an upper "
     'bound on an accelerator).',
 )
-_MFU = flags.DEFINE_float('mfu', 0.4, 'Achieved fraction of peak bf16 FLOP/s.')
+_MFU = flags.DEFINE_float(
+    'mfu',
+    0.0,
+    'One achieved fraction of peak bf16 FLOP/s for every program; 0: the calibrated fractions '
+    '(sampling and training measured apart, per accelerator: sim/hardware.py).',
+)
 _HBM = flags.DEFINE_float('hbm_efficiency', 0.8, 'Achieved fraction of HBM bandwidth.')
 _LINK = flags.DEFINE_float('link_efficiency', 0.8, 'Achieved fraction of link bandwidth.')
 _PER_NODE = flags.DEFINE_integer('devices_per_node', 8, 'Accelerators per node.', lower_bound=1)

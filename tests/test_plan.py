@@ -187,7 +187,8 @@ def test_heterogeneous_cluster_assigns_roles(qwen):
     assert m['trainer'] == '8xH100 SXM' and m['rollout'] == '8xH20', m['split']
   g = roles.Group(hardware.parse_cluster('4xH100+4xH20'))
   h20 = roles.Group(hardware.parse_cluster('8xH20'))
-  assert g.seconds(1e15, 0, rm.Knobs().eff) == h20.seconds(1e15, 0, rm.Knobs().eff)
+  k = rm.Knobs()
+  assert k.seconds(g, qwen.rollout, 1e15, 0) == k.seconds(h20, qwen.rollout, 1e15, 0)
 
 
 def test_slower_rollout_accelerator_lowers_samples_per_s(qwen):

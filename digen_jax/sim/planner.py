@@ -26,7 +26,7 @@ GIB = 1024**3
 @dataclasses.dataclass(frozen=True)
 class Settings:
   roofline: str = 'compute'  # 'compute' | 'bytes'
-  mfu: float = 0.4
+  mfu: float = 0.0  # 0: the calibrated fractions (hardware.calibration); else one for all
   hbm_efficiency: float = 0.8
   link_efficiency: float = 0.8
   devices_per_node: int = 8
@@ -43,12 +43,17 @@ class Settings:
   # every device; above, one row per role
 
   def knobs(self) -> rm.Knobs:
+    if self.mfu < 0:
+      raise PlanError(f'--mfu={self.mfu} must be in (0, 1], or 0 for the calibrated fractions')
     try:
-      eff = timing.Efficiency(mfu=self.mfu, hbm=self.hbm_efficiency, link=self.link_efficiency)
+      eff = timing.Efficiency(
+          mfu=self.mfu or timing.DEFAULT.mfu, hbm=self.hbm_efficiency, link=self.link_efficiency
+      )
     except ValueError as e:
       raise PlanError(str(e)) from None
     return rm.Knobs(
         eff=eff,
+        engine='uniform' if self.mfu else 'digen_jax',
         devices_per_node=self.devices_per_node,
         memory_fraction=self.memory_fraction,
         sharded_decode=self.sharded_decode,
@@ -277,9 +282,15 @@ def plan(
       ]
       for k, v in found['tried'].items()
   }
+  kinds = list({p.accelerator.name: p.accelerator for p in parts}.values())
+  uniform = knobs.engine == 'uniform'
+  calibration = [] if uniform else hardware.describe_calibration(knobs.engine, kinds)
+  sources = [] if uniform else hardware.describe_calibration(knobs.engine, kinds, sources=True)
   return {
       'model': run.name,
       'cluster': cluster,
+      'calibration': calibration,
+      'calibration_sources': sources,
       'devices': sum(p.count for p in parts),
       'source': run.source,
       'run': run_json(run),
@@ -456,8 +467,14 @@ def format_plan(p: dict) -> str:
       f'{p["model"]} on {p["cluster"]} ({p["devices"]} devices): {r["finetune"]}, batch '
       f'{r["batch"]} ({r["prompts"]} prompts x {r["group_size"]}), T={r["T"]}, K={r["K"]}, '
       f'{r["image_tokens"]} image tokens; costs {p["source"]}; roofline '
-      f'{p["settings"]["roofline"]}, MFU {p["settings"]["mfu"]:.0%}'
+      f'{p["settings"]["roofline"]}, '
+      + (
+          f'MFU {p["settings"]["mfu"]:.0%} for every program'
+          if p['settings']['mfu']
+          else 'calibrated fractions of peak (sim/hardware.py CALIBRATIONS):'
+      )
   ]
+  lines += [f'  {c}' for c in p['calibration']]
   head = (
       f'{"mode":18}{"samples/s":>10}{"util":>6}{"busy t/r":>10}{"x coloc":>8}'
       f'{"x disagg":>9}{"M":>4}{"step s":>8}  split'

@@ -60,10 +60,6 @@ class Group:
   def label(self) -> str:
     return '+'.join(f'{p.count}x{p.accelerator.name}' for p in self.parts)
 
-  def seconds(self, flops: float, bytes_accessed: float, eff: timing.Efficiency) -> float:
-    """One call with these per-device counts: the slowest kind's roofline."""
-    return max(timing.roofline_seconds(flops, bytes_accessed, a, eff) for a in self.kinds)
-
   def per_node(self, devices_per_node: int) -> int:
     # Kinds live in different nodes: a mixed role's collectives cross them.
     return devices_per_node if len(self.parts) == 1 else 1
@@ -117,6 +113,9 @@ class ProgramModel:
   temp_per_unit: float = 0.0
   temp_fit: str = 'proportional'
   upcast_bytes: float = 0.0  # XLA:CPU's f32 copy of bf16 weights inside temp_const (n0 devices)
+  # The model's matmul FLOPs over the counted ones (XLA also counts norms, softmax, elementwise
+  # and the decode): the calibrated efficiencies are fractions of peak for matmul FLOPs.
+  matmul_share: float = 1.0
 
   def flops(self, n: int, units: float, call_batch: int, *, sharded_decode: bool = False) -> float:
     decode = self.batch_flops * call_batch / self.batch0
@@ -153,6 +152,7 @@ def program_model(
   """A ProgramModel from XLA's figures of `cost` (and of the same program at other per-device
   batches on the same device count: memory points)."""
   units0 = units_of(cost, trained_steps, tsp)
+  share = cost.analytic_flops / cost.flops if cost.analytic_flops and cost.flops else 1.0
   m = ProgramModel(
       cost.name,
       cost.devices,
@@ -162,6 +162,7 @@ def program_model(
       cost.bytes_accessed,
       0.0,
       upcast_bytes=upcast_bytes,
+      matmul_share=share,
   )
   fit = cost.fit
   layers = {k[2:]: v for k, v in fit.items() if k.startswith('d_')}

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from digen_jax.sim import hardware
 from digen_jax.sim import roles
 from digen_jax.sim import timing
 
@@ -85,16 +86,47 @@ class RunModel:
 
 @dataclasses.dataclass(frozen=True)
 class Knobs:
-  """Planner settings that are not the run's: efficiencies, node size, memory headroom."""
+  """Planner settings that are not the run's: efficiencies, node size, memory headroom.
+
+  engine: whose measured fractions of peak the programs reach (hardware.calibration: the
+  sampler's forward for the rollout, forward + backward for the gradient and the apply), or
+  'uniform' for eff.mfu everywhere. The calibrations count a model's matmul FLOPs, so a
+  program's FLOPs are taken at their matmul share (roles.ProgramModel.matmul_share)."""
 
   eff: timing.Efficiency = timing.DEFAULT
   devices_per_node: int = 8
   memory_fraction: float = 0.9  # of the accelerator's memory a program may use
   sharded_decode: bool = False  # model the rollout's VAE decode sharded (not as compiled)
   hbm: bool = True  # False: compute-bound roofline (FLOPs only)
+  engine: str = 'digen_jax'  # hardware.CALIBRATED_ENGINES, or 'uniform'
 
-  def seconds(self, group: roles.Group, flops: float, bytes_accessed: float) -> float:
-    return group.seconds(flops, bytes_accessed if self.hbm else 0.0, self.eff)
+  def __post_init__(self):
+    if self.engine not in hardware.CALIBRATED_ENGINES + ('uniform',):
+      raise ValueError(
+          f'Knobs.engine={self.engine!r}: use one of {hardware.CALIBRATED_ENGINES + ("uniform",)}'
+      )
+
+  def efficiency(self, acc: hardware.Accelerator, work: str) -> timing.Efficiency:
+    """The fractions of `acc`'s peaks for `work` ('sampling' | 'training')."""
+    if self.engine == 'uniform':
+      return self.eff
+    cal = hardware.calibration(self.engine, acc)
+    return dataclasses.replace(self.eff, mfu=cal.sampling if work == 'sampling' else cal.training)
+
+  def seconds(
+      self, group: roles.Group, prog: roles.ProgramModel, flops: float, bytes_accessed: float
+  ) -> float:
+    """One call of `prog` with these per-device counts on `group`: its slowest kind."""
+    work = 'sampling' if prog.name == 'rollout' else 'training'
+    return max(
+        timing.roofline_seconds(
+            flops * prog.matmul_share,
+            bytes_accessed if self.hbm else 0.0,
+            a,
+            self.efficiency(a, work),
+        )
+        for a in group.kinds
+    )
 
 
 def _limit(group: roles.Group, knobs: Knobs) -> float:
@@ -121,7 +153,7 @@ def rollout_options(
       calls = math.ceil(s / c)
       call_batch = min(b, c * n)
       flops = prog.flops(n, c, call_batch, sharded_decode=knobs.sharded_decode)
-      sec = knobs.seconds(group, flops, prog.bytes_for(flops))
+      sec = knobs.seconds(group, prog, flops, prog.bytes_for(flops))
       gather = 0.0
       if layout in ('fsdp', 'trainer'):
         gather = run.T * group.gather_seconds(run.gathered_bytes, knobs.devices_per_node, knobs.eff)
@@ -174,7 +206,7 @@ def grad_options(
       units = mem_units if loop == 'vmap' else run.K * c
       flops = prog.flops(n, units, call_batch)
       gathers = 2 if loop == 'vmap' else 2 * run.K
-      sec = knobs.seconds(group, flops, prog.bytes_for(flops))
+      sec = knobs.seconds(group, prog, flops, prog.bytes_for(flops))
       fsdp = group.fsdp_seconds(
           run.gathered_bytes, run.trainable_bytes, gathers, knobs.devices_per_node, knobs.eff
       )
@@ -202,7 +234,7 @@ def grad_options(
 
 def apply_seconds(run: RunModel, group: roles.Group, knobs: Knobs) -> float:
   flops = run.apply.flops(group.n, 1, 1)
-  return knobs.seconds(group, flops, run.apply.bytes0 * run.apply.n0 / group.n)
+  return knobs.seconds(group, run.apply, flops, run.apply.bytes0 * run.apply.n0 / group.n)
 
 
 def apply_temp(run: RunModel, n: int) -> float:
