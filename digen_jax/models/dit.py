@@ -1,4 +1,4 @@
-"""What the diffusion transformers (mmdit.MMDiT, flux.Flux, video to come) share above their layers.
+"""What the diffusion transformers (mmdit.MMDiT, flux.Flux, wan.Wan) share above their layers.
 
 `TransformerConfig` is the base of every family's config dataclass: the fields every family has
 (rotary axes, norm eps, execution options), the derived widths and the checks of the common
@@ -67,6 +67,13 @@ class TransformerConfig:
     return self.num_attention_heads * self.attention_head_dim
 
   @property
+  def token_channels(self) -> int:
+    """Channels per input token: in_channels, which the families' configs already give packed
+    (QwenImage, FLUX); a family whose diffusers in_channels is the unpacked latent's (Wan)
+    overrides it."""
+    return self.in_channels
+
+  @property
   def out_dim(self) -> int:
     """Channels per output token: patch_size**2 * out_channels."""
     return self.patch_size * self.patch_size * self.out_channels
@@ -118,11 +125,12 @@ def is_static_shape(value: Any, rank: int) -> bool:
 def check_token_inputs(
     config: Any, latents: jax.Array, sigma: jax.Array, text: jax.Array
 ) -> tuple[int, int, int]:
-  """A forward's latents [B, N_img, in_channels], sigma [B] and text [B, L, joint_attention_dim];
-  returns (B, N_img, L). ValueError naming the array otherwise."""
-  if latents.ndim != 3 or latents.shape[-1] != config.in_channels:
+  """A forward's latents [B, N_img, token_channels], sigma [B] and text [B, L,
+  joint_attention_dim]; returns (B, N_img, L). ValueError naming the array otherwise."""
+  if latents.ndim != 3 or latents.shape[-1] != config.token_channels:
     raise ValueError(
-        f'latents must be [B, N_img, in_channels={config.in_channels}], got {latents.shape}'
+        f'latents must be [B, N_img, {config.token_channels}] (packed latent tokens), '
+        f'got {latents.shape}'
     )
   b, n_img = latents.shape[:2]
   if sigma.shape != (b,):

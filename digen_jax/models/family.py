@@ -7,10 +7,13 @@ else (sampler, objective, programs, runtime) is family-agnostic and goes through
 
   'qwenimage': models/mmdit.py (Qwen-Image MMDiT; also the ShapesBench base generator), vae.py
   'flux':      models/flux.py  (FLUX.1 -dev / -schnell), flux_vae.py (AutoencoderKL)
+  'wan':       models/wan.py   (Wan2.1 text-to-video), wan_vae.py (AutoencoderKLWan)
 
 Conditioning dicts hold batch-leading arrays: 'text' [B, L, D] and 'text_mask' [B, L] always
-(FLUX ignores the mask: its T5 sequence is padded and every token attends, as in diffusers),
-'pooled' [B, P] for FLUX's CLIP vector.
+(FLUX and Wan ignore the mask: FLUX's T5 sequence is padded and every token attends, Wan's umT5
+sequence is zero past each prompt and every position attends, as in diffusers), 'pooled' [B, P]
+for FLUX's CLIP vector. img_shape is (frames, h_tokens, w_tokens): 1 frame for the image
+families, the latent frames for Wan (whose tokens are latents.pack_frames's, frame-major).
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from digen_jax.models import flux_vae
 from digen_jax.models import initialize
 from digen_jax.models import mmdit
 from digen_jax.models import vae as qwen_vae
+from digen_jax.models import wan
+from digen_jax.models import wan_convert
+from digen_jax.models import wan_vae
 
-FAMILIES = ('qwenimage', 'flux')
+FAMILIES = ('qwenimage', 'flux', 'wan')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +53,8 @@ class Family:
   flops_per_forward: Callable[..., float]  # (arch config, batch, n_img, n_txt) -> matmul FLOPs
   # The pipeline's VAE module: read_vae_config(folder), abstract_vae(cfg, dtype) ->
   # (graphdef, abstract), vae_key_table(cfg), decode_packed(model, tokens, latent_hw, patch, ...)
-  # and a config with latent_channels and spatial_compression (models/vae.py, models/flux_vae.py).
+  # and a config with latent_channels and spatial_compression (models/vae.py, models/flux_vae.py;
+  # models/wan_vae.py's decode_packed takes latent_shape=(frames, h, w) and returns videos).
   vae: Any = None
 
   def new(self, cfg, seed: int):
@@ -92,6 +99,22 @@ def _flux_config(m) -> flux.FluxConfig:
   )
 
 
+def _wan_config(m) -> wan.WanConfig:
+  # config.model.in_channels is the packed token width, as for every family; diffusers' Wan
+  # counts the latent's channels (its patch embedding packs p x p of them). The rotary axes
+  # follow from the head dim (wan.rope_axes).
+  fields = _shared_fields(m)
+  del fields['axes_dims_rope']
+  fields['in_channels'] = m.in_channels // m.patch_size**2
+  return wan.WanConfig(
+      patch_size=m.patch_size,
+      out_channels=m.out_channels,
+      ffn_dim=m.ffn_dim,
+      cross_attn_norm=bool(m.cross_attn_norm),
+      **fields,
+  )
+
+
 def _mmdit_forward(model, latents, sigma, cond, img_shape, guidance):
   del guidance
   return model(latents, sigma, cond['text'], cond['text_mask'], img_shape=img_shape)
@@ -110,6 +133,13 @@ def _flux_forward(model, latents, sigma, cond, img_shape, guidance):
       g,
       img_shape=tuple(img_shape[-2:]),
   )
+
+
+def _wan_forward(model, latents, sigma, cond, img_shape, guidance):
+  # True CFG (a second, negative-prompt forward) is the sampler's; the mask is not read (see the
+  # module docstring).
+  del guidance
+  return model(latents, sigma, cond['text'], img_shape=tuple(img_shape))
 
 
 _TABLE = {
@@ -138,6 +168,19 @@ _TABLE = {
         flux.count_params,
         flux.flops_per_forward,
         flux_vae,
+    ),
+    'wan': Family(
+        'wan',
+        _wan_config,
+        wan.Wan,
+        wan_convert.read_config,
+        wan_convert.load_wan_sharded,
+        wan_convert.wan_key_table,
+        ('text', 'text_mask'),
+        _wan_forward,
+        wan.count_params,
+        wan.flops_per_forward,
+        wan_vae,
     ),
 }
 

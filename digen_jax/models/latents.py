@@ -1,4 +1,5 @@
-"""Latent packing (2x2 patches -> tokens, exactly diffusers' QwenImage _pack_latents) and decoders."""
+"""Latent packing (2x2 patches -> tokens, exactly diffusers' QwenImage _pack_latents; video frames
+one after another) and decoders."""
 
 from __future__ import annotations
 
@@ -20,6 +21,21 @@ def unpack(tokens, height: int, width: int, patch: int):
   x = tokens.reshape(b, height // patch, width // patch, c, patch, patch)
   x = x.transpose(0, 1, 4, 2, 5, 3)  # b, h/p, p, w/p, p, c
   return x.reshape(b, height, width, c)
+
+
+def pack_frames(latents, patch: int):
+  """Video [B, F, H, W, C] -> [B, F*(H/p)*(W/p), C*p*p]: every frame packed as `pack`, frames one
+  after another (the token order of diffusers' Wan patch embedding: frame, row, column)."""
+  b, f, h, w, c = latents.shape
+  tokens = pack(latents.reshape(b * f, h, w, c), patch)
+  return tokens.reshape(b, -1, tokens.shape[-1])
+
+
+def unpack_frames(tokens, frames: int, height: int, width: int, patch: int):
+  """Inverse of `pack_frames`: [B, F*N, C*p*p] -> [B, F, H, W, C]."""
+  b, n, cpp = tokens.shape
+  x = unpack(tokens.reshape(b * frames, n // frames, cpp), height, width, patch)
+  return x.reshape(b, frames, *x.shape[1:])
 
 
 def decode_pixels(tokens, height: int, width: int, patch: int):

@@ -1,4 +1,4 @@
-"""Transformer building blocks shared by every family (QwenImage's MMDiT, FLUX, video to come).
+"""Transformer building blocks shared by every family (QwenImage's MMDiT, FLUX, Wan).
 
 Pure functions (norms, the sinusoidal timestep embedding, AdaLN modulation, the q/k/v projection
 with per-head RMSNorm and RoPE) and the small modules built from them: `linear`, `RMSNorm`,
@@ -222,15 +222,17 @@ def project_qkv(
     sin: jax.Array,
     heads: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """x [B, S, D] -> q, k, v [B, S, heads, Dh] in x.dtype: Linear projections, per-head RMSNorm on
-  q and k, RoPE (tables [S, Dh/2]) on q and k, q pre-multiplied by the softmax scale 1/sqrt(Dh).
+  """x [B, S, D] -> q, k, v [B, S, heads, Dh] in x.dtype: Linear projections, RMSNorm on q and k,
+  RoPE (tables [S, Dh/2]) on q and k, q pre-multiplied by the softmax scale 1/sqrt(Dh).
 
-  q and k come out in the half-split head-dim order (rope.to_half_split): RMSNorm over head dims
-  is order-free once its scale is permuted the same way, and RoPE becomes two contiguous halves.
-  Attention scores are the same as with diffusers' interleaved layout; v keeps the original
-  order, so the attention output does too. Folding the softmax scale into q is exact for
-  power-of-two head dims (one rounding otherwise)."""
-  hd = norm_q.scale.shape[-1]
+  The RMSNorm runs over its scale's width: per head (scale [Dh]: QwenImage, FLUX) or across all
+  heads (scale [heads * Dh]: Wan's rms_norm_across_heads). q and k come out in the half-split
+  head-dim order (rope.to_half_split): RMSNorm over head dims is order-free once its scale is
+  permuted the same way, and RoPE becomes two contiguous halves. Attention scores are the same as
+  with diffusers' interleaved layout; v keeps the original order, so the attention output does
+  too. Folding the softmax scale into q is exact for power-of-two head dims (one rounding
+  otherwise)."""
+  hd = to_q.kernel.shape[-1] // heads
   cos2, sin2 = rope.half_split_tables(cos, sin)
 
   def split_heads(y):
@@ -238,7 +240,11 @@ def project_qkv(
 
   def qk(proj, norm, mult):
     y = dense(x, rope.to_half_split(proj.kernel[...], hd), rope.to_half_split(proj.bias[...], hd))
-    y = rms_norm(split_heads(y), rope.to_half_split(norm.scale[...], hd), norm.eps)
+    scale = rope.to_half_split(norm.scale[...], hd)
+    if scale.shape[-1] == hd:
+      y = rms_norm(split_heads(y), scale, norm.eps)
+    else:
+      y = split_heads(rms_norm(y, scale, norm.eps))
     y = rope.apply_rope_half(y, cos2, sin2)
     return (y * mult if mult != 1.0 else y).astype(x.dtype)
 
@@ -267,17 +273,26 @@ class QKVProjection(nnx.Module):
   stream and the output projections).
 
   config: any transformer config with inner_dim, attention_head_dim, num_attention_heads, eps and
-  attention (models/attention.py's implementation)."""
+  attention (models/attention.py's implementation). norm_across_heads: q and k are RMS-normed over
+  all heads at once (Wan) instead of per head."""
 
-  def __init__(self, config: Any, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
+  def __init__(
+      self,
+      config: Any,
+      *,
+      rngs: nnx.Rngs,
+      param_dtype: Any = jnp.float32,
+      norm_across_heads: bool = False,
+  ):
     d, hd = config.inner_dim, config.attention_head_dim
     self.heads = config.num_attention_heads
     self.implementation = config.attention
     self.to_q = linear(d, d, rngs, param_dtype)
     self.to_k = linear(d, d, rngs, param_dtype)
     self.to_v = linear(d, d, rngs, param_dtype)
-    self.norm_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
-    self.norm_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
+    norm_width = d if norm_across_heads else hd
+    self.norm_q = RMSNorm(norm_width, config.eps, param_dtype=param_dtype)
+    self.norm_k = RMSNorm(norm_width, config.eps, param_dtype=param_dtype)
 
   def project(
       self, x: jax.Array, cos: jax.Array, sin: jax.Array

@@ -1,5 +1,5 @@
-"""VAE building blocks shared by the image VAEs (vae.py: Qwen-Image's, the Wan2.1 causal 3-D VAE on
-one frame; flux_vae.py: FLUX.1's AutoencoderKL), and meant for a video VAE to come.
+"""VAE building blocks shared by the VAEs (causal_vae.py: the Wan2.1 causal 3-D VAE, Qwen-Image's
+and Wan2.1's; flux_vae.py: FLUX.1's AutoencoderKL).
 
 Channels-last throughout: images [B, H, W, C] in [-1, 1], latents [B, h, w, z].
 
@@ -219,13 +219,14 @@ class Pointwise(KernelBias):
 
 class PreNormResidual(nnx.Module):
   """shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x)))))): the residual block of both VAEs
-  (QwenImageResidualBlock; ResnetBlock2D as a VAE builds it, no time embedding). Subclasses
-  build norm1, conv1, norm2, conv2 and conv_shortcut (None when the channels do not change)."""
+  (the causal VAE's ResidualBlock; ResnetBlock2D as a VAE builds it, no time embedding).
+  Subclasses build norm1, conv1, norm2, conv2 and conv_shortcut (None when the channels do not
+  change). conv_args go to conv1 and conv2 (the causal VAE's frame history)."""
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, *conv_args) -> jax.Array:
     h = x if self.conv_shortcut is None else self.conv_shortcut(x)
-    x = self.conv1(jax.nn.silu(self.norm1(x)))
-    x = self.conv2(jax.nn.silu(self.norm2(x)))
+    x = self.conv1(jax.nn.silu(self.norm1(x)), *conv_args)
+    x = self.conv2(jax.nn.silu(self.norm2(x)), *conv_args)
     return x + h
 
 
