@@ -15,10 +15,14 @@ model_index.json's _class_name:
                      to max_sequence_length = config.text.max_length (FLUX.1-dev 512, -schnell
                      256), pads included (FLUX attends to them); text_encoder/ + tokenizer/
                      (CLIP): pooler_output of the prompt padded to 77 tokens, the pooled vector.
+  WanPipeline        text_encoder/ + tokenizer/ (umT5): diffusers' prompt_clean, last hidden state
+                     at the prompt's own tokens of the prompt padded to max_sequence_length =
+                     config.text.max_length (512); the reader pads it back with zeros, as the
+                     pipeline does.
 A prompt longer than a tokenizer's limit is truncated, as diffusers does (it only warns): the
 cached embeddings are then exactly what the pipeline would condition on. The run logs how many,
-and a FLUX cache records each prompt's token counts (EmbeddingCache.truncated says which encoders
-cut it). Besides the prompts, config.sampler.negative_prompt and '' are encoded, so
+and a FLUX or Wan cache records each prompt's token counts (EmbeddingCache.truncated says which
+encoders cut it). Besides the prompts, config.sampler.negative_prompt and '' are encoded, so
 classifier-free guidance finds them. --prompts defaults to config.data.prompts: a text file (one
 prompt per line) or a tfds prompt dataset ('shapes', 'prompt_file/<name>'), whose --split
 defaults to config.data.split and config.eval.split. --out defaults to config.text.cache.
@@ -275,16 +279,101 @@ class FluxPromptEncoder:
     ]
 
 
-PromptEncoder = Union[QwenPromptEncoder, FluxPromptEncoder]
+class UMT5PromptEncoder:
+  """A Wan2.1 pipeline folder's umT5 text encoder and tokenizer, as WanPipeline.encode_prompt runs
+  them (_get_t5_prompt_embeds).
+
+  folder, device, dtype: as QwenPromptEncoder's. max_sequence_length: the padded length (None:
+  diffusers' 512). diffusers' own prompt_clean cleans the prompts (it applies ftfy when that is
+  installed: the identity records which).
+  """
+
+  pooled_dim = None  # Wan conditions on the sequence alone
+
+  def __init__(
+      self,
+      folder: str,
+      device: str = '',
+      dtype: str = '',
+      max_sequence_length: Optional[int] = None,
+  ):
+    import torch  # pylint: disable=g-import-not-at-top
+    from diffusers.pipelines.wan import pipeline_wan  # pylint: disable=g-import-not-at-top
+    from diffusers.utils import is_ftfy_available  # pylint: disable=g-import-not-at-top
+
+    self.torch = torch
+    self.clean = pipeline_wan.prompt_clean
+    self.identity = text_cache.encoder_fingerprint(folder, max_sequence_length)
+    encoder = self.identity['encoders']['text_encoder']
+    self.dtype = _check_dtype(dtype or folder_dtype(encoder['config']))
+    self.identity['compute_dtype'] = self.dtype
+    self.identity['prompt_clean'] = (
+        'ftfy, html, whitespace' if is_ftfy_available() else 'html, whitespace'
+    )
+    self.device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
+    self.tokenizer, self.model = _load(
+        folder,
+        'text_encoder',
+        'tokenizer',
+        (encoder['class'], encoder['tokenizer_class']),
+        self.dtype,
+        self.device,
+    )
+    self.name = encoder['class']
+    self.dim = self.identity['dim']
+    self.max_sequence_length = self.identity['max_sequence_length']
+
+  def token_counts(self, prompts: Sequence[str]) -> list[int]:
+    """Token counts of the cleaned prompts before truncation (</s> included)."""
+    ids = self.tokenizer([self.clean(p) for p in prompts])['input_ids']
+    return [len(i) for i in ids]
+
+  def truncated(self, prompts: Sequence[str]) -> list[str]:
+    """The prompts with more than max_sequence_length tokens (diffusers cuts them)."""
+    counts = self.token_counts(prompts)
+    return [p for p, n in zip(prompts, counts) if n > self.max_sequence_length]
+
+  def embed(self, prompts: Sequence[str]) -> list[text_cache.Entry]:
+    """Per prompt its [len_i, dim] float32 embeddings (the rows WanPipeline keeps before padding
+    with zeros) and its token count."""
+    torch = self.torch
+    prompts = list(prompts)
+    tokens = self.tokenizer(
+        [self.clean(p) for p in prompts],
+        padding='max_length',
+        max_length=self.max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors='pt',
+    )
+    lengths = tokens.attention_mask.gt(0).sum(dim=1).tolist()
+    with torch.inference_mode():
+      hidden = self.model(
+          tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
+      ).last_hidden_state
+      hidden = hidden.float().cpu().numpy()
+    counts = self.token_counts(prompts)
+    return [
+        text_cache.Entry(p, h[:n], None, {'text_encoder': c})
+        for p, h, n, c in zip(prompts, hidden, lengths, counts)
+    ]
+
+
+PromptEncoder = Union[QwenPromptEncoder, FluxPromptEncoder, UMT5PromptEncoder]
 
 
 def prompt_encoder(
     folder: str, device: str = '', dtype: str = '', max_sequence_length: Optional[int] = None
 ) -> PromptEncoder:
-  """The encoder of a pipeline folder's class (model_index.json): QwenPromptEncoder or
-  FluxPromptEncoder. max_sequence_length: FLUX's T5 length; not used by Qwen-Image."""
-  if text_cache.is_flux(text_cache.pipeline_class(folder)):
+  """The encoder of a pipeline folder's class (model_index.json): QwenPromptEncoder,
+  FluxPromptEncoder or UMT5PromptEncoder. max_sequence_length: FLUX's T5 length, Wan's umT5
+  length; not used by Qwen-Image."""
+  pipeline = text_cache.pipeline_class(folder)
+  if text_cache.is_flux(pipeline):
     return FluxPromptEncoder(folder, device, dtype, max_sequence_length)
+  if text_cache.is_wan(pipeline):
+    return UMT5PromptEncoder(folder, device, dtype, max_sequence_length)
   return QwenPromptEncoder(folder, device, dtype)
 
 
@@ -391,6 +480,8 @@ def encode_to_cache(
 def _limits(encoder: PromptEncoder) -> str:
   if isinstance(encoder, FluxPromptEncoder):
     return f'CLIP {encoder.clip_length}, T5 {encoder.max_sequence_length} tokens'
+  if isinstance(encoder, UMT5PromptEncoder):
+    return f'umT5 {encoder.max_sequence_length} tokens'
   return f'{encoder.max_sequence_length} tokens after the template'
 
 
@@ -444,7 +535,7 @@ def main(argv, cli):
 
       data_dir = f.data_dir or prompt_data.resolve_data_dir(config.data.data_dir, workdir or tmp)
       prompts = gather_prompts(config, f.prompts, f.split, data_dir)
-    # FLUX's T5 sequence is what training reads, padded to config.text.max_length: one length.
+    # FLUX's T5 and Wan's umT5 sequences are padded to config.text.max_length: one length.
     encoder = prompt_encoder(
         config.model.checkpoint,
         device=f.device,

@@ -1,5 +1,5 @@
-"""Parity of digen_jax.models.wan.Wan with diffusers' WanTransformer3DModel (tiny, CPU, float32), its
-loaders (state dict, folder, streamed onto a 4-device FSDP mesh), LoRA target names, analytic
+"""Parity of digen_jax.models.wan.Wan with diffusers' WanTransformer3DModel (tiny, CPU, float32),
+its loaders (state dict, folder, streamed onto a 4-device FSDP mesh), LoRA target names, analytic
 sizes and the family entry."""
 
 import jax

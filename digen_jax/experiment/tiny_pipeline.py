@@ -1,6 +1,7 @@
-"""Toy Qwen-Image and FLUX.1 pipeline folders: the real diffusers layouts and classes at test size.
+"""Toy Qwen-Image, FLUX.1 and Wan2.1 pipeline folders: the real diffusers layouts and classes at
+test size.
 
-  python -m digen_jax.experiment.tiny_pipeline --out=DIR [--seed=0] [--family=qwenimage|flux]
+  python -m digen_jax.experiment.tiny_pipeline --out=DIR [--seed=0] [--family=qwenimage|flux|wan]
 
 `build(folder, seed)` saves diffusers' `QwenImagePipeline(...)` with `save_pretrained`, so
 model_index.json, transformer/, vae/, text_encoder/, tokenizer/ and scheduler/ are exactly what a
@@ -16,6 +17,11 @@ FluxTransformer2DModel with the guidance embedding (FLUX.1-dev's layout: 1 doubl
 single-stream blocks, 2 heads x 16), a random AutoencoderKL (4 latent channels, 2x compression,
 FLUX's scaling and shift factors), a random CLIPTextModel with a locally trained byte-level BPE
 CLIPTokenizer, and a random T5EncoderModel with a locally trained Unigram T5 tokenizer.
+
+`build_wan(folder, seed)` saves diffusers' `WanPipeline(...)` the same way (Wan2.1's text-to-video
+layout): a random WanTransformer3DModel (2 blocks, 2 heads x 16, 1 x 2 x 2 patches), a random
+AutoencoderKLWan (z_dim 4, 8x spatial and 4x temporal compression), a random UMT5EncoderModel
+with the same locally trained Unigram T5 tokenizer, and Wan2.1's UniPC flow scheduler.
 """
 
 from __future__ import annotations
@@ -401,6 +407,97 @@ def build_flux(folder: str, seed: int = 0) -> dict[str, Any]:
   }
 
 
+# Wan2.1 toy sizes (the text width is the transformer's text_dim).
+WAN_Z_DIM = 4
+WAN_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=WAN_Z_DIM,
+    out_channels=WAN_Z_DIM,
+    text_dim=32,
+    freq_dim=256,
+    ffn_dim=64,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm='rms_norm_across_heads',
+    eps=1e-6,
+)
+WAN_VAE = dict(
+    base_dim=8,
+    z_dim=WAN_Z_DIM,
+    dim_mult=[1, 1, 1, 1],
+    num_res_blocks=1,
+    temperal_downsample=[False, True, True],
+    latents_mean=[0.31, -0.52, 0.17, -0.08],
+    latents_std=[1.7, 0.6, 2.3, 1.1],
+)
+# Wan2.1-T2V's scheduler: UniPC on flow sigmas, static shift 3 (480p; 720p uses 5).
+WAN_SCHEDULER = dict(
+    prediction_type='flow_prediction',
+    use_flow_sigmas=True,
+    flow_shift=3.0,
+    num_train_timesteps=1000,
+)
+
+
+def build_wan(folder: str, seed: int = 0) -> dict[str, Any]:
+  """Writes the toy Wan2.1 pipeline into `folder` (new or empty); returns its sizes."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from diffusers import AutoencoderKLWan  # pylint: disable=g-import-not-at-top
+  from diffusers import UniPCMultistepScheduler  # pylint: disable=g-import-not-at-top
+  from diffusers import WanPipeline  # pylint: disable=g-import-not-at-top
+  from diffusers import WanTransformer3DModel  # pylint: disable=g-import-not-at-top
+  from transformers import UMT5Config, UMT5EncoderModel  # pylint: disable=g-import-not-at-top
+
+  folder = _new_folder(folder, seed)
+  sub = _streams(seed)
+  torch.manual_seed(sub('construct'))
+  tokenizer = _t5_tokenizer()  # umT5's tokenizer is a T5TokenizerFast too (Unigram, </s>, <pad>)
+  umt5 = UMT5EncoderModel(
+      UMT5Config(
+          vocab_size=len(tokenizer),
+          d_model=WAN_TRANSFORMER['text_dim'],
+          d_kv=16,
+          d_ff=64,
+          num_layers=2,
+          num_heads=2,
+          relative_attention_num_buckets=8,
+          relative_attention_max_distance=32,
+          feed_forward_proj='gated-gelu',
+          pad_token_id=tokenizer.pad_token_id,
+          eos_token_id=tokenizer.eos_token_id,
+          decoder_start_token_id=tokenizer.pad_token_id,
+      )
+  )
+  transformer = WanTransformer3DModel(**WAN_TRANSFORMER)
+  vae = AutoencoderKLWan(**WAN_VAE)
+  for name, module in (('umt5', umt5), ('transformer', transformer), ('vae', vae)):
+    _randomize(module, sub(name))
+  pipe = WanPipeline(
+      tokenizer=tokenizer,
+      text_encoder=umt5.eval(),
+      vae=vae.eval(),
+      scheduler=UniPCMultistepScheduler(**WAN_SCHEDULER),
+      transformer=transformer.eval(),
+  )
+  pipe.save_pretrained(folder, safe_serialization=True)
+  return {
+      'family': 'wan',
+      'transformer': {
+          k: list(v) if isinstance(v, tuple) else v for k, v in WAN_TRANSFORMER.items()
+      },
+      'vae': {
+          k: WAN_VAE[k] for k in ('z_dim', 'base_dim', 'dim_mult', 'latents_mean', 'latents_std')
+      },
+      'vae_scale_factor': 2 ** len(WAN_VAE['temperal_downsample']),
+      'vae_scale_factor_temporal': 2 ** sum(WAN_VAE['temperal_downsample']),
+      'latent_channels': WAN_Z_DIM,
+      'text_dim': WAN_TRANSFORMER['text_dim'],
+      'seed': seed,
+  }
+
+
 def _new_folder(folder, seed) -> str:
   folder = os.fspath(folder)
   if os.path.exists(folder) and (not os.path.isdir(folder) or os.listdir(folder)):
@@ -419,7 +516,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments {argv[1:]}')
   try:
-    make = {'qwenimage': build, 'flux': build_flux}[flags.FLAGS.family]
+    make = {'qwenimage': build, 'flux': build_flux, 'wan': build_wan}[flags.FLAGS.family]
     sizes = make(flags.FLAGS.out, seed=flags.FLAGS.seed)
   except ValueError as e:
     raise SystemExit(f'digen_jax.experiment.tiny_pipeline: {e}') from None
@@ -430,6 +527,6 @@ if __name__ == '__main__':
   # Defined here, not at import: tests import build() next to other modules' flags.
   flags.DEFINE_string('out', None, 'Folder to write the toy pipeline into (new or empty).')
   flags.DEFINE_integer('seed', 0, 'Seed of every weight.')
-  flags.DEFINE_enum('family', 'qwenimage', ['qwenimage', 'flux'], 'Which pipeline to build.')
+  flags.DEFINE_enum('family', 'qwenimage', ['qwenimage', 'flux', 'wan'], 'Which pipeline to build.')
   flags.mark_flags_as_required(['out'])
   app.run(main)

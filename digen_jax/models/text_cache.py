@@ -21,6 +21,10 @@ Per pipeline (model_index.json's _class_name), as diffusers' encode_prompt compu
                       passes no attention mask, so the pad positions are conditioning too and are
                       stored (length = max_sequence_length for every prompt); CLIP (text_encoder)
                       pooler_output as the pooled vector [pooled_dim].
+  WanPipeline         umT5 last hidden state at the (cleaned) prompt's own length, no pooled
+                      vector. The pipeline pads it with zero rows to max_sequence_length (512) and
+                      the transformer attends all of them, so the reader pads with zeros to
+                      exactly that length (config.text.max_length must equal it).
 
 index.json fields: `prompts` lists {text, shard, key, length[, tokens]} per prompt, `tokens` being
 {component: token count before truncation} for each tokenizer that can cut a prompt (FLUX's; see
@@ -57,12 +61,14 @@ from digen_jax.models.text_cache_writer import CacheWriter as CacheWriter
 from digen_jax.models.text_cache_writer import Entry as Entry
 from digen_jax.models.text_identity import (
     FLUX_MAX_SEQUENCE_LENGTH as FLUX_MAX_SEQUENCE_LENGTH,
+    WAN_MAX_SEQUENCE_LENGTH as WAN_MAX_SEQUENCE_LENGTH,
     QWENIMAGE_DROP_IDX as QWENIMAGE_DROP_IDX,
     QWENIMAGE_MAX_SEQUENCE_LENGTH as QWENIMAGE_MAX_SEQUENCE_LENGTH,
     QWENIMAGE_TEMPLATE as QWENIMAGE_TEMPLATE,
     encoder_fingerprint as encoder_fingerprint,
     identity_difference,
     is_flux as is_flux,
+    is_wan as is_wan,
     pipeline_class as pipeline_class,
     text_hidden_size as text_hidden_size,
 )
@@ -90,7 +96,8 @@ class EmbeddingCache:
   folder: written by encode_prompts. max_length: L, the padded length (each prompt's [len, D]
   embeddings fill the first len rows, mask 1 there; the rest are zeros with mask 0). A FLUX cache
   holds T5 sequences padded to max_sequence_length with every position attended, so L must be
-  exactly that (and every mask is all ones).
+  exactly that (and every mask is all ones); a Wan cache's zero rows are attended too, so L must
+  be its max_sequence_length as well.
   verify: hash every shard on open (False: sizes only, hashes on first read of each shard).
   cache_bytes: bound of the in-memory LRU of decoded per-prompt arrays.
   """
@@ -106,11 +113,17 @@ class EmbeddingCache:
     self.dim: int = index['dim']
     self.pooled_dim: Optional[int] = index.get('pooled_dim')  # None: no pooled vectors
     self.identity: dict[str, Any] = index['identity']
-    padded = self.identity.get('padding') == 'max_length' and self.identity['max_sequence_length']
+    padding = self.identity.get('padding')
+    padded = padding in ('max_length', 'zeros') and self.identity['max_sequence_length']
     if padded and max_length != padded:
+      what = (
+          'T5 embeddings padded to'
+          if padding == 'max_length'
+          else 'umT5 embeddings that the pipeline zero-pads to'
+      )
       raise ValueError(
-          f'embedding cache {self.folder} holds {self.identity.get("pipeline")} T5 embeddings '
-          f'padded to {padded} positions, every one attended (FLUX passes no mask), but '
+          f'embedding cache {self.folder} holds {self.identity.get("pipeline")} {what} '
+          f'{padded} positions, every one attended (the pipeline passes no mask), but '
           f'config.text.max_length is {max_length}; set config.text.max_length={padded}, or '
           f'encode into a new folder with --config.text.max_length={max_length}'
       )

@@ -51,6 +51,37 @@ def canonical_json(obj: Any) -> bytes:
   return json.dumps(obj, sort_keys=True, ensure_ascii=True, separators=(',', ':')).encode()
 
 
+def _sequence_lengths(identity: Mapping[str, Any], pooled_dim: Any, bad) -> tuple[Any, Any]:
+  """(padded, limit) of a cache's identity: every prompt's stored length in a padded (FLUX)
+  cache, the longest a prompt may have in a zero-padded (Wan) one; None where there is none.
+  bad(why) makes the corrupt-index error."""
+  encoders = identity.get('encoders') or {}
+  padded = limit = None
+  if identity.get('padding') == 'max_length':
+    padded = identity.get('max_sequence_length')
+    if not (
+        isinstance(padded, int)
+        and padded >= 1
+        and pooled_dim
+        and isinstance(encoders, dict)
+        and all(
+            isinstance((encoders.get(k) or {}).get('max_length'), int)
+            for k in ('text_encoder', 'text_encoder_2')
+        )
+    ):
+      raise bad(f'a padded (FLUX) identity without its lengths or pooled_dim: {identity!r}')
+  if identity.get('padding') == 'zeros':
+    limit = identity.get('max_sequence_length')
+    text_encoder = encoders.get('text_encoder') if isinstance(encoders, dict) else None
+    if not (
+        isinstance(limit, int)
+        and limit >= 1
+        and isinstance((text_encoder or {}).get('max_length'), int)
+    ):
+      raise bad(f'a zero-padded (Wan) identity without its lengths: {identity!r}')
+  return padded, limit
+
+
 def _validate_index(folder: str, index: Any) -> None:
   """Structure and digest of a parsed index.json; ValueError naming the file."""
   path = os.path.join(folder, INDEX)
@@ -80,20 +111,7 @@ def _validate_index(folder: str, index: Any) -> None:
     raise bad(f'pooled_dim {pooled_dim!r} (absent, or not null / a positive int)')
   identity = index['identity']
   encoders = identity.get('encoders') or {}
-  padded = None
-  if identity.get('padding') == 'max_length':
-    padded = identity.get('max_sequence_length')
-    if not (
-        isinstance(padded, int)
-        and padded >= 1
-        and pooled_dim
-        and isinstance(encoders, dict)
-        and all(
-            isinstance((encoders.get(k) or {}).get('max_length'), int)
-            for k in ('text_encoder', 'text_encoder_2')
-        )
-    ):
-      raise bad(f'a padded (FLUX) identity without its lengths or pooled_dim: {identity!r}')
+  padded, limit = _sequence_lengths(identity, pooled_dim, bad)
   body = {k: v for k, v in index.items() if k != 'digest'}
   if hashlib.sha256(canonical_json(body)).hexdigest() != index['digest']:
     raise bad('its digest does not match its content: it was edited or partly written')
@@ -118,6 +136,7 @@ def _validate_index(folder: str, index: Any) -> None:
         and entry['length'] >= 0
         and valid_tokens(entry.get('tokens', {}), encoders)
         and entry['length'] == (padded or entry['length'])
+        and entry['length'] <= (limit or entry['length'])
     ):
       raise bad(f'prompt entry {entry!r}')
     if entry['text'] in seen:

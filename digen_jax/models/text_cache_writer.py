@@ -120,16 +120,22 @@ class CacheWriter:
     dim, pooled_dim = self._index['dim'], self._index['pooled_dim']
     identity = self._index['identity']
     padded = identity.get('padding') == 'max_length' and identity['max_sequence_length']
+    limit = identity.get('padding') == 'zeros' and identity['max_sequence_length']
     tensors, entries = {}, []
     for item in items:
       text, arr, pooled, tokens = Entry(*item)
       if not isinstance(text, str):
         raise ValueError(f'prompt must be a str; got {type(text).__name__}')
       arr = np.ascontiguousarray(arr, dtype=np.float32)
-      if arr.ndim != 2 or arr.shape[1] != dim or arr.shape[0] != (padded or arr.shape[0]):
+      if (
+          arr.ndim != 2
+          or arr.shape[1] != dim
+          or arr.shape[0] != (padded or arr.shape[0])
+          or arr.shape[0] > (limit or arr.shape[0])
+      ):
+        length = padded or (f'len <= {limit}' if limit else 'len')
         raise ValueError(
-            f'embeddings of prompt {text!r} have shape {arr.shape}; expected '
-            f'[{padded or "len"}, {dim}]'
+            f'embeddings of prompt {text!r} have shape {arr.shape}; expected [{length}, {dim}]'
         )
       if (pooled is None) != (pooled_dim is None):
         raise ValueError(

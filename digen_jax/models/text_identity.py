@@ -7,6 +7,8 @@ Per pipeline (model_index.json's _class_name), as diffusers' encode_prompt compu
   QwenImagePipeline   Qwen2.5-VL last hidden state at the prompt's own (unpadded) length.
   FluxPipeline        T5 (text_encoder_2) last hidden state padded to max_sequence_length, and
                       CLIP (text_encoder) pooler_output as the pooled vector.
+  WanPipeline         umT5 last hidden state at the prompt's own length (after prompt_clean); the
+                      pipeline pads it with zero embeddings to max_sequence_length, all attended.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ _FLUX_CLASSES = {
     'text_encoder': 'transformers.CLIPTextModel',
     'text_encoder_2': 'transformers.T5EncoderModel',
 }
+
+# diffusers' WanPipeline (0.42.1): UMT5EncoderModel's last hidden state of the cleaned prompt
+# (prompt_clean: ftfy when installed, HTML unescaping, whitespace), tokenized with padding to
+# max_sequence_length (512 in __call__) and the attention mask; the rows past the prompt's tokens
+# are then replaced by zeros, and the transformer attends every row.
+WAN_MAX_SEQUENCE_LENGTH = 512
+_WAN_PIPELINES = ('WanPipeline',)
+_WAN_CLASS = 'transformers.UMT5EncoderModel'
 
 _FINGERPRINT_CHUNK = 4 << 20  # bytes read from each end of a weights file
 
@@ -83,10 +93,10 @@ def _model_index(pipeline_folder: str) -> tuple[dict[str, Any], str, str]:
     )
   model_index = read_json(index_path, 'the pipeline description')
   pipeline = model_index.get('_class_name')
-  if pipeline not in _QWENIMAGE_PIPELINES + _FLUX_PIPELINES:
+  known = _QWENIMAGE_PIPELINES + _FLUX_PIPELINES + _WAN_PIPELINES
+  if pipeline not in known:
     raise ValueError(
-        f'{index_path}: _class_name {pipeline!r} is not a supported pipeline; known: '
-        f'{list(_QWENIMAGE_PIPELINES + _FLUX_PIPELINES)}'
+        f'{index_path}: _class_name {pipeline!r} is not a supported pipeline; known: {list(known)}'
     )
   return model_index, index_path, pipeline
 
@@ -99,6 +109,11 @@ def pipeline_class(pipeline_folder: str) -> str:
 def is_flux(pipeline: str) -> bool:
   """Whether a pipeline class encodes prompts as FluxPipeline does (T5 sequence + CLIP pooled)."""
   return pipeline in _FLUX_PIPELINES
+
+
+def is_wan(pipeline: str) -> bool:
+  """Whether a pipeline class encodes prompts as WanPipeline does (umT5, zero-padded)."""
+  return pipeline in _WAN_PIPELINES
 
 
 def _component_class(model_index: Mapping[str, Any], index_path: str, part: str) -> str:
@@ -135,15 +150,17 @@ def encoder_fingerprint(
 ) -> dict[str, Any]:
   """The identity of a diffusers pipeline folder's prompt encoding, computed without torch.
 
-  max_sequence_length: FLUX only, the T5 length every prompt is padded (or truncated) to, as
-  FluxPipeline.encode_prompt's argument (None: its default 512; a run passes
-  config.text.max_length). Qwen-Image's limit is fixed by its pipeline and this is not used.
+  max_sequence_length: FLUX and Wan, the length every prompt is padded (or truncated) to, as
+  their pipelines' argument (None: the default 512 of both; a run passes config.text.max_length).
+  Qwen-Image's limit is fixed by its pipeline and this is not used.
 
   Qwen-Image: {class, tokenizer_class, config (text_encoder/config.json), dim, template,
   drop_idx, max_sequence_length, hidden_state_layer, files, fingerprint}.
   FLUX: {pipeline, encoders {text_encoder (CLIP), text_encoder_2 (T5): {class, tokenizer_class,
   config, dim, max_length (the tokenizer's padded length), output}}, dim (T5's), pooled_dim
   (CLIP's), max_sequence_length, padding: 'max_length', files, fingerprint}.
+  Wan: {pipeline, encoders {text_encoder (umT5): as FLUX's}, dim, max_sequence_length, padding:
+  'zeros', files, fingerprint}.
   `files` covers each text encoder's config.json, every file of its tokenizer folder, and each of
   its weights files by size + first and last 4 MiB; `fingerprint` is the sha256 over `files`.
   """
@@ -151,6 +168,8 @@ def encoder_fingerprint(
   model_index, index_path, pipeline = _model_index(folder)
   if is_flux(pipeline):
     return _flux_fingerprint(folder, model_index, index_path, pipeline, max_sequence_length)
+  if is_wan(pipeline):
+    return _wan_fingerprint(folder, model_index, index_path, pipeline, max_sequence_length)
   classes = {
       part: _component_class(model_index, index_path, part)
       for part in ('text_encoder', 'tokenizer')
@@ -232,6 +251,53 @@ def _flux_fingerprint(
       'pooled_dim': encoders['text_encoder']['dim'],
       'max_sequence_length': max_sequence_length,
       'padding': 'max_length',  # every prompt padded to max_sequence_length, pads attended
+      'files': files,
+      'fingerprint': hashlib.sha256(canonical_json(files)).hexdigest(),
+  }
+
+
+def _wan_fingerprint(
+    folder: str,
+    model_index: Mapping[str, Any],
+    index_path: str,
+    pipeline: str,
+    max_sequence_length: Optional[int],
+) -> dict[str, Any]:
+  if max_sequence_length is None:
+    max_sequence_length = WAN_MAX_SEQUENCE_LENGTH
+  if (
+      isinstance(max_sequence_length, bool)
+      or not isinstance(max_sequence_length, int)
+      or max_sequence_length < 1
+  ):
+    raise ValueError(
+        f'max_sequence_length={max_sequence_length!r}: {pipeline} pads umT5 prompts to a '
+        f'positive number of tokens ({WAN_MAX_SEQUENCE_LENGTH} in diffusers); a run sets it '
+        'with config.text.max_length'
+    )
+  cls = _component_class(model_index, index_path, 'text_encoder')
+  if cls != _WAN_CLASS:
+    raise ValueError(
+        f'{index_path}: text_encoder is {cls}; {pipeline} encodes prompts with {_WAN_CLASS}'
+    )
+  config = read_json(os.path.join(folder, 'text_encoder', 'config.json'), 'the text_encoder')
+  files = _component_files(folder, 'text_encoder', 'tokenizer')
+  encoder = {
+      'class': cls,
+      'tokenizer_class': _component_class(model_index, index_path, 'tokenizer'),
+      'config': config,
+      'dim': text_hidden_size(config, 'd_model', 'text_encoder/config.json'),
+      'max_length': max_sequence_length,
+      'output': 'last_hidden_state',
+  }
+  return {
+      'pipeline': pipeline,
+      'encoders': {'text_encoder': encoder},
+      'dim': encoder['dim'],
+      'max_sequence_length': max_sequence_length,
+      # Stored at each prompt's length; the pipeline pads with zero rows to max_sequence_length
+      # and attends all of them, so a reader must pad to exactly that length.
+      'padding': 'zeros',
       'files': files,
       'fingerprint': hashlib.sha256(canonical_json(files)).hexdigest(),
   }
