@@ -92,6 +92,19 @@ _TIMELINES = flags.DEFINE_enum(
     ['all', 'best'],
     "With --out: every mode's " "timeline (timelines/<mode>.png) or the best mode's only.",
 )
+_TERMS = flags.DEFINE_string(
+    'colocated_terms',
+    'all',
+    "The baseline's terms (sim/baseline.py): all, none, or a subset of engine,reward,"
+    'behaviour_pass,offload,engine_sleep,layered_sync.',
+)
+_COSTS = flags.DEFINE_enum(
+    'costs',
+    'xla',
+    ['xla', 'analytic'],
+    "'xla': the compiled programs' costs (the cache, else compiled once); 'analytic': the "
+    "family's FLOPs and the weights' bytes, nothing compiled (sim/analytic.py).",
+)
 _ACCELERATORS = flags.DEFINE_string(
     'accelerators', None, 'JSON file of more accelerator kinds ' '(sim/hardware.load_json).'
 )
@@ -111,6 +124,8 @@ def _overrides(argv) -> list[str]:
 
 def main(argv):
   del argv
+  from digen_jax.sim import baseline  # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import plan_report  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
 
   t0 = time.time()
@@ -139,20 +154,29 @@ def main(argv):
       recompute=_RECOMPUTE.value,
       cost_devices=_COST_DEVICES.value,
       pad=_PAD.value,
+      colocated_terms=_TERMS.value,
+      costs=_COSTS.value,
   )
   try:
     parts, trainer = planning.validate(
         _CLUSTER.value, _TRAINER.value, settings, accelerators=_ACCELERATORS.value
     )
     run = planning.run_model(_config_arg(sys.argv[1:]), config, _overrides(sys.argv[1:]), settings)
-    plan = planning.plan(run, parts, settings, trainer=trainer, cluster=_CLUSTER.value)
+    plan = planning.plan(
+        run,
+        parts,
+        settings,
+        trainer=trainer,
+        cluster=_CLUSTER.value,
+        recipe=baseline.recipe_of(config),
+    )
   except planning.PlanError as e:
     fail(str(e))
   plan['plan_seconds'] = round(time.time() - t0, 2)
   plan['command'] = ' '.join(['python -m digen_jax.plan'] + sys.argv[1:])
-  print(planning.format_plan(plan))
+  print(plan_report.format_plan(plan))
   if _OUT.value:
-    for path in planning.write(plan, _OUT.value, every_mode=_TIMELINES.value == 'all'):
+    for path in plan_report.write(plan, _OUT.value, every_mode=_TIMELINES.value == 'all'):
       print(f'[plan] {path}')
   print(f'[plan] {plan["plan_seconds"]:.1f} s')
 

@@ -162,6 +162,18 @@ def check_text_encoder(config, text_encoder) -> None:
     )
 
 
+def selection_of(config) -> timesteps_lib.TimestepSelection:
+  """Which sampler steps a trajectory trains (config.rl.timesteps and its window fields)."""
+  r = config.rl
+  return timesteps_lib.TimestepSelection(
+      kind=r.timesteps,
+      fraction=r.timestep_fraction,
+      window_start=r.window_start,
+      window_size=r.window_size,
+      slide_every=r.slide_every,
+  )
+
+
 def build_weights(config) -> tuple[Any, weights_lib.Weights]:
   """(model config, the run's Weights): checkpoints are opened and checked, not read whole."""
   mcfg = model_config_from(config)
@@ -325,14 +337,7 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
       noise_level=config.sampler.noise_level,
       logprob_reduce=config.sampler.logprob_reduce,
   )
-  r = config.rl
-  selection = timesteps_lib.TimestepSelection(
-      kind=r.timesteps,
-      fraction=r.timestep_fraction,
-      window_start=r.window_start,
-      window_size=r.window_size,
-      slide_every=r.slide_every,
-  )
+  selection = selection_of(config)
   mcfg, weights = build_weights(config)
   return Experiment(
       config=config,

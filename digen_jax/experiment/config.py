@@ -44,6 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.cluster = _cluster_section()
   c.schedule = _schedule_section()
   c.eval = _eval_section()
+  c.baseline = _baseline_section()
 
   # Bookkeeping.
   c.log_every = 1
@@ -207,7 +208,29 @@ def _reward_section() -> ml_collections.ConfigDict:
   # is skipped (0 = no limit). A reward that raises or returns NaN is treated the same way, with
   # the prompt that caused it in the log (rewards/registry.py: guarded).
   reward.timeout_s = 600.0
+  # What scoring costs the accelerators, per sample (the planner's term; no program reads it):
+  # 0 for rewards that run on the host (every registered one); a learned reward model states
+  # its measured device-seconds per sample on `cost_accelerator`, and where that was measured.
+  reward.device_s_per_sample = 0.0
+  reward.cost_accelerator = ''
+  reward.cost_source = ''
   return reward
+
+
+def _baseline_section() -> ml_collections.ConfigDict:
+  """config.baseline: how the colocated system the planner compares against runs (sim/
+  baseline.py; no program reads it). The defaults are veRL-Omni's colocated Qwen-Image recipe
+  (its hybrid engine: torch FSDP training, a generation engine that sleeps while it trains)."""
+  b = ml_collections.ConfigDict()
+  b.engine = 'torch'  # whose calibrated efficiencies (sim/hardware.py): 'torch' | 'digen_jax'
+  b.param_offload = True  # FSDP params to host memory while it samples, back to train
+  b.optimizer_offload = True  # optimizer state likewise
+  b.engine_sleep = True  # the generation engine's weights to host and back (vLLM sleep level 1)
+  b.layered_sync = True  # new weights gathered into the engine, layer by layer, every step
+  b.behaviour_pass = True  # a forward over the trained steps for the old log-probs
+  b.mini_batches = 2  # optimizer steps per batch (veRL's ppo_mini_batch_size: 16 of 32 prompts)
+  b.micro_batch = 16  # samples per device per forward/backward (ppo_micro_batch_size_per_gpu)
+  return b
 
 
 def _optim_section() -> ml_collections.ConfigDict:

@@ -41,6 +41,7 @@ _CHOICES = {
     'cluster.rollout.param_dtype': ('float32', 'bfloat16'),
     'cluster.rollout.param_sharding': ('replicated', 'fsdp'),
     'schedule.fragment_unit': ('group', 'sample'),
+    'baseline.engine': ('torch', 'digen_jax'),
 }
 
 
@@ -88,6 +89,8 @@ _INT_MIN = {
     'checkpoint_every': 1,
     'keep_checkpoints': 1,
     'sample_grid_every': 0,
+    'baseline.mini_batches': 1,
+    'baseline.micro_batch': 1,
 }
 _INT_HINTS = {
     'rl.group_size': 'GRPO needs at least 2 samples per prompt',
@@ -125,6 +128,7 @@ _FLOAT_RANGES = {  # field: (lo, lo_inclusive, hi, hi_inclusive, hint)
     'model.rope_theta': (0.0, False, _INF, False, 'diffusers: 10000.0'),
     'model.lora.alpha': (0.0, True, _INF, False, '0 = rank'),
     'reward.timeout_s': (0.0, True, _INF, False, '0 = no limit'),
+    'reward.device_s_per_sample': (0.0, True, _INF, False, '0 = scored on the host'),
     'runtime.shutdown_timeout_s': (0.0, False, _INF, False, 'SIGTERM/SIGINT -> exit, default 60'),
     'schedule.tcss_fraction': (0.0, True, 1.0, True, ''),
     'cluster.trainer.speed': (0.0, False, _INF, False, ''),

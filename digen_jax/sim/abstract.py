@@ -136,7 +136,6 @@ def abstract_experiment(config, vae: str = 'auto'):
       vae_batch_chunk=int(lat.vae_batch_chunk),
       vae_tile=int(lat.vae_tile),
   )
-  r = config.rl
   exp = experiment.Experiment(
       config=config,
       model_config=mcfg,
@@ -150,13 +149,7 @@ def abstract_experiment(config, vae: str = 'auto'):
           noise_level=config.sampler.noise_level,
           logprob_reduce=config.sampler.logprob_reduce,
       ),
-      selection=timesteps_lib.TimestepSelection(
-          kind=r.timesteps,
-          fraction=r.timestep_fraction,
-          window_start=r.window_start,
-          window_size=r.window_size,
-          slide_every=r.slide_every,
-      ),
+      selection=experiment.selection_of(config),
       optimizer=experiment.build_optimizer(config),
       img_shape=img_shape,
       latent_shape=(num_tokens, config.model.in_channels),

@@ -1,6 +1,11 @@
-"""Cost models of video DiT families that have no model code here, from their published
-architecture sizes: ANALYTIC, not compiled. The planner treats them like XLA-costed runs
-(sim/runmodel.RunModel), with every figure from the formulas below.
+"""Cost models from architecture sizes: ANALYTIC, not compiled. The planner treats them like
+XLA-costed runs (sim/runmodel.RunModel), with every figure from the formulas below.
+
+Two sources: `run_model_of(config)`, any config whose family has model code here (its FLOPs are
+the family's flops_per_forward as program_costs.analytic_flops counts a program: forwards x steps
+x CFG rows, the backward, the remat recompute; its weights' bytes as the compiled programs hold
+them, from the abstract weights); and `run_model(VideoDiT)`, video DiTs from their published
+sizes alone:
 
   FLOPs    matmuls only (2 per multiply-add), as models/mmdit.py and models/flux.py count
            them. HunyuanVideo's transformer is FLUX's block structure (dual-stream MMDiT blocks,
@@ -30,6 +35,9 @@ from __future__ import annotations
 import dataclasses
 
 from digen_jax.models import flux
+from digen_jax.rl import timesteps as timesteps_lib
+from digen_jax.sim import abstract
+from digen_jax.sim import program_costs
 from digen_jax.sim import roles
 from digen_jax.sim import runmodel as rm
 
@@ -181,6 +189,49 @@ WAN21_14B = VideoDiT(
 FAMILIES = {'hunyuanvideo': HUNYUAN_VIDEO, 'wan21': WAN21_14B}
 
 
+def _programs(n0, fwd, steps, weights, act, rows_tokens_hidden, layers, grad_flops):
+  """(rollout, {remat: grad}) ProgramModels per unit (a sample; a sample-step) on n0 devices:
+  FLOPs as given, bytes the weights once and `act` of activation traffic per forward, temp
+  memory from the per-token estimates of the module docstring."""
+
+  def prog(name, per_unit_flops, per_unit_bytes, temp_per_unit):
+    return roles.ProgramModel(
+        name,
+        n0=n0,
+        batch0=n0,
+        units0=1.0,
+        flops0=per_unit_flops,
+        bytes0=per_unit_bytes,
+        per_unit=per_unit_flops,
+        temp_per_unit=temp_per_unit,
+        temp_fit='analytic',
+    )
+
+  rollout = prog('rollout', steps * fwd, steps * (weights + act), 24.0 * rows_tokens_hidden)
+  grads = {}
+  for remat, flops in grad_flops.items():
+    passes = flops / fwd
+    per_token = (2 * layers + 34) if remat else 34 * layers
+    grads[remat] = prog('grad', flops, passes * (weights + act), per_token * rows_tokens_hidden)
+  return rollout, grads
+
+
+def _apply(n0, params):
+  """The optimizer step on the FSDP shards: Adam's ~12 FLOPs and 28 bytes per parameter."""
+  return roles.ProgramModel(
+      'apply',
+      n0=n0,
+      batch0=1,
+      units0=1.0,
+      flops0=12.0 * params / n0,
+      bytes0=28.0 * params / n0,
+      per_unit=0.0,
+      sharded_flops=12.0 * params / n0,
+      temp_const=4.0 * params / n0,
+      temp_fit='analytic',
+  )
+
+
 def run_model(
     m: VideoDiT,
     *,
@@ -196,44 +247,15 @@ def run_model(
   K = max(1, int((steps - 1) * trained_fraction))
   fwd = m.flops_per_forward(rows)  # one sample, all its rows
   act = 24.0 * rows * m.tokens * m.hidden * m.layers  # activation bytes of one forward
-  weights = 2.0 * P  # bf16
-  n0 = ANALYTIC_DEVICES
-
-  def prog(name, per_unit_flops, per_unit_bytes, temp_per_unit):
-    return roles.ProgramModel(
-        name,
-        n0=n0,
-        batch0=n0,
-        units0=1.0,
-        flops0=per_unit_flops,
-        bytes0=per_unit_bytes,
-        per_unit=per_unit_flops,
-        temp_per_unit=temp_per_unit,
-        temp_fit='analytic',
-    )
-
-  rollout = prog('rollout', steps * fwd, steps * (weights + act), 24.0 * rows * m.tokens * m.hidden)
-  grads = {}
-  for remat in (True, False):
-    passes = 4 if remat else 3
-    per_token = (2 * m.layers + 34) if remat else 34 * m.layers
-    grads[remat] = prog(
-        'grad',
-        passes * fwd,
-        passes * (weights + act),
-        float(per_token) * rows * m.tokens * m.hidden,
-    )
-  apply = roles.ProgramModel(
-      'apply',
-      n0=n0,
-      batch0=1,
-      units0=1.0,
-      flops0=12.0 * P / n0,
-      bytes0=28.0 * P / n0,
-      per_unit=0.0,
-      sharded_flops=12.0 * P / n0,
-      temp_const=4.0 * P / n0,
-      temp_fit='analytic',
+  rollout, grads = _programs(
+      ANALYTIC_DEVICES,
+      fwd,
+      steps,
+      2.0 * P,
+      act,
+      rows * m.tokens * m.hidden,
+      m.layers,
+      {True: 4 * fwd, False: 3 * fwd},
   )
   return rm.RunModel(
       name=m.name,
@@ -253,11 +275,72 @@ def run_model(
       gathered_bytes=2 * P,
       rollout=rollout,
       grads=grads,
-      apply=apply,
+      apply=_apply(ANALYTIC_DEVICES, P),
       finetune='full',
       notes=[
           f'analytic costs from published sizes ({m.source}): {P / 1e9:.2f}B params, '
           f'{m.tokens} video tokens ({m.frames} frames at {m.width}x{m.height}) + '
           f'{m.text_tokens} text tokens, {rows} row(s) per sample; no VAE decode counted'
       ],
+  )
+
+
+def run_model_of(config, name: str) -> rm.RunModel:
+  """An analytic RunModel of `config` (any family with model code): per sample the rollout's
+  T forwards of its CFG rows, per sample-step the gradient's forward, backward (LoRA: the
+  data gradients and the adapted kernels' weight gradients) and remat recompute, as
+  program_costs.analytic_flops counts the compiled programs; the weights' bytes as the programs
+  hold them. Nothing is compiled; the VAE decode is left out."""
+  exp, _ = abstract.abstract_experiment(config)
+  rows = program_costs.cfg_branches(exp)
+  fwd = program_costs.forward_flops(exp, rows)
+  attn = program_costs.attention_flops(exp, rows)
+  if exp.weights.lora is None:
+    backward = 2 * fwd
+  else:
+    backward = (fwd - attn) + 2 * attn + program_costs.lora_weight_grad_flops(exp, rows)
+  m = config.model
+  layers = int(m.num_layers) + (int(m.num_single_layers) if m.family == 'flux' else 0)
+  tokens = exp.latent_shape[0] + int(config.text.max_length)
+  hidden = exp.model_config.inner_dim
+  sizes = program_costs.weight_bytes(exp)
+  weights = sizes['gathered_bytes']
+  rollout, grads = _programs(
+      ANALYTIC_DEVICES,
+      fwd,
+      len(exp.sigmas) - 1,
+      weights,
+      24.0 * rows * tokens * hidden * layers,
+      rows * tokens * hidden,
+      layers,
+      {bool(m.remat): fwd + backward + (fwd if m.remat else 0.0)},
+  )
+  rollout.fixed_flops = program_costs.lora_merge_flops(exp)
+  params = exp.family.count_params(exp.model_config)
+  trainable = sizes['trainable_bytes'] // 4
+  lora = exp.weights.lora is not None
+  return rm.RunModel(
+      name=name,
+      source='analytic',
+      prompts=int(config.rl.prompts_per_step),
+      group_size=int(config.rl.group_size),
+      T=len(exp.sigmas) - 1,
+      K=timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1),
+      image_tokens=exp.latent_shape[0],
+      latent_channels=int(m.in_channels),
+      layers=layers,
+      rollout=rollout,
+      grads=grads,
+      apply=_apply(ANALYTIC_DEVICES, trainable),
+      ref_bytes=sizes['trainable_bytes'] if config.rl.kl_beta > 0 and not lora else 0,
+      finetune='lora' if lora else 'full',
+      tcss_fraction=float(config.schedule.tcss_fraction),
+      notes=[
+          f"analytic costs of {name} (the family's matmul FLOPs, no VAE decode): "
+          f'{params / 1e9:.2f}B params, {exp.latent_shape[0]} image + {config.text.max_length} '
+          f'text tokens, {rows} row(s) per sample'
+      ],
+      lora_weight_grad_flops=program_costs.lora_weight_grad_flops(exp, rows),
+      **sizes,
+      **rm.reward_terms(config),
   )

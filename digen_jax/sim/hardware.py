@@ -97,7 +97,7 @@ _BUILTIN = (
         inter_node_bw=NDR_400G,
         host_bw=PCIE5_X16,
         source="NVIDIA H800 SXM5 (the H100 SXM5's compute and memory with NVLink cut to 400 GB/s "
-        'both directions; NVIDIA HGX H800 as reported, e.g. Tom\'s Hardware, Mar 2023): BF16 '
+        "both directions; NVIDIA HGX H800 as reported, e.g. Tom's Hardware, Mar 2023): BF16 "
         '989.4 TFLOPS dense, 80 GB HBM3 3.35 TB/s, PCIe Gen5; NIC: assumed 400 Gb/s as HGX H100.',
         aliases=('h800', 'h800sxm', 'h800-sxm'),
     ),
@@ -305,7 +305,9 @@ class Calibration:
     for field in ('sampling', 'training'):
       v = getattr(self, field)
       if not 0 < v <= 1:
-        raise ValueError(f'Calibration {self.engine}/{self.accelerator}: {field}={v!r} not in (0, 1]')
+        raise ValueError(
+            f'Calibration {self.engine}/{self.accelerator}: {field}={v!r} not in (0, 1]'
+        )
 
 
 def _mfu(rows: int, passes: int, seconds: float, acc_name: str) -> float:
@@ -315,7 +317,7 @@ def _mfu(rows: int, passes: int, seconds: float, acc_name: str) -> float:
 
 
 _H200_PROBE = (
-    'issue 40\'s probe on one H200 (Qwen-Image-20B transformer, 512 px: 1024 image + 128 text '
+    "issue 40's probe on one H200 (Qwen-Image-20B transformer, 512 px: 1024 image + 128 text "
     'tokens, bf16, random weights; jax 0.11.2 CUDA / diffusers 0.42.1 on torch 2.11; project at '
     'c004c89)'
 )
@@ -326,7 +328,7 @@ CALIBRATIONS = {
         sampling=_mfu(16, 1, 0.521, 'H200'),
         training=_mfu(2, 4, 0.389, 'H200'),
         source=f'{_H200_PROBE}: forward at batch 16 with cuDNN fused attention 521 ms (the GPU '
-        "default, models/attention.py); forward + backward with per-block checkpointing at batch "
+        'default, models/attention.py); forward + backward with per-block checkpointing at batch '
         '2, 389 ms',
         date='2026-11-28',
     ),

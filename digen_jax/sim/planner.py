@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 
-from digen_jax.runtime import trace as trace_lib
+from digen_jax.sim import analytic
+from digen_jax.sim import baseline
 from digen_jax.sim import cache
 from digen_jax.sim import hardware
 from digen_jax.sim import roles
@@ -39,6 +39,8 @@ class Settings:
   recompute: bool = False
   cost_devices: int = 0
   pad: bool = False  # cost batches that do not divide a role's devices, padded
+  colocated_terms: str = 'all'  # the baseline's terms: all, none or a subset (sim/baseline.py)
+  costs: str = 'xla'  # 'xla': the compiled programs (cache); 'analytic': sim/analytic.py
   trace_devices: int = 32  # up to this many devices the best candidates' traces hold
   # every device; above, one row per role
 
@@ -79,6 +81,12 @@ def validate(
   except ValueError as e:
     raise PlanError(str(e)) from None
   settings.knobs()
+  if settings.costs not in ('xla', 'analytic'):
+    raise PlanError(f"--costs={settings.costs}: use 'xla' or 'analytic'")
+  try:
+    baseline.parse_terms(settings.colocated_terms)
+  except ValueError as e:
+    raise PlanError(f'--colocated_terms={settings.colocated_terms}: {e}') from None
   if not 0 < settings.memory_fraction <= 1:
     raise PlanError(f'--memory_fraction={settings.memory_fraction} must be in (0, 1]')
   if settings.steps < 2:
@@ -156,7 +164,7 @@ def run_model(
 ) -> rm.RunModel:
   """The RunModel of a config from the costs cache; a missing entry is computed (compiling the
   programs in a child process) and stored, with a memory point (sim/cache.py)."""
-  path, variant = cache.split_config_arg(config_arg)
+  path, _ = cache.split_config_arg(config_arg)
   if 'pretrain' in config:
     raise PlanError(
         f'{config_arg} is a pretraining config (python -m digen_jax.tasks.shapes.pretrain); the '
@@ -168,61 +176,77 @@ def run_model(
         f'config.rl.prompts_per_step={r.prompts_per_step} and group_size='
         f'{r.group_size} must be >= 1'
     )
+  if settings.costs == 'analytic':
+    try:
+      return analytic.run_model_of(config, config_arg)
+    except ValueError as e:
+      raise PlanError(f'{config_arg}: {e}') from None
   lora = int(m.lora.rank) > 0
   finetune, rank = ('lora', int(m.lora.rank)) if lora else ('full', 0)
   digest = cache.config_digest(config)
   found = [] if settings.recompute else cache.matching(path, digest, finetune, rank, directory)
   notes = []
-  batch, fragment = r.prompts_per_step * r.group_size, r.group_size
-  if config.schedule.fragments > 1:
-    fragment = batch // config.schedule.fragments
   main = [
       e
       for e in found
       if e.key.method != 'raw' and set(e.key.programs) >= {'rollout', 'grad', 'apply'}
   ]
   if not main:
-    old = [e for e in cache.stale(path, finetune, rank, directory) if e.digest != digest]
-    if old and not settings.recompute:
-      notes.append(
-          f'the cache holds {len(old)} entries of {path} for other program settings '
-          '(another variant/override, or the config changed since): computed anew'
-      )
-    n0 = settings.cost_devices or default_cost_devices(batch, fragment)
-    if batch % n0 or fragment % n0:
-      raise PlanError(
-          f'--cost_devices={n0} must divide the batch {batch} and the fragment ' f'{fragment}'
-      )
-    key = cache.Key(
-        path,
-        variant,
-        cache.program_overrides(overrides),
-        finetune,
-        rank,
-        bool(m.remat),
-        n0,
-        batch,
-        fragment,
-        'extrapolate',
-    )
-    point = dataclasses.replace(
-        key,
-        rollout_batch=max(n0, batch // 4) if batch > n0 else 2 * batch,
-        fragment_batch=2 * fragment,
-        method='raw',
-        programs=('rollout', 'grad'),
-    )
-    try:
-      found = [
-          cache.compute(key, overrides, digest, directory=directory, **_log(log)),
-          cache.compute(point, overrides, digest, directory=directory, **_log(log)),
-      ] + [e for e in found if e.key.method == 'raw']
-    except RuntimeError as e:
-      raise PlanError(f'{config_arg}: {e}') from None
+    found = _compute_entries(config_arg, config, overrides, settings, found, notes, directory, log)
   sources = [cache.describe(e) for e in found]
   run = rm.from_cache(config_arg, config, found, notes=notes)
   run.notes.append('costs: ' + '; '.join(sources))
   return run
+
+
+def _compute_entries(config_arg, config, overrides, settings, found, notes, directory, log):
+  """Compiles the config's programs for the cache (an entry and a memory point) and returns them
+  with the memory points `found` already had."""
+  path, variant = cache.split_config_arg(config_arg)
+  r, m = config.rl, config.model
+  lora = int(m.lora.rank) > 0
+  finetune, rank = ('lora', int(m.lora.rank)) if lora else ('full', 0)
+  digest = cache.config_digest(config)
+  batch, fragment = r.prompts_per_step * r.group_size, r.group_size
+  if config.schedule.fragments > 1:
+    fragment = batch // config.schedule.fragments
+  old = [e for e in cache.stale(path, finetune, rank, directory) if e.digest != digest]
+  if old and not settings.recompute:
+    notes.append(
+        f'the cache holds {len(old)} entries of {path} for other program settings '
+        '(another variant/override, or the config changed since): computed anew'
+    )
+  n0 = settings.cost_devices or default_cost_devices(batch, fragment)
+  if batch % n0 or fragment % n0:
+    raise PlanError(
+        f'--cost_devices={n0} must divide the batch {batch} and the fragment ' f'{fragment}'
+    )
+  key = cache.Key(
+      path,
+      variant,
+      cache.program_overrides(overrides),
+      finetune,
+      rank,
+      bool(m.remat),
+      n0,
+      batch,
+      fragment,
+      'extrapolate',
+  )
+  point = dataclasses.replace(
+      key,
+      rollout_batch=max(n0, batch // 4) if batch > n0 else 2 * batch,
+      fragment_batch=2 * fragment,
+      method='raw',
+      programs=('rollout', 'grad'),
+  )
+  try:
+    return [
+        cache.compute(key, overrides, digest, directory=directory, **_log(log)),
+        cache.compute(point, overrides, digest, directory=directory, **_log(log)),
+    ] + [e for e in found if e.key.method == 'raw']
+  except RuntimeError as e:
+    raise PlanError(f'{config_arg}: {e}') from None
 
 
 def _log(log):
@@ -233,6 +257,21 @@ def _log(log):
 # The plan.
 
 
+def baseline_row(run, parts, knobs, recipe: baseline.Recipe, terms: frozenset) -> dict:
+  """The compared colocated system on all the devices and, on a mixed cluster, on its fastest
+  part alone (a colocated run need not use the slow devices): samples/s and seconds by term."""
+  out = {'recipe': dataclasses.asdict(recipe), 'terms': sorted(terms)}
+  groups = {'all': roles.Group(parts)}
+  if len(parts) > 1:
+    fast = max(parts, key=lambda p: p.accelerator.peak_bf16_flops)
+    groups['fast_part'] = roles.Group((fast,))
+  for key, g in groups.items():
+    sec = baseline.step_seconds(run, g, knobs, recipe, terms)
+    out[key] = {'devices': g.label, 'samples_per_s': run.batch / sec['total'], 'seconds': sec}
+  out['samples_per_s'] = max(v['samples_per_s'] for k, v in out.items() if k in groups)
+  return out
+
+
 def plan(
     run: rm.RunModel,
     parts,
@@ -240,9 +279,11 @@ def plan(
     *,
     trainer: search.Split | None = None,
     cluster: str = '',
+    recipe: baseline.Recipe | None = None,
 ) -> dict:
   """Searches every mode and returns the report (a JSON-able dict; simulation results under
-  '_results' for the timelines)."""
+  '_results' for the timelines). `recipe`: the compared colocated system (config.baseline;
+  default veRL-Omni's), priced with settings.colocated_terms."""
   knobs = settings.knobs()
   planner = search.Planner(
       run,
@@ -265,7 +306,13 @@ def plan(
           'rl.group_size or the device counts, or pass --pad to cost padded batches'
       )
     raise PlanError(diagnose(run, parts, knobs, cluster))
+  base = baseline_row(
+      run, parts, knobs, recipe or baseline.Recipe(), baseline.parse_terms(settings.colocated_terms)
+  )
   out_modes, results = _mode_rows(planner, modes, settings)
+  for row in out_modes.values():
+    sps = row['samples_per_s']
+    row['x_baseline'] = sps / base['samples_per_s'] if sps else None
   fitted = [k for k in search.MODES + search.EXTRA_MODES if modes[k] is not None]
   best = max(fitted, key=lambda k: modes[k].samples_per_s)
   on_policy = [k for k in fitted if not k.endswith('tcss')]
@@ -296,6 +343,7 @@ def plan(
       'run': run_json(run),
       'settings': dataclasses.asdict(settings),
       'modes': out_modes,
+      'baseline': base,
       'best': best,
       'best_on_policy': best_on,
       'best_split': out_modes[best_on or best].get('split'),
@@ -455,126 +503,3 @@ def diagnose(run: rm.RunModel, parts, knobs: rm.Knobs, cluster: str) -> str:
         + ': add devices'
     )
   return f'{run.name} does not fit {cluster}: ' + '; '.join(msgs)
-
-
-# ---------------------------------------------------------------------------------------------
-# Report and files.
-
-
-def format_plan(p: dict) -> str:
-  r = p['run']
-  lines = [
-      f'{p["model"]} on {p["cluster"]} ({p["devices"]} devices): {r["finetune"]}, batch '
-      f'{r["batch"]} ({r["prompts"]} prompts x {r["group_size"]}), T={r["T"]}, K={r["K"]}, '
-      f'{r["image_tokens"]} image tokens; costs {p["source"]}; roofline '
-      f'{p["settings"]["roofline"]}, '
-      + (
-          f'MFU {p["settings"]["mfu"]:.0%} for every program'
-          if p['settings']['mfu']
-          else 'calibrated fractions of peak (sim/hardware.py CALIBRATIONS):'
-      )
-  ]
-  lines += [f'  {c}' for c in p['calibration']]
-  head = (
-      f'{"mode":18}{"samples/s":>10}{"util":>6}{"busy t/r":>10}{"x coloc":>8}'
-      f'{"x disagg":>9}{"M":>4}{"step s":>8}  split'
-  )
-  lines += ['', head]
-  for k in search.MODES + search.EXTRA_MODES:
-    m = p['modes'][k]
-    if m['samples_per_s'] is None:
-      lines.append(f'{k:18}{"-":>10}  {m["why"]}')
-      continue
-    xc = f'{m["x_colocated"]:.2f}' if m['x_colocated'] else '-'
-    xd = f'{m["x_disagg"]:.2f}' if m['x_disagg'] else '-'
-    busy = f'{m["trainer_busy"]:.2f}/{m["rollout_busy"]:.2f}'
-    lines.append(
-        f'{k:18}{m["samples_per_s"]:10.4g}{m["utilization"]:6.2f}{busy:>10}{xc:>8}{xd:>9}'
-        f'{m["fragments"]:4d}{m["wall_s"]:8.3g}  {m["split"]}'
-        + ('  (TSP off: not a ladder rung)' if k in search.EXTRA_MODES else '')
-    )
-  lines.append(
-      'busy t/r: the share of a step the trainer / the rollout runs a program '
-      '(colocated: the same devices)'
-  )
-  lines += [
-      '',
-      'memory per device (GiB; usable '
-      f'{p["settings"]["memory_fraction"]:.0%} of the device), the option each role takes:',
-  ]
-  shown = set()
-  for k in ('colocated', p['best']):
-    m = p['modes'].get(k) or {}
-    for what in ('rollout', 'grad', 'tag'):
-      o = m.get(f'{what}_option')
-      if not o or (k, what) in shown:
-        continue
-      shown.add((k, what))
-      role = {'rollout': 'rollout', 'grad': 'trainer', 'tag': 'trainer (TAG sampling)'}[what]
-      where = (
-          m['rollout'] if what == 'rollout' and m.get('rollout') else (m['trainer'] or m['split'])
-      )
-      parts = ', '.join(f'{a} {v:.1f}' for a, v in o['memory_gib'].items() if a != 'total')
-      lines.append(
-          f'  {k:10} {role:22} {where}: {o["memory_gib"]["total"]:.1f} '
-          f'({parts}) {"fits" if o["fits"] else "DOES NOT FIT"}; {o["label"]}'
-          + (' [batch padded to the devices]' if o.get('padded') else '')
-      )
-  lines += [
-      '',
-      f'best: {p["best"]} ({p["modes"][p["best"]]["samples_per_s"]:.3f} samples/s); '
-      f'best on-policy: {p["best_on_policy"]}; split: {p["best_split"]}',
-  ]
-  for n in p['notes']:
-    lines.append(f'note: {n}')
-  return '\n'.join(lines)
-
-
-def write(p: dict, directory: str, *, max_rows: int = 32, every_mode: bool = True) -> list[str]:
-  """plan.json, timeline.png and trace.json (the best mode), timelines/<mode>.png (every mode,
-  or none)."""
-  os.makedirs(os.path.join(directory, 'timelines') if every_mode else directory, exist_ok=True)
-  results = p.get('_results', {})
-  doc = {k: v for k, v in p.items() if not k.startswith('_')}
-  paths = [os.path.join(directory, 'plan.json')]
-  with open(paths[0], 'w') as f:
-    json.dump(doc, f, indent=1, default=str)
-  for mode, res in results.items():
-    if not every_mode and mode != p['best']:
-      continue
-    m = p['modes'][mode]
-    title = (
-        f'simulated {mode}: {p["model"]} on {p["cluster"]}, {m["split"]}, M={m["fragments"]}'
-        f', {m["samples_per_s"]:.3f} samples/s'
-    )
-    spans = _rows(res.spans, max_rows)
-    if every_mode:
-      path = os.path.join(directory, 'timelines', f'{mode}.png')
-      trace_lib.write_timeline(path, spans, title=title)
-      paths.append(path)
-    if mode == p['best']:
-      top = os.path.join(directory, 'timeline.png')
-      trace_lib.write_timeline(top, spans, title=title)
-      tr = os.path.join(directory, 'trace.json')
-      trace_lib.write_chrome_trace(tr, res.spans, res.decisions)
-      paths += [top, tr]
-  return paths
-
-
-def _rows(spans, max_rows: int):
-  """Spans with at most `max_rows` device rows: a role's devices run the same programs in
-  lockstep, so a large role keeps its first devices' rows only."""
-  devs = sorted({d for s in spans for d in s.devices})
-  if len(devs) <= max_rows:
-    return spans
-  by_role: dict[str, list[int]] = {}
-  for s in spans:
-    by_role.setdefault(s.role, sorted(s.devices))
-  keep = set()
-  for ids in by_role.values():
-    keep |= set(ids[: max(1, max_rows // max(1, len(by_role)))])
-  return [
-      dataclasses.replace(s, devices=tuple(d for d in s.devices if d in keep))
-      for s in spans
-      if any(d in keep for d in s.devices)
-  ]

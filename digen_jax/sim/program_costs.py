@@ -465,6 +465,29 @@ def program_cost(
 # A whole run.
 
 
+def weight_bytes(exp) -> dict[str, int]:
+  """A run's weights in bytes (Costs' fields): the float32 trainable params, the optimizer
+  state, the LoRA base (frozen dtype), the publish and the rollout's whole copy (the config's
+  rollout dtype) and one FSDP gather (the trainable params in the compute dtype, and the base)."""
+  w = exp.weights
+  base = _bytes(w.base_abstract, w.frozen_dtype) if w.lora is not None else 0
+  f32 = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          x.shape, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+      ),
+      exp.params,
+  )
+  rollout_copy = _bytes(exp.params, rollout_param_dtype(exp))
+  return dict(
+      trainable_bytes=_bytes(exp.params, jnp.float32),
+      optimizer_state_bytes=_bytes(jax.eval_shape(exp.optimizer.init, f32)),
+      frozen_base_bytes=base,
+      published_bytes=rollout_copy,
+      rollout_param_bytes=rollout_copy + base,
+      gathered_bytes=_bytes(exp.params, exp.compute_dtype) + base,
+  )
+
+
 def _bytes(tree, dtype=None) -> int:
   """Whole bytes of a tree of ShapeDtypeStructs, floating leaves counted as `dtype` if given."""
   total = 0
@@ -505,15 +528,8 @@ def run_costs(
   whole, fragment = default_batches(config, devices)
   batches = {'rollout': rollout_batch or whole, 'grad': fragment_batch or fragment, 'apply': 0}
   exp, vae_what = abstract.abstract_experiment(config, vae)
-  w = exp.weights
-  lora = w.lora is not None
+  lora = exp.weights.lora is not None
   compute = exp.compute_dtype
-  trainable = _bytes(exp.params, jnp.float32)
-  opt = jax.eval_shape(
-      exp.optimizer.init, abstract.laid_out(exp.params, mesh_lib.replicated(mesh), jnp.float32)
-  )
-  base = _bytes(w.base_abstract, w.frozen_dtype) if lora else 0
-  rollout_copy = _bytes(exp.params, rollout_param_dtype(exp))
   layout = rollout_layout or config.cluster.rollout.param_sharding
   costs = Costs(
       config=name,
@@ -537,12 +553,7 @@ def run_costs(
           'method': method,
           'mmdit_params': int(exp.family.count_params(exp.model_config)),
       },
-      trainable_bytes=trainable,
-      optimizer_state_bytes=_bytes(opt),
-      frozen_base_bytes=base,
-      published_bytes=rollout_copy,
-      rollout_param_bytes=rollout_copy + base,
-      gathered_bytes=_bytes(exp.params, compute) + base,
+      **weight_bytes(exp),
   )
   for p in programs_:
     print(

@@ -59,6 +59,14 @@ class RunModel:
   ref_bytes: int = 0  # the KL reference (rl.kl_beta > 0), FSDP
   finetune: str = 'lora'
   tcss_fraction: float = 0.0  # the config's (0: the plan uses 0.5, the ladder's)
+  # Scoring on the accelerators (config.reward.device_s_per_sample on cost_accelerator): 0 for
+  # host rewards. Every mode pays it where the samples are made (colocated: the same devices).
+  reward_device_s: float = 0.0
+  reward_accelerator: str = ''
+  # Matmul FLOPs per sample-step our LoRA backward spends on the adapted kernels' full weight
+  # gradients (it trains through the merged W + s A B), which a LoRA that trains A and B
+  # directly (PEFT, the peers') does not (program_costs.lora_weight_grad_flops).
+  lora_weight_grad_flops: float = 0.0
   notes: list[str] = dataclasses.field(default_factory=list)
 
   @property
@@ -72,6 +80,15 @@ class RunModel:
   def trajectory_bytes(self, samples: int) -> float:
     """What a fragment hands to the trainer: float32 latents [T+1, b, N, C], log-probs, stds."""
     return samples * 4.0 * ((self.T + 1) * self.image_tokens * self.latent_channels + 2 * self.T)
+
+  def reward_seconds(self, samples: int, group: roles.Group) -> float:
+    """Scoring `samples` on `group` (spread over its devices; a kind at its peak's ratio to the
+    kind the cost was stated on, the slowest kind setting the pace)."""
+    if not self.reward_device_s or not samples:
+      return 0.0
+    ref = hardware.get(self.reward_accelerator).peak_bf16_flops
+    slowest = min(a.peak_bf16_flops for a in group.kinds)
+    return self.reward_device_s * math.ceil(samples / group.n) * ref / slowest
 
   def trainer_persistent(self, n: int) -> float:
     """FSDP bytes per device: params and gradient accumulator (f32), optimizer state, the LoRA
@@ -335,6 +352,21 @@ def colocated_rollout_options(
   return out
 
 
+def reward_terms(config) -> dict:
+  """RunModel's scoring fields from config.reward (a stated cost needs a known accelerator)."""
+  r = config.reward
+  cost = float(r.device_s_per_sample)
+  if cost > 0:
+    try:
+      hardware.get(r.cost_accelerator)
+    except ValueError as e:
+      raise ValueError(
+          f'config.reward.cost_accelerator={r.cost_accelerator!r}: {e}; it names the kind '
+          'reward.device_s_per_sample was measured on'
+      ) from None
+  return {'reward_device_s': cost, 'reward_accelerator': str(r.cost_accelerator)}
+
+
 # ---------------------------------------------------------------------------------------------
 # From the costs cache.
 
@@ -402,4 +434,5 @@ def from_cache(name: str, config, entries: list, *, notes: list[str] | None = No
       finetune=s['finetune'],
       tcss_fraction=float(config.schedule.tcss_fraction),
       notes=list(notes or []),
+      **reward_terms(config),
   )

@@ -255,7 +255,9 @@ class Planner:
     roll = min(opts, key=lambda o: o.seconds + switch[id(o)])
     apply = rm.apply_seconds(run, g, k)
     costs = engine.StepCosts(
-        rollout=roll.seconds, grad=grad.seconds + apply, publish=switch[id(roll)]
+        rollout=roll.seconds + run.reward_seconds(run.batch, g),
+        grad=grad.seconds + apply,
+        publish=switch[id(roll)],
     )
     bound = step_bound(costs, engine.Modes())
     return Candidate(
@@ -287,16 +289,18 @@ class Planner:
       schedule = dataclasses.replace(schedule, tag=False)
     publish = rm.publish_seconds(run, split.trainer, split.rollout, roll.detail['layout'], k)
     deliver = rm.deliver_seconds(run, b, split.trainer, split.rollout, k)
+    # A fragment is scored where it was sampled (the rollout's devices; TAG: the trainer's).
+    rollout = roll.seconds + run.reward_seconds(b, split.rollout)
     if schedule.fused:  # one fragment, gradient and optimizer step in one program
       costs = engine.StepCosts(
-          rollout=roll.seconds, grad=grad.seconds + apply, publish=publish, deliver=deliver
+          rollout=rollout, grad=grad.seconds + apply, publish=publish, deliver=deliver
       )
     else:
       costs = engine.StepCosts(
-          rollout=roll.seconds,
+          rollout=rollout,
           grad=grad.seconds,
           apply=apply,
-          tag_rollout=tag.seconds if tag else None,
+          tag_rollout=tag.seconds + run.reward_seconds(b, split.trainer) if tag else None,
           publish=publish,
           deliver=deliver,
       )
