@@ -2,6 +2,8 @@
 its loaders (state dict, folder, streamed onto a 4-device FSDP mesh), LoRA target names, analytic
 sizes and the family entry."""
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -210,6 +212,37 @@ def test_key_table_lora_names_and_family(folder, model):
       rtol=0,
       atol=2e-5,
   )
+
+
+def test_diffusers_loads_our_wan_lora(folder, model, tmp_path):
+  """diffusers' own WanPipeline.load_lora_weights reads our adapters file (both attentions of
+  every block, alpha != rank) and reproduces our merged forward."""
+  _, tmodel = folder
+  cfg = lora.LoraConfig(2, 3.0, wan_convert.ATTENTION_TARGETS)
+  graphdef, state = nnx.split(model)
+  table = wan_convert.wan_key_table(model.config)
+  adapters = lora.init_adapters(state, lora.target_paths(state, table, cfg), cfg, jax.random.key(0))
+  key = jax.random.key(1)
+  for p in adapters:  # B = 0 at init: give every adapter real values
+    key, k = jax.random.split(key)
+    adapters[p]['b'] = 0.3 * jax.random.normal(k, adapters[p]['b'].shape)
+  lora.save_diffusers_lora(tmp_path, jax.device_get(adapters), cfg, table)
+  transformer = copy.deepcopy(tmodel)
+  pipe = diffusers.WanPipeline(
+      tokenizer=None,
+      text_encoder=None,
+      vae=None,
+      scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+      transformer=transformer,
+  )
+  pipe.load_lora_weights(str(tmp_path))
+  latents, sigma, text = make_inputs(seed=5)
+  ref = torch_forward(transformer, latents, sigma, text)
+  ours = ours_forward(nnx.merge(graphdef, lora.merge(state, adapters, cfg)), latents, sigma, text)
+  err = rel_err(ours, ref)
+  print(f'Wan LoRA through diffusers load_lora_weights: max relative error {err:.2e}')
+  assert err <= 1e-4
+  assert rel_err(torch_forward(tmodel, latents, sigma, text), ref) > 0.05  # the adapters matter
 
 
 def test_flops_and_full_size_counts(model):
