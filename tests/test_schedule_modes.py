@@ -120,9 +120,10 @@ def test_schedule_defaults_are_one_fragment_trained_by_the_fused_update(tmp_path
 
 
 def test_tsp_gradient_equals_the_serial_loop(tmp_path):
-  """K = 5 timesteps padded to 6 over a 2-device trainer mesh, one batched fwd/bwd, vs the
-  per-timestep lax.scan: same loss sums and gradients to float32 rounding."""
-  c = _tiny()
+  """K = 5 timesteps padded to 6 over a 2-device trainer mesh (steps axis forced to 2; auto
+  would pick t = 1 for these 8 samples), one batched fwd/bwd, vs the per-timestep lax.scan: same
+  loss sums and gradients to float32 rounding."""
+  c = _tiny(**{'schedule.tsp': True, 'schedule.tsp_steps_axis': 2})
   exp = experiment.build(c, str(tmp_path), 2)
   mesh = mesh_lib.make_mesh(jax.devices()[:2])
   K, K_pad = programs.tsp_steps(exp, mesh)

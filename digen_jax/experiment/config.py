@@ -297,7 +297,11 @@ def _schedule_section() -> ml_collections.ConfigDict:
   schedule = ml_collections.ConfigDict()
   schedule.fragments = 1  # M: GAP fragments per logical batch (1 = no GAP)
   schedule.fragment_unit = 'group'  # 'group' | 'sample'
-  schedule.tsp = False  # timestep axis of the update sharded over the trainer mesh
+  # TSP: a fragment's K trained steps x its samples as one fwd/bwd over a (t, b) view of the
+  # trainer mesh (programs/tsp.py); tsp_steps_axis is t: 0 = auto, else a divisor of the
+  # trainer's device count.
+  schedule.tsp = False
+  schedule.tsp_steps_axis = 0
   schedule.tag = False  # trainer-assisted generation, insertions decided by BTS
   schedule.tcss_fraction = 0.0  # phi: share of next batch's fragments allowed one-version-stale
   schedule.trace = True  # write trace.json + timeline.png under the workdir

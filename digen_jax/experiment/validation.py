@@ -16,6 +16,7 @@ import math
 import ml_collections
 
 from digen_jax.experiment import fragments
+from digen_jax.parallel import tsp_grid
 from digen_jax.rewards import registry as reward_registry
 
 # Every field that names one of a few options, and those options.
@@ -85,6 +86,7 @@ _INT_MIN = {
     'runtime.num_devices': 0,
     'runtime.max_consecutive_skips': 1,
     'schedule.fragments': 1,
+    'schedule.tsp_steps_axis': 0,
     'log_every': 1,
     'checkpoint_every': 1,
     'keep_checkpoints': 1,
@@ -97,6 +99,7 @@ _INT_HINTS = {
     'runtime.num_devices': '0 = all local devices',
     'eval.num_prompts': '0 = the whole split',
     'eval.every': '0 = off',
+    'schedule.tsp_steps_axis': '0 = auto',
     'sample_grid_every': '0 = off',
     'model.lora.rank': '0 = full fine-tuning',
     'runtime.max_consecutive_skips': 'updates skipped in a row for NaN/inf before the run stops',
@@ -369,6 +372,13 @@ def _validate_schedule(
         f'not divisible by the {num_devices} devices of a role; lower '
         'schedule.fragments'
     )
+  if s.tsp_steps_axis and not s.tsp:
+    raise ValueError(
+        f'config.schedule.tsp_steps_axis={s.tsp_steps_axis} is the steps axis of TSP: set '
+        '--config.schedule.tsp=True, or leave it 0'
+    )
+  if s.tsp and config.runtime.mode != 'disagg':  # disagg: runtime.cluster checks the trainer's
+    tsp_grid.check_steps_axis(s.tsp_steps_axis, num_devices)
   if m > 1 and rl.adv_std != 'group':
     raise ValueError(
         f"config.schedule.fragments={m} needs rl.adv_std='group' (a fragment's "

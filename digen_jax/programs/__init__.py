@@ -16,6 +16,7 @@ from digen_jax.programs.common import (
     trajectory_shardings,
     velocity_fn_of,
 )
+from digen_jax.programs import tsp
 from digen_jax.programs.rollout import abstract_trajectory, make_rollout
 from digen_jax.programs.update import (
     ACC_SUM_KEYS,
@@ -48,6 +49,7 @@ __all__ = [
     'ref_shardings',
     'step_loop_for',
     'trajectory_shardings',
+    'tsp',
     'tsp_steps',
     'velocity_fn_of',
 ]

@@ -16,6 +16,7 @@ import optax
 
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.programs import common
+from digen_jax.programs import tsp as tsp_lib
 from digen_jax.rl import objective as objective_lib
 from digen_jax.rl import timesteps as timesteps_lib
 
@@ -75,12 +76,12 @@ def optimizer_step(optimizer, params, opt_state, grads, loss, finite_inputs=True
   return new_p, new_o, grad_norm, (~finite).astype(jnp.float32)
 
 
-def tsp_steps(exp, mesh) -> tuple[int, int]:
-  """(K, K_pad): trained timesteps per trajectory, and K rounded up to a multiple of the mesh
-  size (TSP lays the timestep axis over the mesh; the pad steps carry weight 0)."""
-  K = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
-  n = mesh.devices.size
-  return K, -(-K // n) * n
+def tsp_steps(exp, mesh, samples: int | None = None) -> tuple[int, int]:
+  """(K, K_pad): trained timesteps per trajectory, and K padded for TSP's (t, b) layout of the
+  trainer `mesh` (tsp.layout, the one place that computes it; `samples`: the fragment size,
+  default exp.plan.size)."""
+  lay = tsp_lib.layout(exp, mesh, samples)
+  return lay.K, lay.K_pad
 
 
 def _batch_shardings(exp, mesh, traj_shardings):
@@ -211,53 +212,40 @@ def _accumulate(acc, loss, metrics, grads, adv):
   return {'grads': jax.tree.map(jnp.add, acc['grads'], grads), 'sums': sums}
 
 
-def _tsp_options(exp, mesh, indices):
-  """(indices padded to K_pad, grpo_objective options) of TSP: the K selected steps as one vmap
-  whose timestep axis is sharded over `mesh`, padded with weight-0 copies of the first step."""
-  K, K_pad = tsp_steps(exp, mesh)
-  axes = mesh_lib.data_axes(mesh)
-
-  def on_steps(tree):
-    return jax.tree.map(
-        lambda a: jax.lax.with_sharding_constraint(
-            a,
-            jax.sharding.NamedSharding(
-                mesh, jax.sharding.PartitionSpec(axes, *([None] * (a.ndim - 1)))
-            ),
-        ),
-        tree,
-    )
-
-  step_weights = None
-  if K_pad > K:  # repeat the first selected step; weight 0 keeps it out of everything
-    indices = jnp.concatenate([indices, jnp.broadcast_to(indices[:1], (K_pad - K,))])
-    step_weights = (jnp.arange(K_pad) < K).astype(jnp.float32)
-  return indices, dict(step_weights=step_weights, step_constraint=on_steps, step_loop='vmap')
-
-
 def make_fragment_grad(
-    exp, mesh, param_shardings, traj_shardings=None, *, tsp: bool = False, frozen=None
+    exp,
+    mesh,
+    param_shardings,
+    traj_shardings=None,
+    *,
+    tsp: bool = False,
+    frozen=None,
+    samples: int | None = None,
 ):
   """grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params) -> acc + this
   fragment's gradient of sum(w * l) and its metric sums (acc donated).
 
-  tsp: the K selected steps run as one vmap whose timestep axis is sharded over `mesh`
-  (_tsp_options); else config.rl.step_loop over K (step_loop_for), the batch axis sharded.
+  tsp: the K selected steps x the fragment's samples as one vmap laid out on the (t, b) view of
+  `mesh` (programs/tsp.py); else config.rl.step_loop over K (step_loop_for), the batch axis
+  sharded. samples: the fragment's real samples, its first rows (the rest are weight-0 padding
+  to the mesh; default: every row); TSP computes only ceil(samples / b) * b of them.
   `frozen` as in make_update."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = common.velocity_fn_of(exp)
 
   def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params, frozen):
+    batch = (traj, cond, uncond, adv, valid)
     if tsp:
-      indices, options = _tsp_options(exp, mesh, indices)
+      lay = tsp_lib.layout(exp, mesh, adv.shape[0] if samples is None else samples)
+      indices, batch, options = tsp_lib.prepare(mesh, lay, indices, batch)
     else:
       options = dict(step_loop=common.step_loop_for(exp.config.rl.step_loop, mesh))
     loss_fn = grpo_loss(
         exp,
         velocity_fn,
         frozen,
-        (traj, cond, uncond, adv, valid),
+        batch,
         ref_params,
         indices,
         denominator=1.0,
@@ -286,6 +274,7 @@ def make_fragment_grad(
       common.layout_key(param_shardings),
       common.layout_key(traj_shardings),
       tsp,
+      samples,
       common.layout_key(frozen_sh),
   )
   return common.Bound(common.memoized('fragment_grad', exp, parts, make), frozen)

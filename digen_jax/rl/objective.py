@@ -12,8 +12,9 @@ the same loss and gradients to float32 rounding (the model's matmuls round diffe
 bit on a K·B batch than on a B batch, so 'scan' reproduces the rollout's log-probs more tightly).
 
 Time-step parallelism (TSP, DESIGN.md §3) is the 'vmap' loop with ``step_constraint`` laying the
-timestep axis of the gathered steps over the trainer mesh (so one parameter all-gather serves all
-K steps); ``step_weights`` [K] zero out padding steps that make K divisible by the mesh size.
+gathered [K, B, ...] steps over a (steps x samples) view of the trainer mesh (so one parameter
+all-gather serves all K steps; programs/tsp.py); ``step_weights`` [K] zero out the padding steps
+that make K divisible by the steps axis.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import jax
 from jax.sharding import Mesh
 
 from digen_jax.parallel import mesh as mesh_lib
+from digen_jax.parallel import tsp_grid
 
 ROLES = ('trainer', 'rollout')
 
@@ -270,6 +271,8 @@ def resolve(config, devices: Sequence[jax.Device] | None = None) -> Cluster:
           f'by the {roles[r].size} devices of config.cluster.{r}; change '
           f"rl.prompts_per_step or the role's devices"
       )
+  if config.schedule.tsp:
+    tsp_grid.check_steps_axis(config.schedule.tsp_steps_axis, roles['trainer'].size)
   dtype, sharding = cl.rollout.param_dtype, cl.rollout.param_sharding
   if dtype not in ('float32', 'bfloat16'):
     raise ValueError(

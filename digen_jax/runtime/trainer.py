@@ -3,9 +3,10 @@ the checkpointer when it holds a step), and per logical batch: the trained step 
 fragment's advantages (once its prompt groups are scored) and gradient, one optimizer step.
 
 A batch cut into M > 1 fragments accumulates fragment gradients (programs.make_fragment_grad;
-TSP shards the timestep axis over the trainer mesh: a program choice the schedule sees only as
-a cost) and applies once (programs.make_apply): the same update as a whole-batch one to float
-rounding (the loss denominator is the whole batch's pair weight, applied at the end). A batch
+TSP lays the K trained steps x the fragment's samples over a (t, b) view of the trainer mesh,
+programs/tsp.py: a program choice the schedule sees only as a cost) and applies once
+(programs.make_apply): the same update as a whole-batch one to float rounding (the loss
+denominator is the whole batch's pair weight, applied at the end). A batch
 trained as one fragment without TSP runs the fused program instead (programs.make_update:
 gradient and optimizer step in one program, no accumulator), which is what M = 1 costs.
 """
@@ -112,17 +113,22 @@ class Trainer:
       return
     self._zero = programs.make_zero_acc(ps, mesh)
     self._grad = programs.make_fragment_grad(
-        exp, mesh, ps, self.traj_shardings, tsp=tsp, frozen=self.frozen
+        exp, mesh, ps, self.traj_shardings, tsp=tsp, frozen=self.frozen, samples=self.plan.size
     )
     self._apply = programs.make_apply(exp, mesh, ps, self.opt_shardings)
     self._select = programs.make_select(exp, mesh)
     if tsp:
-      K, K_pad = programs.tsp_steps(exp, mesh)
+      lay = programs.tsp.layout(exp, mesh, self.plan.size)
       logging.info(
-          'TSP: %d timesteps per fragment (padded to %d) sharded over %d trainer devices',
-          K,
-          K_pad,
+          'TSP: %d timesteps (padded to %d) x %d samples per fragment on %d trainer devices '
+          'as %d (steps) x %d (samples): %d sample-steps per device',
+          lay.K,
+          lay.K_pad,
+          lay.samples,
           mesh.devices.size,
+          lay.t,
+          lay.b,
+          lay.work,
       )
 
   def compile(self, state: dict) -> None:
