@@ -18,6 +18,21 @@ from digen_jax.outputs import faults
 
 def main(argv):
   del argv
+  from digen_jax.process import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+
+  config, workdir, n = cli.setup()
+  # eval appends to metrics.jsonl and writes eval/: not beside a run training in this workdir.
+  try:
+    lock = workdir_lib.acquire(workdir)
+  except faults.RunError as e:
+    cli.fail(str(e))
+  try:
+    _evaluate(config, workdir, n)
+  finally:
+    lock.release()
+
+
+def _evaluate(config, workdir: str, n: int):
   import jax  # pylint: disable=g-import-not-at-top
   from digen_jax.outputs import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.experiment import evaluation  # pylint: disable=g-import-not-at-top
@@ -25,7 +40,6 @@ def main(argv):
   from digen_jax.outputs import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
-  config, workdir, n = cli.setup()
   exp = cli.build_experiment(config, workdir, n)
   mesh = mesh_lib.make_mesh(jax.local_devices()[:n])
   from digen_jax.experiment import weights as weights_lib  # pylint: disable=g-import-not-at-top
@@ -43,6 +57,7 @@ def main(argv):
       # The newest readable step; eval only reads, so a corrupt one stays where it is.
       restored = checkpointer.restore_latest(template, move_aside=False)
     except faults.RunError as e:
+      checkpointer.close()
       cli.fail(str(e))
     if restored is not None:
       step, state, _ = restored

@@ -17,6 +17,7 @@ from absl import logging
 from digen_jax.process import cli
 from digen_jax.outputs import faults
 from digen_jax.process import interrupt
+from digen_jax.process import peers
 
 
 def main(argv):
@@ -28,6 +29,9 @@ def main(argv):
     info = distributed.maybe_initialize()
   except ValueError as e:
     cli.fail(str(e))
+  if info.num_processes > 1:
+    # A peer's death is one line here, also when the jax.distributed client aborts this process.
+    peers.watch_stderr(info.process_id)
   try:
     try:
       _run(info)
@@ -40,7 +44,8 @@ def main(argv):
     if info.num_processes > 1 and e.code not in (None, 0):
       # A normal exit would wait in jax.distributed's shutdown for peers that may be waiting
       # for this process (e.g. at a barrier): report and leave now; the launcher stops the rest.
-      print(e.code if isinstance(e.code, str) else f'exit {e.code}', file=sys.stderr, flush=True)
+      # An int code comes after the line that says why.
+      peers.last_line(e.code if isinstance(e.code, str) else None)
       sys.stdout.flush()
       os._exit(e.code if isinstance(e.code, int) else 1)
     raise
@@ -93,6 +98,51 @@ def prepare_tiny_pipeline(config, workdir: str):
 
 
 def _run(info):
+  from digen_jax.process import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+
+  config, workdir, n = cli.setup()
+  # Before anything is written to the workdir (data/, config.json, metrics, checkpoints): one
+  # run per workdir.
+  lock = _lock_workdir(workdir, info) if info.num_processes > 1 else workdir_lib.acquire(workdir)
+  try:
+    _train(info, config, workdir, n)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _lock_workdir(workdir: str, info):
+  """A multi-process run's workdir lock: process 0 takes it (and holds it for the run), the
+  others learn the outcome from the key-value store and refuse with the same line."""
+  import json  # pylint: disable=g-import-not-at-top
+  from digen_jax.process import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
+
+  key = 'digen/workdir_lock'
+  if info.process_id != 0:
+    outcome = json.loads(distributed.kv_get(key, timeout_s=600))
+    if outcome['error']:
+      # Said and acknowledged before process 0, which hosts the jax.distributed service, exits
+      # (its exit aborts this process).
+      peers.last_line(f'digen_jax: {outcome["error"]}')
+      distributed.kv_set(f'{key}/read/{info.process_id}', '1')
+      os._exit(1)
+    return None
+  try:
+    lock = workdir_lib.acquire(workdir, processes=info.num_processes)
+  except workdir_lib.WorkdirError as e:
+    distributed.kv_set(key, json.dumps({'error': str(e)}))
+    for p in range(1, info.num_processes):
+      try:
+        distributed.kv_get(f'{key}/read/{p}', timeout_s=30)
+      except Exception:  # pylint: disable=broad-except  (a peer that is gone reads nothing)
+        pass
+    raise
+  distributed.kv_set(key, json.dumps({'error': None}))
+  return lock
+
+
+def _train(info, config, workdir: str, n: int):
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top  (after absl parsed flags such as --jax_*)
   from digen_jax.outputs import report  # pylint: disable=g-import-not-at-top
@@ -100,7 +150,6 @@ def _run(info):
   from digen_jax.runtime import loop  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
 
-  config, workdir, n = cli.setup()
   interrupt.install(config.runtime.shutdown_timeout_s)  # after jax.distributed's own handler
   tiny_pipeline = config.model.get('build_tiny_pipeline', False)
   if config.runtime.mode != 'disagg':
@@ -113,7 +162,6 @@ def _run(info):
     if tiny_pipeline:
       prepare_tiny_pipeline(config, workdir)
     exp = cli.build_experiment(config, workdir, n)  # also rejects unknown modes
-    cli.write_config(config, workdir)
     logging.info(
         'workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n, exp.batch_size
     )
@@ -127,6 +175,7 @@ def _run(info):
   except ValueError as e:
     cli.fail(str(e))
   writer = info.process_id == cluster.writer_process
+  peers.set_roles({p: cluster.role_of(p) for p in range(info.num_processes)})
   # experiment.build checks that the batch splits over a device count; resolve() checked each
   # role's, so their lcm divides it too.
   n_check = math.lcm(cluster.rollout.size, cluster.trainer.size)
@@ -138,8 +187,6 @@ def _run(info):
   transfer.set_host(config.cluster.transfer_host)  # checked by configlib.validate above
   if info.num_processes > 1 and writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)
-  if writer:
-    cli.write_config(config, workdir)
   logging.info(
       'workdir %s  mode disagg  process %d/%d (%s)  pid %d  batch %d  %s',
       workdir,

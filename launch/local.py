@@ -33,16 +33,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV_STATUS = 'DIGEN_LAUNCH_STATUS'  # digen_jax/process/peers.py reads it
 _PR_SET_PDEATHSIG = 1
 
 
@@ -132,6 +135,9 @@ class Launcher:
     self.readers: list[threading.Thread] = []
     self.out_lock = threading.Lock()
     self._killed = False
+    # Where a failed copy is recorded for the others (ENV_STATUS in their environment).
+    self.status_dir = tempfile.mkdtemp(prefix='digen_launch_')
+    self.status_path = os.path.join(self.status_dir, 'status.json')
 
   def spawn(self) -> None:
     port = self.args.port or free_port()
@@ -144,9 +150,11 @@ class Launcher:
         cmd = [taskset, '-c', str(core)] + cmd
       # All children are spawned before any reader thread starts, so preexec_fn runs while the
       # launcher is single-threaded (it is unsafe otherwise).
+      env = child_env(os.environ, rank, self.args, port)
+      env[ENV_STATUS] = self.status_path
       proc = subprocess.Popen(
           cmd,
-          env=child_env(os.environ, rank, self.args, port),
+          env=env,
           stdin=subprocess.DEVNULL,
           stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT,
@@ -187,7 +195,10 @@ class Launcher:
       except subprocess.TimeoutExpired:
         pass
     for p in self.procs:
-      # Also the groups of children that already exited: their own children may linger.
+      # A copy's own children get a moment to end by themselves (a stderr watcher writing the
+      # copy's last line, digen_jax/process/peers.py), then the group is killed: also the groups
+      # of copies that already exited, whose children may linger.
+      _wait_group(p.pid, deadline=time.monotonic() + 2.0)
       _signal_group(p.pid, signal.SIGKILL)
       try:
         p.wait(timeout=10)
@@ -211,6 +222,9 @@ class Launcher:
         rank, code = failed[0]
         code = 128 - code if code < 0 else code  # killed by signal -s
         self._note(f'process {rank} exited with {code}; terminating the others')
+        # Before the SIGTERM: each survivor's last line names the copy that died (digen_jax's
+        # process/peers.py reads this file).
+        self._write_status({'process': rank, 'exit_code': code})
         self.kill_all()
         return code
       if all(c == 0 for c in codes):
@@ -222,6 +236,12 @@ class Launcher:
       time.sleep(0.05)
     return None
 
+  def _write_status(self, status: dict) -> None:
+    tmp = self.status_path + '.tmp'
+    with open(tmp, 'w') as f:
+      json.dump(status, f)
+    os.replace(tmp, self.status_path)  # readers see all of it or nothing
+
   def join_readers(self) -> None:
     for t in self.readers:
       t.join(timeout=5)
@@ -230,6 +250,16 @@ class Launcher:
     with self.out_lock:
       sys.stdout.flush()
       print(f'[launcher] {msg}', file=sys.stderr, flush=True)
+
+
+def _wait_group(pgid: int, deadline: float) -> None:
+  """Until the process group is empty or the deadline passed."""
+  while time.monotonic() < deadline:
+    try:
+      os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+      return
+    time.sleep(0.02)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -266,6 +296,7 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     launcher.kill_all()
     launcher.join_readers()
+    shutil.rmtree(launcher.status_dir, ignore_errors=True)
     if code != 0 and launcher.procs:
       launcher._note(
           f'{"interrupted: " if interrupted else ""}every process stopped within '

@@ -3,6 +3,7 @@ used; a full disk during a save leaves the previous checkpoint readable and the 
 save again."""
 
 import glob
+import json
 import logging
 import os
 import shutil
@@ -71,7 +72,16 @@ def _garble_meta(step_dir):
     fh.write('{"step": ')
 
 
-@pytest.mark.parametrize('corrupt', [_truncate, _flip_byte, _delete_file, _garble_meta])
+def _flip_byte_without_digest(step_dir):
+  # Issue 46: with its digest gone, a flipped byte restored silently (an optimizer entry of 5e25
+  # was trained on); a step without a digest is now not trusted.
+  os.remove(os.path.join(step_dir, ckpt_lib.DIGEST_FILE))
+  _flip_byte(step_dir)
+
+
+@pytest.mark.parametrize(
+    'corrupt', [_truncate, _flip_byte, _delete_file, _garble_meta, _flip_byte_without_digest]
+)
 def test_corrupt_latest_falls_back_to_the_previous_with_a_warning(tmp_path, corrupt, caplog):
   d = _saved(tmp_path / 'ck')
   assert os.path.exists(os.path.join(d, '2', ckpt_lib.DIGEST_FILE))
@@ -84,6 +94,8 @@ def test_corrupt_latest_falls_back_to_the_previous_with_a_warning(tmp_path, corr
   assert any(
       'checkpoint step 2' in r.getMessage() and 'corrupt' in r.getMessage() for r in caplog.records
   ), [r.getMessage() for r in caplog.records]
+  if corrupt is _flip_byte_without_digest:
+    assert any('has no digest.json' in r.getMessage() for r in caplog.records)
   # The corrupt step is set aside (kept for inspection), so the run can save step 2 again.
   assert ck.all_steps() == [1]
   assert len(os.listdir(d + '.corrupt')) == 1
@@ -229,10 +241,19 @@ def test_training_resumes_past_a_corrupt_latest_checkpoint(tmp_path):
 
   wd = tmp_path / 'run'
   first = jax.device_get(run(wd)['params'])
+  rows_before = _train_rows(wd / 'metrics.jsonl')
   _flip_byte(os.path.join(wd, 'checkpoints', '2'))
   again = jax.device_get(run(wd)['params'])  # resumes from step 1, redoes step 2
   for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
     np.testing.assert_array_equal(a, b)
   assert len(os.listdir(str(wd / 'checkpoints') + '.corrupt')) == 1
-  rows = [l for l in open(wd / 'metrics.jsonl') if '"loss"' in l]
-  assert len(rows) == 3  # steps 1, 2, and 2 again
+  # Step 2 appears once: the first run's row moved aside, the redone step's row in its place
+  # (issue 46: metrics.jsonl held steps [1, 2, 2]).
+  rows = _train_rows(wd / 'metrics.jsonl')
+  assert [r['step'] for r in rows] == [1, 2], rows
+  assert rows[0] == rows_before[0] and rows[1]['time'] > rows_before[1]['time']
+  assert [r['step'] for r in _train_rows(wd / 'metrics.superseded.jsonl')] == [2]
+
+
+def _train_rows(path):
+  return [json.loads(l) for l in open(path) if '"loss"' in l]

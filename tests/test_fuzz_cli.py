@@ -44,6 +44,8 @@ def _files(d):
   w('runs_binary.txt', b'\xd9\x00\xff' * 50)
   w('config_binary.py', b'\x00\x01 def get_config(): pass')
   w('config_raises.py', b'def get_config():\n  raise RuntimeError("broken config file")\n')
+  w('config_decodes.py', b'x = b"\\xff".decode()\n')  # UnicodeDecodeError: 5-argument constructor
+  w('config_no_get.py', b'a = 1\n')
   for name, damage in (('ckpt_truncated', 'truncate'), ('ckpt_bad_json', 'json')):
     folder = os.path.join(d, name)
     shutil.copytree(os.path.join(REPO, 'assets', 'shapes_base'), folder)
@@ -75,7 +77,12 @@ def _files(d):
 # of malformed inputs. Each main/eval/pretrain case gets its own fresh --workdir.
 CASES = [
     # wrong types
-    ('int_is_text', MAIN, [TINY, '--config.rl.group_size=abc'], ['config.rl.group_size=abc']),
+    (
+        'int_is_text',
+        MAIN,
+        [TINY, '--config.rl.group_size=abc'],
+        ["config.rl.group_size=abc: invalid literal for int() with base 10: 'abc'"],
+    ),
     ('int_is_float', MAIN, [TINY, '--config.total_steps=2.5'], ['config.total_steps=2.5']),
     ('bool_is_text', MAIN, [TINY, '--config.schedule.tsp=maybe'], ['config.schedule.tsp']),
     ('float_is_text', MAIN, [TINY, '--config.optim.lr=fast'], ['config.optim.lr=fast']),
@@ -210,6 +217,37 @@ CASES = [
     ('no_config_file', MAIN, ['--config=configs/nope.py'], ['cannot load --config', 'nope.py']),
     ('binary_config_file', MAIN, ['--config={d}/config_binary.py'], ['config_binary.py']),
     ('config_file_raises', MAIN, ['--config={d}/config_raises.py'], ['broken config file']),
+    (
+        'config_file_decode_error',
+        MAIN,
+        ['--config={d}/config_decodes.py'],
+        ['config_decodes.py: it raised UnicodeDecodeError', "can't decode byte 0xff"],
+    ),
+    (
+        'config_file_without_get_config',
+        MAIN,
+        ['--config={d}/config_no_get.py'],
+        ['config_no_get.py: it defines no get_config()'],
+    ),
+    # the workdir
+    (
+        'workdir_is_a_file',
+        MAIN,
+        [TINY, '--workdir={d}/empty.txt'],
+        ['--workdir=', 'empty.txt is a file, not a directory'],
+    ),
+    (
+        'workdir_under_a_file',
+        MAIN,
+        [TINY, '--workdir={d}/empty.txt/run'],
+        ['empty.txt/run cannot be created: Not a directory'],
+    ),
+    (
+        'eval_workdir_is_a_file',
+        EVAL,
+        [TINY, '--workdir={d}/empty.txt'],
+        ['empty.txt is a file, not a directory'],
+    ),
     (
         'unknown_reward',
         MAIN,

@@ -4,21 +4,25 @@ Saved per step: params, optimizer state, the base RNG key (as raw uint32 data), 
 (step, data position, policy version). Restores onto the shardings of a template state, so a
 resumed run continues on the same mesh layout without a host copy of the full model.
 
-Storage faults (issue 18): orbax writes each step into a temporary directory and renames it when
-complete, so a crash or a full disk during a save leaves the previous steps as they were (old
-steps are deleted only after a new one is committed). Orbax does not notice bytes that change
-later (a flipped bit in a chunk restores silently), so once a step is committed we write
-<step>/digest.json (size and CRC32 of every file); `restore_latest` checks it, and a step that
-fails the check or orbax's own reads is moved to <directory>.corrupt/ with a warning and the
-previous step is used.
+Storage faults (issues 18, 46): orbax writes each step into a temporary directory and renames it
+when complete, so a crash or a full disk during a save leaves the previous steps as they were
+(old steps are deleted only after a new one is committed). Orbax does not notice bytes that
+change later (a flipped bit in a chunk restores silently), so every step holds
+<step>/digest.json (size and CRC32 of every file), written into the temporary directory before
+orbax renames it: a committed step has its digest, and a step without one is not trusted (a
+save that did not finish, or a deleted file). `restore_latest` checks it; a step that fails the
+check or orbax's own reads is moved to <directory>.corrupt/ with a warning and the previous step
+is used.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging as logging_std
 import os
 import shutil
+import sys
 import time
 import zlib
 from typing import Any
@@ -31,6 +35,9 @@ import orbax.checkpoint as ocp
 from digen_jax.outputs import faults
 
 DIGEST_FILE = 'digest.json'
+# orbax's step metadata (item names, timestamps): rewritten after the commit, so it cannot be in
+# a digest written before it, and not needed to restore (a garbled or missing one restores).
+UNDIGESTED = (DIGEST_FILE, '_CHECKPOINT_METADATA')
 TMP_MARKER = (
     '.orbax-checkpoint-tmp'  # orbax names an uncommitted step <step>.orbax-checkpoint-tmp[-<time>]
 )
@@ -41,7 +48,7 @@ def _files(step_dir: str) -> list[str]:
   out = []
   for root, _, names in os.walk(step_dir):
     out += [os.path.relpath(os.path.join(root, n), step_dir) for n in names]
-  return sorted(f for f in out if f != DIGEST_FILE)
+  return sorted(f for f in out if f not in UNDIGESTED)
 
 
 def _crc32(path: str) -> int:
@@ -53,8 +60,8 @@ def _crc32(path: str) -> int:
 
 
 def write_digest(step_dir: str) -> None:
-  """<step_dir>/digest.json: {relative path: [size, crc32]} of the committed step's files.
-  CRC32, not a cryptographic hash: it guards against corruption (it runs at GB/s), not tampering
+  """<step_dir>/digest.json: {relative path: [size, crc32]} of the step's files (but UNDIGESTED),
+  written into its temporary directory just before orbax commits it. CRC32, not a cryptographic hash: it guards against corruption (it runs at GB/s), not tampering
   (orbax and safetensors never execute what they read)."""
   files = {
       f: [os.path.getsize(os.path.join(step_dir, f)), _crc32(os.path.join(step_dir, f))]
@@ -67,11 +74,14 @@ def write_digest(step_dir: str) -> None:
 
 
 def verify_digest(step_dir: str) -> str | None:
-  """None when the step's files match its digest (or it has none: a step committed just before a
-  crash); else what differs."""
+  """None when the step's files match its digest; else what is wrong, a missing digest included:
+  every step this module commits holds one, so a step without it is not known to be whole."""
   path = os.path.join(step_dir, DIGEST_FILE)
   if not os.path.exists(path):
-    return None
+    return (
+        f'it has no {DIGEST_FILE} (a save that did not finish, or the file was deleted), so its '
+        'files cannot be checked'
+    )
   try:
     with open(path) as fh:
       files = json.load(fh)['files']
@@ -86,6 +96,46 @@ def verify_digest(step_dir: str) -> str | None:
     if _crc32(f) != crc:
       return f'{rel} does not match its checksum'
   return None
+
+
+class _DropOrbaxFailureLogs(logging_std.Filter):
+  """orbax logs a failed save or restore with its traceback, once per thread involved (dozens of
+  records for one full disk), before raising it; Checkpointer turns that exception into one
+  CheckpointError line or a fallback warning that names the cause, so the records would only
+  repeat it at length."""
+
+  def filter(self, record):
+    orbax = '/orbax/' in record.pathname.replace(os.sep, '/')
+    return not (orbax and (record.levelno >= logging_std.ERROR or record.exc_info))
+
+
+def _drop_abandoned_io_noise(previous):
+  """A sys.unraisablehook for what a failed save or restore leaves behind, reported as unraisable
+  with a traceback apiece though the failure itself is already raised: tensorstore completing
+  the writes still in flight by calling back into the asyncio loop orbax closed ('Event loop is
+  closed'), and orbax's read or write coroutines that nobody awaits any more, collected at exit."""
+
+  def hook(unraisable):
+    e, obj = unraisable.exc_value, unraisable.object
+    if isinstance(e, RuntimeError) and str(e) == 'Event loop is closed':
+      return
+    code = getattr(obj, 'cr_code', None)  # a coroutine
+    if code is not None and '/orbax/' in code.co_filename.replace(os.sep, '/'):
+      return
+    previous(unraisable)
+
+  hook.digen_quiet = True
+  return hook
+
+
+def quiet_storage_failures() -> None:
+  """Keeps orbax's and tensorstore's own reports of a storage failure off stderr (idempotent):
+  the Checkpointer reports each failure itself, in one line."""
+  absl_logger = logging_std.getLogger('absl')  # orbax logs through absl
+  if not any(isinstance(f, _DropOrbaxFailureLogs) for f in absl_logger.filters):
+    absl_logger.addFilter(_DropOrbaxFailureLogs())
+  if not getattr(sys.unraisablehook, 'digen_quiet', False):
+    sys.unraisablehook = _drop_abandoned_io_noise(sys.unraisablehook)
 
 
 def remove_partial_saves(directory: str) -> list[str]:
@@ -111,6 +161,7 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 2, save_every: int = 1):
     self.directory = os.path.abspath(directory)
     remove_partial_saves(self.directory)
+    self._init_bookkeeping()
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
@@ -118,13 +169,25 @@ class Checkpointer:
             save_interval_steps=max(1, save_every),
             create=True,
             cleanup_tmp_directories=True,
+            async_options=self._async_options(),
         ),
     )
-    self._init_bookkeeping()
 
   def _init_bookkeeping(self):
-    self._undigested: list[int] = []  # committed (or committing) steps without digest.json
+    quiet_storage_failures()
     self._saving: int | None = None  # the step of the save in flight
+
+  def _async_options(self) -> ocp.AsyncOptions:
+    # orbax calls this in its save thread once the step's files are complete, just before it
+    # renames the temporary directory: the digest is committed with the step it describes.
+    return ocp.AsyncOptions(post_finalization_callback=self._digest_before_commit)
+
+  def _digest_before_commit(self) -> None:
+    step = self._saving
+    prefix = f'{step}{TMP_MARKER}'
+    tmp = [n for n in os.listdir(self.directory) if n.startswith(prefix)]
+    # No temporary directory: a storage that commits in place (not a local file system).
+    write_digest(os.path.join(self.directory, tmp[0]) if len(tmp) == 1 else self.step_dir(step))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -137,9 +200,10 @@ class Checkpointer:
 
   def save(self, step: int, state: dict[str, Any], meta: dict[str, Any], *, force: bool = False):
     """state: pytree of jax arrays (params, opt_state, rng); meta: JSON-serialisable dict.
-    Asynchronous: a failure surfaces here at the next save or in wait()/close() as a
-    CheckpointError; the steps committed before it stay readable."""
+    Asynchronous: a failure surfaces as a CheckpointError at the next save, wait() or close();
+    the steps committed before it stay readable."""
     self._finish_saves()
+    self._saving = step  # before save(): its thread may reach the commit before save() returns
     try:
       saved = self._manager.save(
           step,
@@ -147,32 +211,20 @@ class Checkpointer:
           force=force,
       )
     except Exception as e:  # pylint: disable=broad-except  (orbax/tensorstore raise anything)
+      self._saving = None
       raise self._save_error(step, e) from e
-    if saved:
-      self._saving = step
-      self._undigested.append(step)
+    if not saved:
+      self._saving = None
 
   def _finish_saves(self):
-    """Waits for the save in flight, then digests every committed step that lacks one."""
+    """Waits for the save in flight; CheckpointError if it failed."""
+    step = self._saving
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except
-      failed = self._saving
-      self._saving, self._undigested = None, [s for s in self._undigested if s != failed]
-      raise self._save_error(failed, e) from e
-    self._saving = None
-    for s in self._undigested:
-      if os.path.isdir(self.step_dir(s)):  # else deleted by max_to_keep, or never committed
-        try:
-          write_digest(self.step_dir(s))
-        except OSError as e:  # e.g. a full disk: the step stays valid, just unguarded
-          logging.warning(
-              'checkpoint step %d: cannot write %s (%s); it is kept without one',
-              s,
-              DIGEST_FILE,
-              faults.short(e, 200),
-          )
-    self._undigested = []
+      raise self._save_error(step, e) from e
+    finally:
+      self._saving = None  # read by _digest_before_commit until the save is done
 
   def _save_error(self, step, e: BaseException) -> faults.CheckpointError:
     full = str(e)  # tensorstore's message: the errno may come after pages of spec
@@ -213,32 +265,27 @@ class Checkpointer:
   ) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
     """(step, state, meta) of the newest readable checkpoint, or None when there is none.
 
-    A step whose files fail its digest, or that orbax cannot read although it has no digest,
-    is corrupt: a warning, and the next older step is tried; once one restores, the corrupt
-    newer ones move to <directory>.corrupt/ (move_aside), out of the way of the next saves.
-    A step that passes its digest but does not restore onto `template` is not corrupt but
-    another run's (changed model or optimizer): CheckpointError at once, as when no step is
-    readable."""
+    A step whose files fail its digest, that has no digest, or that orbax cannot read is not
+    used: a warning, and the next older step is tried; once one restores, the newer ones move to
+    <directory>.corrupt/ (move_aside), out of the way of the next saves. A step that passes its
+    digest but does not restore onto `template` is not corrupt but another run's (changed model
+    or optimizer): CheckpointError at once, as when no step is readable."""
     corrupt: list[tuple[int, str]] = []
     for step in sorted(self._manager.all_steps(), reverse=True):
       bad = verify_digest(self.step_dir(step))
       if bad is None:
-        has_digest = os.path.exists(os.path.join(self.step_dir(step), DIGEST_FILE))
         try:
           state, meta = self.restore(step, template)
         except Exception as e:  # pylint: disable=broad-except
-          if has_digest:
-            raise faults.CheckpointError(
-                f'checkpoint step {step} in {self.directory} is intact but does not fit this '
-                f'run ({faults.short(e, 200)}): was the model, optimizer or config changed? '
-                'Resume with the config it was saved with, or use a new --workdir'
-            ) from e
-          bad = f'orbax cannot read it ({faults.short(e, 200)})'
-        else:
-          self._set_aside(corrupt, move_aside)
-          return step, state, meta
+          raise faults.CheckpointError(
+              f'checkpoint step {step} in {self.directory} is intact but does not fit this '
+              f'run ({faults.short(e, 200)}): was the model, optimizer or config changed? '
+              'Resume with the config it was saved with, or use a new --workdir'
+          ) from e
+        self._set_aside(corrupt, move_aside)
+        return step, state, meta
       logging.warning(
-          'checkpoint step %d in %s is corrupt: %s; trying the previous one',
+          'checkpoint step %d in %s is corrupt or incomplete: %s; trying the previous one',
           step,
           self.directory,
           bad,
@@ -293,6 +340,7 @@ class ProcessCheckpointer(Checkpointer):
     self.directory = os.path.abspath(directory)
     os.makedirs(self.directory, exist_ok=True)  # orbax cannot create it with active_processes
     remove_partial_saves(self.directory)
+    self._init_bookkeeping()
     mp = ocp.options.MultiprocessingOptions(primary_host=pid, active_processes={pid})
     self._manager = ocp.CheckpointManager(
         self.directory,
@@ -302,13 +350,13 @@ class ProcessCheckpointer(Checkpointer):
             create=False,
             multiprocessing_options=mp,
             cleanup_tmp_directories=True,
+            async_options=self._async_options(),
         ),
         item_handlers={
             'state': ocp.StandardCheckpointHandler(multiprocessing_options=mp),
             'meta': ocp.JsonCheckpointHandler(multiprocessing_options=mp),
         },
     )
-    self._init_bookkeeping()
 
   def save(self, step, state, meta, *, force=False):
     if self._manager.should_save(step) or force:

@@ -36,16 +36,28 @@ def _summary_writer_class():
   return SummaryWriter
 
 
-class MetricsWriter:
-  """Appends rows to <workdir>/metrics.jsonl and mirrors scalars to TensorBoard."""
+SUPERSEDED = 'metrics.superseded.jsonl'
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+
+class MetricsWriter:
+  """Appends rows to <workdir>/metrics.jsonl and mirrors scalars to TensorBoard.
+
+  resume_step: the step a training run starts from. The rows of earlier runs after it (a step
+  redone after a fallback to an older checkpoint or a lost save; with 0, every row: the run
+  starts over) move to metrics.superseded.jsonl, and TensorBoard hides their events
+  (purge_step), so every step appears once."""
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, resume_step: int | None = None):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, 'metrics.jsonl')
+    if resume_step is not None:
+      supersede_rows_after(workdir, resume_step)
     self._file = open(self.path, 'a', buffering=1)
     self._tb = None
     if tensorboard:
-      self._tb = _summary_writer_class()(os.path.join(workdir, 'tensorboard'))
+      # TensorBoard drops the events of earlier files at or after purge_step.
+      purge = None if resume_step is None else (resume_step + 1 if resume_step else 0)
+      self._tb = _summary_writer_class()(os.path.join(workdir, 'tensorboard'), purge_step=purge)
 
   def write(self, row: dict[str, Any]):
     row = {k: _jsonable(v) for k, v in row.items()}
@@ -65,6 +77,41 @@ class MetricsWriter:
     self._file.close()
     if self._tb is not None:
       self._tb.close()
+
+
+def supersede_rows_after(workdir: str, step: int) -> int:
+  """Moves the rows of <workdir>/metrics.jsonl that a run starting at `step` writes again (those
+  after it; with step 0 all of them) to metrics.superseded.jsonl. Returns how many moved.
+
+  A row at `step` itself stays when step > 0: its train row describes the restored checkpoint,
+  and its eval is not redone after a resume (runtime/rollout.Evals.due)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    lines = [l if l.endswith('\n') else l + '\n' for l in f if l.strip()]
+  keep, moved = [], []
+  for line in lines:
+    try:
+      row_step = json.loads(line).get('step', 0)
+    except (ValueError, AttributeError):  # a torn last line of a killed run: not a row
+      row_step = None
+    (keep if step > 0 and row_step is not None and row_step <= step else moved).append(line)
+  if not moved:
+    return 0
+  with open(os.path.join(workdir, SUPERSEDED), 'a') as f:
+    f.writelines(moved)
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.writelines(keep)
+  os.replace(tmp, path)  # a crash leaves the old file or the new one, never half of one
+  logging.warning(
+      'metrics.jsonl: %d row(s) after step %d, written before this run resumed there, moved to %s',
+      len(moved),
+      step,
+      SUPERSEDED,
+  )
+  return len(moved)
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

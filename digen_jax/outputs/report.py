@@ -15,6 +15,16 @@ from digen_jax.outputs import metrics as metrics_lib
 ACC = 'eval/strict_accuracy'
 
 
+def write_config(config, workdir: str) -> None:
+  """<workdir>/config.json: the resolved config of the run writing this workdir (the trainer
+  writes it once its checkpoint restored: a run refused at its start leaves the previous one's)."""
+  os.makedirs(workdir, exist_ok=True)
+  tmp = os.path.join(workdir, 'config.json.tmp')
+  with open(tmp, 'w') as f:
+    f.write(config.to_json_best_effort(indent=2))
+  os.replace(tmp, os.path.join(workdir, 'config.json'))
+
+
 def summarize(rows: list[dict]) -> dict:
   train = [r for r in rows if 'reward_mean' in r]
   evals = [r for r in rows if ACC in r or 'eval/reward_mean' in r]

@@ -4,8 +4,8 @@ that turns bad input into one clear line, quiet library logs, and the experiment
 from __future__ import annotations
 
 import logging as logging_std
-import os
 import sys
+import traceback
 
 from absl import flags
 from absl import logging
@@ -22,12 +22,39 @@ def fail(message: str):
   sys.exit(f'digen_jax: {message}')
 
 
+def _unquote(text: str) -> str:
+  """Drops one pair of quotes around the whole text (str() of a KeyError adds them); a quote
+  that only ends the text belongs to it (invalid literal ...: 'abc')."""
+  if len(text) >= 2 and text[0] == text[-1] and text[0] in '\'"':
+    return text[1:-1]
+  return text
+
+
+def _config_file_error(e: BaseException) -> BaseException | None:
+  """What the config file raised, when ml_collections rebuilt it: it re-raises a TypeError or
+  ValueError from get_config() as type(e)(its traceback as text), and that fails for a
+  UnicodeDecodeError (5 arguments: 'function takes exactly 5 arguments (1 given)')."""
+  rebuilt = e.__context__
+  if (
+      isinstance(rebuilt, (TypeError, ValueError))
+      and rebuilt.__context__ is not None
+      and rebuilt.__traceback__
+  ):
+    if traceback.extract_tb(rebuilt.__traceback__)[-1].filename.endswith('config_flags.py'):
+      return rebuilt.__context__
+  return None
+
+
 def parse_flags(argv):
   """absl's parser, but a bad config file/override is one clear line, not a traceback."""
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except  (anything a config file raises is input)
-    text = str(e).strip('\'"').replace("\\'", "'").replace('\\n', '\n')
+    path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), '?')
+    raised = _config_file_error(e)
+    if raised is not None:
+      fail(f'cannot load --config={path}: it raised {type(raised).__name__}: {raised}')
+    text = _unquote(str(e)).replace("\\'", "'").replace('\\n', '\n')
     if not isinstance(
         e, (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, SyntaxError)
     ):
@@ -37,8 +64,12 @@ def parse_flags(argv):
       lines = [lines[0], lines[-1]]
     wrapped = e.args[0] if e.args else None
     if isinstance(e, SyntaxError) or isinstance(wrapped, SyntaxError):  # not a Python file
-      path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), '?')
       fail(f'cannot load --config={path}: {" ".join(lines)} (not a Python config file?)')
+    if isinstance(e, AttributeError) and "has no attribute 'get_config'" in str(e):
+      fail(
+          f'cannot load --config={path}: it defines no get_config() (a config file is Python '
+          'with def get_config(variant=None) returning a ConfigDict, e.g. configs/shapes.py)'
+      )
     if isinstance(e, KeyError) or isinstance(wrapped, KeyError):
       # An override of a field the config does not have (config_flags raises AttributeError(KeyError)).
       lines = ['the config has no field ' + ' '.join(lines).replace("\\'", "'")]
@@ -98,9 +129,3 @@ def build_experiment(config, workdir: str, num_devices: int):
     return experiment.build(config, workdir, num_devices)
   except (ValueError, FileNotFoundError) as e:
     fail(str(e))
-
-
-def write_config(config, workdir: str):
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    f.write(config.to_json_best_effort(indent=2))

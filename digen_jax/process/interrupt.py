@@ -25,6 +25,7 @@ import threading
 import time
 
 from digen_jax.outputs import faults
+from digen_jax.process import peers
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -56,10 +57,13 @@ def requested() -> int | None:
 
 
 def check(where: str) -> None:
-  """Raises Interrupted if a stop was requested; `where` says what was abandoned."""
+  """Raises Interrupted if a stop was requested; `where` says what was abandoned. When the
+  launcher stopped this process because a peer died, the message names that peer instead."""
   signum = _state['signum']
   if signum is not None:
-    raise Interrupted(signum, f'interrupted by {name(signum)} {where}')
+    dead = peers.dead_peer()
+    why = f'{dead}: stopped' if dead else f'interrupted by {name(signum)}'
+    raise Interrupted(signum, f'{why} {where}')
 
 
 def _note(signum: int) -> bool:
@@ -106,6 +110,8 @@ def _watch(read_fd: int, timeout_s: float) -> None:
         os._exit(128 + signum)
       _note(signum)
       deadline, generation, first = time.monotonic() + timeout_s, _state['generation'], signum
+      if peers.dead_peer() is not None:
+        continue  # a peer died: the process's last line says so (one line, peers.py)
       _say(
           f'{name(signum)} received: stopping at the next safe point, checkpointing the last '
           f'completed step, exiting within {timeout_s:g} s (a second signal exits at once)'

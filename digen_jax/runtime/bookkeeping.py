@@ -20,6 +20,7 @@ from digen_jax.outputs import checkpoint as ckpt_lib
 from digen_jax.outputs import faults
 from digen_jax.process import interrupt
 from digen_jax.outputs import metrics as metrics_lib
+from digen_jax.outputs import report
 from digen_jax.runtime import publish
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.runtime import inputs
@@ -62,7 +63,11 @@ class Bookkeeping:
     self.publish_mb = publish.publish_megabytes(exp.params, self.rollout_dtype)
     # A run that trains evaluates once more at its end, with the policy after the last step.
     self.final_eval = config.eval.every > 0 and self.start < self.total
-    self.writer = metrics_lib.MetricsWriter(workdir)
+    # After the checkpoint restored: a run that stops there (a changed model) keeps the
+    # config.json of the run that wrote the checkpoints.
+    report.write_config(config, workdir)
+    # Rows after the restored step (a fallback to an older checkpoint, a lost save) are redone.
+    self.writer = metrics_lib.MetricsWriter(workdir, resume_step=self.start)
     self.progress = metrics_lib.Progress(self.start, self.total)
     self.published_at: dict[int, float] = {}  # policy version -> wall clock after its publish
     self.max_skips = config.runtime.max_consecutive_skips
@@ -154,6 +159,9 @@ class Bookkeeping:
     row = step_row(step=step + 1, cluster=self.cluster, publish_mb=self.publish_mb, **row_fields)
     row['skipped_updates'] = self.trainer.skipped_updates
     row.update(extra or {})
+    # The previous step's asynchronous save must have committed before this row is written: a
+    # failed save stops the run here, with its step's row the last one, not some steps later.
+    self._storage(self.trainer.checkpointer.wait)
     self.writer.write(row)
     if (step + 1) % self.exp.config.log_every == 0 or step + 1 == self.total:
       self.progress.log(step + 1, row)
@@ -168,12 +176,25 @@ class Bookkeeping:
           'raise config.runtime.max_consecutive_skips)'
       )
     stop = interrupt.requested() is not None and step + 1 < self.total
-    self.trainer.save(step + 1, data_position, force=step + 1 == self.total or stop)
+    self._storage(self.trainer.save, step + 1, data_position, force=step + 1 == self.total or stop)
     self.ended = (step + 1, data_position)
     if stop:
       self._at_step_end = True
       interrupt.check(f'after step {step + 1} of {self.total}')
     return row
+
+  def _storage(self, fn, *args, **kwargs) -> None:
+    """fn(*args, **kwargs), a checkpoint operation; on its CheckpointError the writer and the
+    checkpointer close before it goes on (no save thread outlives the run's last line)."""
+    try:
+      fn(*args, **kwargs)
+    except faults.CheckpointError:
+      self.writer.close()
+      try:
+        self.trainer.close()
+      except faults.CheckpointError:
+        pass  # the same failure, already being raised
+      raise
 
   def finish(self, title: str, **extra) -> dict:
     """Writes the trace (if config.schedule.trace), closes the checkpointer and the metrics

@@ -28,6 +28,7 @@ import time
 import jax
 
 from digen_jax.process import interrupt
+from digen_jax.process import peers
 
 ENV_COORDINATOR = 'DIGEN_COORDINATOR_ADDRESS'
 ENV_NUM_PROCESSES = 'DIGEN_NUM_PROCESSES'
@@ -147,7 +148,15 @@ def _exit_on_uncaught_exception() -> None:
   previous = sys.excepthook
 
   def hook(exc_type, exc, tb):
-    previous(exc_type, exc, tb)  # the usual traceback
+    dead = None
+    if not issubclass(exc_type, KeyboardInterrupt):
+      dead = peers.dead_peer(wait_s=2.0)  # launch/local.py names a copy that died, if one did
+    if dead is not None:
+      # What failed was a call to that peer (a transfer, a key-value get): its death is the
+      # cause, said in one line (process/peers.py).
+      peers.last_line(peers.stop_line(dead, _global_state().process_id))
+    else:
+      previous(exc_type, exc, tb)  # the usual traceback
     sys.stdout.flush()
     sys.stderr.flush()
     # os._exit skips atexit, where jax.distributed.shutdown would wait for the peers.

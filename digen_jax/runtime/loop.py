@@ -60,13 +60,16 @@ def train(exp, workdir: str, cluster) -> dict:
     me = distributed.process_info().process_id
     if cluster.role_of(me) == 'rollout':
       return _rollout_process(exp, workdir, cluster, tracer)
-  trainer = trainer_lib.Trainer(
-      exp,
-      cluster.trainer.mesh,
-      book_lib.checkpointer(config, workdir, cluster.multi_process),
-      exp.plan,
-      tag=bool(config.schedule.tag),
-  )
+  checkpointer = book_lib.checkpointer(config, workdir, cluster.multi_process)
+  try:
+    trainer = trainer_lib.Trainer(
+        exp, cluster.trainer.mesh, checkpointer, exp.plan, tag=bool(config.schedule.tag)
+    )
+  except BaseException:
+    # E.g. a checkpoint that does not fit this run: orbax's threads and event loop shut down
+    # now, not torn down mid-flight at interpreter exit (a traceback apiece).
+    checkpointer.close()
+    raise
   book = book_lib.Bookkeeping(exp, workdir, cluster, tracer, trainer)
   tag_sampler = None
   if config.schedule.tag:
@@ -79,8 +82,10 @@ def train(exp, workdir: str, cluster) -> dict:
       out = TrainerLoop(book, trainer, tag_sampler, link).run()
   except BaseException as e:
     link.fail(e)
-    if rollout_thread is not None and isinstance(e, interrupt.Interrupted):
-      rollout_thread.join(timeout=30)  # it stops between fragments; the watchdog bounds this
+    if rollout_thread is not None:
+      # It stops between fragments (the watchdog bounds this after a signal); left running, it
+      # would sample on while the interpreter shuts down and fail with a traceback of its own.
+      rollout_thread.join(timeout=30)
     raise
   link.close()
   if rollout_thread is not None:
