@@ -1,6 +1,6 @@
-"""The DigenRL paper's table, predicted: each technique's speedup over colocated and over naive
-disaggregation for four model families on 16 and 32 GPUs, homogeneous and mixed, and a
-scaling curve to 1024 accelerators.
+"""The DigenRL paper's table, predicted: the best on-policy DigenRL mode's speedup over a
+calibrated colocated baseline and over naive disaggregation, for four model families on 16 and
+32 GPUs, homogeneous and mixed, and a scaling curve to 1024 accelerators.
 
     python benchmarks/paper_table.py --md=/tmp/paper_table.md --json=benchmarks/paper_table.json \
         --png=benchmarks/sim_scaling.png
@@ -11,8 +11,15 @@ config's LoRA), HunyuanVideo-13B and Wan2.1-14B from their published sizes (sim/
 ANALYTIC). Batches scale with the cluster (weak scaling): the configs' batch at 16 GPUs
 (images: 8 prompts x 16; videos: 4 prompts x 8), twice the prompts at 32, and so on. Every mode
 is the planner's (digen_jax/sim/search.py): the best split and fragment count it finds,
-simulated by sim/engine.py. Splits whose device counts do not divide a fragment are costed
-padded (--pad: the paper picks its splits freely; our runtime needs the batch divisible).
+simulated by sim/engine.py, at the calibrated efficiencies of sim/hardware.py. Splits whose
+device counts do not divide a fragment are costed padded (--pad).
+
+The baseline is sim/baseline.py's colocated system (config.baseline: veRL-Omni's recipe, its
+engine's calibrated efficiencies, reward, behaviour pass, offload, engine sleep, layer-by-layer
+sync), priced with every term on and with every term off (then it runs our own calibrated
+programs, nothing else: our own colocated mode without its FSDP layout); on a mixed cluster also
+on its fastest part alone, the better of the two counting. --trained_steps=K plans a K-step
+window instead of the configs' K (veRL-Omni and Flow-GRPO-Fast train 1-2 steps).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ sys.path.insert(0, REPO)
 from configs import flux as flux_config
 from configs import qwenimage
 from digen_jax.sim import analytic
+from digen_jax.sim import baseline
 from digen_jax.sim import cache
 from digen_jax.sim import hardware
 from digen_jax.sim import planner as planning
@@ -76,9 +84,15 @@ def devices_of(spec: str) -> int:
 
 
 def plan_one(run: rm.RunModel, spec: str, settings: planning.Settings) -> dict:
+  """The plan of `run` (its batch scaled with the cluster) with the baseline's terms on, and the
+  baseline again with every term off ('baseline_off')."""
   scale = max(1, devices_of(spec) // 16)
   scaled = dataclasses.replace(run, prompts=run.prompts * scale, notes=list(run.notes))
-  p = planning.plan(scaled, hardware.parse_cluster(spec), settings, cluster=spec)
+  parts = hardware.parse_cluster(spec)
+  p = planning.plan(scaled, parts, settings, cluster=spec)
+  p['baseline_off'] = planning.baseline_row(
+      scaled, parts, settings.knobs(), baseline.Recipe(), frozenset()
+  )
   p.pop('_results', None)
   return p
 
@@ -97,36 +111,42 @@ def best_digenrl(modes: dict) -> str | None:
 
 def table(rows: list[dict]) -> str:
   head = (
-      '| model | cluster | batch | colocated samples/s | '
-      + ' | '.join(f'{m} x coloc' for m in SHOWN)
-      + ' | best on-policy DigenRL mode: x coloc / x disagg | '
-      'its busy trainer / rollout | its split, M |'
+      '| model | cluster | batch, K | baseline samples/s (terms on / off) | our colocated x base '
+      '| best on-policy DigenRL mode | x base (terms on) | x base (terms off) | x naive disagg '
+      '| busy trainer / rollout | split, M |'
   )
   lines = [head, '|' + '---|' * (head.count('|') - 1)]
   for r in rows:
     p = r['plan']
-    modes = p['modes']
-    col = modes['colocated']['samples_per_s']
-    cells = []
-    for m in SHOWN:
-      x = modes[m].get('x_colocated') if modes[m]['samples_per_s'] else None
-      cells.append(fmt(x) if x is not None else 'no fit')
+    modes, b, off = p['modes'], p['baseline'], p['baseline_off']
     k = best_digenrl(modes)
-    b = modes[k] if k else None
-    best = f'{k}: {fmt(b["x_colocated"])} / {fmt(b["x_disagg"])}' if b else '-'
-    busy = f'{b["trainer_busy"]:.2f} / {b["rollout_busy"]:.2f}' if b else '-'
-    split = f'{b["split"]}, {b["fragments"]}' if b else '-'
+    m = modes[k] if k else None
+    col = modes['colocated']
+    where = (
+        ' (fast part)'
+        if 'fast_part' in b and b['fast_part']['samples_per_s'] >= b['all']['samples_per_s']
+        else ''
+    )
     lines.append(
-        f'| {r["model"]} | {r["cluster"]} | {p["run"]["batch"]} | {fmt(col, 4)} | '
-        + ' | '.join(cells)
-        + f' | {best} | {busy} | {split} |'
+        f'| {r["model"]} | {r["cluster"]} | {p["run"]["batch"]}, {p["run"]["K"]} | '
+        f'{fmt(b["samples_per_s"], 3)}{where} / {fmt(off["samples_per_s"], 3)} | '
+        f'{fmt(col["x_baseline"])} | {k or "-"} | '
+        f'{fmt(m["x_baseline"]) if m else "-"} | '
+        f'{fmt(m["samples_per_s"] / off["samples_per_s"]) if m else "-"} | '
+        f'{fmt(m["x_disagg"]) if m else "-"} | '
+        + (
+            f'{m["trainer_busy"]:.2f} / {m["rollout_busy"]:.2f} | {m["split"]}, {m["fragments"]} |'
+            if m
+            else '- | - |'
+        )
     )
   return '\n'.join(lines)
 
 
 def scaling(runs: dict[str, rm.RunModel], settings: planning.Settings) -> dict:
-  """Per family and cluster kind (H100s; half H100s, half H20s): samples/s of colocated, naive
-  disagg and the best on-policy DigenRL mode on 16 to 1024 devices, weak scaling."""
+  """Per family and cluster kind (H100s; half H100s, half H20s): samples/s of the baseline, our
+  colocated mode, naive disagg and the best on-policy DigenRL mode on 16 to 1024 devices, weak
+  scaling."""
   out = {}
   for name, run in runs.items():
     for kinds in ('H100', 'H100+H20'):
@@ -141,6 +161,7 @@ def scaling(runs: dict[str, rm.RunModel], settings: planning.Settings) -> dict:
                 'devices': n,
                 'cluster': spec,
                 'batch': p['run']['batch'],
+                'baseline': p['baseline']['samples_per_s'],
                 'colocated': p['modes']['colocated']['samples_per_s'],
                 'disagg': p['modes']['disagg']['samples_per_s'],
                 'best_mode': k,
@@ -169,7 +190,8 @@ def plot(curves: dict, path: str) -> None:
       ax, pts = axes[i, j], curves[f'{name}|{kind}']
       n = [p['devices'] for p in pts]
       for key, style, label in (
-          ('colocated', 'o-', 'colocated'),
+          ('baseline', 'v:', 'colocated baseline (veRL-Omni terms)'),
+          ('colocated', 'o-', 'our colocated mode'),
           ('disagg', 's--', 'naive disaggregation'),
           ('best', '^-', 'best on-policy DigenRL mode'),
       ):
@@ -197,6 +219,7 @@ def plot(curves: dict, path: str) -> None:
 
 KEPT = (
     'samples_per_s',
+    'x_baseline',
     'utilization',
     'x_colocated',
     'x_disagg',
@@ -243,27 +266,35 @@ def main(argv=None) -> int:
   ap.add_argument('--json', default=None, help='write every plan figure here')
   ap.add_argument('--png', default=os.path.join(REPO, 'benchmarks', 'sim_scaling.png'))
   ap.add_argument('--no_scaling', action='store_true')
-  ap.add_argument('--roofline', default='compute', choices=('compute', 'bytes', 'both'))
+  ap.add_argument(
+      '--trained_steps',
+      default='config,2',
+      help="the Ks to tabulate: 'config' (each config's K) and/or step counts",
+  )
   a = ap.parse_args(argv)
   t0 = time.time()
   runs = families()
-  out_md, doc = [], {'paper': PAPER, 'tables': {}, 'scaling': None}
-  for roofline in (('compute', 'bytes') if a.roofline == 'both' else (a.roofline,)):
-    settings = planning.Settings(roofline=roofline, pad=True)
+  settings = planning.Settings(pad=True)
+  out_md = ['\n'.join(planning.hardware.describe_calibration('digen_jax', [hardware.get('H100')]))]
+  doc = {'paper': PAPER, 'calibration': out_md[0], 'tables': {}, 'scaling': None}
+  for k in a.trained_steps.split(','):
     rows = []
     for name, run in runs.items():
-      if roofline == 'bytes' and run.source == 'analytic':
-        continue  # analytic bytes are an estimate of ours, not XLA's counts
+      run_k = run if k == 'config' else dataclasses.replace(run, K=int(k), notes=list(run.notes))
       for spec in CLUSTERS:
-        rows.append({'model': name, 'cluster': spec, 'plan': plan_one(run, spec, settings)})
-        print(f'[table] {roofline} {name} {spec}', file=sys.stderr, flush=True)
-    out_md.append(f'Roofline: {roofline}\n\n{table(rows)}')
-    doc['tables'][roofline] = [
+        rows.append({'model': name, 'cluster': spec, 'plan': plan_one(run_k, spec, settings)})
+        print(f'[table] K={k} {name} {spec}', file=sys.stderr, flush=True)
+    title = "each config's K" if k == 'config' else f'K = {k} trained steps'
+    out_md.append(f'{title}\n\n{table(rows)}')
+    doc['tables'][k] = [
         {
             'model': r['model'],
             'cluster': r['cluster'],
             'batch': r['plan']['run']['batch'],
-            'modes': {k: compact(m) for k, m in r['plan']['modes'].items()},
+            'K': r['plan']['run']['K'],
+            'baseline': r['plan']['baseline'],
+            'baseline_off': r['plan']['baseline_off'],
+            'modes': {m: compact(v) for m, v in r['plan']['modes'].items()},
             'best': r['plan']['best'],
             'best_on_policy': r['plan']['best_on_policy'],
             'notes': r['plan']['notes'],
@@ -271,9 +302,7 @@ def main(argv=None) -> int:
         for r in rows
     ]
   if not a.no_scaling:
-    settings = planning.Settings(
-        roofline='compute', pad=True, sharded_decode=True, simulate_top=3, grid=8
-    )
+    settings = planning.Settings(pad=True, sharded_decode=True, simulate_top=3, grid=8)
     doc['scaling'] = scaling(runs, settings)
     plot(doc['scaling'], a.png)
     out_md.append(f'Scaling curve: {a.png}')

@@ -18,11 +18,14 @@ from digen_jax.process import cli
 from digen_jax.outputs import faults
 from digen_jax.process import interrupt
 from digen_jax.process import peers
+from digen_jax.process import xla_flags
 
 
 def main(argv):
   del argv
-  # Before anything touches a JAX backend: joins the launcher's jax.distributed job, if any.
+  # Before anything touches a JAX backend: FSDP's collectives overlapped on GPUs, then the
+  # launcher's jax.distributed job joined, if any.
+  xla_flags.install()
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
 
   try:

@@ -105,6 +105,18 @@ _COSTS = flags.DEFINE_enum(
     "'xla': the compiled programs' costs (the cache, else compiled once); 'analytic': the "
     "family's FLOPs and the weights' bytes, nothing compiled (sim/analytic.py).",
 )
+_OVERLAP = flags.DEFINE_bool(
+    'overlap',
+    True,
+    "FSDP's all-gathers and reduce-scatters overlapped with the layers' compute (XLA's "
+    'pipelined collectives on GPUs, process/xla_flags.py); --nooverlap: after it.',
+)
+_TRAINED_STEPS = flags.DEFINE_list(
+    'trained_steps',
+    [],
+    "Trained steps per trajectory to plan instead of the config's K, e.g. 1,2,5 (a window "
+    'of K steps: Flow-GRPO-Fast, veRL-Omni); each is planned, the best of each summarised.',
+)
 _ACCELERATORS = flags.DEFINE_string(
     'accelerators', None, 'JSON file of more accelerator kinds ' '(sim/hardware.load_json).'
 )
@@ -156,22 +168,29 @@ def main(argv):
       pad=_PAD.value,
       colocated_terms=_TERMS.value,
       costs=_COSTS.value,
+      overlap=_OVERLAP.value,
   )
   try:
     parts, trainer = planning.validate(
         _CLUSTER.value, _TRAINER.value, settings, accelerators=_ACCELERATORS.value
     )
     run = planning.run_model(_config_arg(sys.argv[1:]), config, _overrides(sys.argv[1:]), settings)
-    plan = planning.plan(
-        run,
-        parts,
-        settings,
-        trainer=trainer,
-        cluster=_CLUSTER.value,
-        recipe=baseline.recipe_of(config),
-    )
+    plans = [
+        planning.plan(
+            variant,
+            parts,
+            settings,
+            trainer=trainer,
+            cluster=_CLUSTER.value,
+            recipe=baseline.recipe_of(config),
+        )
+        for variant in planning.trained_step_variants(run, _TRAINED_STEPS.value)
+    ]
   except planning.PlanError as e:
     fail(str(e))
+  if len(plans) > 1:
+    print(plan_report.format_k_summary(plans) + '\n')
+  plan = plans[0]
   plan['plan_seconds'] = round(time.time() - t0, 2)
   plan['command'] = ' '.join(['python -m digen_jax.plan'] + sys.argv[1:])
   print(plan_report.format_plan(plan))

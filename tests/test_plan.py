@@ -13,6 +13,7 @@ import pytest
 from configs import qwenimage
 from digen_jax.sim import analytic
 from digen_jax.sim import cache
+from digen_jax.parallel import tsp_grid
 from digen_jax.sim import hardware
 from digen_jax.sim import planner as planning
 from digen_jax.sim import roles
@@ -249,13 +250,16 @@ def test_program_model_reproduces_xla_and_scales(qwen):
   assert r.temp(2) < 0.1 * r.temp(2, accelerator=False)
 
 
-def test_tsp_pads_the_timestep_axis(qwen):
-  """TSP lays K over the trainer mesh: K = 5 on 8 devices computes 8 padded steps."""
+def test_tsp_costs_the_2d_grid(qwen):
+  """TSP lays K steps x the fragment's samples over a (t, b) grid (parallel/tsp_grid.py): 4
+  samples with K = 5 on 8 devices run on t = 2 (K padded to 6) x b = 4, 3 sample-steps per
+  device, against the plain gradient's 5 with half the devices idle (4 samples, 8 devices)."""
   g8 = roles.Group(hardware.parse_cluster('8xH100'))
   knobs = rm.Knobs()
-  plain = rm.best(rm.grad_options(qwen, g8, 16, knobs, tsp=False))
-  tsp = rm.best(rm.grad_options(qwen, g8, 16, knobs, tsp=True))
-  assert tsp.detail['compute_s'] == pytest.approx(plain.detail['compute_s'] * 8 / 5, rel=0.02)
+  plain = rm.best(rm.grad_options(qwen, g8, 4, knobs, tsp=False))
+  tsp = rm.best(rm.grad_options(qwen, g8, 4, knobs, tsp=True))
+  assert qwen.K == 5 and tsp_grid.choose(5, 8, 4).work == 3
+  assert tsp.detail['compute_s'] == pytest.approx(plain.detail['compute_s'] * 3 / 5, rel=0.03)
 
 
 def test_cache_key_and_roundtrip(tmp_path):
@@ -308,3 +312,24 @@ def test_committed_costs_match_the_configs_they_were_computed_for():
     spec.loader.exec_module(mod)
     config = mod.get_config(e.key.variant or None)
     assert cache_lib.config_digest(config) == e.digest, (e.path, e.key)
+
+
+def test_trained_step_windows_are_planned_as_asked(qwen):
+  """--trained_steps: each K planned (a K-step window costs K/K0 of the gradient); a K outside
+  1..T-1 is refused naming the flag."""
+  k2, k1 = planning.trained_step_variants(qwen, ['2', '1'])
+  assert (k2.K, k1.K) == (2, 1) and planning.trained_step_variants(qwen, []) == [qwen]
+  g = roles.Group(hardware.parse_cluster('8xH100'))
+  full, two = (rm.best(rm.grad_options(r, g, 16, rm.Knobs(), tsp=False)) for r in (qwen, k2))
+  assert two.detail['compute_s'] == pytest.approx(full.detail['compute_s'] * 2 / 5, rel=0.02)
+  for bad in ('0', str(qwen.T), 'two'):
+    with pytest.raises(planning.PlanError, match='--trained_steps'):
+      planning.trained_step_variants(qwen, [bad])
+
+
+def test_overlapped_fsdp_exposes_only_the_first_layer(qwen):
+  g = roles.Group(hardware.parse_cluster('16xH100'))
+  on = rm.best(rm.grad_options(qwen, g, 16, rm.Knobs(overlap=True), tsp=False))
+  off = rm.best(rm.grad_options(qwen, g, 16, rm.Knobs(overlap=False), tsp=False))
+  assert on.seconds < off.seconds
+  assert on.detail['fsdp_s'] < off.detail['fsdp_s'] / qwen.layers * 1.01

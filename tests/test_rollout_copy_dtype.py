@@ -56,4 +56,6 @@ def test_colocated_main_job_samples_with_the_configured_copy(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rows[dtype] = [json.loads(l) for l in open(wd / 'metrics.jsonl')][-1]
-  assert rows['bfloat16']['publish_mb'] == pytest.approx(rows['float32']['publish_mb'] / 2, rel=1e-3)
+  assert rows['bfloat16']['publish_mb'] == pytest.approx(
+      rows['float32']['publish_mb'] / 2, rel=1e-3
+  )

@@ -12,6 +12,21 @@ from digen_jax.runtime import trace as trace_lib
 from digen_jax.sim import search
 
 
+def format_k_summary(plans: list[dict]) -> str:
+  """One line per planned K: the baseline, our colocated and the best on-policy mode."""
+  lines = [f'{"K":>3}{"baseline":>10}{"colocated":>11}  best on-policy: samples/s, x base, split']
+  for p in plans:
+    k = p['best_on_policy'] or p['best']
+    m = p['modes'][k]
+    col = p['modes']['colocated']['samples_per_s']
+    lines.append(
+        f'{p["run"]["K"]:>3}{p["baseline"]["samples_per_s"]:10.4g}'
+        f'{col if col is None else round(col, 4)!s:>11}  {k} {m["samples_per_s"]:.4g}, '
+        f'{m["x_baseline"]:.2f}x, {m["split"]}, M={m["fragments"]}'
+    )
+  return '\n'.join(lines)
+
+
 def baseline_lines(b: dict) -> list[str]:
   """The compared colocated system's step, term by term, on each placement planned."""
   lines = [

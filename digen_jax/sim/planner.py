@@ -41,6 +41,7 @@ class Settings:
   pad: bool = False  # cost batches that do not divide a role's devices, padded
   colocated_terms: str = 'all'  # the baseline's terms: all, none or a subset (sim/baseline.py)
   costs: str = 'xla'  # 'xla': the compiled programs (cache); 'analytic': sim/analytic.py
+  overlap: bool = True  # FSDP collectives behind compute (runmodel.Knobs.overlap)
   trace_devices: int = 32  # up to this many devices the best candidates' traces hold
   # every device; above, one row per role
 
@@ -56,6 +57,7 @@ class Settings:
     return rm.Knobs(
         eff=eff,
         engine='uniform' if self.mfu else 'digen_jax',
+        overlap=self.overlap,
         devices_per_node=self.devices_per_node,
         memory_fraction=self.memory_fraction,
         sharded_decode=self.sharded_decode,
@@ -247,6 +249,24 @@ def _compute_entries(config_arg, config, overrides, settings, found, notes, dire
     ] + [e for e in found if e.key.method == 'raw']
   except RuntimeError as e:
     raise PlanError(f'{config_arg}: {e}') from None
+
+
+def trained_step_variants(run: rm.RunModel, values: list[str]) -> list[rm.RunModel]:
+  """`run` with each K of `values` (--trained_steps; none: `run` itself). A K must be a
+  whole number of the T - 1 trainable steps."""
+  out = []
+  for v in values:
+    try:
+      k = int(v)
+    except ValueError:
+      k = 0
+    if not 1 <= k <= run.T - 1:
+      raise PlanError(
+          f'--trained_steps={",".join(values)}: {v!r} is not a step count in 1..{run.T - 1} '
+          f'(T={run.T} sampler steps, the last one never trained)'
+      )
+    out.append(dataclasses.replace(run, K=k, notes=list(run.notes)))
+  return out or [run]
 
 
 def _log(log):

@@ -13,9 +13,9 @@ and keeps the fastest that fits in its devices' memory (x `memory_fraction`):
   grad      remat on / off (where the cache holds both), the K trained steps as one vmap (one
             FSDP all-gather per call; rl.step_loop 'vmap', the default on several devices) or
             a scan (rl.step_loop 'scan': one step's activations, 2 gathers per step), and
-            chunks of a device's samples (gradient accumulation over calls). TSP shards the
-            timestep axis over the trainer mesh (K padded to a multiple of it): per device
-            b x ceil(K / n) sample-steps instead of K x ceil(b / n)
+            chunks of a device's samples (gradient accumulation over calls). TSP lays K steps
+            x b samples over a (t, b) grid of the trainer mesh (parallel/tsp_grid.py): per
+            device ceil(K / t) x ceil(b / (n / t)) sample-steps, 2 gathers per call
   colocated the trainer's FSDP state plus the rollout copy while it samples (the copy is
             rebuilt from the shards each step: the switch), optionally the optimizer state
             offloaded to host memory during the rollout
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from digen_jax.parallel import tsp_grid
 from digen_jax.sim import hardware
 from digen_jax.sim import roles
 from digen_jax.sim import timing
@@ -116,12 +117,22 @@ class Knobs:
   sharded_decode: bool = False  # model the rollout's VAE decode sharded (not as compiled)
   hbm: bool = True  # False: compute-bound roofline (FLOPs only)
   engine: str = 'digen_jax'  # hardware.CALIBRATED_ENGINES, or 'uniform'
+  # FSDP's collectives overlapped with the layers' compute (process/xla_flags.py on GPUs: the
+  # next layer's gather prefetched during this one), only the first layer's exposed; False:
+  # every collective after the compute.
+  overlap: bool = True
 
   def __post_init__(self):
     if self.engine not in hardware.CALIBRATED_ENGINES + ('uniform',):
       raise ValueError(
           f'Knobs.engine={self.engine!r}: use one of {hardware.CALIBRATED_ENGINES + ("uniform",)}'
       )
+
+  def exposed(self, comm: float, compute: float, layers: int) -> float:
+    """Seconds of `comm` collectives not hidden behind `compute` (a layer scan's)."""
+    if not self.overlap:
+      return comm
+    return max(0.0, comm - compute) + comm / max(1, layers)
 
   def efficiency(self, acc: hardware.Accelerator, work: str) -> timing.Efficiency:
     """The fractions of `acc`'s peaks for `work` ('sampling' | 'training')."""
@@ -185,6 +196,7 @@ def rollout_options(
       mem = roles.memory_dict(
           state=persistent, rollout_copy=copy, gathered_block=block, temp=prog.temp(c)
       )
+      gather = knobs.exposed(gather, sec, run.layers)
       out.append(
           roles.Option(
               f'{layout} layout, {c} sample{"s" if c > 1 else ""}/device/call',
@@ -209,9 +221,10 @@ def grad_options(
   apply = apply_temp(run, n)
   out = []
   for remat, prog in sorted(run.grads.items()):
-    if tsp:  # chunks of the fragment's samples, K padded to the mesh
+    if tsp:  # chunks of the fragment's samples, K x samples over a (t, b) grid of the mesh
       plans = [
-          ('vmap', bc, math.ceil(b / bc), bc * math.ceil(run.K / n), bc) for bc in roles.chunks(b)
+          ('vmap', bc, math.ceil(b / bc), tsp_grid.choose(run.K, n, bc).work, bc)
+          for bc in roles.chunks(b)
       ]
     else:
       s = math.ceil(b / n)
@@ -227,6 +240,7 @@ def grad_options(
       fsdp = group.fsdp_seconds(
           run.gathered_bytes, run.trainable_bytes, gathers, knobs.devices_per_node, knobs.eff
       )
+      fsdp = knobs.exposed(fsdp, sec, run.layers)
       mem = roles.memory_dict(state=persistent, temp=max(prog.temp(mem_units), apply))
       what = f'{c} sample{"s" if c > 1 else ""}' + ('/call (TSP)' if tsp else '/device/call')
       out.append(

@@ -32,6 +32,7 @@ import itertools
 import math
 
 from digen_jax.experiment import fragments as frag_lib
+from digen_jax.parallel import tsp_grid
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.sim import engine
 from digen_jax.sim import hardware
@@ -374,14 +375,13 @@ class Planner:
     out = []
     gap, tsp = modes.get('gap'), modes.get('gap_tsp')
     if gap and tsp and tsp.samples_per_s < gap.samples_per_s:
-      n = tsp.split.trainer.n
-      k_pad = math.ceil(self.run.K / n) * n
+      n, b = tsp.split.trainer.n, self.run.batch // tsp.fragments
+      lay = tsp_grid.choose(self.run.K, n, b)
       out.append(
-          f'TSP is slower here ({tsp.samples_per_s / gap.samples_per_s:.2f}x GAP): the '
-          f'fragment gradient shards the timestep axis alone over the trainer mesh '
-          f'(programs.make_fragment_grad), so K={self.run.K} runs as {k_pad} padded steps on '
-          f'{n} devices, while without TSP the K steps are already one vmap with one FSDP '
-          "all-gather per fragment (rl.step_loop 'auto')"
+          f'TSP is slower here ({tsp.samples_per_s / gap.samples_per_s:.2f}x GAP): its grid '
+          f'puts K={self.run.K} steps ({lay.K_pad} padded) x {b} samples on {lay.t} x {lay.b} '
+          f"devices, {lay.work} sample-steps each, against the plain fragment gradient's "
+          f'{math.ceil(b / n) * self.run.K} without the grid'
       )
     tag = modes.get('gap_tsp_tag')
     if tag and tag.result and tag.result['bts_inserts'] == 0:
