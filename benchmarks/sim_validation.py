@@ -93,7 +93,7 @@ SCENARIOS = {
             '--config.rl.prompts_per_step=8',
         ),
         8,
-        ('disagg', 'tag'),
+        ('colocated', 'disagg', 'tag'),
         ('mp2',),
         steps=8,
     ),
