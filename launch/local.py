@@ -19,7 +19,10 @@ installed, else os.sched_setaffinity).
 Output: stdout and stderr of copy i are merged and every line is printed as "[i] line".
 Exit: 0 when every copy exits 0. On the first copy that fails (nonzero exit or a signal), all
 other copies are terminated (SIGTERM to their process groups, SIGKILL after --grace_s) and the
-launcher exits with the failing copy's code (128+signal for a signal), naming the copy.
+launcher exits with the failing copy's code (128+signal for a signal), naming the copy. Before
+the SIGTERM it writes that copy and its code to the file named by DIGEN_LAUNCH_STATUS in every
+copy's environment: a digen_jax copy's last line then names the peer that died
+(digen_jax/process/peers.py).
 SIGINT/SIGTERM to the launcher are forwarded to every copy as SIGTERM (a digen_jax.main copy
 checkpoints its last completed step and exits within its config.runtime.shutdown_timeout_s,
 default 60 s) and the launcher exits 130/143 once they are gone, listing their exit codes;

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -257,3 +258,102 @@ def test_training_resumes_past_a_corrupt_latest_checkpoint(tmp_path):
 
 def _train_rows(path):
   return [json.loads(l) for l in open(path) if '"loss"' in l]
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_redoes_the_lost_step(tmp_path):
+  """Issue 46: a real ENOSPC during a run ended after ~800 lines and ~80 tracebacks, reported at
+  the save after next (two more steps logged), and the resumed run left steps [1, 2, 2, ...] in
+  metrics.jsonl. Now: one line, before step 3's row; the resume redoes step 2 in its place."""
+  mnt = tmp_path / 'mnt'
+  if not _can_mount_tmpfs(mnt):
+    pytest.fail(
+        'cannot mount a tmpfs here (needs root and mount): run the suite as root, as CI does'
+    )
+  try:
+    # 6 MB: a checkpoint of configs/qwenimage.py:tiny (params + Adam state) is 3.5 MB, so step 1
+    # fits and step 2 does not.
+    subprocess.run(['mount', '-o', 'remount,size=6m', str(mnt)], check=True)
+    wd = str(mnt / 'run')
+    cmd = [
+        sys.executable,
+        '-m',
+        'digen_jax.main',
+        '--config=configs/qwenimage.py:tiny',
+        f'--workdir={wd}',
+        '--config.total_steps=4',
+    ]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    said = [l for l in r.stderr.splitlines() if l.strip() and not l.startswith(('I1', 'W1'))]
+    assert r.returncode == 1 and len(said) == 1, r.stderr[-5000:]
+    assert said[0].startswith(f'digen_jax: saving checkpoint step 2 in {wd}/checkpoints failed: ')
+    assert 'the disk is full' in said[0] and 'previous checkpoint (step 1) is intact' in said[0]
+    assert 'step 3/4' not in r.stderr  # stopped before step 3's row
+    assert [x['step'] for x in _train_rows(os.path.join(wd, 'metrics.jsonl'))] == [1, 2]
+
+    subprocess.run(['mount', '-o', 'remount,size=64m', str(mnt)], check=True)  # space freed
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-5000:]
+    assert 'resumed from' in r.stderr and 'at step 1' in r.stderr, r.stderr[-3000:]
+    rows = _train_rows(os.path.join(wd, 'metrics.jsonl'))
+    assert [x['step'] for x in rows] == [1, 2, 3, 4]  # step 2 once: the redone one
+    lost = _train_rows(os.path.join(wd, 'metrics.superseded.jsonl'))
+    assert [x['step'] for x in lost] == [2] and lost[0]['time'] < rows[1]['time']
+  finally:
+    subprocess.run(['umount', str(mnt)], check=False)
+
+
+def _tb_events(folder):
+  """(file, Event) of every TensorBoard record under `folder` (TFRecord framing: length, its
+  CRC, data, its CRC)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+  out = []
+  for path in sorted(glob.glob(os.path.join(folder, 'events.*'))):
+    data = open(path, 'rb').read()
+    i = 0
+    while i < len(data):
+      n = int.from_bytes(data[i : i + 8], 'little')
+      out.append((path, event_pb2.Event.FromString(data[i + 12 : i + 12 + n])))
+      i += 12 + n + 4
+  return out
+
+
+def test_a_resume_supersedes_the_rows_after_its_step(tmp_path):
+  """A run that resumes at step 2 after one that logged steps 1-4 (a fallback, or lost saves):
+  rows 3 and 4 move to metrics.superseded.jsonl (with the eval at step 4 and a torn last line),
+  TensorBoard purges from step 3 on, and the steps redone are written once."""
+  from digen_jax.outputs import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+
+  wd = str(tmp_path)
+  w = metrics_lib.MetricsWriter(wd)
+  for s in (1, 2, 3, 4):
+    w.write({'step': s, 'loss': float(s)})
+  w.write({'step': 2, 'eval/strict_accuracy': 0.5})  # eval rows carry their policy's step
+  w.write({'step': 4, 'eval/strict_accuracy': 0.7})
+  w.close()
+  with open(os.path.join(wd, 'metrics.jsonl'), 'a') as f:
+    f.write('{"step": 5, "lo')  # killed mid-row
+  time.sleep(1.1)  # TensorBoard event files are named by the second they were opened in
+  w = metrics_lib.MetricsWriter(wd, resume_step=2)
+  for s in (3, 4):
+    w.write({'step': s, 'loss': 10.0 + s})
+  w.close()
+  rows = metrics_lib.read_metrics(wd)
+  assert [(r['step'], r.get('loss')) for r in rows] == [
+      (1, 1.0),
+      (2, 2.0),
+      (2, None),  # the eval at step 2 is not redone after a resume there: it stays
+      (3, 13.0),
+      (4, 14.0),
+  ]
+  with open(os.path.join(wd, metrics_lib.SUPERSEDED)) as f:
+    moved = f.read().splitlines()
+  assert [json.loads(l)['step'] for l in moved[:3]] == [3, 4, 4] and moved[3] == '{"step": 5, "lo'
+  events = _tb_events(os.path.join(wd, 'tensorboard'))
+  second = sorted({p for p, _ in events})[1]
+  starts = [e for p, e in events if p == second and e.HasField('session_log')]
+  assert [(e.step, e.session_log.status) for e in starts] == [(3, 1)]  # START at 3: purge >= 3
+  # A run that starts over (step 0) supersedes everything, its base eval included.
+  metrics_lib.MetricsWriter(wd, resume_step=0, tensorboard=False).close()
+  assert metrics_lib.read_metrics(wd) == []

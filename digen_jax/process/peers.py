@@ -105,15 +105,21 @@ def watch_stderr(process_id: int) -> None:
   _watched['rank'] = process_id
   read_fd, write_fd = os.pipe()
   out = os.dup(2)
-  subprocess.Popen(
-      [sys.executable, '-u', os.path.abspath(__file__), str(process_id)],
-      stdin=read_fd,
-      stdout=out,
-      stderr=out,
-      close_fds=True,
-  )
-  os.close(read_fd)
-  os.close(out)
+  try:
+    subprocess.Popen(
+        [sys.executable, '-u', os.path.abspath(__file__), str(process_id)],
+        stdin=read_fd,
+        stdout=out,
+        stderr=out,
+        close_fds=True,
+    )
+  except OSError as e:  # no watcher: a peer's death may then show the client's stack dump
+    sys.stderr.write(f'digen_jax: warning: no stderr watcher ({e}); continuing without it\n')
+    os.close(write_fd)
+    return
+  finally:
+    os.close(read_fd)
+    os.close(out)
   sys.stderr.flush()
   os.dup2(write_fd, 2)
   os.close(write_fd)
