@@ -179,8 +179,8 @@ def _train(info, config, workdir: str, n: int):
     cli.fail(str(e))
   writer = info.process_id == cluster.writer_process
   peers.set_roles({p: cluster.role_of(p) for p in range(info.num_processes)})
-  # experiment.build checks that the batch splits over a device count; resolve() checked each
-  # role's, so their lcm divides it too.
+  # The fragment plan lays fragments out for a device count both roles divide (padding rows of
+  # weight 0 where the batch does not divide it: experiment/fragments.py).
   n_check = math.lcm(cluster.rollout.size, cluster.trainer.size)
   if info.num_processes > 1 and not writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)  # the writer prepares data first

@@ -113,11 +113,6 @@ def test_resolve_layouts_and_meshes():
             r'config.cluster.rollout.axis_names',
         ),
         (
-            ((0, 1), (2,)),
-            {'rl.prompts_per_step': 3, 'rl.group_size': 3},
-            r'not divisible by the 2 devices of config.cluster.trainer',
-        ),
-        (
             ((0, 1), (2, 3)),
             {'cluster.rollout.processes': (0,)},
             r'config.cluster.rollout: give devices',

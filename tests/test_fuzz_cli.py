@@ -178,12 +178,6 @@ CASES = [
         [TINY, '--config.rl.timesteps=random_fraction', '--config.rl.timestep_fraction=1.5'],
         ['config.rl.timestep_fraction=1.5'],
     ),
-    (
-        'indivisible_batch',
-        MAIN,
-        [TINY, '--config.rl.prompts_per_step=3', '--config.rl.group_size=3'],
-        ['not divisible', 'rl.prompts_per_step'],
-    ),
     # unknown keys, bad choices, broken config files
     ('unknown_key', MAIN, [TINY, '--config.rl.grup_size=3'], ['no field', 'grup_size']),
     ('unknown_section', MAIN, [TINY, '--config.nonexistent.x=1'], ['no field', 'nonexistent']),
@@ -643,7 +637,6 @@ def test_a_workdir_that_saw_every_failure_runs_and_corrupt_checkpoints_are_one_l
       'prompts_nul',
       'prompts_huge_line',
       'eval_split_missing',
-      'indivisible_batch',
       'roles_overlap',
       'transfer_on_all_interfaces',
       'lr_nan',

@@ -77,7 +77,6 @@ def _assert_same_update(params, opt_state, rows, ref):
     [
         ({'schedule.fragments': 3}, r'schedule.fragments=3 must divide rl.prompts_per_step=2'),
         ({'schedule.fragments': 3, 'schedule.fragment_unit': 'sample'}, 'must divide the batch'),
-        ({'schedule.fragments': 8, 'schedule.fragment_unit': 'sample'}, 'lower schedule.fragments'),
         ({'schedule.fragments': 2, 'rl.adv_std': 'global'}, "rl.adv_std='group'"),
         ({'schedule.fragment_unit': 'prompt'}, 'schedule.fragment_unit'),
         ({'schedule.tag': True}, 'runtime.mode=disagg'),

@@ -15,18 +15,7 @@ from digen_jax.parallel import tsp_grid
 from digen_jax.runtime import cluster as cluster_lib
 from tests import xla_env
 from tests.mp_scripts import launcher_util as util
-from tests.mp_scripts import tsp_grid_exactness as exactness
-
-# The TSP program sums the K x B pairs in another order (and the model's matmuls see another
-# batch shape) than the one-device program: measured |dgrad| / max|grad| <= 7e-7, loss 1.2e-7,
-# Adam moments <= 7e-7 of the largest, params after one Adam step (moving them by 1e-4) <= 2.2e-6
-# (Adam divides each entry by its own magnitude, so the tiniest gradient entries move as much
-# as the largest and carry their rounding into the step).
-GRAD_RTOL = 1e-5  # of the largest |gradient| entry
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 5e-6  # 5 % of the step's move (lr 1e-4)
-MOMENT_RTOL = 1e-5  # of the largest moment
-
+from tests.mp_scripts import fragment_exactness as exactness
 
 # ------------------------------------------------------------------------------ the rule
 
@@ -105,17 +94,6 @@ def test_disagg_checks_the_steps_axis_against_the_trainer_role():
 # ------------------------------------------------------------------------------ exactness
 
 
-def _check(r):
-  """One case's differences (tsp_grid_exactness.run_case) within the tolerances."""
-  assert r['weight_sum'][0] == r['weight_sum'][1] > 0, r
-  assert r['loss_rel'] <= LOSS_RTOL, r
-  assert r['grad_rel'] <= GRAD_RTOL, r
-  assert r['moved'] > 15 * PARAM_ATOL, 'the step is too small for the tolerance to mean much'
-  assert r['params_abs'] <= PARAM_ATOL, r
-  assert r['moments_rel'] <= MOMENT_RTOL, r
-  assert r['grad_norm'][0] == pytest.approx(r['grad_norm'][1], rel=1e-5), r
-
-
 @pytest.mark.parametrize(
     'case, layout',
     [
@@ -128,7 +106,7 @@ def _check(r):
 def test_tsp_grid_update_equals_colocated_on_4_devices(case, layout, tmp_path):
   r = exactness.run_case(dict(case, workdir=str(tmp_path)), jax.devices()[:4])
   assert (r['layout']['K_pad'], r['layout']['t'], r['layout']['b']) == layout
-  _check(r)
+  exactness.check(r)
 
 
 CASES_8 = [
@@ -148,7 +126,7 @@ CASES_8 = [
 def test_tsp_grid_update_equals_colocated_on_8_devices(tmp_path):
   cases = [dict(c, workdir=str(tmp_path)) for c, _ in CASES_8]
   out = subprocess.run(
-      [sys.executable, '-m', 'tests.mp_scripts.tsp_grid_exactness', '8', json.dumps(cases)],
+      [sys.executable, '-m', 'tests.mp_scripts.fragment_exactness', '8', json.dumps(cases)],
       cwd=util.REPO,
       env=xla_env.env_with_devices(8),
       capture_output=True,
@@ -163,4 +141,4 @@ def test_tsp_grid_update_equals_colocated_on_8_devices(tmp_path):
   for r, (_, layout) in zip(results, CASES_8):
     assert r['n'] == 8
     assert (r['layout']['K_pad'], r['layout']['t'], r['layout']['b']) == layout, r
-    _check(r)
+    exactness.check(r)

@@ -4,6 +4,11 @@ The batch holds P prompt groups of G samples, group-contiguous (B = P*G). Fragme
 samples [f*s, (f+1)*s) with s = B/M. With unit 'group' every fragment holds whole groups; with
 unit 'sample' a group may straddle fragments, and a fragment is trainable (its advantages are
 known) only once every fragment touching its groups has been scored. Pure bookkeeping: no JAX.
+
+A fragment's arrays have `rows` rows: s rounded up to a multiple of `devices` (the lcm of the
+roles' device counts, so that both meshes split them evenly). Rows past s are weight-0 padding:
+copies of the fragment's own samples with valid False and advantage 0, so they add nothing to
+the loss, the gradient, the pair weight or the metrics; the rollout scores only the s samples.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ UNITS = ('group', 'sample')
 
 @dataclasses.dataclass(frozen=True)
 class FragmentPlan:
-  """M fragments of `size` samples over a batch of `groups` groups of `group_size`."""
+  """M fragments of `size` samples over a batch of `groups` groups of `group_size`, each laid
+  out as `rows` rows for meshes of `devices` (or a divisor of it) devices."""
 
   groups: int
   group_size: int
   num: int
   unit: str
+  devices: int = 1
 
   def __post_init__(self):
     """The one check of config.schedule.fragments / fragment_unit against the batch
@@ -30,6 +37,8 @@ class FragmentPlan:
       raise ValueError(f'config.schedule.fragment_unit={self.unit!r} is not one of {UNITS}')
     if m < 1:
       raise ValueError(f'config.schedule.fragments={m} must be >= 1 (1 = no GAP)')
+    if self.devices < 1:
+      raise ValueError(f'FragmentPlan: devices={self.devices} must be >= 1')
     if self.unit == 'group' and self.groups % m:
       raise ValueError(
           f'config.schedule.fragments={m} must divide rl.prompts_per_step={self.groups} with '
@@ -49,6 +58,15 @@ class FragmentPlan:
   def size(self) -> int:
     """Samples per fragment."""
     return self.batch // self.num
+
+  @property
+  def rows(self) -> int:
+    """Rows of a fragment's arrays: `size` rounded up to a multiple of `devices`."""
+    return -(-self.size // self.devices) * self.devices
+
+  def pad_prompts(self, prompts: list[str]) -> list[str]:
+    """A fragment's `size` per-sample prompts extended to `rows`, cycling through them."""
+    return [prompts[i % len(prompts)] for i in range(self.rows)]
 
   def samples(self, f: int) -> range:
     return range(f * self.size, (f + 1) * self.size)
@@ -81,11 +99,13 @@ def stale_count(num: int, fraction: float) -> int:
   return int(num * fraction + 1e-9)
 
 
-def plan_of(config) -> FragmentPlan:
-  """The fragment plan of a run's config (rl batch, config.schedule)."""
+def plan_of(config, devices: int = 1) -> FragmentPlan:
+  """The fragment plan of a run's config (rl batch, config.schedule) for meshes of `devices`
+  devices (every role's device count divides it)."""
   return FragmentPlan(
       config.rl.prompts_per_step,
       config.rl.group_size,
       config.schedule.fragments,
       config.schedule.fragment_unit,
+      devices,
   )

@@ -4,8 +4,9 @@
 ValueError naming the field and the fix: first every choice field and every number's type and
 range (so nothing downstream divides by zero, builds an empty array or traces a NaN into a
 program), then the cross-field rules of each concern: the model against its latent grid, the
-model family, the batch against the devices, the checkpoint, the learning-rate schedule, the
-transfer host, the reward, the real-model fields and last the schedule.
+model family, the checkpoint, the learning-rate schedule, the transfer host, the reward, the
+real-model fields and last the schedule. num_devices: every role's device count divides it (a
+batch or fragment that it does not divide is padded with weight-0 rows: fragments.py).
 """
 
 from __future__ import annotations
@@ -146,7 +147,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> fragments.F
   _check_numbers(config)
   _check_model_against_latent(config)
   _check_model_family(config)
-  _check_batch(config, num_devices)
   _check_checkpoint(config)
   _check_lr_schedule(config)
   check_transfer_host(config.cluster.transfer_host)
@@ -270,16 +270,6 @@ def _check_flux(config: ml_collections.ConfigDict) -> None:
     )
 
 
-def _check_batch(config: ml_collections.ConfigDict, num_devices: int) -> None:
-  """The logical batch (prompts x group) splits evenly over the devices."""
-  batch = config.rl.prompts_per_step * config.rl.group_size
-  if batch % num_devices:
-    raise ValueError(
-        f'batch = rl.prompts_per_step * rl.group_size = {batch} is not divisible by '
-        f'the {num_devices} devices; change rl.prompts_per_step or runtime.num_devices'
-    )
-
-
 def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
   """model.init='checkpoint' names a checkpoint."""
   if config.model.init == 'checkpoint' and not config.model.checkpoint:
@@ -364,14 +354,10 @@ def _validate_schedule(
 ) -> fragments.FragmentPlan:
   """config.schedule against the batch, the devices and the mode (see runtime/loop.py)."""
   s, rl = config.schedule, config.rl
-  plan = fragments.plan_of(config)  # the fragment count's own rules (FragmentPlan)
-  m, batch = plan.num, plan.batch
-  if (batch // m) % num_devices:
-    raise ValueError(
-        f'a fragment of config.schedule.fragments={m} holds {batch // m} samples, '
-        f'not divisible by the {num_devices} devices of a role; lower '
-        'schedule.fragments'
-    )
+  # The fragment count's own rules (FragmentPlan); a fragment that does not divide the devices
+  # is padded to them with weight-0 rows (plan.rows).
+  plan = fragments.plan_of(config, num_devices)
+  m = plan.num
   if s.tsp_steps_axis and not s.tsp:
     raise ValueError(
         f'config.schedule.tsp_steps_axis={s.tsp_steps_axis} is the steps axis of TSP: set '

@@ -64,6 +64,36 @@ def cond_shardings(mesh, cond):
   return jax.tree.map(lambda x: mesh_lib.batch_sharding(mesh, x.ndim), cond)
 
 
+def computed_rows(rows: int, samples: int | None, n: int) -> int:
+  """Rows of a `rows`-row fragment a program on n devices computes: its first `samples` (the
+  real ones; None: all) rounded up to a multiple of n, at most `rows`. The rows past them are
+  weight-0 padding that only another mesh's layout needed (experiment/fragments.py)."""
+  if samples is None:
+    return rows
+  return min(rows, -(-samples // n) * n)
+
+
+def take_rows(batch, rows: int, sharding_of=None):
+  """(traj, cond, uncond, adv, valid) cut to its first `rows` rows (the Trajectory's per-sample
+  fields on axis 1, the rest on axis 0); sharding_of(ndim, axis), when given, lays each cut
+  array out (a sharding constraint). Unchanged when it has `rows` rows."""
+  traj, cond, uncond, adv, valid = batch
+  if adv.shape[0] == rows:
+    return batch
+
+  def cut(a, axis):
+    a = jax.lax.slice_in_dim(a, 0, rows, axis=axis)
+    if sharding_of is None:
+      return a
+    return jax.lax.with_sharding_constraint(a, sharding_of(a.ndim, axis))
+
+  traj = traj.replace(
+      latents=cut(traj.latents, 1), log_probs=cut(traj.log_probs, 1), stds=cut(traj.stds, 1)
+  )
+  rest = jax.tree.map(lambda a: cut(a, 0), (cond, uncond, adv, valid))
+  return (traj, *rest)
+
+
 def guidance_of(exp):
   """(guidance_scale or None, norm_rescale) as the sampler and objective take them."""
   s = exp.config.sampler

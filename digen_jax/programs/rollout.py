@@ -12,9 +12,23 @@ from digen_jax.programs import common
 from digen_jax.rl import timesteps as timesteps_lib
 
 
-def _rollout_fn(exp, deterministic: bool):
+def _pad_by_cycling(traj, rows: int):
+  """`traj` of s samples extended to `rows` by repeating them (sample i -> i mod s): weight-0
+  padding rows whose stored log-probs are their own, so every ratio stays finite."""
+  s = traj.log_probs.shape[1]
+  if s == rows:
+    return traj
+  idx = np.arange(rows) % s
+  return traj.replace(
+      latents=traj.latents[:, idx], log_probs=traj.log_probs[:, idx], stds=traj.stds[:, idx]
+  )
+
+
+def _rollout_fn(exp, deterministic: bool, mesh, samples: int | None):
   """rollout(params, cond, uncond, key, step, offset, frozen) -> (Trajectory, images) (images
-  only when `deterministic`): the sampling scan and the decode, traced into one program."""
+  only when `deterministic`): the sampling scan and the decode, traced into one program. With
+  `samples`, only the first ceil(samples / n) * n rows are sampled and decoded (the images);
+  the trajectory is padded back to the input's rows by repeating them."""
   velocity_fn = common.velocity_fn_of(exp)
   # numpy, not a device array: staged into the program as a literal. A jax.Array closed over
   # here would be a captured constant, which a GPU's transfer guard refuses to lower.
@@ -27,7 +41,13 @@ def _rollout_fn(exp, deterministic: bool):
       sde_steps = jnp.zeros((T,), bool)
     else:
       sde_steps = timesteps_lib.sde_step_mask(exp.selection, T, step)
-    b = cond['text'].shape[0]
+    rows = cond['text'].shape[0]
+    b = common.computed_rows(rows, samples, mesh.devices.size)
+    if b < rows:
+      on_batch = lambda a: jax.lax.with_sharding_constraint(
+          jax.lax.slice_in_dim(a, 0, b), mesh_lib.batch_sharding(mesh, a.ndim)
+      )
+      cond, uncond = jax.tree.map(on_batch, (cond, uncond))
     # One noise key per sample: a sample's trajectory does not depend on how the batch is cut.
     keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b) + offset)
     traj = sampler_lib.sample(
@@ -44,7 +64,7 @@ def _rollout_fn(exp, deterministic: bool):
         norm_rescale=norm_rescale,
     )
     images = exp.weights.decode(frozen, traj.latents[-1])
-    return images if deterministic else (traj, images)
+    return images if deterministic else (_pad_by_cycling(traj, rows), images)
 
   return rollout
 
@@ -58,6 +78,7 @@ def make_rollout(
     with_offset=False,
     frozen=None,
     deterministic=False,
+    samples: int | None = None,
 ):
   """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3]),
   data-parallel over `mesh`: the sampling scan, then the decode (VAE or identity) in the same
@@ -70,13 +91,17 @@ def make_rollout(
   its first sample, so a fragment of the logical batch draws exactly the noise the whole-batch
   program gives those samples (GAP, TAG).
 
+  samples: a fragment's real samples, the first of its rows (None: every row): the program
+  samples and decodes ceil(samples / n) * n rows and returns those images; the trajectory keeps
+  the input's rows, the rest repeating the sampled ones (weight-0 padding, fragments.py).
+
   Params arrive as the rollout copy: replicated unless `param_shardings` says otherwise (e.g. an
   FSDP layout on the rollout mesh); cond/uncond are batch-sharded. `traj_shardings` (a
   Trajectory of shardings) pins the output layout; None lets XLA choose. `frozen`: the frozen
   weights on `mesh` (default: loaded replicated, with the decoder)."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=False, decode=True)
-  rollout = _rollout_fn(exp, deterministic)
+  rollout = _rollout_fn(exp, deterministic, mesh, samples)
 
   rep = mesh_lib.replicated(mesh)
   cond_sharding = common.cond_shardings(mesh, exp.cond_abstract(1))
@@ -106,6 +131,7 @@ def make_rollout(
       common.layout_key(traj_shardings),
       with_offset,
       deterministic,
+      samples,
       common.layout_key(frozen_sh),
   )
   return common.Bound(common.memoized('rollout', exp, parts, make), frozen)

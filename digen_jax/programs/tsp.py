@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from digen_jax.parallel import tsp_grid
+from digen_jax.programs import common
 from digen_jax.rl import timesteps as timesteps_lib
 
 STEPS, SAMPLES = 'tsp_steps', 'tsp_samples'  # the grid's axis names
@@ -36,10 +37,6 @@ def grid(mesh, lay: Layout) -> Mesh:
   return Mesh(mesh.devices.reshape(lay.t, lay.b), (STEPS, SAMPLES), axis_types=(AxisType.Auto,) * 2)
 
 
-def _rows(tree, n: int, axis: int = 0):
-  return jax.tree.map(lambda a: jax.lax.slice_in_dim(a, 0, n, axis=axis), tree)
-
-
 def prepare(mesh, lay: Layout, indices, batch):
   """(indices padded to K_pad, batch cut to lay.rows rows and laid over b, grpo_objective
   options): the K steps as one vmap whose gathered [K_pad, rows, ...] arrays lie on the (t, b)
@@ -47,8 +44,7 @@ def prepare(mesh, lay: Layout, indices, batch):
   fragment's own weight-0 padding (valid False), so they add nothing to loss, gradient or sums.
   batch: (traj, cond, uncond, adv, valid) with at least lay.rows rows."""
   g = grid(mesh, lay)
-  traj, cond, uncond, adv, valid = batch
-  have = adv.shape[0]
+  have = batch[3].shape[0]
   if have < lay.rows:
     raise ValueError(f'TSP: a fragment of {have} rows, layout {lay} needs {lay.rows}')
   on_samples = lambda tree: jax.tree.map(
@@ -57,13 +53,9 @@ def prepare(mesh, lay: Layout, indices, batch):
       ),
       tree,
   )
-  if have > lay.rows:
-    traj = traj.replace(
-        latents=_rows(traj.latents, lay.rows, 1),
-        log_probs=_rows(traj.log_probs, lay.rows, 1),
-        stds=_rows(traj.stds, lay.rows, 1),
-    )
-  cond, uncond, adv, valid = on_samples(_rows((cond, uncond, adv, valid), lay.rows))
+  # The trajectory is left where it is: its gathered steps are laid out below.
+  traj, cond, uncond, adv, valid = common.take_rows(batch, lay.rows)
+  cond, uncond, adv, valid = on_samples((cond, uncond, adv, valid))
 
   def on_steps(tree):
     spec = lambda a: P(STEPS, *([SAMPLES] if a.ndim > 1 else []), *([None] * (a.ndim - 2)))

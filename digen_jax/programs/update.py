@@ -91,15 +91,32 @@ def _batch_shardings(exp, mesh, traj_shardings):
   return (traj_shardings, cond, cond, data, data)
 
 
-def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, *, frozen=None):
+def _real_rows(batch, mesh, samples):
+  """`batch` cut to the rows a program on `mesh` computes (common.computed_rows), batch-sharded:
+  the weight-0 rows another mesh's layout needed are dropped before any forward."""
+  rows = common.computed_rows(batch[3].shape[0], samples, mesh.devices.size)
+  return common.take_rows(batch, rows, lambda ndim, axis: mesh_lib.batch_sharding(mesh, ndim, axis))
+
+
+def make_update(
+    exp,
+    mesh,
+    param_shardings,
+    opt_shardings,
+    traj_shardings=None,
+    *,
+    frozen=None,
+    samples: int | None = None,
+):
   """update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params)
        -> (params, opt_state, metrics): a batch trained as one fragment, gradient and
   optimizer step in one program, rl.inner_epochs PPO epochs over it (skipped, state unchanged,
   metrics['nonfinite'] = 1, when anything is not finite: optimizer_step).
   ref_params: the frozen reference (FSDP-sharded like params) when rl.kl_beta > 0, else None.
   traj_shardings: the layout the trajectory arrives in (None: whatever it has). `frozen`: the
-  frozen weights on `mesh` (default: loaded FSDP-sharded, without the decoder). Donates params
-  and optimizer state."""
+  frozen weights on `mesh` (default: loaded FSDP-sharded, without the decoder). samples: the
+  batch's real samples, its first rows (the rest weight-0 padding; None: every row): only
+  ceil(samples / n) * n rows are computed. Donates params and optimizer state."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = common.velocity_fn_of(exp)
@@ -112,7 +129,7 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
         exp,
         velocity_fn,
         frozen,
-        (traj, cond, uncond, adv, valid),
+        _real_rows((traj, cond, uncond, adv, valid), mesh, samples),
         ref_params,
         indices,
         step_loop=common.step_loop_for(r.step_loop, mesh),
@@ -154,13 +171,8 @@ def make_update(exp, mesh, param_shardings, opt_shardings, traj_shardings=None, 
         donate_argnums=(0, 1),
     )
 
-  parts = (
-      mesh,
-      common.layout_key(param_shardings),
-      common.layout_key(opt_shardings),
-      common.layout_key(traj_shardings),
-      common.layout_key(frozen_sh),
-  )
+  layouts = (param_shardings, opt_shardings, traj_shardings, frozen_sh)
+  parts = (mesh, *map(common.layout_key, layouts), samples)
   return common.Bound(common.memoized('update', exp, parts, make), frozen)
 
 
@@ -227,8 +239,9 @@ def make_fragment_grad(
 
   tsp: the K selected steps x the fragment's samples as one vmap laid out on the (t, b) view of
   `mesh` (programs/tsp.py); else config.rl.step_loop over K (step_loop_for), the batch axis
-  sharded. samples: the fragment's real samples, its first rows (the rest are weight-0 padding
-  to the mesh; default: every row); TSP computes only ceil(samples / b) * b of them.
+  sharded. samples: the fragment's real samples, its first rows (the rest are weight-0 padding,
+  experiment/fragments.py; default: every row): only ceil(samples / n) * n rows are computed
+  (TSP: ceil(samples / b) * b).
   `frozen` as in make_update."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
@@ -240,6 +253,7 @@ def make_fragment_grad(
       lay = tsp_lib.layout(exp, mesh, adv.shape[0] if samples is None else samples)
       indices, batch, options = tsp_lib.prepare(mesh, lay, indices, batch)
     else:
+      batch = _real_rows(batch, mesh, samples)
       options = dict(step_loop=common.step_loop_for(exp.config.rl.step_loop, mesh))
     loss_fn = grpo_loss(
         exp,

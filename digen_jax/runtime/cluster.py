@@ -255,7 +255,7 @@ def _role(config, name: str, devices: list) -> Role:
 def resolve(config, devices: Sequence[jax.Device] | None = None) -> Cluster:
   """The cluster of a runtime.mode='disagg' config on `devices` (default: jax.devices(), every
   process's). Raises ValueError naming the field for overlapping or empty roles, devices or
-  processes that do not exist, bad mesh shapes, and batches the roles cannot split."""
+  processes that do not exist, bad mesh shapes, and a TSP steps axis the trainer cannot hold."""
   devices = list(jax.devices() if devices is None else devices)
   cl = config.cluster
   if cl.layout not in ('auto', 'explicit'):
@@ -263,14 +263,8 @@ def resolve(config, devices: Sequence[jax.Device] | None = None) -> Cluster:
   chosen = (_auto_layout if cl.layout == 'auto' else _explicit_layout)(config, devices)
   _check_processes(chosen, devices)
   roles = {r: _role(config, r, chosen[r]) for r in ROLES}
-  batch = config.rl.prompts_per_step * config.rl.group_size
-  for r in ROLES:
-    if batch % roles[r].size:
-      raise ValueError(
-          f'batch = rl.prompts_per_step * rl.group_size = {batch} is not divisible '
-          f'by the {roles[r].size} devices of config.cluster.{r}; change '
-          f"rl.prompts_per_step or the role's devices"
-      )
+  # A batch or fragment that a role's devices do not divide is padded with weight-0 rows
+  # (experiment/fragments.py: FragmentPlan.rows, over the lcm of the roles' device counts).
   if config.schedule.tsp:
     tsp_grid.check_steps_axis(config.schedule.tsp_steps_axis, roles['trainer'].size)
   dtype, sharding = cl.rollout.param_dtype, cl.rollout.param_sharding

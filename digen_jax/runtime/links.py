@@ -36,7 +36,8 @@ WEIGHTS_TAG = 'weights'
 
 @dataclasses.dataclass
 class Fragment:
-  """A scored fragment. traj: Trajectory of plan.size samples (on the holder's mesh)."""
+  """A scored fragment. traj: Trajectory of plan.rows rows, the first plan.size its samples,
+  the rest weight-0 padding (on the holder's mesh); rewards and images: plan.size."""
 
   step: int
   index: int

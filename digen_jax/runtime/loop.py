@@ -23,6 +23,7 @@ Following `schedule.fragments` from the config to the programs, three files:
   runtime/loop.py          hands exp.plan to both roles' Schedules, the Trainer and the Samplers
   runtime/trainer.py       compiles the update for plan.size samples (one fragment: the fused
   (rollout.py)             program), the Sampler its rollout program for plan.size samples
+                           (both laid out as plan.rows rows: weight-0 padding to the meshes)
 """
 
 from __future__ import annotations
@@ -402,8 +403,8 @@ class TrainerLoop:
     a, self.applied = self.applied, None
     b, plan, book = a.batch, self.plan, self.book
     frags = [b.frags[f] for f in range(plan.num)]
-    valid_frac = float(
-        np.mean([np.mean(jax.device_get(b.adv_valid[f][1])) for f in range(plan.num)])
+    valid_frac = float(  # over the real samples: a fragment's padding rows are never valid
+        np.mean([np.mean(jax.device_get(b.adv_valid[f][1])[: plan.size]) for f in range(plan.num)])
     )
     versions = np.repeat([x.version for x in frags], plan.size)
     extra = dict(

@@ -56,17 +56,24 @@ class Sampler:
   ):
     self.exp, self.mesh, self.plan, self.role, self.tracer = exp, mesh, plan, role, tracer
     self.guard_level = guard_level
+    inputs.check_rows(plan, mesh, role)
     self.traj_shardings = programs.trajectory_shardings(mesh)
     self._rep = rep = mesh_lib.replicated(mesh)
     # Compiled ahead of time: a first TAG insertion must not pay (and BTS must not profile)
     # the compilation, and the timeline then shows run time only.
-    cond = exp.cond_abstract(plan.size, lambda nd: mesh_lib.batch_sharding(mesh, nd))
+    cond = exp.cond_abstract(plan.rows, lambda nd: mesh_lib.batch_sharding(mesh, nd))
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)
     # Frozen weights on this mesh (TAG: the trainer's own FSDP copy, shared through the cache).
     frozen = exp.weights.frozen(mesh, fsdp=frozen_fsdp, decode=True)
     self._program = (
         programs.make_rollout(
-            exp, mesh, param_shardings, self.traj_shardings, with_offset=True, frozen=frozen
+            exp,
+            mesh,
+            param_shardings,
+            self.traj_shardings,
+            with_offset=True,
+            frozen=frozen,
+            samples=plan.size,
         )
         .lower(
             transfer.abstract(exp.params, param_shardings, param_dtype),
@@ -79,13 +86,13 @@ class Sampler:
         .compile()
     )
     self._base_key = jax.device_put(jax.random.key(exp.config.seed), rep)
-    self._uncond = inputs.uncond(exp, plan.size, mesh)
+    self._uncond = inputs.uncond(exp, plan.rows, mesh)
     self.devices = list(mesh.devices.flat)
 
   def sample(self, params, version: int, batch_prompts: list[str], step: int, f: int) -> Fragment:
     """Fragment f of step `step`'s batch (batch_prompts: one per sample) with `params`."""
     prompts = self.plan.prompts(f, batch_prompts)
-    cond = inputs.encode(self.exp, prompts, self.mesh)
+    cond = inputs.encode(self.exp, self.plan.pad_prompts(prompts), self.mesh)
     program = 'rollout' if self.role == 'rollout' else 'tag_rollout'
     with inputs.guard(self.guard_level):
       step_arr = jax.device_put(np.int32(step), self._rep)
@@ -97,7 +104,7 @@ class Sampler:
         k_rollout, _ = inputs.step_keys(self._base_key, step_arr)
         uncond = self._uncond if self._uncond is not None else cond
         traj, images = self._program(params, cond, uncond, k_rollout, step_arr, offset)
-        images = jax.device_get(images)
+        images = jax.device_get(images)[: self.plan.size]  # the padding rows are not scored
       t1 = time.time()
     rewards = np.asarray(self.exp.reward_fn(images, prompts), np.float32)
     reward_s = time.time() - t1
@@ -138,9 +145,9 @@ class Evals:
 
 
 def abstract_fragment(exp, plan: frag_lib.FragmentPlan, shardings):
-  """ShapeDtypeStructs of one fragment's Trajectory on `shardings` (what a trainer process
-  receives)."""
-  traj = programs.abstract_trajectory(exp, plan.size)
+  """ShapeDtypeStructs of one fragment's Trajectory (plan.rows rows) on `shardings` (what a
+  trainer process receives)."""
+  traj = programs.abstract_trajectory(exp, plan.rows)
   return jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), traj, shardings
   )

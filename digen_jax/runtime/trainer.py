@@ -49,6 +49,7 @@ class Trainer:
     fragment gradient's TSP form (default config.schedule.tsp)."""
     self.exp, self.mesh, self.checkpointer, self.plan = exp, mesh, checkpointer, plan
     c = exp.config
+    inputs.check_rows(plan, mesh, 'trainer')
     self.devices = list(mesh.devices.flat)
     self.param_shardings = mesh_lib.fsdp_shardings(exp.params, mesh)
     self.params = exp.weights.init_params(self.param_shardings)
@@ -67,7 +68,7 @@ class Trainer:
     self._restore(jax.random.key(c.seed))
     self._rep = mesh_lib.replicated(mesh)
     self.traj_shardings = programs.trajectory_shardings(mesh)
-    self._uncond = inputs.uncond(exp, plan.size, mesh)
+    self._uncond = inputs.uncond(exp, plan.rows, mesh)
     self._build_programs(tsp=bool(c.schedule.tsp if tsp is None else tsp))
     self._advs: dict[tuple[int, int], Any] = {}
     self._adv_fn = functools.partial(
@@ -108,7 +109,13 @@ class Trainer:
     self.fused = self.plan.num == 1 and not tsp
     if self.fused:
       self._update = programs.make_update(
-          exp, mesh, ps, self.opt_shardings, self.traj_shardings, frozen=self.frozen
+          exp,
+          mesh,
+          ps,
+          self.opt_shardings,
+          self.traj_shardings,
+          frozen=self.frozen,
+          samples=self.plan.size,
       )
       return
     self._zero = programs.make_zero_acc(ps, mesh)
@@ -135,7 +142,7 @@ class Trainer:
     """Compiles this trainer's programs for a fragment's abstract layout and `state` (from
     begin; nothing runs): a trainer waiting for its first fragment calls it meanwhile, so that
     fragment's gradient then compiles nothing."""
-    exp, mesh, n = self.exp, self.mesh, self.plan.size
+    exp, mesh, n = self.exp, self.mesh, self.plan.rows
     sds = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     laid = lambda tree, shardings: jax.tree.map(
         lambda x, sh: sds(x.shape, x.dtype, sh), tree, shardings
@@ -160,8 +167,9 @@ class Trainer:
   # ------------------------------------------------------------------ one logical batch
 
   def encode(self, prompts: list[str]):
-    """Text conditioning of a fragment on the trainer mesh (host encoder)."""
-    return inputs.encode(self.exp, prompts, self.mesh)
+    """Text conditioning of a fragment (its per-sample prompts) on the trainer mesh (host
+    encoder), padded to the plan's rows."""
+    return inputs.encode(self.exp, self.plan.pad_prompts(prompts), self.mesh)
 
   def begin(self, step: int):
     """The batch of `step` starts: its update key and step (fused), or its trained step
@@ -174,8 +182,8 @@ class Trainer:
     return {'indices': self._select(k_update, step_arr), 'acc': self._zero(self.params)}
 
   def advantages(self, f: int, rewards: np.ndarray):
-    """(adv [size], valid [size]) of fragment f from the batch's rewards [B] (host; only the
-    groups of f need to be filled in)."""
+    """(adv [rows], valid [rows]) of fragment f from the batch's rewards [B] (host; only the
+    groups of f need to be filled in); the padding rows past plan.size get 0 and False."""
     plan = self.plan
     groups = plan.groups_of(f)
     r = rewards[groups.start * plan.group_size : groups.stop * plan.group_size]
@@ -186,10 +194,11 @@ class Trainer:
     key = (n_groups, lo)
     if key not in self._advs:
       size, data = self.plan.size, mesh_lib.batch_sharding(self.mesh, 1)
+      pad = (0, self.plan.rows - size)
 
       def adv(rewards):
         a, v = self._adv_fn(rewards)
-        return a[lo : lo + size], v[lo : lo + size]
+        return jnp.pad(a[lo : lo + size], pad), jnp.pad(v[lo : lo + size], pad)
 
       self._advs[key] = jax.jit(adv, in_shardings=self._rep, out_shardings=(data, data))
     return self._advs[key]
