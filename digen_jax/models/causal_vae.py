@@ -1,6 +1,7 @@
 """The Wan2.1 causal 3-D VAE in flax NNX: one implementation for Wan2.1's videos (diffusers
 ``AutoencoderKLWan``) and Qwen-Image's images (``AutoencoderKLQwenImage`` is the same network,
-used on one frame). vae.py and wan_vae.py only add each pipeline's config keys and entry points.
+used on one frame). Its config is causal_vae_config.py's; vae.py and wan_vae.py only add each
+pipeline's config keys and entry points.
 
 Channels-last throughout: videos [B, T, H, W, C] and images [B, H, W, C] in [-1, 1]; latents
 [B, F, h, w, z_dim] and [B, h, w, z_dim], h = H / 8, F = 1 + (T - 1) / 4 (with Wan2.1's
