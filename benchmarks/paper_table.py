@@ -12,7 +12,7 @@ ANALYTIC). Batches scale with the cluster (weak scaling): the configs' batch at 
 (images: 8 prompts x 16; videos: 4 prompts x 8), twice the prompts at 32, and so on. Every mode
 is the planner's (digen_jax/sim/search.py): the best split and fragment count it finds,
 simulated by sim/engine.py, at the calibrated efficiencies of sim/hardware.py. Splits whose
-device counts do not divide a fragment are costed padded (--pad).
+device counts do not divide a fragment are costed as the runtime pads them.
 
 The baseline is sim/baseline.py's colocated system (config.baseline: veRL-Omni's recipe, its
 engine's calibrated efficiencies, reward, behaviour pass, offload, engine sleep, layer-by-layer
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
   t0 = time.time()
   runs = families()
-  settings = planning.Settings(pad=True)
+  settings = planning.Settings()
   out_md = ['\n'.join(planning.hardware.describe_calibration('digen_jax', [hardware.get('H100')]))]
   doc = {'paper': PAPER, 'calibration': out_md[0], 'tables': {}, 'scaling': None}
   for k in a.trained_steps.split(','):
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
         for r in rows
     ]
   if not a.no_scaling:
-    settings = planning.Settings(pad=True, sharded_decode=True, simulate_top=3, grid=8)
+    settings = planning.Settings(sharded_decode=True, simulate_top=3, grid=8)
     doc['scaling'] = scaling(runs, settings)
     plot(doc['scaling'], a.png)
     out_md.append(f'Scaling curve: {a.png}')

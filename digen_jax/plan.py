@@ -80,12 +80,6 @@ _GRID = flags.DEFINE_integer(
     lower_bound=1,
 )
 _TCSS = flags.DEFINE_float('tcss_fraction', 0.0, "TCSS phi (0: the config's, else 0.5).")
-_PAD = flags.DEFINE_bool(
-    'pad',
-    False,
-    'Also cost splits whose device counts do not divide the '
-    'batch (padded; the runtime needs them divisible).',
-)
 _TIMELINES = flags.DEFINE_enum(
     'timelines',
     'all',
@@ -165,7 +159,6 @@ def main(argv):
       tcss_fraction=_TCSS.value,
       recompute=_RECOMPUTE.value,
       cost_devices=_COST_DEVICES.value,
-      pad=_PAD.value,
       colocated_terms=_TERMS.value,
       costs=_COSTS.value,
       overlap=_OVERLAP.value,

@@ -38,7 +38,6 @@ class Settings:
   tcss_fraction: float = 0.0
   recompute: bool = False
   cost_devices: int = 0
-  pad: bool = False  # cost batches that do not divide a role's devices, padded
   colocated_terms: str = 'all'  # the baseline's terms: all, none or a subset (sim/baseline.py)
   costs: str = 'xla'  # 'xla': the compiled programs (cache); 'analytic': sim/analytic.py
   overlap: bool = True  # FSDP collectives behind compute (runmodel.Knobs.overlap)
@@ -314,17 +313,10 @@ def plan(
       grid=settings.grid,
       tcss_fraction=settings.tcss_fraction or None,
       fixed=trainer,
-      pad=settings.pad,
   )
   found = planner.search()
   modes = found['modes']
   if all(c is None for c in modes.values()):
-    if planner.indivisible and not planner.costed:
-      raise PlanError(
-          f'no split of {cluster} divides the batch of {run.batch} samples (or its fragments) '
-          "over both roles' devices, which the runtime needs: change rl.prompts_per_step / "
-          'rl.group_size or the device counts, or pass --pad to cost padded batches'
-      )
     raise PlanError(diagnose(run, parts, knobs, cluster))
   base = baseline_row(
       run, parts, knobs, recipe or baseline.Recipe(), baseline.parse_terms(settings.colocated_terms)
@@ -401,11 +393,7 @@ def _why_not(planner, key: str) -> str:
   """Why mode `key` has no candidate."""
   if key != 'colocated' and planner.all.n < 2:
     return 'needs >= 2 devices (one per role)'
-  if (planner.costed and key != 'colocated') or (
-      key == 'colocated' and key not in planner.indivisible
-  ):
-    return 'does not fit in memory'
-  return 'no split divides the batch over the devices (--pad costs it padded)'
+  return 'does not fit in memory'
 
 
 def option_json(o: roles.Option | None) -> dict | None:

@@ -187,12 +187,9 @@ class Planner:
       grid: int = 16,
       tcss_fraction: float | None = None,
       fixed: Split | None = None,
-      pad: bool = False,
   ):
     self.run, self.parts, self.knobs = run, parts, knobs or rm.Knobs()
-    self.fixed, self.pad = fixed, pad
-    self.indivisible: dict[str, int] = {}  # mode -> candidates left out (batch vs devices)
-    self.costed = 0  # candidates whose batch divides (memory decides)
+    self.fixed = fixed
     self.steps, self.simulate_top, self.grid = steps, simulate_top, grid
     self.tcss = tcss_fraction or run.tcss_fraction or TCSS_DEFAULT
     self._memo: dict = {}
@@ -233,17 +230,8 @@ class Planner:
 
   # ------------------------------------------------------------------------ candidates
 
-  def divisible(self, b: int, *groups: roles.Group) -> bool:
-    """Whether b samples split evenly over each group (the runtime needs it; `pad` costs an
-    uneven split as padded instead)."""
-    return self.pad or all(b % g.n == 0 for g in groups)
-
   def colocated(self) -> Candidate | None:
     run, g, k = self.run, self.all, self.knobs
-    if not self.divisible(run.batch, g):
-      self.indivisible['colocated'] = 1
-      return None
-    self.costed += 1
     grad = self.grad(g, run.batch, False)
     if grad is None:
       return None
@@ -276,10 +264,6 @@ class Planner:
     run, k = self.run, self.knobs
     schedule = schedule_of(mode, m, self.tcss)
     b = run.batch // m
-    if not self.divisible(b, split.trainer, split.rollout):
-      self.indivisible[mode] = self.indivisible.get(mode, 0) + 1
-      return None
-    self.costed += 1
     roll = self.rollout(split.rollout, b)
     grad = self.grad(split.trainer, b, schedule.tsp)
     if roll is None or grad is None:
@@ -403,8 +387,8 @@ class Planner:
     )
     if padded:
       out.append(
-          f'{", ".join(padded)}: a batch does not divide its role\'s devices and is '
-          'costed padded; the runtime needs it divisible (change the split, '
-          'rl.prompts_per_step or rl.group_size)'
+          f'{", ".join(padded)}: a batch does not divide its role\'s devices; the runtime '
+          'pads it with weight-0 rows to a multiple of them (experiment/fragments.py), costed '
+          'so'
       )
     return out
