@@ -357,3 +357,14 @@ def test_a_resume_supersedes_the_rows_after_its_step(tmp_path):
   # A run that starts over (step 0) supersedes everything, its base eval included.
   metrics_lib.MetricsWriter(wd, resume_step=0, tensorboard=False).close()
   assert metrics_lib.read_metrics(wd) == []
+
+
+def test_a_metrics_row_that_cannot_be_written_is_one_line(tmp_path):
+  from digen_jax.outputs import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+
+  os.symlink('/dev/full', tmp_path / 'metrics.jsonl')  # every write: ENOSPC
+  w = metrics_lib.MetricsWriter(str(tmp_path), tensorboard=False)
+  with pytest.raises(faults.RunError) as e:
+    w.write({'step': 1, 'loss': 0.5})
+  assert str(e.value).startswith(f'writing {tmp_path}/metrics.jsonl failed: No space left on')
+  assert 'rerun the same command to resume' in str(e.value)

@@ -12,6 +12,8 @@ from typing import Any
 from absl import logging
 import numpy as np
 
+from digen_jax.outputs import faults
+
 
 def _jsonable(v):
   if isinstance(v, (np.generic, np.ndarray)):
@@ -62,7 +64,17 @@ class MetricsWriter:
   def write(self, row: dict[str, Any]):
     row = {k: _jsonable(v) for k, v in row.items()}
     row.setdefault('time', time.time())
-    self._file.write(json.dumps(row) + '\n')
+    try:
+      self._file.write(json.dumps(row) + '\n')
+    except OSError as e:  # a full disk: one line, as for a checkpoint's save
+      try:
+        self._file.close()  # its unwritten row would fail again when collected, with a trace
+      except OSError:
+        pass
+      raise faults.RunError(
+          f'writing {self.path} failed: {e.strerror or e}: free space (or fix the cause) and '
+          'rerun the same command to resume from the last checkpoint'
+      ) from None
     if self._tb is not None:
       step = int(row.get('step', 0))
       for k, v in row.items():

@@ -57,10 +57,9 @@ def set_roles(roles: dict[int, str]) -> None:
 def last_line(text: str | None = None) -> None:
   """Prints this process's last line (if given) to stderr, and tells the watcher it was the
   last: the process is about to exit."""
-  if text is not None:
-    sys.stderr.write(text + '\n')
-  if _watched['on']:
-    sys.stderr.write(_FINAL_MARK + '\n')
+  text = '' if text is None else text + '\n'
+  # One write: nothing another thread prints comes between the line and the mark.
+  sys.stderr.write(text + (_FINAL_MARK + '\n' if _watched['on'] else ''))
   sys.stderr.flush()
 
 
@@ -160,17 +159,20 @@ def _watch(me: int) -> None:
   out, fd = sys.stdout.buffer, sys.stdin.fileno()
   roles: dict[int, str] = {}
   buf, held, until, aborted, final = b'', [], None, False, False
+  # The process's last line (last_line()) if it was held back or came after the abort began:
+  # it is written whatever follows, instead of the abort's line.
+  last, prev, prev_out = None, None, False
 
   def emit(lines):
-    if not aborted:
-      out.write(b''.join(l + b'\n' for l in lines))
-      out.flush()
+    out.write(b''.join(l + b'\n' for l in lines))
+    out.flush()
 
   while True:
     wait = None if until is None else max(0.0, until - time.monotonic())
     if not select.select([fd], [], [], wait)[0]:  # held lines that no abort followed
-      emit(held)
-      held, until = [], None
+      if not aborted:
+        emit(held + ([last] if last is not None else []))
+      held, until, last = [], None, None
       continue
     chunk = os.read(fd, 1 << 16)
     if not chunk:
@@ -179,17 +181,30 @@ def _watch(me: int) -> None:
     for line in lines:
       if line.startswith(_ROLES_MARK.encode()):
         roles.update({int(k): v for k, v in json.loads(line[len(_ROLES_MARK) :]).items()})
-      elif line == _FINAL_MARK.encode():
+        continue
+      if line == _FINAL_MARK.encode():  # last_line() wrote its text just before the mark
         final = True
-      elif _ABORT in line:
+        if prev is not None and not prev_out:
+          last = prev
+          if held and held[-1] is prev:
+            held.pop()
+        continue
+      prev, prev_out = line, False
+      if aborted:
+        continue
+      if _ABORT in line:
         aborted, held = True, []
       elif held or any(p in line for p in _PRELUDE):
         held.append(line)
         until = until or time.monotonic() + _HOLD_S
       else:
         emit([line])
-  emit(held + ([buf] if buf else []))
-  if aborted and not final:
+        prev_out = True
+  if not aborted:
+    emit(held + ([last] if last is not None else []) + ([buf] if buf else []))
+  elif last is not None:
+    emit([last])
+  elif not final:
     out.write(_abort_line(me, roles).encode())
     out.flush()
 
