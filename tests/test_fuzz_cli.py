@@ -675,6 +675,18 @@ def test_a_workdir_that_saw_every_failure_runs_and_corrupt_checkpoints_are_one_l
   ckpts = os.path.join(wd, 'checkpoints')
   assert sorted(os.listdir(ckpts)) == ['1', '2']
 
+  # A resume with a changed model: the checkpoint's line alone (issue 46: followed by two
+  # "Event loop is closed" tracebacks), and the config.json of the run that wrote it kept.
+  config_json = open(os.path.join(wd, 'config.json')).read()
+  changed = [TINY, '--config.model.attention_head_dim=16', '--config.model.axes_dims_rope=4,6,6']
+  out = run_cases([('changed_model', _argv(MAIN, changed, d, wd), wd)], timeout_s=120)
+  r = out['changed_model']
+  assert r['code'] != 0 and 'Traceback' not in r['stderr'], r['stderr'][-3000:]
+  assert 'Event loop is closed' not in r['stderr'] and 'Exception ignored' not in r['stderr']
+  line = last_line(r['stderr'])
+  assert line.startswith('digen_jax: checkpoint step 2 in ') and 'does not fit this run' in line
+  assert open(os.path.join(wd, 'config.json')).read() == config_json
+
   for step in ('1', '2'):  # rot every checkpoint
     data = max(
         glob.glob(os.path.join(ckpts, step, 'state', '**', 'd', '*'), recursive=True),
