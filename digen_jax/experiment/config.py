@@ -71,12 +71,17 @@ def _model_section() -> ml_collections.ConfigDict:
       10000.0  # diffusers' QwenEmbedRope theta; smaller = finer position code on small grids
   )
   model.pooled_text = False  # FLUX-style pooled prompt in the timestep embedding (not QwenImage)
-  model.family = 'qwenimage'  # 'qwenimage' (MMDiT) | 'flux' (models/family.py)
+  model.family = 'qwenimage'  # 'qwenimage' (MMDiT) | 'flux' | 'wan' (models/family.py)
   # FLUX only: single-stream blocks after the num_layers double-stream ones, the CLIP pooled
   # vector's size, and FLUX.1-dev's guidance embedding (guidance distillation; -schnell has none).
   model.num_single_layers = 0
   model.pooled_projection_dim = 768
   model.guidance_embeds = False
+  # Wan only (models/wan.py): the feed-forward width (Wan2.1-14B 13824, 1.3B 8960) and the
+  # affine LayerNorm before cross-attention (Wan2.1: True). Its rotary axes follow from the head
+  # dim (axes_dims_rope is not read).
+  model.ffn_dim = 13824
+  model.cross_attn_norm = True
   # Execution options (same math, same params): jax.checkpoint each block in the update's backward
   # pass, and run the blocks under lax.scan (False: unrolled; compile time grows with layers).
   model.remat = False
@@ -109,6 +114,8 @@ def _latent_section() -> ml_collections.ConfigDict:
   latent.channels = 16  # unpacked latent channels (3 for pixel space)
   latent.height = 166  # latent grid (pixels for 'pixel' space)
   latent.width = 166
+  # Latent frames: 1 for images; a Wan video of 1 + 4k frames has k + 1 (its VAE compresses
+  # time 4x, keeping the first frame: 81 frames -> 21). Tokens are frames x (height/p) x (width/p).
   latent.frames = 1
   # 'vae' space: the pipeline folder's VAE decodes inside the rollout program. Memory bounds for
   # large images: decode `vae_batch_chunk` images at a time (0 = all at once), and/or in
@@ -121,9 +128,8 @@ def _latent_section() -> ml_collections.ConfigDict:
 def _text_section() -> ml_collections.ConfigDict:
   """config.text: text conditioning."""
   text = ml_collections.ConfigDict()
-  text.encoder = (
-      'qwen2.5-vl'  # 'word' (small frozen word-level encoder), 'qwen2.5-vl', 't5-clip' (FLUX)
-  )
+  # 'word' (small frozen word-level encoder), 'qwen2.5-vl', 't5-clip' (FLUX), 'umt5' (Wan)
+  text.encoder = 'qwen2.5-vl'
   text.max_length = 1024
   # Real encoders ('qwen2.5-vl') are read from an embedding cache written by
   # `python -m digen_jax.encode_prompts --config=... --prompts=... --out=DIR`; torch never runs
@@ -149,7 +155,9 @@ def _sampler_section() -> ml_collections.ConfigDict:
   """config.sampler: sampling (scheduler, SDE, CFG)."""
   sampler = ml_collections.ConfigDict()
   sampler.num_steps = 50
-  sampler.scheduler = 'qwenimage'  # 'qwenimage' | 'flux' (the diffusers scheduler configs)
+  # 'qwenimage' | 'flux' (their FlowMatchEulerDiscreteScheduler configs) | 'wan' (Wan2.1's UniPC
+  # flow sigmas with the static flow shift sampler.shift; our sampler steps them Euler/SDE).
+  sampler.scheduler = 'qwenimage'
   sampler.shift = 0.0  # > 0: static shift overriding the scheduler's dynamic shift
   sampler.sde = 'flow_grpo'  # 'flow_grpo' | 'dance' | 'cps'
   sampler.noise_level = 0.7
@@ -202,7 +210,9 @@ def _reward_section() -> ml_collections.ConfigDict:
   reward.weights = 'jpeg_compressibility'
   # A user's own rewards, without editing the package: 'name=module.path:function,...' or
   # 'name=/path/to/file.py:function'. Each function takes (uint8 images [B, H, W, 3], prompts)
-  # and returns [B] scores; `name` can then be used in reward.weights.
+  # and returns [B] scores; `name` can then be used in reward.weights. In a video run (Wan) it
+  # takes the uint8 videos [B, F, H, W, 3]; the built-in image rewards score every frame there
+  # and average (rewards/registry.py).
   reward.callables = ''
   # A reward call (one batch) that takes longer is abandoned: its samples score NaN and the update
   # is skipped (0 = no limit). A reward that raises or returns NaN is treated the same way, with
@@ -302,6 +312,10 @@ def _schedule_section() -> ml_collections.ConfigDict:
   # trainer's device count.
   schedule.tsp = False
   schedule.tsp_steps_axis = 0
+  # LoRA: the fragment gradients of an optimizer step read the frozen base gathered once at the
+  # step's start (replicated on every trainer device until the step's apply) instead of
+  # all-gathering its FSDP shards in every fragment: fewer collectives, a whole base per device.
+  schedule.frozen_once_per_step = False
   schedule.tag = False  # trainer-assisted generation, insertions decided by BTS
   schedule.tcss_fraction = 0.0  # phi: share of next batch's fragments allowed one-version-stale
   schedule.trace = True  # write trace.json + timeline.png under the workdir

@@ -22,12 +22,12 @@ from digen_jax.rewards import registry as reward_registry
 
 # Every field that names one of a few options, and those options.
 _CHOICES = {
-    'model.family': ('qwenimage', 'flux'),
+    'model.family': ('qwenimage', 'flux', 'wan'),
     'model.init': ('checkpoint', 'random'),
     'model.attention': ('auto', 'portable', 'fused'),
     'latent.space': ('pixel', 'vae', 'ae'),
-    'text.encoder': ('word', 'qwen2.5-vl', 't5-clip'),
-    'sampler.scheduler': ('qwenimage', 'flux'),
+    'text.encoder': ('word', 'qwen2.5-vl', 't5-clip', 'umt5'),
+    'sampler.scheduler': ('qwenimage', 'flux', 'wan'),
     'sampler.sde': ('flow_grpo', 'dance', 'cps'),
     'sampler.logprob_reduce': ('mean', 'sum'),
     'rl.adv_std': ('group', 'global'),
@@ -76,6 +76,7 @@ _INT_MIN = {
     'model.attention_head_dim': 1,
     'model.joint_attention_dim': 1,
     'model.pooled_projection_dim': 1,
+    'model.ffn_dim': 1,
     'model.lora.rank': 0,
     'text.max_length': 2,
     'eval.every': 0,
@@ -148,6 +149,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> fragments.F
   _check_model_against_latent(config)
   _check_model_family(config)
   _check_checkpoint(config)
+  _check_scheduler(config)
   _check_lr_schedule(config)
   check_transfer_host(config.cluster.transfer_host)
   _check_reward(config)
@@ -210,7 +212,7 @@ def _check_model_against_latent(config: ml_collections.ConfigDict) -> None:
         f'config.model.out_channels={m.out_channels} must equal '
         f'config.latent.channels={lat.channels}'
     )
-  if sum(m.axes_dims_rope) != m.attention_head_dim:
+  if m.family != 'wan' and sum(m.axes_dims_rope) != m.attention_head_dim:  # Wan's: from the head
     raise ValueError(
         f'sum(config.model.axes_dims_rope)={sum(m.axes_dims_rope)} must equal '
         f'config.model.attention_head_dim={m.attention_head_dim}'
@@ -222,12 +224,20 @@ def _check_model_family(config: ml_collections.ConfigDict) -> None:
   m = config.model
   if m.family != 'flux' and m.num_layers < 1:
     raise ValueError(f'config.model.num_layers={m.num_layers} must be >= 1')
+  if config.latent.frames > 1 and m.family != 'wan':
+    raise ValueError(
+        f'config.latent.frames={config.latent.frames}: videos are model.family=\'wan\'; '
+        f'config.model.family={m.family!r} generates images (latent.frames=1)'
+    )
   if m.family == 'flux':
     _check_flux(config)
-  elif config.text.encoder == 't5-clip':
+  elif m.family == 'wan':
+    _check_wan(config)
+  elif config.text.encoder in ('t5-clip', 'umt5'):
     raise ValueError(
-        f"config.text.encoder='t5-clip' is FLUX's; config.model.family={m.family!r} "
-        "reads 'word' or 'qwen2.5-vl'"
+        f"config.text.encoder={config.text.encoder!r} is "
+        f"{'FLUX' if config.text.encoder == 't5-clip' else 'Wan'}'s; "
+        f"config.model.family={m.family!r} reads 'word' or 'qwen2.5-vl'"
     )
   elif m.guidance_embeds or m.num_single_layers:
     raise ValueError(
@@ -270,6 +280,28 @@ def _check_flux(config: ml_collections.ConfigDict) -> None:
     )
 
 
+def _check_wan(config: ml_collections.ConfigDict) -> None:
+  """model.family='wan': umT5 text (or the toy word encoder), true CFG without Qwen-Image's norm
+  rescale, a static flow shift for the 'wan' scheduler, none of the image families' options."""
+  m, s = config.model, config.sampler
+  if config.text.encoder not in ('umt5', 'word'):
+    raise ValueError(
+        f"config.model.family='wan' conditions on umT5 tokens: config.text.encoder="
+        f"{config.text.encoder!r} must be 'umt5' (an embedding cache made by "
+        "digen_jax.encode_prompts from a Wan pipeline folder) or 'word' (toy configs)"
+    )
+  if m.guidance_embeds or m.num_single_layers or m.pooled_text:
+    raise ValueError(
+        'config.model.guidance_embeds / num_single_layers / pooled_text are the image '
+        "families' options; with config.model.family='wan' leave them False / 0 / False"
+    )
+  if s.guidance_scale > 1.0 and s.norm_rescale:
+    raise ValueError(
+        "config.sampler.norm_rescale is Qwen-Image's true-CFG rescale; WanPipeline's CFG is "
+        'plain uncond + g * (cond - uncond): set --config.sampler.norm_rescale=False'
+    )
+
+
 def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
   """model.init='checkpoint' names a checkpoint."""
   if config.model.init == 'checkpoint' and not config.model.checkpoint:
@@ -278,6 +310,15 @@ def _check_checkpoint(config: ml_collections.ConfigDict) -> None:
         'Qwen/Qwen-Image, black-forest-labs/FLUX.1-dev) with '
         '--config.model.checkpoint=PATH, or run a random-initialised tiny variant '
         '(configs/qwenimage.py:tiny, configs/flux.py:tiny)'
+    )
+
+
+def _check_scheduler(config: ml_collections.ConfigDict) -> None:
+  """The 'wan' scheduler has no dynamic shift: it needs its static flow shift."""
+  if config.sampler.scheduler == 'wan' and not config.sampler.shift > 0:
+    raise ValueError(
+        "config.sampler.scheduler='wan' (UniPC's flow sigmas) takes a static flow shift: set "
+        '--config.sampler.shift (WanPipeline: 3.0 at 480p, 5.0 at 720p)'
     )
 
 
@@ -362,6 +403,11 @@ def _validate_schedule(
     raise ValueError(
         f'config.schedule.tsp_steps_axis={s.tsp_steps_axis} is the steps axis of TSP: set '
         '--config.schedule.tsp=True, or leave it 0'
+    )
+  if s.frozen_once_per_step and config.model.lora.rank == 0:
+    raise ValueError(
+        'config.schedule.frozen_once_per_step gathers the frozen LoRA base once per step; full '
+        'fine-tuning (model.lora.rank=0) has none: leave it False'
     )
   if s.tsp and config.runtime.mode != 'disagg':  # disagg: runtime.cluster checks the trainer's
     tsp_grid.check_steps_axis(s.tsp_steps_axis, num_devices)

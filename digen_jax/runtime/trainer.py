@@ -119,8 +119,22 @@ class Trainer:
       )
       return
     self._zero = programs.make_zero_acc(ps, mesh)
+    self._gather_base = None
+    frozen = self.frozen
+    if exp.config.schedule.frozen_once_per_step and exp.weights.lora is not None:
+      # The fragment gradient reads the LoRA base replicated; begin() gathers it once per
+      # optimizer step (one all-gather per step instead of one per fragment, a whole base per
+      # device held until apply).
+      base_sh = jax.tree.map(lambda _: self._rep, self.frozen['base'])
+      self._gather_base = jax.jit(lambda base: base, out_shardings=base_sh)
+      abstract = jax.tree.map(
+          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+          self.frozen['base'],
+          base_sh,
+      )
+      frozen = dict(self.frozen, base=abstract)
     self._grad = programs.make_fragment_grad(
-        exp, mesh, ps, self.traj_shardings, tsp=tsp, frozen=self.frozen, samples=self.plan.size
+        exp, mesh, ps, self.traj_shardings, tsp=tsp, frozen=frozen, samples=self.plan.size
     )
     self._apply = programs.make_apply(exp, mesh, ps, self.opt_shardings)
     self._select = programs.make_select(exp, mesh)
@@ -179,7 +193,10 @@ class Trainer:
     _, k_update = inputs.step_keys(self._base_key, step_arr)
     if self.fused:
       return {'key': k_update, 'step': step_arr, 'metrics': None}
-    return {'indices': self._select(k_update, step_arr), 'acc': self._zero(self.params)}
+    state = {'indices': self._select(k_update, step_arr), 'acc': self._zero(self.params)}
+    if self._gather_base is not None:  # the base for this optimizer step's fragments
+      state['frozen'] = dict(self.frozen, base=self._gather_base(self.frozen['base']))
+    return state
 
   def advantages(self, f: int, rewards: np.ndarray):
     """(adv [rows], valid [rows]) of fragment f from the batch's rewards [B] (host; only the
@@ -222,7 +239,11 @@ class Trainer:
       self.params_step = self._step + 1
       return state
     args = (adv, valid, state['indices'], self.ref_params)
-    state['acc'] = self._grad(self.params, state['acc'], traj, cond, uncond, *args)
+    if 'frozen' in state:  # the step's gathered base instead of the bound FSDP one
+      grad, args = self._grad.program, args + (state['frozen'],)
+    else:
+      grad = self._grad
+    state['acc'] = grad(self.params, state['acc'], traj, cond, uncond, *args)
     return state
 
   def apply(self, state: dict):
@@ -231,6 +252,7 @@ class Trainer:
     if self.fused:
       return state['metrics']
     self.params, self.opt_state, m = self._apply(self.params, self.opt_state, state['acc'])
+    state.pop('frozen', None)  # the gathered base lives for one optimizer step
     self.params_step = self._step + 1
     return m
 
