@@ -1,5 +1,9 @@
 """Sigma schedules for flow-matching samplers, equal to diffusers' FlowMatchEulerDiscreteScheduler.
 
+``flow_sigmas`` is Wan2.1's grid instead (WanPipeline's UniPCMultistepScheduler with
+``use_flow_sigmas``): our sampler steps those sigmas with its Euler / SDE steps, not UniPC's
+multistep predictor-corrector.
+
 The QwenImage and FLUX pipelines call ``scheduler.set_timesteps(sigmas=np.linspace(1, 1/T, T), mu=mu)``
 with ``mu = calculate_shift(image_seq_len, ...)`` from the scheduler config. ``sigmas`` below returns
 the scheduler's resulting ``scheduler.sigmas`` (T values plus the terminal 0), computed with the same
@@ -22,6 +26,7 @@ __all__ = [
     "flux_scheduler_config",
     "calculate_shift",
     "sigmas",
+    "flow_sigmas",
 ]
 
 
@@ -184,3 +189,20 @@ def sigmas(
 
   s = np.asarray(s, dtype=np.float32)
   return np.concatenate([s, np.zeros(1, np.float32)])
+
+
+def flow_sigmas(num_steps: int, flow_shift: float, num_train_timesteps: int = 1000) -> np.ndarray:
+  """Wan2.1's sampling sigmas, float32 [num_steps + 1]: diffusers' UniPCMultistepScheduler with
+  ``use_flow_sigmas=True``, a static ``flow_shift`` (WanPipeline: 3.0 at 480p, 5.0 at 720p) and
+  ``final_sigmas_type='zero'``: the T values of linspace(1, 1/num_train_timesteps, T + 1) before
+  its last, shifted σ' = sσ/(1+(s−1)σ), then 0. Computed as diffusers does (float64, then
+  float32), except that diffusers lowers a first sigma of 1 by 1e-6 to keep its multistep solver's
+  log(alpha) finite; we keep 1 (the Flow-GRPO SDE treats σ = 1 exactly, and 1 − 1e-6 would make
+  its first-step noise ~1000x too large)."""
+  if not isinstance(num_steps, (int, np.integer)) or isinstance(num_steps, bool) or num_steps < 1:
+    raise ValueError(f"flow_sigmas: num_steps={num_steps!r} must be a positive int.")
+  if not flow_shift > 0:
+    raise ValueError(f"flow_sigmas: flow_shift={flow_shift} must be > 0.")
+  s = np.linspace(1, 1 / num_train_timesteps, int(num_steps) + 1)[:-1]
+  s = flow_shift * s / (1 + (flow_shift - 1) * s)
+  return np.concatenate([s, [0.0]]).astype(np.float32)

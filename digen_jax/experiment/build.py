@@ -243,6 +243,8 @@ def check_prompt_cache(config, text_encoder, prompt_lists) -> None:
 
 def build_schedule(config, num_tokens: int) -> np.ndarray:
   s = config.sampler
+  if s.scheduler == 'wan':  # Wan2.1's UniPC flow grid, static flow shift (validated > 0)
+    return sigmas_lib.flow_sigmas(s.num_steps, s.shift)
   base = (
       sigmas_lib.qwenimage_scheduler_config()
       if s.scheduler == 'qwenimage'

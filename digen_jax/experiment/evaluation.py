@@ -12,6 +12,7 @@ import numpy as np
 
 from digen_jax import programs
 from digen_jax.data import prompts as prompt_data
+from digen_jax.rewards import registry as reward_registry
 from digen_jax.tasks.shapes import grammar
 from digen_jax.tasks.shapes import checker as shapes_checker
 from digen_jax.parallel import mesh as mesh_lib
@@ -87,16 +88,7 @@ class Evaluator:
     }
     passed = None
     if self.shapes:
-      checked = shapes_checker.check_all(images, all_prompts)
-      passed = np.array([r.strict for r in checked], bool)
-      metrics['eval/strict_accuracy'] = float(passed.mean())
-      metrics.update(
-          {f'eval/atom_{kind}': rate for kind, rate in shapes_checker.atom_rates(checked).items()}
-      )
-      # A second scoring path that shares none of the reward's margin code (plain thresholds):
-      # a policy that games the smoothed reward shows up as a gap between the two accuracies.
-      hard = shapes_checker.strict_atoms_all(images, all_prompts)
-      metrics['eval/strict_accuracy_hard'] = float(np.mean([all(h.values()) for h in hard]))
+      passed = _shapes_metrics(images, all_prompts, metrics)
     return {
         'metrics': metrics,
         'images': images,
@@ -104,3 +96,26 @@ class Evaluator:
         'rewards': rewards,
         'passed': passed,
     }
+
+
+def _shapes_metrics(images, prompts: list[str], metrics: dict) -> np.ndarray:
+  """The strict checker's accuracy (and per-atom rates, and the hard-threshold second path)
+  into `metrics`; returns each sample's strict pass. A video passes when every frame does
+  (the atom rates count frames)."""
+  frames, per = images, 1
+  if images.ndim == 5:  # uint8 videos: every frame checked against the prompt
+    per = images.shape[1]
+    frames = reward_registry.video_frames(images)
+    prompts = [p for p in prompts for _ in range(per)]
+  checked = shapes_checker.check_all(frames, prompts)
+  passed = np.array([r.strict for r in checked], bool).reshape(-1, per).all(axis=1)
+  metrics['eval/strict_accuracy'] = float(passed.mean())
+  metrics.update(
+      {f'eval/atom_{kind}': rate for kind, rate in shapes_checker.atom_rates(checked).items()}
+  )
+  # A second scoring path that shares none of the reward's margin code (plain thresholds): a
+  # policy that games the smoothed reward shows up as a gap between the two accuracies.
+  hard = shapes_checker.strict_atoms_all(frames, prompts)
+  hard_pass = np.array([all(h.values()) for h in hard], bool).reshape(-1, per).all(axis=1)
+  metrics['eval/strict_accuracy_hard'] = float(hard_pass.mean())
+  return passed

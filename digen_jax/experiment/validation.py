@@ -226,7 +226,7 @@ def _check_model_family(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'config.model.num_layers={m.num_layers} must be >= 1')
   if config.latent.frames > 1 and m.family != 'wan':
     raise ValueError(
-        f'config.latent.frames={config.latent.frames}: videos are model.family=\'wan\'; '
+        f"config.latent.frames={config.latent.frames}: videos are model.family='wan'; "
         f'config.model.family={m.family!r} generates images (latent.frames=1)'
     )
   if m.family == 'flux':
@@ -235,7 +235,7 @@ def _check_model_family(config: ml_collections.ConfigDict) -> None:
     _check_wan(config)
   elif config.text.encoder in ('t5-clip', 'umt5'):
     raise ValueError(
-        f"config.text.encoder={config.text.encoder!r} is "
+        f'config.text.encoder={config.text.encoder!r} is '
         f"{'FLUX' if config.text.encoder == 't5-clip' else 'Wan'}'s; "
         f"config.model.family={m.family!r} reads 'word' or 'qwen2.5-vl'"
     )

@@ -11,7 +11,8 @@ mesh takes them as an argument:
 Inside a program, `effective(params, frozen)` gives the MMDiT weights the forward uses (the LoRA
 merge W + alpha/rank * A @ B, else the params themselves) and `decode(frozen, tokens)` turns the
 final packed latents into images in [-1, 1] (identity for pixel-space configs, the VAE for
-'vae' space), so latents never leave the device before the reward sees pixels.
+'vae' space), so latents never leave the device before the reward sees pixels. A video run
+(`video`: Wan) decodes uint8 videos [B, T, H, W, 3] instead, quantised on the device.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Weights:
   base_abstract: Any = None  # LoRA: the frozen base's ShapeDtypeStructs
   vae: VAESource | None = None
   latent_hw: tuple[int, int] = (0, 0)
+  frames: int = 1  # latent frames (config.latent.frames)
+  video: bool = False  # decode returns uint8 videos [B, T, H, W, 3] (the Wan family)
   patch: int = 2
   vae_batch_chunk: int = 0
   vae_tile: int = 0
@@ -132,25 +135,57 @@ class Weights:
     full fine-tuning run's frozen initial params."""
     return frozen['base'] if self.lora is not None else ref_params
 
+  @property
+  def decoded_ndim(self) -> int:
+    """The rank of what `decode` returns: 4 (images) or 5 (videos)."""
+    return 5 if self.video else 4
+
   def decode(self, frozen, tokens):
-    """Packed final latents [B, N, C*p*p] -> images [B, H, W, 3] in [-1, 1]."""
+    """Packed final latents [B, N, C*p*p] -> images [B, H, W, 3] in [-1, 1], or in a video run
+    uint8 videos [B, T, H, W, 3] (T = 1 + 4(F - 1) through the Wan VAE; F in pixel space)."""
+    if self.video:
+      return to_uint8(self._decode_video(frozen, tokens))
     h, w = self.latent_hw
     if self.vae is None:
       return latents_lib.decode_pixels(tokens, h, w, self.patch)
     model = nnx.merge(self.vae.graphdef, frozen['vae'])
-    tile = None
-    if self.vae_tile:  # diffusers' proportions: tiles overlap by a quarter
-      step = self.vae.config.spatial_compression
-      stride = max(step, (self.vae_tile * 3 // 4) // step * step)
-      tile = vae_lib.TileConfig(self.vae_tile, self.vae_tile, stride, stride)
     return vae_lib.decode_packed(
         model,
         tokens,
         latent_hw=(h, w),
         patch=self.patch,
         batch_chunk=self.vae_batch_chunk,
-        tile=tile,
+        tile=self._tile(),
     )
+
+  def _tile(self):
+    """The decode's spatial tiles (config.latent.vae_tile), or None."""
+    if not self.vae_tile:
+      return None
+    step = self.vae.config.spatial_compression  # diffusers' proportions: overlap a quarter
+    stride = max(step, (self.vae_tile * 3 // 4) // step * step)
+    return vae_lib.TileConfig(self.vae_tile, self.vae_tile, stride, stride)
+
+  def _decode_video(self, frozen, tokens):
+    """Packed latent video tokens -> float32 videos [B, T, H, W, 3] in [-1, 1]."""
+    shape = (self.frames, *self.latent_hw)
+    if self.vae is None:
+      return jnp.clip(latents_lib.unpack_frames(tokens, *shape, self.patch), -1.0, 1.0)
+    return self.vae.lib.decode_packed(
+        nnx.merge(self.vae.graphdef, frozen['vae']),
+        tokens,
+        latent_shape=shape,
+        patch=self.patch,
+        batch_chunk=self.vae_batch_chunk,
+        tile=self._tile(),
+    )
+
+
+def to_uint8(x):
+  """float in [-1, 1] -> uint8 on the device, as outputs/visualize.to_uint8 does it on the host
+  (NaN -> 0 -> 128 grey, +-inf clamped)."""
+  x = jnp.nan_to_num(x.astype(jnp.float32), nan=0.0, posinf=1.0, neginf=-1.0)
+  return jnp.clip((x + 1.0) * 127.5 + 0.5, 0.0, 255.0).astype(jnp.uint8)
 
 
 # --------------------------------------------------------------------------- building
@@ -287,6 +322,8 @@ def build(config, family, mcfg, same_architecture) -> Weights:
       base_abstract=base_abstract,
       vae=_vae_source(config, family),
       latent_hw=(lat.height, lat.width),
+      frames=int(lat.frames),
+      video=family.name == 'wan',
       patch=config.model.patch_size,
       vae_batch_chunk=int(lat.vae_batch_chunk),
       vae_tile=int(lat.vae_tile),

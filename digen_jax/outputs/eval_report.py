@@ -1,6 +1,6 @@
 """What an eval writes: eval_<step>.json (metrics, per-prompt pass rates), eval_<step>.png (a
-sample grid with PASS/FAIL frames), eval_<step>.npz (every sample, for the end-of-run
-before/after grid), and that grid."""
+sample grid with PASS/FAIL frames; a video run's: eval_<step>.gif, the grid animated),
+eval_<step>.npz (every sample, for the end-of-run before/after grid), and that grid."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from digen_jax.outputs import visualize
 
 def write_report(result: dict[str, Any], out_dir: str, step: int, *, grid_prompts: int = 16) -> str:
   """eval_<step>.json (metrics + per-prompt pass rates) and eval_<step>.png (a sample grid with
-  ✓/✗ marks and prompts). Returns the PNG path."""
+  ✓/✗ marks and prompts; videos: eval_<step>.gif). Returns the grid's path."""
   os.makedirs(out_dir, exist_ok=True)
   prompts, rewards, passed = result['prompts'], result['rewards'], result['passed']
   per_prompt: dict[str, dict[str, float]] = {}
@@ -46,14 +46,13 @@ def write_report(result: dict[str, Any], out_dir: str, step: int, *, grid_prompt
       + f'{prompts[i]} r={rewards[i]:.2f}'
       for i in idx
   ]
-  grid = visualize.image_grid(
+  path = _save_grid(
+      os.path.join(out_dir, f'eval_{step:06d}'),
       result['images'][idx],
       caps,
       cols=n_per,
       passed=None if passed is None else [bool(passed[i]) for i in idx],
   )
-  path = os.path.join(out_dir, f'eval_{step:06d}.png')
-  Image.fromarray(grid).save(path)
   # Every sample as uint8, for the end-of-run before/after grid (same prompts and noise at every
   # eval, so sample i of two evals is the same prompt and seed under two policies).
   np.savez_compressed(
@@ -77,7 +76,8 @@ def before_after_grid(
 ) -> str:
   """A PNG with one row per prompt: `samples` eval samples of the first report, then the same
   prompts and noise from the last report, with PASS/FAIL frames. Prompts are picked evenly over
-  the eval split (so single-object and relation prompts both show). Returns out_path."""
+  the eval split (so single-object and relation prompts both show). Returns the path written:
+  out_path, or for videos a GIF beside it (out_path with .gif)."""
   a, b = np.load(first_npz), np.load(last_npz)
   if list(a['prompts']) != list(b['prompts']):
     raise ValueError(f'{first_npz} and {last_npz} were evaluated on different prompts')
@@ -92,10 +92,19 @@ def before_after_grid(
     for src, label in ((a, labels[0]), (b, labels[1])):
       for k in range(samples):
         i = first + k
-        images.append(src['images'][i].astype(np.float32) / 127.5 - 1.0)
+        images.append(src['images'][i])  # uint8
         passed.append(bool(src['passed'][i]))
         caps.append(f'{label}: {p}' if k == 0 else f'{label}')
-  grid = visualize.image_grid(np.stack(images), caps, cols=2 * samples, passed=passed)
   os.makedirs(os.path.dirname(out_path) or '.', exist_ok=True)
-  Image.fromarray(grid).save(out_path)
-  return out_path
+  return _save_grid(
+      os.path.splitext(out_path)[0], np.stack(images), caps, cols=2 * samples, passed=passed
+  )
+
+
+def _save_grid(stem: str, images, captions, **kw) -> str:
+  """stem.png of images [B, H, W, 3], or stem.gif of videos [B, F, H, W, 3]; returns its path."""
+  if np.asarray(images).ndim == 5:
+    visualize.save_video_grid(stem + '.gif', images, captions, **kw)
+    return stem + '.gif'
+  Image.fromarray(visualize.image_grid(images, captions, **kw)).save(stem + '.png')
+  return stem + '.png'

@@ -1,4 +1,5 @@
-"""PNG grids of generated images with their prompts and scores (pure PIL, no display needed)."""
+"""PNG grids of generated images with their prompts and scores, and animated GIF grids of videos
+(pure PIL, no display needed)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from PIL import Image, ImageDraw
 
 
 def to_uint8(images: np.ndarray) -> np.ndarray:
-  """[B, H, W, 3] float in [-1, 1] (NaN-safe) -> uint8."""
+  """[B, (F,) H, W, 3] float in [-1, 1] (NaN-safe) -> uint8; uint8 (a video run's) as it is."""
+  if np.asarray(images).dtype == np.uint8:
+    return np.asarray(images)
   x = np.nan_to_num(np.asarray(images, np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
   return np.clip((x + 1.0) * 127.5 + 0.5, 0, 255).astype(np.uint8)
 
@@ -54,7 +57,30 @@ def image_grid(
 
 
 def save_grid(path: str, images: np.ndarray, captions: list[str], **kw) -> np.ndarray:
+  """image_grid into `path` (PNG); videos [B, F, H, W, 3] as save_video_grid's GIF beside it
+  (`path` with .gif). Returns the grid (a video's: its first frame's)."""
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  if np.asarray(images).ndim == 5:
+    return save_video_grid(os.path.splitext(path)[0] + '.gif', images, captions, **kw)[0]
   grid = image_grid(images, captions, **kw)
   Image.fromarray(grid).save(path)
   return grid
+
+
+VIDEO_FPS = 8  # the GIF's frame rate (Flow-GRPO logs its Wan videos at 8 fps)
+
+
+def video_grid(videos: np.ndarray, captions: list[str], **kw) -> np.ndarray:
+  """image_grid of every frame of videos [B, F, H, W, 3] (uint8 or float in [-1, 1]): frames
+  [F, H', W', 3] uint8, tile i of frame t the t-th frame of video i, captions and frames kept."""
+  videos = to_uint8(videos)
+  return np.stack([image_grid(videos[:, t], captions, **kw) for t in range(videos.shape[1])])
+
+
+def save_video_grid(path: str, videos: np.ndarray, captions: list[str], **kw) -> np.ndarray:
+  """video_grid as an animated GIF at VIDEO_FPS, looping; returns the frames."""
+  frames = video_grid(videos, captions, **kw)
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  first, *rest = [Image.fromarray(f) for f in frames]
+  first.save(path, save_all=True, append_images=rest, duration=1000 // VIDEO_FPS, loop=0)
+  return frames

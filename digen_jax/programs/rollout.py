@@ -80,7 +80,8 @@ def make_rollout(
     deterministic=False,
     samples: int | None = None,
 ):
-  """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3]),
+  """rollout(params, cond, uncond, key, step[, offset]) -> (Trajectory, images [B, H, W, 3] or
+  a video run's uint8 videos [B, T, H, W, 3]),
   data-parallel over `mesh`: the sampling scan, then the decode (VAE or identity) in the same
   program, so latents never leave the devices before the reward sees pixels.
 
@@ -112,7 +113,7 @@ def make_rollout(
       rep,
       rep,
   )
-  image_sh = mesh_lib.batch_sharding(mesh, 4)
+  image_sh = mesh_lib.batch_sharding(mesh, exp.weights.decoded_ndim)  # images or videos
   out_sh = image_sh if deterministic else (traj_shardings, image_sh)
   frozen_sh = common.frozen_shardings(frozen)
 

@@ -4,6 +4,13 @@ A reward function maps a batch of images and their prompts to one float32 score 
 
     fn(images: np.ndarray [B, H, W, 3] float32 in [-1, 1], prompts: list[str]) -> np.ndarray [B] float32
 
+Video runs (Wan) score uint8 videos [B, F, H, W, 3] (the rollout quantises them on the device:
+a quarter of float32's bytes to the host). What each reward takes is registered with it
+(`register(name, takes=...)`): 'images' (the default) are scored on every frame of a video, the
+frames' scores averaged; 'videos' take the uint8 videos whole (e.g. 'temporal_consistency',
+rewards/video.py) and refuse images; the user's callables (config.reward.callables) take 'any':
+uint8 images or uint8 videos, whatever the run makes.
+
 Rewards run on the host (numpy), outside jit: they are arbitrary code (parsers, JPEG
 encoders, ...). Bad *values* (NaN, garbage) are the reward's business and must give a finite
 score; bad *shapes* (wrong rank, batch/prompt mismatch) are caller bugs and raise ValueError.
@@ -22,10 +29,16 @@ import numpy as np
 RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
 
 _REGISTRY: dict[str, RewardFn] = {}
+_TAKES: dict[str, str] = {}  # name -> 'images' | 'videos' | 'any' (module docstring)
+TAKES = ("images", "videos", "any")
 # Modules whose import registers the built-in rewards (each defines its own with @register),
 # loaded on the first lookup: 'shapes', 'shapes_dense', 'shapes_strict', 'shapes_strict_atoms',
-# 'jpeg_compressibility', 'jpeg_incompressibility'.
-BUILTIN_MODULES = ("digen_jax.rewards.jpeg", "digen_jax.tasks.shapes.checker")
+# 'jpeg_compressibility', 'jpeg_incompressibility', 'temporal_consistency'.
+BUILTIN_MODULES = (
+    "digen_jax.rewards.jpeg",
+    "digen_jax.rewards.video",
+    "digen_jax.tasks.shapes.checker",
+)
 _builtins_loaded = False
 
 
@@ -37,20 +50,24 @@ def _load_builtins() -> None:
       importlib.import_module(module)
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
-  """Decorator: `@register("my_reward") def fn(images, prompts): ...`.
+def register(name: str, *, takes: str = "images") -> Callable[[RewardFn], RewardFn]:
+  """Decorator: `@register("my_reward") def fn(images, prompts): ...`; takes='videos' for a
+  reward of whole uint8 videos (module docstring).
 
   Re-registering a name raises ValueError unless it is the same function (same module and
   qualified name, e.g. a module reload).
   """
   if not isinstance(name, str) or not name:
     raise ValueError(f"reward name must be a non-empty str; got {name!r}")
+  if takes not in TAKES:
+    raise ValueError(f"reward {name!r}: takes={takes!r} is not one of {TAKES}")
 
   def deco(fn: RewardFn) -> RewardFn:
     old = _REGISTRY.get(name)
     if old is not None and _ident(old) != _ident(fn):
       raise ValueError(f"reward {name!r} is already registered to {_ident(old)}; pick another name")
     _REGISTRY[name] = fn
+    _TAKES[name] = takes
     return fn
 
   return deco
@@ -85,10 +102,56 @@ def check_batch(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
   return images
 
 
+def check_videos(videos: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
+  """check_batch for videos [B, F, H, W, 3] (uint8, or float in [-1, 1])."""
+  videos = np.asarray(videos)
+  if videos.ndim != 5 or videos.shape[-1] != 3:
+    raise ValueError(f"videos must have shape [B, F, H, W, 3]; got {videos.shape}")
+  check_batch(videos[:, 0], prompts)
+  return videos
+
+
+def takes(name: str) -> str:
+  """What reward `name` scores: 'images', 'videos' or 'any' (module docstring)."""
+  get_reward(name)
+  return _TAKES.get(name, "images")
+
+
+def video_frames(videos: np.ndarray) -> np.ndarray:
+  """Videos [B, F, H, W, 3] (uint8, or float in [-1, 1]) -> their frames as images
+  [B * F, H, W, 3] float32 in [-1, 1] (uint8 values map to floats that quantise back to them)."""
+  videos = np.asarray(videos)
+  frames = videos.reshape(-1, *videos.shape[2:])
+  if videos.dtype == np.uint8:
+    return frames.astype(np.float32) / np.float32(127.5) - np.float32(1.0)
+  return np.asarray(frames, np.float32)
+
+
+def _score(name: str, batch: np.ndarray, prompts: list[str]) -> np.ndarray:
+  """Reward `name` of images [B, H, W, 3] or videos [B, F, H, W, 3], as it takes them."""
+  fn, kind = get_reward(name), takes(name)
+  if batch.ndim == 4:
+    if kind == "videos":
+      raise ValueError(
+          f"reward {name!r} scores videos [B, F, H, W, 3]; this run makes images {batch.shape}"
+      )
+    return np.asarray(fn(batch, prompts), np.float32)
+  if kind != "images":  # whole videos, uint8
+    return np.asarray(fn(_uint8(batch), prompts), np.float32)
+  b, f = batch.shape[:2]
+  frames = video_frames(batch)
+  per_frame = np.asarray(fn(frames, [p for p in prompts for _ in range(f)]), np.float32)
+  if per_frame.shape != (b * f,):
+    raise ValueError(f"reward {name!r} returned shape {per_frame.shape}; expected ({b * f},)")
+  return per_frame.reshape(b, f).mean(axis=1)
+
+
 def call_reward(name: str, images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-  """Runs one registered reward and checks that it returned [B] finite float32."""
-  images = check_batch(images, prompts)
-  out = np.asarray(get_reward(name)(images, list(prompts)), np.float32)
+  """Runs one registered reward on images or videos and checks that it returned [B] finite
+  float32."""
+  images = np.asarray(images)
+  images = check_videos(images, prompts) if images.ndim == 5 else check_batch(images, prompts)
+  out = _score(name, images, list(prompts))
   if out.shape != (images.shape[0],):
     raise ValueError(f"reward {name!r} returned shape {out.shape}; expected ({images.shape[0]},)")
   if not np.all(np.isfinite(out)):
@@ -158,7 +221,10 @@ def build_reward(weights: Mapping[str, float]) -> RewardFn:
 
 
 def _uint8(images: np.ndarray) -> np.ndarray:
-  """[B, H, W, 3] float in [-1, 1] (NaN-safe) -> uint8, as visualize.to_uint8 writes PNGs."""
+  """[B, (F,) H, W, 3] float in [-1, 1] (NaN-safe) -> uint8, as visualize.to_uint8 writes PNGs;
+  uint8 as it is."""
+  if np.asarray(images).dtype == np.uint8:
+    return np.asarray(images)
   x = np.nan_to_num(np.asarray(images, np.float32), nan=0.0, posinf=1.0, neginf=-1.0)
   return np.clip((x + 1.0) * 127.5 + 0.5, 0, 255).astype(np.uint8)
 
@@ -200,7 +266,8 @@ def register_callables(spec: str, field: str = "config.reward.callables") -> lis
   """Registers a user's rewards from 'name=module:function,...' (see configlib: reward.callables).
 
   Each function takes (uint8 images [B, H, W, 3], prompts: list[str]) and returns [B] scores;
-  it is wrapped into the float [-1, 1] contract above. Returns the registered names. The same
+  it is wrapped into the float [-1, 1] contract above. In a video run it takes the uint8 videos
+  [B, F, H, W, 3] instead (takes 'any'). Returns the registered names. The same
   spec may be registered again (idempotent); a name taken by another reward raises."""
   names = []
   for part in (p.strip() for p in (spec or "").split(",")):
@@ -225,6 +292,7 @@ def register_callables(spec: str, field: str = "config.reward.callables") -> lis
 
     wrapped.__qualname__ = f"user:{target}"
     _REGISTRY[name] = wrapped
+    _TAKES[name] = "any"
     _USER_TARGETS[name] = target
     names.append(name)
   return names

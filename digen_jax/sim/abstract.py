@@ -58,12 +58,19 @@ def vae_config(config, spec: str):
   def real():
     if family.name == 'flux':
       return flux_vae.FluxVAEConfig(), 'real FLUX.1 VAE (FluxVAEConfig defaults)'
+    if family.name == 'wan':  # Wan2.1's AutoencoderKLWan: the causal VAE's defaults
+      return vae_lib.VAEConfig(), 'real Wan2.1 VAE (VAEConfig defaults)'
     return vae_lib.VAEConfig(), 'real Qwen-Image VAE (VAEConfig defaults)'
 
   def tiny():
     if family.name == 'flux':
       kw = dict(tiny_pipeline.FLUX_VAE, latent_channels=z)
       return flux_vae.config_from_diffusers(kw), f'tiny (tiny_pipeline.FLUX_VAE, {z} channels)'
+    if family.name == 'wan':
+      kw = dict(tiny_pipeline.WAN_VAE)
+      if kw['z_dim'] != z:
+        kw.update(z_dim=z, latents_mean=[0.0] * z, latents_std=[1.0] * z)
+      return vae_lib.VAEConfig(**kw), f'tiny (tiny_pipeline.WAN_VAE, z_dim {z})'
     kw = dict(tiny_pipeline.VAE)
     if kw['z_dim'] != z:
       kw.update(z_dim=z, latents_mean=[0.0] * z, latents_std=[1.0] * z)
@@ -132,6 +139,8 @@ def abstract_experiment(config, vae: str = 'auto'):
       base_abstract=base_abstract,
       vae=vae,
       latent_hw=(lat.height, lat.width),
+      frames=int(lat.frames),
+      video=family.name == 'wan',
       patch=p,
       vae_batch_chunk=int(lat.vae_batch_chunk),
       vae_tile=int(lat.vae_tile),
