@@ -26,12 +26,15 @@ Variants (comma-separated, e.g. `:full,disagg`):
            prompts encoded into config.text.cache (child processes: torch never runs in
            training), then T5 + pooled CLIP embeddings -> FLUX sampling with distilled guidance
            -> VAE decode -> JPEG + ShapesBench rewards -> GRPO (LoRA; add `full` for all weights)
+  ocr      the text-rendering task (prompts `a sign that says "OPEN 24 HOURS"`, held-out
+           texts for eval) with the offline OCR reward in reward workers; with
+           tiny_pipeline (`:tiny_pipeline,ocr`) the same at toy size on a CPU
 """
 
 from digen_jax.experiment import config as configlib
 from digen_jax.experiment import pipeline_recipes
 
-VARIANTS = ('schnell', 'dance', 'full', 'disagg', 'tiny', 'tiny_pipeline')
+VARIANTS = ('schnell', 'dance', 'full', 'disagg', 'tiny', 'tiny_pipeline', 'ocr')
 
 
 def get_config(arg: str | None = None):
@@ -107,6 +110,13 @@ def get_config(arg: str | None = None):
     c.latent.height = c.latent.width = 16  # 32x32 images (the toy VAE compresses 2x)
     c.text.max_length = 32  # the T5 sequence length (FLUX attends to the pads)
     c.rl.behaviour_logprobs = 'rollout'
+
+  if 'ocr' in variants:
+    pipeline_recipes.ocr_task(c)
+    if 'tiny_pipeline' in variants:
+      c.reward.workers = 2
+      c.reward.batch_size = 4
+      c.text.max_length = 64  # the scenes' prompts are longer than ShapesBench's
 
   if 'disagg' in variants:
     pipeline_recipes.disagg(c)

@@ -17,12 +17,15 @@ Variants (comma-separated, e.g. `:full,disagg`):
                   config.text.cache (both in child processes: torch never runs in training),
                   then cached embeddings -> MMDiT sampling with true CFG -> VAE decode ->
                   JPEG + ShapesBench rewards -> GRPO (LoRA; add `full` for all weights)
+  ocr             the text-rendering task (prompts `a sign that says "OPEN 24 HOURS"`, held-out
+                  texts for eval) with the offline OCR reward in reward workers; with
+                  tiny_pipeline (`:tiny_pipeline,ocr`) the same at toy size on a CPU
 """
 
 from digen_jax.experiment import config as configlib
 from digen_jax.experiment import pipeline_recipes
 
-VARIANTS = ('full', 'disagg', 'tiny', 'tiny_disagg', 'tiny_pipeline')
+VARIANTS = ('full', 'disagg', 'tiny', 'tiny_disagg', 'tiny_pipeline', 'ocr')
 
 
 def get_config(arg: str | None = None):
@@ -74,6 +77,13 @@ def get_config(arg: str | None = None):
     c.model.joint_attention_dim = 32
     c.latent.height = c.latent.width = 8  # 64x64 images
     c.sampler.guidance_scale = 4.0
+
+  if 'ocr' in variants:
+    pipeline_recipes.ocr_task(c)
+    if 'tiny_pipeline' in variants:
+      c.reward.workers = 2
+      c.reward.batch_size = 4
+      c.text.max_length = 64  # the scenes' prompts are longer than ShapesBench's
 
   if 'disagg' in variants or 'tiny_disagg' in variants:
     pipeline_recipes.disagg(c)

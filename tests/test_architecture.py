@@ -21,7 +21,7 @@ ALLOWED = {
     'diffusion': set(),
     'parallel': set(),
     'data': set(),
-    'rewards': set(),
+    'rewards': {'outputs'},  # outputs.faults: a reward worker that cannot go on stops the run
     'outputs': set(),
     'models': set(),
     'rl': {'diffusion'},
@@ -58,6 +58,7 @@ ALLOWED = {
         'parallel',
         'process',
         'programs',
+        'rewards',
         'rl',
     },
     'sim': {

@@ -166,11 +166,12 @@ def _moved(a, b) -> bool:
 
 @pytest.mark.slow
 def test_nan_rewards_skip_updates_and_k_in_a_row_stop_the_run(tmp_path):
-  """Steps 2, 4 and 5 get a NaN reward; with max_consecutive_skips=2 the run stops at step 5.
+  """reward.failed='skip': steps 2, 4 and 5 get a NaN reward; with max_consecutive_skips=2 the
+  run stops at step 5.
   Skipped steps leave params and optimizer state bitwise unchanged; checkpoint 4 is the last."""
   _PLAN.update(nan_at={2, 4, 5}, raise_at=set(), calls=0, prompts={}, bad=None)
   wd = str(tmp_path / 'run')
-  config = _config(6, **{'runtime.max_consecutive_skips': 2})
+  config = _config(6, **{'runtime.max_consecutive_skips': 2, 'reward.failed': 'skip'})
   exp = experiment.build(config, wd, 2)
   with pytest.raises(faults.NonFiniteError) as e:
     loop.train(exp, wd, cluster_lib.colocated(jax.local_devices()[:2]))
@@ -202,13 +203,13 @@ def test_nan_rewards_skip_updates_and_k_in_a_row_stop_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_gap_fragments_skip_a_batch_whose_reward_raises(tmp_path, caplog):
-  """The pipelined schedule (GAP, 2 fragments on one mesh) accumulates per-fragment gradients:
+  """reward.failed='skip': the pipelined schedule (GAP, 2 fragments on one mesh) accumulates per-fragment gradients:
   a reward that raises on one prompt of step 2 makes that fragment's advantages NaN, and the
   one optimizer step of the batch is skipped; the error names the prompt."""
   # Two reward calls per step (one per fragment): call 3 is step 2's first fragment.
   _PLAN.update(nan_at=set(), raise_at={3}, calls=0, prompts={}, bad=None)
   wd = str(tmp_path / 'run')
-  config = _config(3, **{'schedule.fragments': 2, 'schedule.trace': False})
+  config = _config(3, **{'schedule.fragments': 2, 'schedule.trace': False, 'reward.failed': 'skip'})
   exp = experiment.build(config, wd, 2)
   with caplog.at_level(logging.ERROR):
     loop.train(exp, wd, cluster_lib.colocated(jax.local_devices()[:2]))
@@ -227,3 +228,66 @@ def test_gap_fragments_skip_a_batch_whose_reward_raises(tmp_path, caplog):
   _assert_same(s[1]['params'], s[2]['params'])
   _assert_same(s[1]['opt_state'], s[2]['opt_state'])
   assert _moved(s[2]['params'], s[3]['params'])
+
+
+@pytest.mark.slow
+def test_failed_rewards_are_masked_out_of_their_group_and_the_step_trains(tmp_path):
+  """reward.failed='mask' (the default): step 2's NaN group is left out of the advantages (it
+  counts in reward_failed, valid_frac drops by its share), the update is not skipped and
+  trains on the other group; a step where every reward failed is skipped and counted."""
+  _PLAN.update(nan_at={2}, raise_at=set(), calls=0, prompts={}, bad=None)
+  wd = str(tmp_path / 'run')
+  exp = experiment.build(_config(3), wd, 2)
+  loop.train(exp, wd, cluster_lib.colocated(jax.local_devices()[:2]))
+  rows = [json.loads(l) for l in open(os.path.join(wd, 'metrics.jsonl'))]
+  assert [r['nonfinite'] for r in rows] == [0, 0, 0]
+  assert [r['skipped_updates'] for r in rows] == [0, 0, 0]
+  assert [r['reward_failed'] for r in rows] == [0, 4, 0]  # one prompt's group of 4
+  assert rows[1]['valid_frac'] <= 0.5 < rows[0]['valid_frac']
+  template = {
+      'params': exp.params,
+      'opt_state': exp.optimizer.init(exp.params),
+      'rng': ckpt_lib.key_to_data(jax.random.key(0)),
+  }
+  s = {k: _restore(wd, k, template) for k in (1, 2)}
+  assert _moved(s[1]['params'], s[2]['params'])  # step 2 trained on the group that scored
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(s[2]))
+
+
+def test_masking_failed_rewards_keeps_clean_groups_bitwise():
+  r = jnp.array([0.1, 0.9, 0.3, 0.5, np.nan, 0.2, 0.7, 0.4, 0.3, 0.6, 0.2, 0.9])
+  adv, valid = (np.asarray(x) for x in advantages.grpo_advantages(r, 3, mask_failed=True))
+  ref, ref_valid = (np.asarray(x) for x in advantages.grpo_advantages(r, 3))
+  clean = np.r_[0:3, 6:12]
+  np.testing.assert_array_equal(adv[clean], ref[clean])  # groups without a failure: as before
+  np.testing.assert_array_equal(valid[clean], ref_valid[clean])
+  # The failed sample: adv 0, invalid; its group normalised over the other two (0.5, 0.2).
+  assert adv[4] == 0 and not valid[4] and valid[3] and valid[5]
+  np.testing.assert_allclose(adv[[3, 5]], [0.15 / (0.15 + 1e-4), -0.15 / (0.15 + 1e-4)], 1e-5)
+  assert np.all(np.isfinite(adv))
+  # A group left with one sample has no signal; every reward failed: non-finite (skipped).
+  a1, v1 = advantages.grpo_advantages(jnp.array([np.nan, 0.3, 0.1, 0.2]), 2, mask_failed=True)
+  assert list(np.asarray(v1)) == [False, False, True, True] and np.asarray(a1)[1] == 0
+  a2, _ = advantages.grpo_advantages(jnp.full(4, np.nan), 2, mask_failed=True)
+  assert np.isnan(np.asarray(a2)).all()
+
+
+def test_multi_reward_advantages_normalise_each_reward_in_its_group():
+  """combine='advantages': sum_k w_k A_k (each reward normalised within its group, DanceGRPO's
+  multi-reward GRPO), so a reward on a 100x scale does not drown a small one; 'sum' normalises
+  the weighted sum. A sample that failed on any reward is masked from all of them."""
+  small = jnp.array([0.1, 0.3, 0.2, 0.4])
+  big = jnp.array([50.0, 10.0, 20.0, 30.0])
+  w = [1.0, 0.5]
+  kw = dict(clip=None, eps=0.0)
+  adv, _ = advantages.reward_advantages(jnp.stack([small, big]), w, 2, combine='advantages', **kw)
+  a_s, _ = advantages.grpo_advantages(small, 2, **kw)
+  a_b, _ = advantages.grpo_advantages(big, 2, **kw)
+  np.testing.assert_allclose(np.asarray(adv), np.asarray(a_s + 0.5 * a_b), 1e-6)
+  summed, _ = advantages.reward_advantages(jnp.stack([small, big]), w, 2, combine='sum', **kw)
+  ref, _ = advantages.grpo_advantages(small + 0.5 * big, 2, **kw)
+  np.testing.assert_allclose(np.asarray(summed), np.asarray(ref), 1e-6)
+  parts = jnp.stack([small.at[0].set(np.nan), big])
+  adv, valid = advantages.reward_advantages(parts, w, 2, combine='advantages', mask_failed=True)
+  assert np.asarray(adv)[0] == 0 and not np.asarray(valid)[:2].any()
+  assert np.all(np.isfinite(np.asarray(adv)))

@@ -56,7 +56,7 @@ DATA_DIR_ENV = "DIGEN_DATA_DIR"
 # Named prompt sets that tasks provide: name -> prepare(data_dir) (builds the dataset under
 # data_dir if absent, checks a present one is current). Each task's module registers its own
 # (register_prompt_set); the modules below are imported on the first lookup.
-BUILTIN_PROMPT_SETS = ("digen_jax.tasks.shapes.prompts",)
+BUILTIN_PROMPT_SETS = ("digen_jax.tasks.shapes.prompts", "digen_jax.tasks.text_render.prompts")
 _PROMPT_SETS: dict[str, Callable[[str], str]] = {}
 _ALIASES: dict[str, str] = {}
 _builtins_loaded = False

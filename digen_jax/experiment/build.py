@@ -26,7 +26,7 @@ from digen_jax.models import family as family_lib
 from digen_jax.models import params_io
 from digen_jax.models import text as text_lib
 from digen_jax.models import text_cache
-from digen_jax.rewards import registry as reward_registry
+from digen_jax.rewards import scoring as reward_scoring
 from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.tasks.shapes import grammar
 
@@ -317,11 +317,19 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
   p = config.model.patch_size
   img_shape = (lat.frames, lat.height // p, lat.width // p)
   num_tokens = int(np.prod(img_shape))
-  # Cheap parts first so their errors come before the (possibly large) model build.
-  reward_fn = reward_registry.guarded(
-      reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights)),
-      config.reward.timeout_s,
-  )
+  # Cheap parts first so their errors come before the (possibly large) model build; the reward
+  # workers load now (a model that cannot load is one line), and score a probe batch once the
+  # prompts are read.
+  reward_fn = reward_scoring.build(config.reward)
+  try:
+    return _build_parts(config, workdir, plan, reward_fn, img_shape, num_tokens)
+  except BaseException:
+    reward_fn.close()
+    raise
+
+
+def _build_parts(config, workdir, plan, reward_fn, img_shape, num_tokens) -> Experiment:
+  """build's parts after the rewards: text, prompts (the rewards' probe), schedule, model."""
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
   data_dir = prompt_data.resolve_data_dir(config.data.data_dir, workdir)
@@ -332,6 +340,7 @@ def build(config, workdir: str, num_devices: int) -> Experiment:
       else []
   )  # a bad eval split fails now, not mid-run
   check_prompt_cache(config, text_encoder, [texts, eval_texts])
+  reward_fn.probe(texts[:2])
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
   sigmas = build_schedule(config, num_tokens)
   sde_cfg = sde_lib.SDEConfig(

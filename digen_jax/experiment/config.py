@@ -218,9 +218,34 @@ def _reward_section() -> ml_collections.ConfigDict:
   # is skipped (0 = no limit). A reward that raises or returns NaN is treated the same way, with
   # the prompt that caused it in the log (rewards/registry.py: guarded).
   reward.timeout_s = 600.0
+  # Where the rewards run (rewards/scoring.py; README "Learned rewards and reward workers").
+  # Learned models ('ocr', 'clip_score', 'pickscore', 'aesthetic': rewards/learned.py) and the
+  # names in `in_workers` run in `workers` worker processes started by the run (torch/ONNX never
+  # in the training process), on `worker_devices` ('cpu', or e.g. 'cuda:0,cuda:1': worker i gets
+  # the i-th, round robin), fed `batch_size` samples at a time as fragments finish; a batch that
+  # hangs past timeout_s or whose worker dies is retried `retries` times on a restarted worker;
+  # a worker failing `max_restarts` times in a row stops the run. `models`: 'name=FOLDER' local
+  # weights folders (nothing is downloaded). `remote`: 'name=URL' HTTP scorers
+  # (rewards/remote.py), `workers` requests at a time.
+  reward.workers = 1
+  reward.in_workers = ''
+  reward.worker_devices = 'cpu'
+  reward.models = ''
+  reward.remote = ''
+  reward.batch_size = 8
+  reward.retries = 1
+  reward.max_restarts = 3
+  reward.start_timeout_s = 300.0
+  # A sample whose reward failed (raised, NaN, timed out, its worker died): 'mask' leaves it out
+  # of its group's advantage (counted in metrics.jsonl: reward_failed); 'skip' skips the update.
+  reward.failed = 'mask'
+  # Several rewards: 'sum' = GRPO advantage of the weighted sum; 'advantages' = weighted sum of
+  # each reward's own group-normalised advantage (multi-reward GRPO; rl/advantages.py).
+  reward.combine = 'sum'
   # What scoring costs the accelerators, per sample (the planner's term; no program reads it):
   # 0 for rewards that run on the host (every registered one); a learned reward model states
-  # its measured device-seconds per sample on `cost_accelerator`, and where that was measured.
+  # its measured device-seconds per sample on `cost_accelerator`, and where that was measured
+  # (a run records its own: metrics.jsonl's reward_s_per_sample; docs/rewards.md).
   reward.device_s_per_sample = 0.0
   reward.cost_accelerator = ''
   reward.cost_source = ''

@@ -82,7 +82,8 @@ class Evaluator:
     images = np.concatenate(images)
     rewards = np.asarray(self.exp.reward_fn(images, all_prompts), np.float32)
     metrics = {
-        'eval/reward_mean': float(rewards.mean()),
+        'eval/reward_mean': float(np.nanmean(rewards)) if np.isfinite(rewards).any() else 0.0,
+        'eval/reward_failed': int(np.sum(~np.isfinite(rewards))),
         'eval/num_prompts': len(self.prompts),
         'eval/samples_per_prompt': self.n_per,
     }

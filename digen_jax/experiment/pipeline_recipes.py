@@ -114,6 +114,22 @@ def tiny_pipeline(
   return c
 
 
+def ocr_task(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The text-rendering task (tasks/text_render: `a sign that says "OPEN 24 HOURS"`) scored by
+  the offline OCR reward (rewards/ocr.py, PP-OCRv4 in reward worker processes), as Flow-GRPO's
+  OCR recipe: eval on held-out texts. Apply after the size variants (tiny_pipeline sets
+  ShapesBench prompts and rewards)."""
+  c.data.prompts = 'text_render'
+  c.eval.split = 'eval'
+  c.reward.weights = 'ocr'
+  c.reward.callables = ''
+  # PP-OCRv4 on a CPU core reads a 512 px image in ~0.1-0.3 s: workers score a step's batch
+  # while the rollout samples (state config.reward.device_s_per_sample only for GPU workers).
+  c.reward.workers = 4
+  c.reward.batch_size = 8
+  return c
+
+
 def _toy_run(c: ml_collections.ConfigDict) -> None:
   # 4 samples for each of 2 ShapesBench prompts, every stochastic step trained, 3 steps.
   c.rl.group_size = 4

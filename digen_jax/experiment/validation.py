@@ -19,6 +19,7 @@ import ml_collections
 from digen_jax.experiment import fragments
 from digen_jax.parallel import tsp_grid
 from digen_jax.rewards import registry as reward_registry
+from digen_jax.rewards import scoring as reward_scoring
 
 # Every field that names one of a few options, and those options.
 _CHOICES = {
@@ -362,9 +363,11 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
   """The user's reward callables import and reward.weights names registered rewards."""
   reward_registry.register_callables(config.reward.callables)  # errors name the field
   try:
-    reward_registry.build_reward(reward_registry.parse_weights(config.reward.weights))
+    weights = reward_registry.parse_weights(config.reward.weights)
   except ValueError as e:
     raise ValueError(f'config.reward.weights: {e}') from None
+  # Names, weights and the worker/remote fields (rewards/scoring.py; errors name the field).
+  reward_scoring.where_each(config.reward, weights)
 
 
 def _check_real_model(config: ml_collections.ConfigDict) -> None:

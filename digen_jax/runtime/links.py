@@ -52,6 +52,11 @@ class Fragment:
   t_end: float = 0.0
   arrived: float = 0.0  # wall clock at which the trainer held it (rollout fragments)
   eval_s: float = 0.0  # the producer's eval before this step's first fragment
+  # Each reward's scores [K, size] (NaN: that sample's reward failed) and what scoring cost:
+  # {'compute_s', 'wait_s' (the rollout blocked on it), 'retries', 'failed'}.
+  reward_parts: Any = None
+  reward_info: dict = dataclasses.field(default_factory=dict)
+  pending: Any = None  # the rewards being scored (rollout side, until they are in)
 
 
 class Link(Protocol):
@@ -286,6 +291,8 @@ class ChannelLink:
             t_end=i['t_end'],
             arrived=time.time(),
             eval_s=i['eval_s'],
+            reward_parts=np.asarray(i['reward_parts'], np.float32),
+            reward_info=i['reward_info'],
         )
         self._inbox.put((frag, i['spans'], d.pull_s))
     except BaseException as e:  # pylint: disable=broad-except
@@ -362,6 +369,8 @@ class ChannelLink:
         't_start': frag.t_start,
         't_end': frag.t_end,
         'eval_s': frag.eval_s,
+        'reward_parts': np.asarray(frag.reward_parts, np.float32).tolist(),
+        'reward_info': frag.reward_info,
     }
     seq = self.chan.send(frag.traj, FRAG_TAG, info=info)
     self._held.append((frag.step, frag))

@@ -37,6 +37,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from digen_jax.outputs import faults
 from digen_jax.process import interrupt
 from digen_jax.runtime import bookkeeping as book_lib
 from digen_jax.runtime import distributed
@@ -61,6 +62,8 @@ def train(exp, workdir: str, cluster) -> dict:
     me = distributed.process_info().process_id
     if cluster.role_of(me) == 'rollout':
       return _rollout_process(exp, workdir, cluster, tracer)
+    if not config.schedule.tag and hasattr(exp.reward_fn, 'close'):
+      exp.reward_fn.close()  # the rollout process scores; this one never does (no TAG)
   checkpointer = book_lib.checkpointer(config, workdir, cluster.multi_process)
   try:
     trainer = trainer_lib.Trainer(
@@ -87,6 +90,8 @@ def train(exp, workdir: str, cluster) -> dict:
       # It stops between fragments (the watchdog bounds this after a signal); left running, it
       # would sample on while the interpreter shuts down and fail with a traceback of its own.
       rollout_thread.join(timeout=30)
+    if isinstance(e, links.PeerFailed) and isinstance(e.__cause__, faults.RunError):
+      raise e.__cause__ from None  # the rollout's fault, one line (main prints it)
     raise
   link.close()
   if rollout_thread is not None:
@@ -124,6 +129,8 @@ def _connect(exp, workdir: str, cluster, tracer, trainer, book):
       role.run()
     except (links.PeerFailed, interrupt.Interrupted):
       pass  # the trainer stops the run (and says why)
+    except faults.RunError as e:  # e.g. a reward worker that keeps dying: its line says all
+      link.fail(e)
     except BaseException as e:  # pylint: disable=broad-except
       logging.exception('rollout thread failed')
       link.fail(e)
@@ -179,6 +186,7 @@ class _Batch:
   def __init__(self, plan: frag_lib.FragmentPlan, step: int):
     self.plan, self.step = plan, step
     self.rewards = np.full((plan.batch,), np.nan, np.float32)
+    self.parts: np.ndarray | None = None  # [K, B] each reward's scores
     self.frags: dict[int, links.Fragment] = {}
     self.adv_valid: dict[int, tuple] = {}
     self.prompts: list[str] | None = None  # one per sample, from the rollout
@@ -189,7 +197,13 @@ class _Batch:
 
   def add(self, frag: links.Fragment) -> None:
     self.frags[frag.index] = frag
-    self.rewards[list(self.plan.samples(frag.index))] = frag.rewards
+    samples = list(self.plan.samples(frag.index))
+    self.rewards[samples] = frag.rewards
+    if frag.reward_parts is not None:
+      parts = np.asarray(frag.reward_parts, np.float32)
+      if self.parts is None:
+        self.parts = np.full((len(parts), self.plan.batch), np.nan, np.float32)
+      self.parts[:, samples] = parts
 
 
 @dataclasses.dataclass
@@ -315,7 +329,7 @@ class TrainerLoop:
             self.trainer.devices, 'trainer', program, step=step, fragment=f, version=step
         ),
     ):
-      b.adv_valid[f] = self.trainer.advantages(f, b.rewards)
+      b.adv_valid[f] = self.trainer.advantages(f, b.rewards, b.parts)
       b.state = self.trainer.train(b.state, b.frags[f].traj, b.conds[f], *b.adv_valid[f])
       jax.block_until_ready(b.state)
     dt = time.perf_counter() - t0
@@ -413,6 +427,7 @@ class TrainerLoop:
         tag_s=b.tag_s,
         bts_decisions=len(b.decisions),
         bts_inserts=sum(d['action'] == 'insert' for d in b.decisions),
+        **reward_metrics(frags, plan.batch),
     )
     if book.exp.config.schedule.tcss_fraction > 0:
       lags = b.step - versions
@@ -435,6 +450,21 @@ class TrainerLoop:
         utilization=book.tracer.utilization(a.t_start, a.t_end, book.cluster.num_devices),
     )
     del self.batches[b.step]
+
+
+def reward_metrics(frags: list, samples: int) -> dict:
+  """A step's scoring figures for its metrics row: reward_failed (samples whose reward failed:
+  masked out of their groups, or the update skipped; config.reward.failed), reward_retries,
+  reward_s_per_sample (seconds spent scoring, workers' and in-process, per sample: the cost to
+  state as config.reward.device_s_per_sample when the workers run on accelerators) and
+  reward_wait_s (the rollout blocked on scores: what overlapping them with sampling left)."""
+  info = [x.reward_info for x in frags]
+  return {
+      'reward_failed': int(sum(np.sum(~np.isfinite(np.asarray(x.rewards))) for x in frags)),
+      'reward_retries': int(sum(i.get('retries', 0) for i in info)),
+      'reward_s_per_sample': sum(i.get('compute_s', 0.0) for i in info) / max(samples, 1),
+      'reward_wait_s': sum(i.get('wait_s', 0.0) for i in info),
+  }
 
 
 def _title(config) -> str:

@@ -26,6 +26,7 @@ from digen_jax.outputs import eval_report
 from digen_jax.outputs import visualize
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.process import interrupt
+from digen_jax.rewards import scoring as reward_scoring
 from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import inputs
 from digen_jax.runtime import links
@@ -89,8 +90,12 @@ class Sampler:
     self._uncond = inputs.uncond(exp, plan.rows, mesh)
     self.devices = list(mesh.devices.flat)
 
-  def sample(self, params, version: int, batch_prompts: list[str], step: int, f: int) -> Fragment:
-    """Fragment f of step `step`'s batch (batch_prompts: one per sample) with `params`."""
+  def sample(
+      self, params, version: int, batch_prompts: list[str], step: int, f: int, *, wait=True
+  ) -> Fragment:
+    """Fragment f of step `step`'s batch (batch_prompts: one per sample) with `params`, its
+    images submitted to the rewards; wait=False returns before they are scored (`complete`
+    takes the scores in: the rollout samples the next fragment meanwhile)."""
     prompts = self.plan.prompts(f, batch_prompts)
     cond = inputs.encode(self.exp, self.plan.pad_prompts(prompts), self.mesh)
     program = 'rollout' if self.role == 'rollout' else 'tag_rollout'
@@ -106,11 +111,29 @@ class Sampler:
         traj, images = self._program(params, cond, uncond, k_rollout, step_arr, offset)
         images = jax.device_get(images)[: self.plan.size]  # the padding rows are not scored
       t1 = time.time()
-    rewards = np.asarray(self.exp.reward_fn(images, prompts), np.float32)
-    reward_s = time.time() - t1
-    return Fragment(
-        step, f, version, traj, rewards, self.role, t1 - t0, reward_s, images, t_start=t0, t_end=t1
+    frag = Fragment(
+        step, f, version, traj, None, self.role, t1 - t0, 0.0, images, t_start=t0, t_end=t1
     )
+    frag.pending = reward_scoring.submit(self.exp.reward_fn, images, prompts)
+    if wait:
+      complete(frag)
+    return frag
+
+
+def complete(frag: Fragment) -> Fragment:
+  """Takes a fragment's scores in (blocking until they are): rewards (the weighted total, NaN
+  where a reward failed), reward_parts, reward_s (submit to the last score) and reward_info."""
+  t = time.perf_counter()
+  scores = frag.pending.result()
+  frag.pending = None
+  frag.rewards, frag.reward_parts, frag.reward_s = scores.total, scores.parts, scores.wall_s
+  frag.reward_info = {
+      'compute_s': scores.compute_s,
+      'wait_s': time.perf_counter() - t,
+      'retries': scores.retries,
+      'failed': scores.failed,
+  }
+  return frag
 
 
 class Evals:
@@ -175,6 +198,7 @@ class RolloutRole:
     self.policy, self.eval_info, self.eval_s = None, None, 0.0
     self._drawn: set[int] = set()
     self._grid: dict[int, list[Fragment]] = {}  # this role's fragments per step, for samples/
+    self._unsent: list[Fragment] = []  # sampled, their scores not all in yet
 
   def run(self) -> None:
     handlers = {
@@ -190,7 +214,10 @@ class RolloutRole:
         break
       if type(action) not in handlers:
         raise AssertionError(f'the rollout cannot {action}')
+      if not isinstance(action, sched_lib.SampleFragment):
+        self.send_scored(wait=True)  # every fragment is in before the step ends or a policy
       handlers[type(action)](action)
+    self.send_scored(wait=True)
     self.link.finish_rollout()
 
   def prompts(self, step: int) -> list[str]:
@@ -229,20 +256,35 @@ class RolloutRole:
       return
     self.sm.claimed(step, f, sched_lib.ROLLOUT, time.time())
     policy = self.policy
-    frag = self.sampler.sample(policy.params, policy.version, self.prompts(step), step, f)
+    frag = self.sampler.sample(
+        policy.params, policy.version, self.prompts(step), step, f, wait=False
+    )
     if step == policy.version:  # the step's eval counts before its first fragment
       frag.eval_s, self.eval_s = self.eval_s, 0.0
+    self._unsent.append(frag)
+    self.send_scored(wait=False)
+
+  def send_scored(self, wait: bool) -> None:
+    """Sends the sampled fragments in order once scored. Scoring overlaps the next
+    fragment's sampling: the newest one waits (unless `wait`) while its scores are not in;
+    every earlier one is sent now, blocking on its scores."""
+    while self._unsent and (wait or len(self._unsent) > 1 or self._unsent[0].pending.done()):
+      self._send(complete(self._unsent.pop(0)))
+
+  def _send(self, frag: Fragment) -> None:
+    step, f = frag.step, frag.index
     self.link.send_fragment(frag, self.sampler.tracer.take_new())
     every = self.exp.config.sample_grid_every
     if every and (step + 1) % every == 0:
       self._grid.setdefault(step, []).append(dataclasses.replace(frag, traj=None))
     logging.info(
-        'rollout: step %d fragment %d/%d (policy v%d) sampled in %.3fs',
+        'rollout: step %d fragment %d/%d (policy v%d) sampled in %.3fs, scored in %.3fs',
         step + 1,
         f + 1,
         self.plan.num,
-        policy.version,
+        frag.version,
         frag.sample_s,
+        frag.reward_s,
     )
 
   def end_step(self, action: sched_lib.EndRolloutStep) -> None:

@@ -13,7 +13,6 @@ gradient and optimizer step in one program, no accumulator), which is what M = 1
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -27,6 +26,7 @@ from digen_jax.models import family as family_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.outputs import checkpoint as ckpt_lib
 from digen_jax.parallel import mesh as mesh_lib
+from digen_jax.rewards import registry as reward_registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import inputs
@@ -71,12 +71,21 @@ class Trainer:
     self._uncond = inputs.uncond(exp, plan.rows, mesh)
     self._build_programs(tsp=bool(c.schedule.tsp if tsp is None else tsp))
     self._advs: dict[tuple[int, int], Any] = {}
-    self._adv_fn = functools.partial(
-        adv_lib.grpo_advantages,
+    # A failed reward (NaN) is masked out of its group, or skips the update (config.reward.failed);
+    # several rewards combine as config.reward.combine says (rl/advantages.reward_advantages).
+    adv_kw = dict(
         group_size=c.rl.group_size,
         std_mode=c.rl.adv_std,
         eps=c.rl.adv_eps,
         clip=c.rl.adv_clip,
+        mask_failed=c.reward.failed == 'mask',
+    )
+    self.combine = c.reward.combine
+    reward_w = list(reward_registry.parse_weights(c.reward.weights).values())
+    self._adv_fn = lambda r: (
+        adv_lib.grpo_advantages(r, **adv_kw)
+        if r.ndim == 1
+        else adv_lib.reward_advantages(r, reward_w, combine=self.combine, **adv_kw)
     )
 
   def _restore(self, base_key) -> None:
@@ -198,17 +207,20 @@ class Trainer:
       state['frozen'] = dict(self.frozen, base=self._gather_base(self.frozen['base']))
     return state
 
-  def advantages(self, f: int, rewards: np.ndarray):
+  def advantages(self, f: int, rewards: np.ndarray, parts: np.ndarray | None = None):
     """(adv [rows], valid [rows]) of fragment f from the batch's rewards [B] (host; only the
-    groups of f need to be filled in); the padding rows past plan.size get 0 and False."""
+    groups of f need to be filled in), or with config.reward.combine='advantages' from each
+    reward's scores parts [K, B]; the padding rows past plan.size get 0 and False."""
     plan = self.plan
     groups = plan.groups_of(f)
-    r = rewards[groups.start * plan.group_size : groups.stop * plan.group_size]
+    cut = slice(groups.start * plan.group_size, groups.stop * plan.group_size)
+    use_parts = self.combine == 'advantages' and parts is not None and len(parts) > 1
+    r = parts[:, cut] if use_parts else rewards[cut]
     lo = f * plan.size - groups.start * plan.group_size
-    return self._adv_program(len(groups), lo)(jax.device_put(r, self._rep))
+    return self._adv_program(len(groups), lo, r.ndim)(jax.device_put(r, self._rep))
 
-  def _adv_program(self, n_groups: int, lo: int):
-    key = (n_groups, lo)
+  def _adv_program(self, n_groups: int, lo: int, ndim: int = 1):
+    key = (n_groups, lo, ndim)
     if key not in self._advs:
       size, data = self.plan.size, mesh_lib.batch_sharding(self.mesh, 1)
       pad = (0, self.plan.rows - size)
