@@ -4,6 +4,7 @@ that turns bad input into one clear line, quiet library logs, and the experiment
 from __future__ import annotations
 
 import logging as logging_std
+import os
 import sys
 import traceback
 
@@ -45,8 +46,27 @@ def _config_file_error(e: BaseException) -> BaseException | None:
   return None
 
 
+def repo_config_path(argv: list[str]) -> list[str]:
+  """argv with a --config=PATH[:variant] whose relative PATH is not a file here but is one under
+  the checkout's root (configs/qwenimage.py) made absolute, so entry points run from any
+  directory; every other argument as it is."""
+  from digen_jax.experiment import weights  # pylint: disable=g-import-not-at-top
+
+  out = []
+  for arg in argv:
+    if arg.startswith('--config='):
+      path, colon, variant = arg[len('--config=') :].partition(':')
+      if path and not os.path.isabs(path) and not os.path.isfile(path):
+        here = os.path.join(weights.REPO, path)
+        if os.path.isfile(here):
+          arg = f'--config={here}{colon}{variant}'
+    out.append(arg)
+  return out
+
+
 def parse_flags(argv):
   """absl's parser, but a bad config file/override is one clear line, not a traceback."""
+  argv = repo_config_path(argv)
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except  (anything a config file raises is input)
