@@ -19,6 +19,7 @@ import pytest
 
 from digen_jax.outputs import checkpoint as ckpt_lib
 from digen_jax.outputs import faults
+from tests import tb_events
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = np.random.RandomState(0).randn(128, 128).astype(np.float32)  # incompressible: ~64 KB
@@ -303,22 +304,6 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_redoes_the_lost_st
     subprocess.run(['umount', str(mnt)], check=False)
 
 
-def _tb_events(folder):
-  """(file, Event) of every TensorBoard record under `folder` (TFRecord framing: length, its
-  CRC, data, its CRC)."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-
-  out = []
-  for path in sorted(glob.glob(os.path.join(folder, 'events.*'))):
-    data = open(path, 'rb').read()
-    i = 0
-    while i < len(data):
-      n = int.from_bytes(data[i : i + 8], 'little')
-      out.append((path, event_pb2.Event.FromString(data[i + 12 : i + 12 + n])))
-      i += 12 + n + 4
-  return out
-
-
 def test_a_resume_supersedes_the_rows_after_its_step(tmp_path):
   """A run that resumes at step 2 after one that logged steps 1-4 (a fallback, or lost saves):
   rows 3 and 4 move to metrics.superseded.jsonl (with the eval at step 4 and a torn last line),
@@ -350,7 +335,7 @@ def test_a_resume_supersedes_the_rows_after_its_step(tmp_path):
   with open(os.path.join(wd, metrics_lib.SUPERSEDED)) as f:
     moved = f.read().splitlines()
   assert [json.loads(l)['step'] for l in moved[:3]] == [3, 4, 4] and moved[3] == '{"step": 5, "lo'
-  events = _tb_events(os.path.join(wd, 'tensorboard'))
+  events = tb_events.events(os.path.join(wd, 'tensorboard'))
   second = sorted({p for p, _ in events})[1]
   starts = [e for p, e in events if p == second and e.HasField('session_log')]
   assert [(e.step, e.session_log.status) for e in starts] == [(3, 1)]  # START at 3: purge >= 3

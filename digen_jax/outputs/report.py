@@ -25,13 +25,27 @@ def write_config(config, workdir: str) -> None:
   os.replace(tmp, os.path.join(workdir, 'config.json'))
 
 
+# What each time figure of the summary covers (printed after the summary line, in summary.json).
+TIME_FIGURES = {
+    'steps_s': "every optimizer step's wall time (metrics.jsonl wall_s: sample, score, update; "
+    "step 1's compilation included, evals excluded)",
+    'first_step_s': 'the first step of the run (mostly compilation)',
+    'later_step_mean_s': 'the mean of the steps after the first (the steady pace)',
+    'rows_span_s': "from the first metrics row to the last (start-up and step 1's compile "
+    'before it not included, the evals in between included)',
+}
+
+
 def summarize(rows: list[dict]) -> dict:
   train = [r for r in rows if 'reward_mean' in r]
   evals = [r for r in rows if ACC in r or 'eval/reward_mean' in r]
+  step_s = [r.get('wall_s', 0.0) for r in train]
   out = {
       'steps': train[-1]['step'] if train else 0,
-      'wall_s': (rows[-1]['time'] - rows[0]['time']) if len(rows) > 1 else 0.0,
-      'train_s': sum(r.get('wall_s', 0.0) for r in train),
+      'steps_s': sum(step_s),
+      'first_step_s': step_s[0] if step_s else 0.0,
+      'later_step_mean_s': sum(step_s[1:]) / len(step_s[1:]) if step_s[1:] else 0.0,
+      'rows_span_s': (rows[-1]['time'] - rows[0]['time']) if len(rows) > 1 else 0.0,
   }
   if train:
     out.update(first_reward_mean=train[0]['reward_mean'], last_reward_mean=train[-1]['reward_mean'])
@@ -108,10 +122,11 @@ def finish(workdir: str) -> dict:
   if grid:
     summary['before_after'] = grid
   with open(os.path.join(workdir, 'summary.json'), 'w') as f:
-    json.dump(summary, f, indent=1)
+    json.dump(dict(summary, time_figures=TIME_FIGURES), f, indent=1)
   line = ', '.join(
       f'{k}={v:.4g}' if isinstance(v, float) else f'{k}={v}' for k, v in summary.items()
   )
+  legend = '; '.join(f'{k}: {v}' for k, v in TIME_FIGURES.items())
   logging.info('summary: %s', line)
-  print(f'digen_jax summary: {line}', flush=True)
+  print(f'digen_jax summary: {line}\ndigen_jax summary times: {legend}', flush=True)
   return summary

@@ -257,3 +257,17 @@ def step_row(
       'valid_frac': valid_frac,
       **metrics,
   }
+
+
+def reward_part_metrics(names: list[str], parts: np.ndarray | None) -> dict:
+  """Each reward's own 'reward/<name>_mean' and '_std' over its finite scores of the step, when
+  several rewards are combined (parts [K, B] in `names`' order, K >= 2; reward_mean is their
+  weighted combination); {} for one reward. A failed score (NaN) is left out, as in reward_mean."""
+  if parts is None or len(parts) < 2:
+    return {}
+  out = {}
+  for name, row in zip(names, np.asarray(parts, np.float32)):
+    finite = row[np.isfinite(row)]
+    out[f'reward/{name}_mean'] = float(np.mean(finite)) if finite.size else float('nan')
+    out[f'reward/{name}_std'] = float(np.std(finite)) if finite.size else float('nan')
+  return out

@@ -428,6 +428,7 @@ class TrainerLoop:
         bts_decisions=len(b.decisions),
         bts_inserts=sum(d['action'] == 'insert' for d in b.decisions),
         **reward_metrics(frags, plan.batch),
+        **book_lib.reward_part_metrics(_reward_names(book.exp, b.parts), b.parts),
     )
     if book.exp.config.schedule.tcss_fraction > 0:
       lags = b.step - versions
@@ -450,6 +451,14 @@ class TrainerLoop:
         utilization=book.tracer.utilization(a.t_start, a.t_end, book.cluster.num_devices),
     )
     del self.batches[b.step]
+
+
+def _reward_names(exp, parts) -> list[str]:
+  """The names of the rows of a batch's reward parts: the run's rewards (config.reward.weights'
+  order), or their positions for a plain reward function."""
+  names = getattr(exp.reward_fn, 'names', None)
+  k = 0 if parts is None else len(parts)
+  return list(names) if names is not None and len(names) == k else [str(i) for i in range(k)]
 
 
 def reward_metrics(frags: list, samples: int) -> dict:
