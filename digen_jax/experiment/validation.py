@@ -361,7 +361,8 @@ def check_transfer_host(host, field: str = 'config.cluster.transfer_host') -> st
 
 def _check_reward(config: ml_collections.ConfigDict) -> None:
   """The user's reward callables import and reward.weights names registered rewards."""
-  reward_registry.register_callables(config.reward.callables)  # errors name the field
+  # The in-process callables (errors name the field); the workers' are imported there only.
+  reward_registry.register_callables(reward_scoring.split_callables(config.reward)[0])
   try:
     weights = reward_registry.parse_weights(config.reward.weights)
   except ValueError as e:

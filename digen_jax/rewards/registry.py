@@ -50,6 +50,10 @@ def _load_builtins() -> None:
       importlib.import_module(module)
 
 
+class RewardShapeError(ValueError):
+  """A reward returned the wrong shape: a bug in the reward, not a fault of one sample."""
+
+
 def register(name: str, *, takes: str = "images") -> Callable[[RewardFn], RewardFn]:
   """Decorator: `@register("my_reward") def fn(images, prompts): ...`; takes='videos' for a
   reward of whole uint8 videos (module docstring).
@@ -142,7 +146,7 @@ def _score(name: str, batch: np.ndarray, prompts: list[str]) -> np.ndarray:
   frames = video_frames(batch)
   per_frame = np.asarray(fn(frames, [p for p in prompts for _ in range(f)]), np.float32)
   if per_frame.shape != (b * f,):
-    raise ValueError(f"reward {name!r} returned shape {per_frame.shape}; expected ({b * f},)")
+    raise RewardShapeError(f"reward {name!r} returned shape {per_frame.shape}; expected ({b * f},)")
   return per_frame.reshape(b, f).mean(axis=1)
 
 
@@ -153,7 +157,9 @@ def call_reward(name: str, images: np.ndarray, prompts: Sequence[str]) -> np.nda
   images = check_videos(images, prompts) if images.ndim == 5 else check_batch(images, prompts)
   out = _score(name, images, list(prompts))
   if out.shape != (images.shape[0],):
-    raise ValueError(f"reward {name!r} returned shape {out.shape}; expected ({images.shape[0]},)")
+    raise RewardShapeError(
+        f"reward {name!r} returned shape {out.shape}; expected ({images.shape[0]},)"
+    )
   if not np.all(np.isfinite(out)):
     raise ValueError(f"reward {name!r} returned non-finite values: {out}")
   return out

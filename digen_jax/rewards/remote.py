@@ -10,6 +10,9 @@ scorer that keeps failing (max_restarts in a row) stops the run.
 Serve any reward this package knows over that protocol (a learned one loads its model here):
 
     python -m digen_jax.rewards.remote --reward=ocr --port=8008 [--host=127.0.0.1]
+    python -m digen_jax.rewards.remote --reward=mine --callables=mine=my_module:score
+
+--port=0 takes a free port; the first line on stdout names the URL.
 """
 
 from __future__ import annotations
@@ -131,8 +134,12 @@ def main(argv: list[str]) -> int:
   ap.add_argument('--port', type=int, default=8008)
   ap.add_argument('--model', default='', help='the weights folder of a learned reward')
   ap.add_argument('--device', default='cpu')
+  ap.add_argument(
+      '--callables', default='', help="a user's reward to serve: 'name=module.path:function'"
+  )
   a = ap.parse_args(argv)
-  serve(a.reward, a.host, a.port, {'models': {a.reward: a.model}, 'device': a.device})
+  spec = {'models': {a.reward: a.model}, 'device': a.device, 'callables': a.callables}
+  serve(a.reward, a.host, a.port, spec)
   return 0
 
 

@@ -31,6 +31,7 @@ from digen_jax.rewards import remote
 from digen_jax.rewards import workers
 
 FAILED_MODES = ('mask', 'skip')
+COMBINE_MODES = ('sum', 'advantages')  # rl/advantages.py's, checked here before anything starts
 
 
 @dataclasses.dataclass
@@ -60,13 +61,37 @@ def parse_pairs(spec: str, field: str) -> dict[str, str]:
   return out
 
 
+def names_in(spec: str) -> list[str]:
+  """The names of a comma-separated list (reward.in_workers)."""
+  return [n.strip() for n in (spec or '').split(',') if n.strip()]
+
+
+def split_callables(r) -> tuple[str, str]:
+  """config.reward.callables as (the in-process ones, the ones in reward.in_workers): a worker's
+  callable is imported by the workers only (it may import torch), never here."""
+  in_workers = set(names_in(r.in_workers))
+  parts = [p.strip() for p in (r.callables or '').split(',') if p.strip()]
+  is_worker = lambda p: p.partition('=')[0].strip() in in_workers
+  return (
+      ','.join(p for p in parts if not is_worker(p)),
+      ','.join(p for p in parts if is_worker(p)),
+  )
+
+
 def where_each(r, weights) -> dict[str, str]:
   """{name: 'host' | 'workers' | 'remote'} of reward.weights' names; ValueError naming the field
-  for an unknown name or a setting that does not fit (before anything starts)."""
+  for an unknown name or a setting that does not fit (before anything starts). The in-process
+  callables must be registered already (registry.register_callables; validation does)."""
   remote_urls = parse_pairs(r.remote, 'config.reward.remote')
   models = parse_pairs(r.models, 'config.reward.models')
-  in_workers = [n.strip() for n in (r.in_workers or '').split(',') if n.strip()]
-  known = set(registry.registered_names()) | set(learned.LOADERS) | set(remote_urls)
+  in_workers = names_in(r.in_workers)
+  worker_callables = parse_pairs(split_callables(r)[1], 'config.reward.callables')
+  known = (
+      set(registry.registered_names())
+      | set(learned.LOADERS)
+      | set(remote_urls)
+      | set(worker_callables)
+  )
   for field, names in (
       ('config.reward.weights', list(weights)),
       ('config.reward.in_workers', in_workers),
@@ -91,6 +116,8 @@ def where_each(r, weights) -> dict[str, str]:
       )
   if r.failed not in FAILED_MODES:
     raise ValueError(f'config.reward.failed={r.failed!r}: use one of {FAILED_MODES}')
+  if r.combine not in COMBINE_MODES:
+    raise ValueError(f'config.reward.combine={r.combine!r}: use one of {COMBINE_MODES}')
   for field in ('workers', 'batch_size'):
     if int(r[field]) < 1:
       raise ValueError(f'config.reward.{field}={r[field]} must be >= 1')
@@ -158,6 +185,7 @@ class Rewards:
   def __init__(self, r):
     """r: config.reward (checked by where_each; the registry holds the user's callables)."""
     self.config = r
+    registry.register_callables(split_callables(r)[0])  # idempotent (validation did)
     self.weights = registry.parse_weights(r.weights)
     self.names = list(self.weights)
     self.where = where_each(r, self.weights)
@@ -183,7 +211,7 @@ class Rewards:
       devices = [d.strip() for d in (r.worker_devices or 'cpu').split(',') if d.strip()]
       spec = dict(
           rewards=in_workers,
-          callables=r.callables,
+          callables=split_callables(r)[1],
           models=parse_pairs(r.models, 'config.reward.models'),
       )
       backends = [
@@ -220,22 +248,27 @@ class Rewards:
     return dict(zip(self.names, s.parts))
 
   def probe(self, prompts, size: int = 64) -> None:
-    """Scores 2 mid-grey images with the run's first prompts in the workers and remote scorers:
-    a reward that returns the wrong shape or fails there is a ValueError now, before anything
-    compiles (in-process rewards are checked at each call, as before)."""
-    if not self.pools:
-      return
+    """Scores 2 mid-grey images with the run's first prompts: a reward that returns the wrong
+    shape (any reward), or fails there (workers and remote scorers), is a ValueError now,
+    before anything compiles (an in-process reward's other faults are the guard's, per call)."""
     prompts = (list(prompts) * 2)[:2]
     images = np.full((2, size, size, 3), 128, np.uint8)
+    fail = lambda why: ValueError(
+        f'config.reward.weights={self.config.weights!r}: a probe batch (2 grey images with '
+        f"the run's first prompts) failed before training: {why}"
+    )
+    for name in self._host:
+      try:
+        registry.call_reward(name, images.astype(np.float32) / np.float32(127.5) - 1, prompts)
+      except registry.RewardShapeError as e:
+        raise fail(e) from None
+      except Exception:  # pylint: disable=broad-except  (a fault of these images: guarded)
+        pass
     for pool in self.pools:
       got, info = pool.submit(images, prompts).result()
       bad = [n for n, row in zip(pool.names, got) if not np.all(np.isfinite(row))]
       if info['faults'] or bad:
-        why = info['faults'][0] if info['faults'] else f'NaN scores from {bad}'
-        raise ValueError(
-            f'config.reward.weights={self.config.weights!r}: a probe batch (2 grey images with '
-            f"the run's first prompts) failed before training: {why}"
-        )
+        raise fail(info['faults'][0] if info['faults'] else f'NaN scores from {bad}')
 
   def close(self) -> None:
     for pool in self.pools:

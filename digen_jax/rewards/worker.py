@@ -59,7 +59,10 @@ class BadShape(ValueError):
 
 
 def _one(fn, name: str, images, prompts) -> np.ndarray:
-  out = np.asarray(fn(images, list(prompts)), np.float32)
+  try:
+    out = np.asarray(fn(images, list(prompts)), np.float32)
+  except registry.RewardShapeError as e:  # the registry's own check of a registered reward
+    raise BadShape(str(e)) from None
   if out.shape != (len(prompts),):
     raise BadShape(f'reward {name!r} returned shape {out.shape}; expected ({len(prompts)},)')
   return out
