@@ -42,6 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim = _optim_section()
   c.runtime = _runtime_section()
   c.cluster = _cluster_section()
+  c.parallel = _parallel_section()
   c.schedule = _schedule_section()
   c.eval = _eval_section()
   c.baseline = _baseline_section()
@@ -324,6 +325,19 @@ def _cluster_section() -> ml_collections.ConfigDict:
   cluster.rollout.param_dtype = 'float32'  # 'bfloat16': lower-precision rollout copy
   cluster.rollout.param_sharding = 'replicated'  # 'replicated' (data-parallel) | 'fsdp'
   return cluster
+
+
+def _parallel_section() -> ml_collections.ConfigDict:
+  """config.parallel: how a program spreads one sample over a role's devices (both roles)."""
+  parallel = ml_collections.ConfigDict()
+  # Sequence parallelism: each sample's tokens split over this many devices of the rollout and
+  # trainer meshes ("Ulysses": all-to-all from token-split to head-split around attention;
+  # models/sequence_parallel.py). It must divide each role's device count and the model's
+  # attention heads; the token count is padded to it. 1 = no split. What it buys: a device
+  # holds 1/s of a sample's activations, so a fragment needs only n/s samples to fill n
+  # devices (DESIGN.md §8, docs/real_models.md "Long videos").
+  parallel.sequence = 1
+  return parallel
 
 
 def _schedule_section() -> ml_collections.ConfigDict:

@@ -17,6 +17,7 @@ import math
 import ml_collections
 
 from digen_jax.experiment import fragments
+from digen_jax.parallel import sequence
 from digen_jax.parallel import tsp_grid
 from digen_jax.rewards import registry as reward_registry
 from digen_jax.rewards import scoring as reward_scoring
@@ -90,6 +91,7 @@ _INT_MIN = {
     'runtime.max_consecutive_skips': 1,
     'schedule.fragments': 1,
     'schedule.tsp_steps_axis': 0,
+    'parallel.sequence': 1,
     'log_every': 1,
     'checkpoint_every': 1,
     'keep_checkpoints': 1,
@@ -103,6 +105,7 @@ _INT_HINTS = {
     'eval.num_prompts': '0 = the whole split',
     'eval.every': '0 = off',
     'schedule.tsp_steps_axis': '0 = auto',
+    'parallel.sequence': '1 = no split',
     'sample_grid_every': '0 = off',
     'model.lora.rank': '0 = full fine-tuning',
     'runtime.max_consecutive_skips': 'updates skipped in a row for NaN/inf before the run stops',
@@ -415,6 +418,7 @@ def _validate_schedule(
     )
   if s.tsp and config.runtime.mode != 'disagg':  # disagg: runtime.cluster checks the trainer's
     tsp_grid.check_steps_axis(s.tsp_steps_axis, num_devices)
+  _check_sequence_split(config, num_devices)
   if m > 1 and rl.adv_std != 'group':
     raise ValueError(
         f"config.schedule.fragments={m} needs rl.adv_std='group' (a fragment's "
@@ -447,6 +451,21 @@ def _validate_schedule(
         'tiny_disagg)'
     )
   return plan
+
+
+def _check_sequence_split(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """config.parallel.sequence against the heads and (colocated) the devices; runtime.cluster
+  checks each role of a disaggregated run."""
+  split = config.parallel.sequence
+  heads = config.model.num_attention_heads
+  # Disaggregated: the heads now, each role's devices when runtime.cluster resolves them.
+  sequence.check(split, num_devices if config.runtime.mode != 'disagg' else None, heads)
+  if split > 1 and config.schedule.tsp:
+    raise ValueError(
+        f'config.parallel.sequence={split} splits each sample over devices; TSP '
+        '(config.schedule.tsp) lays the trainer mesh out by steps and samples instead and the '
+        'two do not combine yet: set one of them off'
+    )
 
 
 def _get(config: ml_collections.ConfigDict, dotted: str):

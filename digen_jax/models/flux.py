@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 
 from digen_jax.models import dit
+from digen_jax.models import sequence_parallel
 from digen_jax.models.layers import (
     MLP_RATIO,
     TIMESTEP_CHANNELS,
@@ -233,13 +234,22 @@ class Flux(dit.TransformerModel):
     temb = temb + self.text_pool(pooled)
 
     img, txt = self.run_blocks(
-        self.blocks, (img, txt), lambda block, c: block(*c, temb, double_rope, None), cfg.num_layers
+        self.blocks,
+        (img, txt),
+        # Token streams split over devices inside sequence_parallel.split_tokens.
+        lambda block, c: tuple(
+            map(sequence_parallel.constrain, block(*c, temb, double_rope, None))
+        ),
+        cfg.num_layers,
     )
     # diffusers concatenates and splits the streams around every single-stream block; once is the
     # same.
     x = jnp.concatenate([txt, img], axis=1)
     x = self.run_blocks(
-        self.single_blocks, x, lambda block, x: block(x, temb, joint_rope), cfg.num_single_layers
+        self.single_blocks,
+        x,
+        lambda block, x: sequence_parallel.constrain(block(x, temb, joint_rope)),
+        cfg.num_single_layers,
     )
     img = x[:, n_txt:]
     return self.output(img, temb)

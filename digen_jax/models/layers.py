@@ -12,6 +12,7 @@ statistics, the RoPE rotation and the attention softmax run in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -22,6 +23,7 @@ from flax import nnx
 
 from digen_jax.models import attention as attention_lib
 from digen_jax.models import rope
+from digen_jax.models import sequence_parallel
 from digen_jax.models.tensor_source import LinearEntries
 
 # Fixed by diffusers' Timesteps / TimestepEmbedding / FeedForward (not config options there).
@@ -260,9 +262,11 @@ def multihead_attention(
 ) -> jax.Array:
   """q, k, v [B, S, H, Dh] (q pre-scaled, as from project_qkv), key_mask [B, S] bool or None ->
   [B, S, H*Dh]: the shared attention (models/attention.py, `implementation` as there), heads
-  merged back in order.
+  merged back in order; each sample's tokens split over devices inside
+  sequence_parallel.split_tokens.
   """
-  out = attention_lib.attention(q, k, v, key_mask, implementation=implementation)
+  attend = functools.partial(attention_lib.attention, implementation=implementation)
+  out = sequence_parallel.attention(q, k, v, key_mask, attend)
   return out.reshape(*out.shape[:2], -1)
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from digen_jax.models import dit
+from digen_jax.models import sequence_parallel
 from digen_jax.models.layers import (
     MLP,
     MLP_RATIO,
@@ -301,7 +302,11 @@ class MMDiT(dit.TransformerModel):
       key_mask = jnp.concatenate([text_mask.astype(bool), jnp.ones((b, n_img), bool)], axis=1)
 
     img, _ = self.run_blocks(
-        self.blocks, (img, txt), lambda block, c: block(*c, temb, tables, key_mask), cfg.num_layers
+        self.blocks,
+        (img, txt),
+        # Token streams split over devices inside sequence_parallel.split_tokens.
+        lambda block, c: tuple(map(sequence_parallel.constrain, block(*c, temb, tables, key_mask))),
+        cfg.num_layers,
     )
     return self.output(img, temb)
 

@@ -53,6 +53,7 @@ import numpy as np
 from flax import nnx
 
 from digen_jax.models import dit
+from digen_jax.models import sequence_parallel
 from digen_jax.models.layers import (
     MLP,
     TIMESTEP_CHANNELS,
@@ -292,14 +293,19 @@ class Wan(dit.TransformerModel):
     cos, sin = rope_cos_sin(img_shape, cfg.axes_dims_rope, cfg.rope_theta)
     rope = (jnp.asarray(cos), jnp.asarray(sin))
 
-    x = self.img_in(latents)
+    # Inside sequence_parallel.split_tokens, each sample's tokens lie split over devices
+    # between the attentions too (identity otherwise).
+    x = sequence_parallel.constrain(self.img_in(latents))
     # diffusers: the pipeline's timestep (1000 sigma), then Timesteps(scale=1).
     temb = self.time_embed(TIMESTEP_SCALE * sigma.astype(jnp.float32), scale=1.0)
     time_proj = self.time_proj(jax.nn.silu(temb)).astype(jnp.float32)
     time_proj = time_proj.reshape(b, MODULATION_CHUNKS, cfg.inner_dim)
     context = self.text_embed(text)
     x = self.run_blocks(
-        self.blocks, x, lambda block, x: block(x, context, time_proj, rope), cfg.num_layers
+        self.blocks,
+        x,
+        lambda block, x: sequence_parallel.constrain(block(x, context, time_proj, rope)),
+        cfg.num_layers,
     )
     return self.output(x, temb)
 

@@ -14,15 +14,20 @@ import jax.numpy as jnp
 
 from digen_jax.diffusion import sampler as sampler_lib
 from digen_jax.models import family as family_lib
+from digen_jax.models import sequence_parallel
 from digen_jax.parallel import mesh as mesh_lib
+from digen_jax.parallel import sequence as sequence_lib
 
 
-def make_velocity_fn(graphdef, img_shape, compute_dtype, family=None, guidance: float = 0.0):
+def make_velocity_fn(
+    graphdef, img_shape, compute_dtype, family=None, guidance: float = 0.0, token_mesh=None
+):
   """velocity_fn(params, latents [B,N,C], sigma [B], cond) -> v [B,N,C] float32: the family's
   forward (models/family.py; default the MMDiT's) on a conditioning dict
   (Experiment.conditioning). guidance: FLUX.1-dev's distilled guidance input. With a bf16 compute
   dtype the float32 master params are cast inside the jitted program, so gradients flow back to
-  float32."""
+  float32. token_mesh: a (samples, tokens) view of the program's mesh (parallel/sequence.py)
+  over which each sample's tokens are split (models/sequence_parallel.py); None: no split."""
   forward = (family or family_lib.get('qwenimage')).forward
 
   def velocity_fn(params, latents, sigma, cond):
@@ -30,21 +35,39 @@ def make_velocity_fn(graphdef, img_shape, compute_dtype, family=None, guidance: 
       params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
     model = nnx.merge(graphdef, params)
     cond = dict(cond, text=cond['text'].astype(compute_dtype))
-    v = forward(model, latents.astype(compute_dtype), sigma, cond, img_shape, guidance)
+    with sequence_parallel.split_tokens(token_mesh):  # read while tracing the forward
+      v = forward(model, latents.astype(compute_dtype), sigma, cond, img_shape, guidance)
     return v.astype(jnp.float32)
 
   return velocity_fn
 
 
-def velocity_fn_of(exp):
-  """make_velocity_fn for an Experiment's model, family and sampler settings."""
+def velocity_fn_of(exp, mesh=None):
+  """make_velocity_fn for an Experiment's model, family and sampler settings, each sample's
+  tokens split over config.parallel.sequence devices of `mesh` (None: no split)."""
   return make_velocity_fn(
       exp.graphdef,
       exp.img_shape,
       exp.compute_dtype,
       exp.family,
       float(exp.config.sampler.distilled_guidance),
+      token_mesh=token_mesh_of(exp, mesh),
   )
+
+
+def token_mesh_of(exp, mesh):
+  """The (samples, tokens) view of `mesh` for config.parallel.sequence, or None (no split, or
+  no mesh)."""
+  if mesh is None:
+    return None
+  return sequence_lib.token_mesh(mesh, int(exp.config.parallel.sequence))
+
+
+def row_unit(exp, mesh) -> int:
+  """The rows a program on `mesh` computes are a multiple of this: one per group of devices
+  that holds whole samples (n, or n / config.parallel.sequence with the tokens split)."""
+  view = token_mesh_of(exp, mesh)
+  return mesh.devices.size if view is None else view.shape[sequence_lib.SAMPLES]
 
 
 def trajectory_shardings(mesh) -> sampler_lib.Trajectory:

@@ -29,7 +29,7 @@ def _rollout_fn(exp, deterministic: bool, mesh, samples: int | None):
   only when `deterministic`): the sampling scan and the decode, traced into one program. With
   `samples`, only the first ceil(samples / n) * n rows are sampled and decoded (the images);
   the trajectory is padded back to the input's rows by repeating them."""
-  velocity_fn = common.velocity_fn_of(exp)
+  velocity_fn = common.velocity_fn_of(exp, mesh)
   # numpy, not a device array: staged into the program as a literal. A jax.Array closed over
   # here would be a captured constant, which a GPU's transfer guard refuses to lower.
   sigmas = np.asarray(exp.sigmas, np.float32)

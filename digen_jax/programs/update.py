@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from digen_jax.parallel import mesh as mesh_lib
+from digen_jax.parallel import sequence as sequence_lib
 from digen_jax.programs import common
 from digen_jax.programs import tsp as tsp_lib
 from digen_jax.rl import objective as objective_lib
@@ -91,11 +92,18 @@ def _batch_shardings(exp, mesh, traj_shardings):
   return (traj_shardings, cond, cond, data, data)
 
 
-def _real_rows(batch, mesh, samples):
-  """`batch` cut to the rows a program on `mesh` computes (common.computed_rows), batch-sharded:
-  the weight-0 rows another mesh's layout needed are dropped before any forward."""
-  rows = common.computed_rows(batch[3].shape[0], samples, mesh.devices.size)
-  return common.take_rows(batch, rows, lambda ndim, axis: mesh_lib.batch_sharding(mesh, ndim, axis))
+def _real_rows(exp, batch, mesh, samples):
+  """`batch` cut to the rows a program on `mesh` computes (common.computed_rows, a multiple of
+  common.row_unit), batch-sharded (with config.parallel.sequence, over the groups of devices
+  that share a sample): the weight-0 rows another mesh's layout needed are dropped before any
+  forward."""
+  rows = common.computed_rows(batch[3].shape[0], samples, common.row_unit(exp, mesh))
+  view = common.token_mesh_of(exp, mesh)
+  if view is None:
+    sharding_of = lambda ndim, axis: mesh_lib.batch_sharding(mesh, ndim, axis)
+  else:
+    sharding_of = lambda ndim, axis: sequence_lib.samples_sharding(view, ndim, axis)
+  return common.take_rows(batch, rows, sharding_of)
 
 
 def make_update(
@@ -116,10 +124,11 @@ def make_update(
   traj_shardings: the layout the trajectory arrives in (None: whatever it has). `frozen`: the
   frozen weights on `mesh` (default: loaded FSDP-sharded, without the decoder). samples: the
   batch's real samples, its first rows (the rest weight-0 padding; None: every row): only
-  ceil(samples / n) * n rows are computed. Donates params and optimizer state."""
+  ceil(samples / u) * u rows are computed (u: common.row_unit, n devices or n /
+  config.parallel.sequence). Donates params and optimizer state."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
-  velocity_fn = common.velocity_fn_of(exp)
+  velocity_fn = common.velocity_fn_of(exp, mesh)
   r = exp.config.rl
   T = len(exp.sigmas) - 1
 
@@ -129,7 +138,7 @@ def make_update(
         exp,
         velocity_fn,
         frozen,
-        _real_rows((traj, cond, uncond, adv, valid), mesh, samples),
+        _real_rows(exp, (traj, cond, uncond, adv, valid), mesh, samples),
         ref_params,
         indices,
         step_loop=common.step_loop_for(r.step_loop, mesh),
@@ -240,12 +249,12 @@ def make_fragment_grad(
   tsp: the K selected steps x the fragment's samples as one vmap laid out on the (t, b) view of
   `mesh` (programs/tsp.py); else config.rl.step_loop over K (step_loop_for), the batch axis
   sharded. samples: the fragment's real samples, its first rows (the rest are weight-0 padding,
-  experiment/fragments.py; default: every row): only ceil(samples / n) * n rows are computed
-  (TSP: ceil(samples / b) * b).
+  experiment/fragments.py; default: every row): only ceil(samples / u) * u rows are computed
+  (u: common.row_unit; TSP: ceil(samples / b) * b).
   `frozen` as in make_update."""
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
-  velocity_fn = common.velocity_fn_of(exp)
+  velocity_fn = common.velocity_fn_of(exp, mesh)
 
   def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params, frozen):
     batch = (traj, cond, uncond, adv, valid)
@@ -253,7 +262,7 @@ def make_fragment_grad(
       lay = tsp_lib.layout(exp, mesh, adv.shape[0] if samples is None else samples)
       indices, batch, options = tsp_lib.prepare(mesh, lay, indices, batch)
     else:
-      batch = _real_rows(batch, mesh, samples)
+      batch = _real_rows(exp, batch, mesh, samples)
       options = dict(step_loop=common.step_loop_for(exp.config.rl.step_loop, mesh))
     loss_fn = grpo_loss(
         exp,

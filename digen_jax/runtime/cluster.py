@@ -26,6 +26,7 @@ import jax
 from jax.sharding import Mesh
 
 from digen_jax.parallel import mesh as mesh_lib
+from digen_jax.parallel import sequence
 from digen_jax.parallel import tsp_grid
 
 ROLES = ('trainer', 'rollout')
@@ -267,6 +268,13 @@ def resolve(config, devices: Sequence[jax.Device] | None = None) -> Cluster:
   # (experiment/fragments.py: FragmentPlan.rows, over the lcm of the roles' device counts).
   if config.schedule.tsp:
     tsp_grid.check_steps_axis(config.schedule.tsp_steps_axis, roles['trainer'].size)
+  for role in ROLES:
+    sequence.check(
+        config.parallel.sequence,
+        roles[role].size,
+        config.model.num_attention_heads,
+        f"the {role} role's",
+    )
   dtype, sharding = cl.rollout.param_dtype, cl.rollout.param_sharding
   if dtype not in ('float32', 'bfloat16'):
     raise ValueError(

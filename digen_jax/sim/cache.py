@@ -139,6 +139,10 @@ def config_digest(config) -> str:
   keep = {}
   for section in PROGRAM_SECTIONS:
     keep[section] = d.get(section)
+  # config.parallel (sequence parallelism) came later: keyed only when it splits, so entries
+  # cached before it existed keep their digest.
+  if d.get('parallel', {}).get('sequence', 1) != 1:
+    keep['parallel'] = d['parallel']
   for dotted in IGNORED_OVERRIDES:
     path = dotted.rstrip('.').split('.')
     node = keep
