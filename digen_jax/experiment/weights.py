@@ -222,7 +222,14 @@ def _transformer_source(config, family, mcfg, same_architecture):
         f'{ckpt_cfg}, config asks for {mcfg}'
     )
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: family.new(mcfg, 0)))
-  return graphdef, abstract_of(abstract), loader
+  abstract = abstract_of(abstract)
+  # Keys, shapes and dtypes now (headers only), so a bad checkpoint is one line at config load
+  # rather than an error inside the first mesh's load.
+  folder = streaming.component_folder(path, 'transformer', f'{family.name} transformer')
+  streaming.check(
+      streaming.open_checkpoint(folder), family.key_table(mcfg), abstract, label='diffusers'
+  )
+  return graphdef, abstract, loader
 
 
 # The checkout's root (digen_jax/experiment/weights.py is three levels down).
@@ -293,7 +300,11 @@ def _vae_source(config, family) -> VAESource | None:
         f'{step} and at least {2 * step} pixels (0 = no tiling)'
     )
   graphdef, abstract = family.vae.abstract_vae(vcfg, jnp.float32)
-  return VAESource(vcfg, family.vae, graphdef, abstract_of(abstract), folder)
+  abstract = abstract_of(abstract)
+  streaming.check(
+      streaming.open_checkpoint(folder), family.vae.vae_key_table(vcfg), abstract, label='VAE'
+  )
+  return VAESource(vcfg, family.vae, graphdef, abstract, folder)
 
 
 def build(config, family, mcfg, same_architecture) -> Weights:

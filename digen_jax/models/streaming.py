@@ -304,6 +304,14 @@ def _validate(ckpt: Checkpoint, table: KeyTable, leaves: Mapping[str, Any], labe
   for name, leaf in leaves.items():
     source = table[name]
     want = tuple(leaf.shape[1:] if source.stacked else leaf.shape)
+    floating = jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating)
+    for key in source.keys:
+      info = ckpt.tensors[key]
+      if floating and not jax.numpy.issubdtype(_NP_DTYPES[info.dtype], jax.numpy.floating):
+        raise ValueError(
+            f'{label} key {key!r} in {info.file} has dtype {info.dtype}, expected a '
+            f'floating-point tensor (F32, BF16 or F16) for our param {name}'
+        )
     if source.stacked and (not leaf.shape or leaf.shape[0] != len(source.keys)):
       raise ValueError(
           f'our param {name} has shape {tuple(leaf.shape)} but the {label} key '
@@ -322,6 +330,14 @@ def _validate(ckpt: Checkpoint, table: KeyTable, leaves: Mapping[str, Any], labe
             f'{label} key {key!r} has shape {info.shape}, expected one that gives '
             f'{want} for our param {name} (it gives {got}); file {info.file}'
         )
+
+
+def check(checkpoint: Checkpoint, table: KeyTable, abstract: Any, *, label: str) -> None:
+  """What `load` checks before it reads any data, without loading: every param of `abstract`
+  (ShapeDtypeStructs) has its key(s) in `checkpoint`, of a shape that fits and a floating dtype
+  where the param is floating, and no file key is left over. ValueError naming the key, its file
+  and what was expected; called when a run is built, so a bad checkpoint is one line then."""
+  _validate(checkpoint, table, _flat(abstract), label)
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
