@@ -272,7 +272,7 @@ def _flux_words() -> list[str]:
   return grammar_words() + 'and cat photo astronaut riding horse moon'.split()
 
 
-def _clip_tokenizer():
+def clip_tokenizer():
   """CLIPTokenizer (byte-level BPE, '</w>' word ends, 77 tokens) trained on the toy words and
   every printable ASCII character, so any English prompt tokenizes."""
   from tokenizers import Tokenizer, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
@@ -347,7 +347,7 @@ def build_flux(folder: str, seed: int = 0) -> dict[str, Any]:
   folder = _new_folder(folder, seed)
   sub = _streams(seed)
   torch.manual_seed(sub('construct'))
-  clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
+  clip_tok, t5_tok = clip_tokenizer(), _t5_tokenizer()
   t = FLUX_TRANSFORMER
   clip = CLIPTextModel(
       CLIPTextConfig(
