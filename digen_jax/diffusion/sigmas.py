@@ -24,6 +24,7 @@ __all__ = [
     "SchedulerConfig",
     "qwenimage_scheduler_config",
     "flux_scheduler_config",
+    "scheduler_config_from_diffusers",
     "calculate_shift",
     "sigmas",
     "flow_sigmas",
@@ -106,6 +107,31 @@ def flux_scheduler_config() -> SchedulerConfig:
       shift_terminal=None,
       time_shift_type="exponential",
   )
+
+
+SCHEDULER_CLASS = "FlowMatchEulerDiscreteScheduler"
+
+
+def scheduler_config_from_diffusers(raw: dict) -> SchedulerConfig:
+  """SchedulerConfig of a pipeline folder's ``scheduler/scheduler_config.json`` dict. ValueError
+  for another scheduler class, ``stochastic_sampling=True`` (diffusers' own stochastic Euler
+  step, which our samplers do not take) or a key this mirror does not know (it may change the
+  sigmas)."""
+  cls = raw.get("_class_name", SCHEDULER_CLASS)
+  if cls != SCHEDULER_CLASS:
+    raise ValueError(f"_class_name is {cls!r}; expected {SCHEDULER_CLASS!r}")
+  if raw.get("stochastic_sampling"):
+    raise ValueError(
+        "stochastic_sampling=true is diffusers' stochastic Euler step; our sampler's steps are "
+        "config.sampler.sde's: set it false"
+    )
+  fields = [f.name for f in dataclasses.fields(SchedulerConfig)]
+  unknown = sorted(
+      k for k in raw if not k.startswith("_") and k not in fields and k != "stochastic_sampling"
+  )
+  if unknown:
+    raise ValueError(f"unknown scheduler config keys {unknown}; the sigmas understand {fields}")
+  return SchedulerConfig(**{k: raw[k] for k in fields if k in raw})
 
 
 def calculate_shift(image_seq_len: int, cfg: SchedulerConfig) -> float:

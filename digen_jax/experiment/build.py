@@ -4,6 +4,7 @@ optimizer. Pure construction: nothing here compiles or runs the hot loop."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from typing import Any, Callable
@@ -241,15 +242,43 @@ def check_prompt_cache(config, text_encoder, prompt_lists) -> None:
   )
 
 
+SCHEDULER_CONFIG = os.path.join('scheduler', 'scheduler_config.json')
+
+
+def scheduler_config(config) -> sigmas_lib.SchedulerConfig:
+  """The FlowMatchEulerDiscreteScheduler settings of the run: a pipeline folder's own
+  scheduler/scheduler_config.json (shift, dynamic shifting and its base/max shift and sequence
+  lengths, shift_terminal, ...), else config.sampler.scheduler's built-in release settings
+  (random init, our params folders). ValueError naming the file otherwise."""
+  path = weights_lib.repo_path(config.model.checkpoint) if config.model.checkpoint else ''
+  if config.model.init != 'checkpoint' or not (path and weights_lib.is_pipeline_folder(path)):
+    if config.sampler.scheduler == 'qwenimage':
+      return sigmas_lib.qwenimage_scheduler_config()
+    return sigmas_lib.flux_scheduler_config()
+  file = os.path.join(path, SCHEDULER_CONFIG)
+  if not os.path.isfile(file):
+    raise ValueError(
+        f'config.model.checkpoint={path!r} has no {SCHEDULER_CONFIG}: a pipeline folder holds '
+        "the scheduler its model was trained with; copy the release's scheduler/ folder into it"
+    )
+  try:
+    with open(file) as f:
+      raw = json.load(f)
+    if not isinstance(raw, dict):
+      raise ValueError(f'expected a JSON object, got {type(raw).__name__}')
+    return sigmas_lib.scheduler_config_from_diffusers(raw)
+  except (OSError, ValueError, TypeError) as e:
+    raise ValueError(f'{file}: {e}') from None
+
+
 def build_schedule(config, num_tokens: int) -> np.ndarray:
+  """The sampler's sigmas [T + 1] for images of `num_tokens` tokens: diffusers' for the run's
+  scheduler settings (scheduler_config), a positive config.sampler.shift overriding its
+  shifting; Wan's flow sigmas for sampler.scheduler='wan'."""
   s = config.sampler
   if s.scheduler == 'wan':  # Wan2.1's UniPC flow grid, static flow shift (validated > 0)
     return sigmas_lib.flow_sigmas(s.num_steps, s.shift)
-  base = (
-      sigmas_lib.qwenimage_scheduler_config()
-      if s.scheduler == 'qwenimage'
-      else sigmas_lib.flux_scheduler_config()
-  )
+  base = scheduler_config(config)
   shift = s.shift if s.shift > 0 else None
   return np.asarray(
       sigmas_lib.sigmas(base, s.num_steps, image_seq_len=num_tokens, shift=shift), np.float32

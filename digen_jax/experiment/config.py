@@ -156,10 +156,12 @@ def _sampler_section() -> ml_collections.ConfigDict:
   """config.sampler: sampling (scheduler, SDE, CFG)."""
   sampler = ml_collections.ConfigDict()
   sampler.num_steps = 50
-  # 'qwenimage' | 'flux' (their FlowMatchEulerDiscreteScheduler configs) | 'wan' (Wan2.1's UniPC
-  # flow sigmas with the static flow shift sampler.shift; our sampler steps them Euler/SDE).
+  # A pipeline folder's own scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler: shift,
+  # dynamic shifting and its parameters, shift_terminal) gives the sigmas; without one (random
+  # init, our params folders) 'qwenimage' | 'flux' name the releases' settings. 'wan': Wan2.1's
+  # UniPC flow sigmas with the static flow shift sampler.shift (our sampler steps them Euler/SDE).
   sampler.scheduler = 'qwenimage'
-  sampler.shift = 0.0  # > 0: static shift overriding the scheduler's dynamic shift
+  sampler.shift = 0.0  # > 0: static shift overriding the scheduler's own shifting
   sampler.sde = 'flow_grpo'  # 'flow_grpo' | 'dance' | 'cps'
   sampler.noise_level = 0.7
   sampler.logprob_reduce = 'mean'  # 'mean' | 'sum' over latent dims
