@@ -10,8 +10,11 @@ classifier) and scores
     reward = 1 - dist / len(target)                               in [0, 1]
 
 Here the engine is rapidocr-onnxruntime: PaddleOCR's PP-OCRv4 det/rec models as ONNX, shipped
-inside its wheel (nothing is downloaded), run by onnxruntime in a reward worker process. A
-prompt without a quoted text scores against the whole prompt (as GenRL's port does). Where
+inside its wheel (nothing is downloaded), run by onnxruntime in a reward worker process, with
+PaddleOCR's detector sizing (the longer side capped at 960 px). One difference stays: the wheel's
+recogniser is PP-OCRv4's Chinese-English one (ch_PP-OCRv4_rec), where PaddleOCR(lang='en') loads
+the English one; the wheel's reads the task's capitals and digits (tests/test_ocr_reward.py:
+139 of its 140 clean renders exactly). A prompt without a quoted text scores against the whole prompt (as GenRL's port does). Where
 Flow-GRPO scores an image the engine raises on 0, the exception goes on here: the worker marks
 that sample's reward failed and the run masks it out of its group (rewards/workers.py).
 """
@@ -64,7 +67,15 @@ class OcrReader:
   def __init__(self, folder: str = "", device: str = "cpu"):
     from rapidocr_onnxruntime import RapidOCR  # pylint: disable=g-import-not-at-top
 
-    kwargs = {"use_cls": False, "intra_op_num_threads": int(os.environ.get("OMP_NUM_THREADS", 1))}
+    kwargs = {
+        "use_cls": False,
+        "intra_op_num_threads": int(os.environ.get("OMP_NUM_THREADS", 1)),
+        # PaddleOCR's detector defaults, as Flow-GRPO runs it: an image's longer side capped
+        # at 960 px, never enlarged (rapidocr's own default enlarges the shorter side to 736:
+        # a 512 px sample would cost 2x the detection, a 64 px toy one 130x).
+        "det_limit_type": "max",
+        "det_limit_side_len": 960,
+    }
     if folder:
       for part in ("det", "rec"):
         path = os.path.join(folder, f"{part}.onnx")
