@@ -335,3 +335,24 @@ def test_overlapped_fsdp_exposes_only_the_first_layer(qwen):
   off = rm.best(rm.grad_options(qwen, g, 16, rm.Knobs(overlap=False), tsp=False))
   assert on.seconds < off.seconds
   assert on.detail['fsdp_s'] < off.detail['fsdp_s'] / qwen.layers * 1.01
+
+
+def test_frozen_base_gathered_once_per_step(qwen):
+  """config.schedule.frozen_once_per_step as the planner costs it: a fragment gradient gathers
+  only the adapters (the FSDP base once per step, charged to the step, a whole base beside the
+  shard in memory); the planner takes it for fragments when it is faster, never for the fused
+  update or colocated (which gather once per step already)."""
+  g = roles.Group(hardware.parse_cluster('16xH100+16xH100'))
+  knobs = rm.Knobs(overlap=False)
+  per_call = rm.best(rm.grad_options(qwen, g, 16, knobs, tsp=False))
+  once = rm.best(rm.grad_options(qwen, g, 16, knobs, tsp=False, frozen_once=True))
+  assert not per_call.detail['frozen_once'] and per_call.detail['step_gather_s'] == 0
+  assert once.detail['frozen_once'] and once.detail['fsdp_s'] < per_call.detail['fsdp_s']
+  base = qwen.frozen_base_bytes * (1 - 1 / g.n)
+  gather = g.gather_seconds(qwen.frozen_base_bytes, knobs.devices_per_node, knobs.eff)
+  assert once.detail['step_gather_s'] == pytest.approx(gather) and gather > 0
+  assert once.memory['state'] == pytest.approx(per_call.memory['state'] + base)
+  planner = search.Planner(qwen, hardware.parse_cluster('16xH100+16xH100'), knobs=knobs)
+  chosen = planner.grad(g, 16, False)
+  assert chosen.seconds == min(per_call.seconds, once.seconds)
+  assert not planner.grad(g, 16, False, per_step=False).detail['frozen_once']

@@ -211,13 +211,27 @@ def rollout_options(
 
 
 def grad_options(
-    run: RunModel, group: roles.Group, b: int, knobs: Knobs, *, tsp: bool
+    run: RunModel,
+    group: roles.Group,
+    b: int,
+    knobs: Knobs,
+    *,
+    tsp: bool,
+    frozen_once: bool = False,
 ) -> list[roles.Option]:
   """Ways to compute the gradient of b samples on `group` (a GAP fragment, or the whole batch
   by gradient accumulation). Memory: the trainer's state plus the larger of the gradient's and
-  the optimizer apply's temp."""
+  the optimizer apply's temp. frozen_once (LoRA; config.schedule.frozen_once_per_step): the
+  base gathered once per step into a whole copy beside its shard, so a call gathers only the
+  adapters; the step's one gather is detail['step_gather_s']."""
   n = group.n
   persistent = run.trainer_persistent(n)
+  gathered = run.gathered_bytes
+  step_gather = 0.0
+  if frozen_once:
+    persistent += run.frozen_base_bytes * (1 - 1 / n)
+    gathered -= run.frozen_base_bytes
+    step_gather = group.gather_seconds(run.frozen_base_bytes, knobs.devices_per_node, knobs.eff)
   apply = apply_temp(run, n)
   out = []
   for remat, prog in sorted(run.grads.items()):
@@ -238,11 +252,12 @@ def grad_options(
       gathers = 2 if loop == 'vmap' else 2 * run.K
       sec = knobs.seconds(group, prog, flops, prog.bytes_for(flops))
       fsdp = group.fsdp_seconds(
-          run.gathered_bytes, run.trainable_bytes, gathers, knobs.devices_per_node, knobs.eff
+          gathered, run.trainable_bytes, gathers, knobs.devices_per_node, knobs.eff
       )
       fsdp = knobs.exposed(fsdp, sec, run.layers)
       mem = roles.memory_dict(state=persistent, temp=max(prog.temp(mem_units), apply))
       what = f'{c} sample{"s" if c > 1 else ""}' + ('/call (TSP)' if tsp else '/device/call')
+      what += ', base gathered once per step' if frozen_once else ''
       out.append(
           roles.Option(
               f'remat {"on" if remat else "off"}, {loop} over K, {what}',
@@ -257,6 +272,8 @@ def grad_options(
                   'padded': b % n != 0,
                   'fsdp_s': calls * fsdp,
                   'compute_s': calls * sec,
+                  'frozen_once': frozen_once,
+                  'step_gather_s': step_gather,
               },
           )
       )

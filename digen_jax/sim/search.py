@@ -207,11 +207,21 @@ class Planner:
         ('r', group, b), lambda: rm.best(rm.rollout_options(self.run, group, b, self.knobs))
     )
 
-  def grad(self, group: roles.Group, b: int, tsp: bool) -> roles.Option | None:
-    return self._memo_get(
-        ('g', group, b, tsp),
-        lambda: rm.best(rm.grad_options(self.run, group, b, self.knobs, tsp=tsp)),
-    )
+  def grad(
+      self, group: roles.Group, b: int, tsp: bool, *, per_step: bool = True
+  ) -> roles.Option | None:
+    """The fastest fitting fragment gradient; with LoRA and `per_step` (fragments, not the
+    fused update, which gathers once per step already) also with the base gathered once per
+    step (config.schedule.frozen_once_per_step; that one gather, detail['step_gather_s'], is
+    charged to the step's apply by disagg)."""
+
+    def options():
+      out = rm.grad_options(self.run, group, b, self.knobs, tsp=tsp)
+      if per_step and self.run.frozen_base_bytes:
+        out += rm.grad_options(self.run, group, b, self.knobs, tsp=tsp, frozen_once=True)
+      return out
+
+    return self._memo_get(('g', group, b, tsp, per_step), lambda: rm.best(options()))
 
   def tag(self, group: roles.Group, b: int) -> roles.Option | None:
     return self._memo_get(
@@ -232,7 +242,7 @@ class Planner:
 
   def colocated(self) -> Candidate | None:
     run, g, k = self.run, self.all, self.knobs
-    grad = self.grad(g, run.batch, False)
+    grad = self.grad(g, run.batch, False, per_step=False)
     if grad is None:
       return None
     opts = [o for o in rm.colocated_rollout_options(run, g, run.batch, k) if o.fits]
@@ -265,10 +275,11 @@ class Planner:
     schedule = schedule_of(mode, m, self.tcss)
     b = run.batch // m
     roll = self.rollout(split.rollout, b)
-    grad = self.grad(split.trainer, b, schedule.tsp)
+    grad = self.grad(split.trainer, b, schedule.tsp, per_step=not schedule.fused)
     if roll is None or grad is None:
       return None
-    apply = rm.apply_seconds(run, split.trainer, k)
+    # The base gathered once per step (frozen_once_per_step) is the step's, charged to the apply.
+    apply = rm.apply_seconds(run, split.trainer, k) + grad.detail['step_gather_s']
     tag = self.tag(split.trainer, b) if schedule.tag else None
     if schedule.tag and tag is None:  # TAG's sampling does not fit beside the trainer state
       schedule = dataclasses.replace(schedule, tag=False)
