@@ -11,18 +11,21 @@ So each reference below is the published code path transcribed onto transformers
 and plain torch, its source cited at each step.
 """
 
+import json
 import os
 
 import numpy as np
 from PIL import Image
 import pytest
 import torch
+from torch.nn import functional as F
 from transformers import AutoTokenizer
 from transformers import CLIPConfig
 from transformers import CLIPImageProcessorPil
 from transformers import CLIPModel
 
 from digen_jax.experiment import tiny_pipeline
+from digen_jax.rewards import hps
 from digen_jax.rewards import learned
 from digen_jax.rewards import preference
 
@@ -242,3 +245,186 @@ def test_aesthetic_matches_simple_inference(tmp_path, images):
   torch.save(ReferenceAestheticMLP(16).state_dict(), head)
   with pytest.raises(preference.WeightsError, match=r'takes 16-d embeddings.*24-d'):
     learned.load('aesthetic', folder, 'cpu')
+
+
+# ------------------------------------------------------------------------------------------------
+# HPSv2.1: an open_clip checkpoint, converted to transformers' CLIPModel by the loader; the
+# reference computes open_clip's forward straight from the open_clip weights.
+
+OPEN_CLIP_TINY = {  # open_clip's model-config format (model_configs/ViT-H-14.json), tiny
+    'embed_dim': 20,
+    'vision_cfg': {'image_size': 28, 'layers': 2, 'width': 48, 'head_width': 16, 'patch_size': 7},
+    'text_cfg': {'context_length': 77, 'vocab_size': 0, 'width': 32, 'heads': 4, 'layers': 2},
+}
+
+
+def open_clip_state(cfg: dict, vocab: int, seed: int) -> dict:
+  """Random weights under open_clip's CLIP names and shapes (open_clip/model.py CLIP,
+  transformer.py VisionTransformer / ResidualAttentionBlock with nn.MultiheadAttention)."""
+  g = torch.Generator().manual_seed(seed)
+  v, t, e = cfg['vision_cfg'], cfg['text_cfg'], cfg['embed_dim']
+  vw, tw, grid = v['width'], t['width'], v['image_size'] // v['patch_size']
+
+  def r(*shape, std=0.3):
+    return torch.randn(*shape, generator=g) * std
+
+  def block(prefix, w):
+    return {
+        f'{prefix}ln_1.weight': 1 + r(w, std=0.1),
+        f'{prefix}ln_1.bias': r(w, std=0.1),
+        f'{prefix}attn.in_proj_weight': r(3 * w, w),
+        f'{prefix}attn.in_proj_bias': r(3 * w, std=0.1),
+        f'{prefix}attn.out_proj.weight': r(w, w),
+        f'{prefix}attn.out_proj.bias': r(w, std=0.1),
+        f'{prefix}ln_2.weight': 1 + r(w, std=0.1),
+        f'{prefix}ln_2.bias': r(w, std=0.1),
+        f'{prefix}mlp.c_fc.weight': r(4 * w, w),
+        f'{prefix}mlp.c_fc.bias': r(4 * w, std=0.1),
+        f'{prefix}mlp.c_proj.weight': r(w, 4 * w),
+        f'{prefix}mlp.c_proj.bias': r(w, std=0.1),
+    }
+
+  state = {
+      'positional_embedding': r(t['context_length'], tw),
+      'text_projection': r(tw, e),
+      'logit_scale': torch.tensor(4.6052),
+      'visual.class_embedding': r(vw),
+      'visual.positional_embedding': r(grid * grid + 1, vw),
+      'visual.proj': r(vw, e),
+      'visual.conv1.weight': r(vw, 3, v['patch_size'], v['patch_size']),
+      'visual.ln_pre.weight': 1 + r(vw, std=0.1),
+      'visual.ln_pre.bias': r(vw, std=0.1),
+      'visual.ln_post.weight': 1 + r(vw, std=0.1),
+      'visual.ln_post.bias': r(vw, std=0.1),
+      'token_embedding.weight': r(vocab, tw),
+      'ln_final.weight': 1 + r(tw, std=0.1),
+      'ln_final.bias': r(tw, std=0.1),
+  }
+  for i in range(v['layers']):
+    state |= block(f'visual.transformer.resblocks.{i}.', vw)
+  for i in range(t['layers']):
+    state |= block(f'transformer.resblocks.{i}.', tw)
+  return state
+
+
+def open_clip_blocks(x, state, prefix, layers, heads, attn_mask=None):
+  """open_clip Transformer: x + attn(ln_1(x)), x + mlp(ln_2(x)) per block, attention by
+  torch.nn.MultiheadAttention (batch_first) as ResidualAttentionBlock runs it."""
+  width = x.shape[-1]
+  for i in range(layers):
+    p = f'{prefix}{i}.'
+    attn = torch.nn.MultiheadAttention(width, heads, batch_first=True)
+    attn.in_proj_weight.data = state[p + 'attn.in_proj_weight']
+    attn.in_proj_bias.data = state[p + 'attn.in_proj_bias']
+    attn.out_proj.weight.data = state[p + 'attn.out_proj.weight']
+    attn.out_proj.bias.data = state[p + 'attn.out_proj.bias']
+    y = F.layer_norm(x, (width,), state[p + 'ln_1.weight'], state[p + 'ln_1.bias'])
+    x = x + attn(y, y, y, need_weights=False, attn_mask=attn_mask)[0]
+    y = F.layer_norm(x, (width,), state[p + 'ln_2.weight'], state[p + 'ln_2.bias'])
+    y = F.gelu(F.linear(y, state[p + 'mlp.c_fc.weight'], state[p + 'mlp.c_fc.bias']))
+    x = x + F.linear(y, state[p + 'mlp.c_proj.weight'], state[p + 'mlp.c_proj.bias'])
+  return x
+
+
+def open_clip_encode_image(state, cfg, pixels):
+  """open_clip VisionTransformer.forward (pool_type 'tok', ln_post before pooling) @ proj."""
+  v = cfg['vision_cfg']
+  x = F.conv2d(pixels, state['visual.conv1.weight'], stride=v['patch_size'])
+  x = x.reshape(x.shape[0], x.shape[1], -1).permute(0, 2, 1)
+  cls = state['visual.class_embedding'].expand(x.shape[0], 1, -1)
+  x = torch.cat([cls, x], dim=1) + state['visual.positional_embedding']
+  x = F.layer_norm(x, (v['width'],), state['visual.ln_pre.weight'], state['visual.ln_pre.bias'])
+  heads = v['width'] // v['head_width']
+  x = open_clip_blocks(x, state, 'visual.transformer.resblocks.', v['layers'], heads)
+  x = F.layer_norm(x, (v['width'],), state['visual.ln_post.weight'], state['visual.ln_post.bias'])
+  return x[:, 0] @ state['visual.proj']
+
+
+def open_clip_encode_text(state, cfg, text):
+  """open_clip CLIP.encode_text: causal mask, ln_final, the argmax token @ text_projection."""
+  t = cfg['text_cfg']
+  n = text.shape[1]
+  x = state['token_embedding.weight'][text] + state['positional_embedding'][:n]
+  mask = torch.full((n, n), float('-inf')).triu_(1)  # open_clip build_causal_mask
+  x = open_clip_blocks(x, state, 'transformer.resblocks.', t['layers'], t['heads'], mask)
+  x = F.layer_norm(x, (t['width'],), state['ln_final.weight'], state['ln_final.bias'])
+  return x[torch.arange(x.shape[0]), text.argmax(dim=-1)] @ state['text_projection']
+
+
+def hps_preprocess_val(pil_image, size):
+  """hpsv2/src/open_clip/transform.py image_transform(is_train=False, resize_longest_max=True):
+  _convert_to_rgb_or_rgba, ToTensor, ResizeMaxSize(size, fill=0), MaskAwareNormalize; the
+  torchvision tensor ops written out (torchvision is not installable with the CPU torch)."""
+  x = torch.from_numpy(np.array(pil_image.convert('RGB'))).permute(2, 0, 1).float() / 255
+  height, width = x.shape[1:]
+  scale = size / float(max(height, width))
+  if scale != 1.0:
+    new_size = tuple(round(dim * scale) for dim in (height, width))
+    x = F.interpolate(x[None], new_size, mode='bicubic', align_corners=False, antialias=True)[0]
+    pad_h, pad_w = size - new_size[0], size - new_size[1]
+    # F.pad(padding=[left, top, right, bottom]) of torchvision; torch's pad lists (l, r, t, b).
+    padding = [pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2]
+    x = F.pad(x, (padding[0], padding[2], padding[1], padding[3]), value=0)
+  mean = torch.tensor(preference.OPENAI_CLIP_MEAN)[:, None, None]
+  std = torch.tensor(preference.OPENAI_CLIP_STD)[:, None, None]
+  return (x - mean) / std
+
+
+def save_hps_folder(folder, seed, *, tokenizer=True):
+  tok = tiny_pipeline.clip_tokenizer()
+  cfg = dict(OPEN_CLIP_TINY, text_cfg=dict(OPEN_CLIP_TINY['text_cfg'], vocab_size=len(tok)))
+  state = open_clip_state(cfg, len(tok), seed)
+  os.makedirs(folder, exist_ok=True)
+  # HPS_v2.1_compressed.pt's layout: {'state_dict': ...} (img_score.py: checkpoint['state_dict']).
+  torch.save({'state_dict': state}, os.path.join(folder, 'HPS_v2.1_compressed.pt'))
+  with open(os.path.join(folder, hps.OPEN_CLIP_CONFIG), 'w') as f:
+    json.dump(cfg, f)
+  if tokenizer:
+    tok.save_pretrained(folder)
+  return state, cfg, tok
+
+
+@pytest.mark.parametrize('shape', [(40, 52), (28, 28), (33, 21)])
+def test_hpsv2_matches_open_clip_forward_and_hps_preprocessing(tmp_path, shape):
+  folder = str(tmp_path / 'hps')
+  state, cfg, tok = save_hps_folder(folder, seed=4)
+  images = random_images(len(PROMPTS), *shape, seed=5)
+  got = learned.load('hpsv2', folder, 'cpu')(images, PROMPTS)
+  # hpsv2/img_score.py score(), one image and prompt at a time: preprocess_val(image),
+  # tokenizer([prompt]) (open_clip pads with 0 to 77), outputs = model(image, text) with
+  # normalised features, hps = diagonal(image_features @ text_features.T).
+  want = []
+  with torch.no_grad():
+    for image, prompt in zip(images, PROMPTS):
+      pixels = hps_preprocess_val(Image.fromarray(image), cfg['vision_cfg']['image_size'])[None]
+      ids = tok(prompt)['input_ids']
+      text = torch.tensor([ids + [0] * (77 - len(ids))])
+      image_features = F.normalize(open_clip_encode_image(state, cfg, pixels), dim=-1)
+      text_features = F.normalize(open_clip_encode_text(state, cfg, text), dim=-1)
+      want.append(float(torch.diagonal(image_features @ text_features.T)[0]))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  assert len(set(np.round(want, 4))) == len(want), want
+
+
+def test_hpsv2_folder_errors_and_converted_folder(tmp_path, images):
+  folder = str(tmp_path / 'hps')
+  state, cfg, tok = save_hps_folder(folder, seed=4, tokenizer=False)
+  with pytest.raises(preference.WeightsError, match=r'no CLIP tokenizer.*CLIP-ViT-H-14'):
+    learned.load('hpsv2', folder, 'cpu')
+  tok.save_pretrained(folder)
+  want = learned.load('hpsv2', folder, 'cpu')(images, PROMPTS)
+  # A CLIPModel folder of the conversion scores the same.
+  converted = str(tmp_path / 'converted')
+  hps.open_clip_to_transformers(state, cfg).save_pretrained(converted)
+  tok.save_pretrained(converted)
+  np.testing.assert_allclose(learned.load('hpsv2', converted, 'cpu')(images, PROMPTS), want, 1e-6)
+  # A checkpoint with parts the plain CLIP conversion does not know is refused, not half-used.
+  torch.save(
+      {'state_dict': state | {'visual.transformer.resblocks.0.ls_1.gamma': torch.ones(48)}},
+      os.path.join(folder, 'HPS_v2.1_compressed.pt'),
+  )
+  with pytest.raises(preference.WeightsError, match=r'does not know.*ls_1'):
+    learned.load('hpsv2', folder, 'cpu')
+  torch.save({'state_dict': state}, os.path.join(folder, 'other.pt'))
+  with pytest.raises(preference.WeightsError, match=r'exactly one open_clip checkpoint'):
+    learned.load('hpsv2', folder, 'cpu')

@@ -28,9 +28,10 @@ LOADERS = {
     "clip_score": "digen_jax.rewards.preference:load_clip_score",
     "pickscore": "digen_jax.rewards.preference:load_pickscore",
     "aesthetic": "digen_jax.rewards.preference:load_aesthetic",
+    "hpsv2": "digen_jax.rewards.hps:load",
 }
 # Learned rewards that need a weights folder (config.reward.models); 'ocr' has its wheel's.
-NEEDS_FOLDER = frozenset({"clip_score", "pickscore", "aesthetic"})
+NEEDS_FOLDER = frozenset({"clip_score", "pickscore", "aesthetic", "hpsv2"})
 
 
 def is_learned(name: str) -> bool:

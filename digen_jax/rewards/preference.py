@@ -9,17 +9,12 @@ process never imports it). Nothing is downloaded: every loader reads only `folde
                 holding CLIP-H's processor files too (laion/CLIP-ViT-H-14-laion2B-s32B-b79K's
                 preprocessor_config.json and tokenizer; in the folder or its processor/ subfolder).
                 Formula and preprocessing: PickScore's README (github.com/yuvalkirstain/PickScore).
-  hpsv2         HPSv2.1: cos(image, prompt) of an open_clip ViT-H-14 fine-tune; the folder holds the
-                published checkpoint (HPS_v2.1_compressed.pt: {'state_dict': open_clip keys}), or a
-                CLIPModel conversion of it, and CLIP's tokenizer files. Formula and preprocessing:
-                hpsv2/img_score.py (score: image_features @ text_features.T, diagonal) and
-                hpsv2/src/open_clip/transform.py (light_augmentation: ResizeMaxSize + Normalize).
-  image_reward  ImageReward v1.0: BLIP ViT-L + BERT cross-encoder + MLP head, (mlp(h_cls) - mean) / std;
-                the folder holds ImageReward.pt, med_config.json and bert-base-uncased's vocab.txt.
-                Formula and preprocessing: ImageReward/ImageReward.py (ImageReward.score, _transform).
   aesthetic     LAION aesthetic predictor v2 (improved-aesthetic-predictor): an MLP on the L2-normalised
                 CLIP ViT-L/14 image embedding; a CLIPModel folder (openai/clip-vit-large-patch14) and
                 the head's .pth (sac+logos+ava1-l14-linearMSE.pth). Formula: its simple_inference.py.
+
+The learned rewards 'hpsv2' (rewards/hps.py) and 'image_reward' (rewards/image_reward.py) reuse
+the pieces here (folder checks, checkpoint reading, CLIP's constants).
 
 Each loader is `load_<name>(folder, device) -> fn(uint8 images [B, H, W, 3], prompts) -> [B]
 float32`, the contract of rewards/learned.py. Scores are computed in float32.
@@ -40,29 +35,6 @@ import torch
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 CLIP_MAX_LENGTH = 77  # CLIP's text context (PickScore's processor call: max_length=77)
-# ImageReward.py: ImageReward.__init__ (self.mean, self.std) and score() (max_length=35).
-IMAGE_REWARD_MEAN = 0.16717362830052426
-IMAGE_REWARD_STD = 1.0333394966054072
-IMAGE_REWARD_MAX_LENGTH = 35
-# hpsv2/src/open_clip/model_configs/ViT-H-14.json: the architecture of HPSv2.1's checkpoint.
-VIT_H_14 = {
-    'embed_dim': 1024,
-    'vision_cfg': {
-        'image_size': 224,
-        'layers': 32,
-        'width': 1280,
-        'head_width': 80,
-        'patch_size': 14,
-    },
-    'text_cfg': {
-        'context_length': 77,
-        'vocab_size': 49408,
-        'width': 1024,
-        'heads': 16,
-        'layers': 24,
-    },
-}
-OPEN_CLIP_CONFIG = 'open_clip_config.json'  # optional: another open_clip architecture (its format)
 
 
 class WeightsError(ValueError):
@@ -91,11 +63,6 @@ def pickscore_formula(cos: torch.Tensor, logit_scale: torch.Tensor) -> torch.Ten
   return logit_scale.exp() * cos
 
 
-def image_reward_formula(head_output: torch.Tensor) -> torch.Tensor:
-  """ImageReward.score: (mlp(txt_features) - mean) / std; head_output [B, 1] -> [B]."""
-  return ((head_output - IMAGE_REWARD_MEAN) / IMAGE_REWARD_STD)[:, 0]
-
-
 # ------------------------------------------------------------------------------------------------
 # Shared pieces.
 
@@ -110,7 +77,7 @@ def torch_device(device: str) -> torch.device:
   return torch.device(device or 'cpu')
 
 
-def _need_folder(name: str, folder: str) -> None:
+def need_folder(name: str, folder: str) -> None:
   if not folder or not os.path.isdir(folder):
     raise WeightsError(
         f'{name} weights folder {folder!r} does not exist: give it as '
@@ -118,7 +85,7 @@ def _need_folder(name: str, folder: str) -> None:
     )
 
 
-def _processor_folder(name: str, folder: str, files: Sequence[str], source: str) -> str:
+def processor_folder(name: str, folder: str, files: Sequence[str], source: str) -> str:
   """The folder (folder itself or its processor/ subfolder) that holds every one of `files`."""
   for candidate in (folder, os.path.join(folder, 'processor')):
     if all(os.path.isfile(os.path.join(candidate, f)) for f in files):
@@ -129,10 +96,10 @@ def _processor_folder(name: str, folder: str, files: Sequence[str], source: str)
   )
 
 
-def _tokenizer_folder(name: str, folder: str, source: str) -> str:
+def tokenizer_folder(name: str, folder: str, source: str) -> str:
   for files in (['tokenizer.json'], ['vocab.json', 'merges.txt']):
     try:
-      return _processor_folder(name, folder, files, source)
+      return processor_folder(name, folder, files, source)
     except WeightsError:
       pass
   raise WeightsError(
@@ -141,20 +108,20 @@ def _tokenizer_folder(name: str, folder: str, source: str) -> str:
   )
 
 
-def _pooled(out) -> torch.Tensor:
+def pooled(out) -> torch.Tensor:
   """get_image_features / get_text_features: a tensor (transformers 4) or an output whose
   pooler_output is the projected embedding (transformers 5)."""
   return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
-def _rgb_batch(images: np.ndarray) -> np.ndarray:
+def rgb_batch(images: np.ndarray) -> np.ndarray:
   images = np.asarray(images)
   if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8:
     raise ValueError(f'expected uint8 images [B, H, W, 3]; got {images.dtype} {images.shape}')
   return images
 
 
-def _load_state_dict(path: str) -> dict:
+def load_state_dict(path: str) -> dict:
   """A checkpoint file's tensors ({'state_dict': ...} unwrapped), on the CPU, without running
   pickled code (torch.load weights_only)."""
   if path.endswith('.safetensors'):
@@ -184,7 +151,7 @@ def from_pretrained(name: str, cls, folder: str, **kwargs):
   return model.eval()
 
 
-def _one_file(name: str, folder: str, patterns: Sequence[str], what: str) -> str:
+def one_file(name: str, folder: str, patterns: Sequence[str], what: str) -> str:
   found = sorted({p for pattern in patterns for p in glob.glob(os.path.join(folder, pattern))})
   if len(found) != 1:
     raise WeightsError(
@@ -208,7 +175,7 @@ class ClipPair:
     from transformers import CLIPModel  # pylint: disable=g-import-not-at-top
     from transformers import CLIPTokenizer  # pylint: disable=g-import-not-at-top
 
-    _need_folder(name, folder)
+    need_folder(name, folder)
     if not os.path.isfile(os.path.join(folder, 'config.json')):
       raise WeightsError(
           f'{name} weights folder {folder!r} has no config.json: it must be a transformers '
@@ -217,15 +184,15 @@ class ClipPair:
     # The PIL processor: the preprocessing these models were published with (transformers 4's
     # CLIPImageProcessor; transformers 5's default one resizes with torchvision when installed).
     image_processor = CLIPImageProcessorPil.from_pretrained(
-        _processor_folder(name, folder, ['preprocessor_config.json'], processor_source)
+        processor_folder(name, folder, ['preprocessor_config.json'], processor_source)
     )
-    tokenizer = CLIPTokenizer.from_pretrained(_tokenizer_folder(name, folder, processor_source))
+    tokenizer = CLIPTokenizer.from_pretrained(tokenizer_folder(name, folder, processor_source))
     model = from_pretrained(name, CLIPModel, folder)
     return cls(name, model, tokenizer, image_processor, torch_device(device))
 
   def pixels(self, images: np.ndarray) -> torch.Tensor:
     """uint8 [B, H, W, 3] -> pixel_values [B, 3, S, S] as the processor makes them of PIL images."""
-    pil = [Image.fromarray(x) for x in _rgb_batch(images)]
+    pil = [Image.fromarray(x) for x in rgb_batch(images)]
     return self.image_processor(images=pil, return_tensors='pt')['pixel_values'].to(self.device)
 
   def tokens(self, prompts: Sequence[str]) -> dict:
@@ -240,12 +207,12 @@ class ClipPair:
   @torch.inference_mode()
   def features(self, images: np.ndarray, prompts: Sequence[str]):
     """(image [B, E], text [B, E]) projected embeddings, not normalised."""
-    image = _pooled(self.model.get_image_features(pixel_values=self.pixels(images)))
-    text = _pooled(self.model.get_text_features(**self.tokens(prompts)))
+    image = pooled(self.model.get_image_features(pixel_values=self.pixels(images)))
+    text = pooled(self.model.get_text_features(**self.tokens(prompts)))
     return image.float(), text.float()
 
 
-def _as_numpy(x: torch.Tensor) -> np.ndarray:
+def as_numpy(x: torch.Tensor) -> np.ndarray:
   return x.detach().float().cpu().numpy().astype(np.float32)
 
 
@@ -264,7 +231,7 @@ def load_clip_score(folder: str, device: str):
   pair = ClipPair.load('clip_score', folder, device, OPENAI_CLIP_SOURCE)
 
   def clip_score(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
-    return _as_numpy(clip_score_formula(cosine(*pair.features(images, prompts))))
+    return as_numpy(clip_score_formula(cosine(*pair.features(images, prompts))))
 
   return clip_score
 
@@ -276,7 +243,7 @@ def load_pickscore(folder: str, device: str):
 
   def pickscore(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     cos = cosine(*pair.features(images, prompts))
-    return _as_numpy(pickscore_formula(cos, pair.model.logit_scale.detach().float()))
+    return as_numpy(pickscore_formula(cos, pair.model.logit_scale.detach().float()))
 
   return pickscore
 
@@ -301,7 +268,7 @@ def aesthetic_head(input_size: int) -> torch.nn.Sequential:
 
 
 def load_aesthetic_head(name: str, path: str) -> torch.nn.Sequential:
-  state = _load_state_dict(path)
+  state = load_state_dict(path)
   state = {k.removeprefix('layers.'): v for k, v in state.items()}
   if '0.weight' not in state:
     raise WeightsError(
@@ -322,10 +289,10 @@ def load_aesthetic(folder: str, device: str):
   from transformers import CLIPImageProcessorPil  # pylint: disable=g-import-not-at-top
   from transformers import CLIPVisionModelWithProjection  # pylint: disable=g-import-not-at-top
 
-  _need_folder('aesthetic', folder)
-  head_path = _one_file('aesthetic', folder, ['*.pth', 'aesthetic_head.safetensors'], 'head file')
+  need_folder('aesthetic', folder)
+  head_path = one_file('aesthetic', folder, ['*.pth', 'aesthetic_head.safetensors'], 'head file')
   image_processor = CLIPImageProcessorPil.from_pretrained(
-      _processor_folder('aesthetic', folder, ['preprocessor_config.json'], OPENAI_CLIP_SOURCE)
+      processor_folder('aesthetic', folder, ['preprocessor_config.json'], OPENAI_CLIP_SOURCE)
   )
   dev = torch_device(device)
   # The image tower of the CLIPModel folder alone; its projection width is the CLIPConfig's.
@@ -345,10 +312,10 @@ def load_aesthetic(folder: str, device: str):
   @torch.inference_mode()
   def aesthetic(images: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
     del prompts
-    pil = [Image.fromarray(x) for x in _rgb_batch(images)]
+    pil = [Image.fromarray(x) for x in rgb_batch(images)]
     pixels = image_processor(images=pil, return_tensors='pt')['pixel_values'].to(dev)
     embeds = vision(pixel_values=pixels).image_embeds.float()
     embeds = embeds / embeds.norm(dim=-1, keepdim=True)  # simple_inference.py: normalized()
-    return _as_numpy(head(embeds)[:, 0])
+    return as_numpy(head(embeds)[:, 0])
 
   return aesthetic
