@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 
 from absl import app
@@ -126,9 +127,15 @@ def _lock_workdir(workdir: str, info):
     outcome = json.loads(distributed.kv_get(key, timeout_s=600))
     if outcome['error']:
       # Said and acknowledged before process 0, which hosts the jax.distributed service, exits
-      # (its exit aborts this process).
+      # (its exit aborts this process). The launcher's SIGTERM, sent once process 0 has exited,
+      # may come before this process's own exit: it is ending with its line already.
+      for sig in interrupt.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
       peers.last_line(f'digen_jax: {outcome["error"]}')
-      distributed.kv_set(f'{key}/read/{info.process_id}', '1')
+      try:
+        distributed.kv_set(f'{key}/read/{info.process_id}', '1')
+      except Exception:  # pylint: disable=broad-except  (process 0 may leave before the reply)
+        pass
       os._exit(1)
     return None
   try:

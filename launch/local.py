@@ -198,9 +198,10 @@ class Launcher:
       except subprocess.TimeoutExpired:
         pass
     for p in self.procs:
-      # A copy's own children get a moment to end by themselves (a stderr watcher writing the
-      # copy's last line, digen_jax/process/peers.py), then the group is killed: also the groups
-      # of copies that already exited, whose children may linger.
+      # A copy's own children get a moment to end by themselves, then the group is killed: also
+      # the groups of copies that already exited, whose children may linger. (A copy's stderr
+      # watcher, digen_jax/process/peers.py, has its own group: it ends once the copy's stderr
+      # closes, and join_readers waits for its last line.)
       _wait_group(p.pid, deadline=time.monotonic() + 2.0)
       _signal_group(p.pid, signal.SIGKILL)
       try:

@@ -30,7 +30,7 @@ ENV_STATUS = 'DIGEN_LAUNCH_STATUS'
 _ROLES_MARK = '\x1edigen-roles '
 _FINAL_MARK = '\x1edigen-final'
 _roles: dict[int, str] = {}
-_watched = {'on': False, 'rank': None}
+_watched = {'on': False, 'rank': None, 'said': False}
 
 
 def exit_text(code: int) -> str:
@@ -56,7 +56,11 @@ def set_roles(roles: dict[int, str]) -> None:
 
 def last_line(text: str | None = None) -> None:
   """Prints this process's last line (if given) to stderr, and tells the watcher it was the
-  last: the process is about to exit."""
+  last: the process is about to exit. Only the first call prints: a process has one last line
+  (a peer failing while it exits is not a second cause)."""
+  if _watched['said']:
+    return
+  _watched['said'] = True
   text = '' if text is None else text + '\n'
   # One write: nothing another thread prints comes between the line and the mark.
   sys.stderr.write(text + (_FINAL_MARK + '\n' if _watched['on'] else ''))
@@ -97,8 +101,10 @@ def stop_line(dead: str, me: int, roles: dict[int, str] | None = None) -> str:
 
 
 def watch_stderr(process_id: int) -> None:
-  """Routes this process's stderr (fd 2) through the watcher (a child that ignores SIGTERM and
-  SIGINT and ends when every writer of its pipe has closed it, i.e. after this process)."""
+  """Routes this process's stderr (fd 2) through the watcher (a child in its own process group,
+  so the launcher's signals to this process's group never reach it, not even while it starts,
+  and that ignores SIGTERM and SIGINT; it ends when every writer of its pipe has closed it, i.e.
+  after this process)."""
   if _watched['on']:
     return
   _watched['rank'] = process_id
@@ -111,6 +117,7 @@ def watch_stderr(process_id: int) -> None:
         stdout=out,
         stderr=out,
         close_fds=True,
+        process_group=0,
     )
   except OSError as e:  # no watcher: a peer's death may then show the client's stack dump
     sys.stderr.write(f'digen_jax: warning: no stderr watcher ({e}); continuing without it\n')
