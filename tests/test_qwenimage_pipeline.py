@@ -35,9 +35,9 @@ runpy.run_module('digen_jax.main', run_name='__main__')
 """
 
 
-def _flags(folder, workdir, variant='tiny_pipeline', *extra):
+def _flags(folder, workdir, variant='tiny_pipeline', *extra, config=CONFIG):
   return [
-      f'--config={CONFIG}:{variant}',
+      f'--config={config}:{variant}',
       f'--workdir={workdir}',
       f'--config.model.checkpoint={folder}',
       f'--config.text.cache={folder}/text_cache',
@@ -46,10 +46,16 @@ def _flags(folder, workdir, variant='tiny_pipeline', *extra):
   ]
 
 
-def _main(folder, workdir, *extra, variant='tiny_pipeline'):
+def _main(folder, workdir, *extra, variant='tiny_pipeline', config=CONFIG):
+  """digen_jax.main of `config` (another family's file: test_wan_pipeline) with torch blocked."""
   env = dict(os.environ, PYTHONPATH=REPO)
   r = subprocess.run(
-      [sys.executable, '-c', _NO_TORCH_MAIN, *_flags(folder, workdir, variant, *extra)],
+      [
+          sys.executable,
+          '-c',
+          _NO_TORCH_MAIN,
+          *_flags(folder, workdir, variant, *extra, config=config),
+      ],
       cwd=REPO,
       env=env,
       capture_output=True,

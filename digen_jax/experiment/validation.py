@@ -371,7 +371,13 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
   except ValueError as e:
     raise ValueError(f'config.reward.weights: {e}') from None
   # Names, weights and the worker/remote fields (rewards/scoring.py; errors name the field).
-  reward_scoring.where_each(config.reward, weights)
+  where = reward_scoring.where_each(config.reward, weights)
+  videos = [n for n in weights if where[n] == 'host' and reward_registry.takes(n) == 'videos']
+  if videos and config.model.family != 'wan':
+    raise ValueError(
+        f'config.reward.weights={config.reward.weights!r}: {videos} score videos, but '
+        f'config.model.family={config.model.family!r} makes images'
+    )
 
 
 def _check_real_model(config: ml_collections.ConfigDict) -> None:
