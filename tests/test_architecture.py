@@ -69,6 +69,7 @@ ALLOWED = {
         'parallel',
         'process',
         'programs',
+        'rewards',  # where the rewards run (reward workers: their own devices)
         'rl',
         'runtime',
     },

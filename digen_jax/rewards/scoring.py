@@ -124,8 +124,16 @@ def where_each(r, weights) -> dict[str, str]:
   for field in ('retries', 'max_restarts'):
     if int(r[field]) < 0:
       raise ValueError(f'config.reward.{field}={r[field]} must be >= 0')
+  return placement(r)
+
+
+def placement(r) -> dict[str, str]:
+  """{name: 'host' | 'workers' | 'remote'} of config.reward.weights' names, unchecked (the
+  planner's view; where_each checks the names first)."""
+  remote_urls = parse_pairs(r.remote, 'config.reward.remote')
+  in_workers = names_in(r.in_workers)
   out = {}
-  for n in weights:
+  for n in registry.parse_weights(r.weights):
     if n in remote_urls:
       out[n] = 'remote'
     elif learned.is_learned(n) or n in in_workers:

@@ -30,6 +30,7 @@ import dataclasses
 import math
 
 from digen_jax.parallel import tsp_grid
+from digen_jax.rewards import scoring as reward_scoring
 from digen_jax.sim import hardware
 from digen_jax.sim import roles
 from digen_jax.sim import timing
@@ -61,9 +62,13 @@ class RunModel:
   finetune: str = 'lora'
   tcss_fraction: float = 0.0  # the config's (0: the plan uses 0.5, the ladder's)
   # Scoring on the accelerators (config.reward.device_s_per_sample on cost_accelerator): 0 for
-  # host rewards. Every mode pays it where the samples are made (colocated: the same devices).
+  # host rewards. Paid where the samples are made (colocated: the same devices), unless
+  # reward_workers score them.
   reward_device_s: float = 0.0
   reward_accelerator: str = ''
+  # Reward worker devices (config.reward.workers when a reward runs in workers on accelerators):
+  # a disaggregated run scores there, beside the rollout (scored_fragment); 0: where sampled.
+  reward_workers: int = 0
   # Matmul FLOPs per sample-step our LoRA backward spends on the adapted kernels' full weight
   # gradients (it trains through the merged W + s A B), which a LoRA that trains A and B
   # directly (PEFT, the peers') does not (program_costs.lora_weight_grad_flops).
@@ -90,6 +95,22 @@ class RunModel:
     ref = hardware.get(self.reward_accelerator).peak_bf16_flops
     slowest = min(a.peak_bf16_flops for a in group.kinds)
     return self.reward_device_s * math.ceil(samples / group.n) * ref / slowest
+
+  def scored_fragment(self, sample_s: float, samples: int, group, deliver_s: float):
+    """(the rollout role's seconds per fragment, the fragment's delivery seconds) of a
+    disaggregated rollout on `group`: scored on the role's own devices after sampling, or with
+    reward workers on theirs while the role samples the next fragment (rollout.py holds one
+    fragment's scores outstanding): the role's cycle is the slower of the two, and a fragment
+    reaches the trainer its scoring later."""
+    if not self.reward_workers:
+      return sample_s + self.reward_seconds(samples, group), deliver_s
+    score = self.reward_device_s * math.ceil(samples / self.reward_workers)
+    return max(sample_s, score), deliver_s + score
+
+  def reward_on_role(self, samples: int, group) -> float:
+    """What scoring `samples` costs the role's own devices (TAG's fragments): 0 with reward
+    workers (they score on theirs)."""
+    return 0.0 if self.reward_workers else self.reward_seconds(samples, group)
 
   def trainer_persistent(self, n: int) -> float:
     """FSDP bytes per device: params and gradient accumulator (f32), optimizer state, the LoRA
@@ -395,7 +416,17 @@ def reward_terms(config) -> dict:
           f'config.reward.cost_accelerator={r.cost_accelerator!r}: {e}; it names the kind '
           'reward.device_s_per_sample was measured on'
       ) from None
-  return {'reward_device_s': cost, 'reward_accelerator': str(r.cost_accelerator)}
+  # Learned rewards and reward.in_workers run in reward.workers processes; on accelerators
+  # (worker_devices 'cuda:...') those are devices of their own, of cost_accelerator's kind; a
+  # remote scorer (reward.remote) is the user's devices, reward.workers requests at a time.
+  where = set(reward_scoring.placement(r).values())
+  on_devices = any(d.strip() != 'cpu' for d in (r.worker_devices or 'cpu').split(','))
+  elsewhere = 'remote' in where or ('workers' in where and on_devices)
+  return {
+      'reward_device_s': cost,
+      'reward_accelerator': str(r.cost_accelerator),
+      'reward_workers': int(r.workers) if cost > 0 and elsewhere else 0,
+  }
 
 
 # ---------------------------------------------------------------------------------------------

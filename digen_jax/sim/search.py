@@ -285,8 +285,9 @@ class Planner:
       schedule = dataclasses.replace(schedule, tag=False)
     publish = rm.publish_seconds(run, split.trainer, split.rollout, roll.detail['layout'], k)
     deliver = rm.deliver_seconds(run, b, split.trainer, split.rollout, k)
-    # A fragment is scored where it was sampled (the rollout's devices; TAG: the trainer's).
-    rollout = roll.seconds + run.reward_seconds(b, split.rollout)
+    # A fragment is scored where it was sampled (the rollout's devices; TAG: the trainer's), or
+    # by the reward workers on their own devices while the rollout samples on.
+    rollout, deliver = run.scored_fragment(roll.seconds, b, split.rollout, deliver)
     if schedule.fused:  # one fragment, gradient and optimizer step in one program
       costs = engine.StepCosts(
           rollout=rollout, grad=grad.seconds + apply, publish=publish, deliver=deliver
@@ -296,7 +297,7 @@ class Planner:
           rollout=rollout,
           grad=grad.seconds,
           apply=apply,
-          tag_rollout=tag.seconds + run.reward_seconds(b, split.trainer) if tag else None,
+          tag_rollout=tag.seconds + run.reward_on_role(b, split.trainer) if tag else None,
           publish=publish,
           deliver=deliver,
       )
