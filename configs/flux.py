@@ -57,6 +57,7 @@ def get_config(arg: str | None = None):
   c.model.guidance_embeds = True
   c.model.axes_dims_rope = (16, 56, 56)
   pipeline_recipes.pipeline_grpo(c)  # 512x512 images, bf16, LoRA-sized lr (pipeline_recipes)
+  c.latent.image_height = c.latent.image_width = 512  # pixels: latent 64 through the 8x VAE
   c.text.encoder = 't5-clip'
   c.text.max_length = 512  # FluxPipeline's max_sequence_length for -dev
   c.sampler.scheduler = 'flux'
@@ -107,7 +108,8 @@ def get_config(arg: str | None = None):
     c.model.num_single_layers = 2
     c.model.joint_attention_dim = 48
     c.model.pooled_projection_dim = 32
-    c.latent.height = c.latent.width = 16  # 32x32 images (the toy VAE compresses 2x)
+    c.latent.image_height = c.latent.image_width = 32  # pixels (the toy VAE compresses 2x)
+    c.latent.height = c.latent.width = 16
     c.text.max_length = 32  # the T5 sequence length (FLUX attends to the pads)
     c.rl.behaviour_logprobs = 'rollout'
 

@@ -46,6 +46,7 @@ def get_config(arg: str | None = None):
   # 512x512 training images as Flow-GRPO trains (the model's native 1328x1328 is latent 166), bf16,
   # LoRA-sized lr (pipeline_recipes).
   pipeline_recipes.pipeline_grpo(c)
+  c.latent.image_height = c.latent.image_width = 512  # pixels: latent 64 through the 8x VAE
   c.text.encoder = 'qwen2.5-vl'
   # Prompt tokens after the template is dropped (diffusers caps at 512); RL prompt sets are
   # short, and every text token costs attention. A longer prompt is a clear error at start.
@@ -75,7 +76,8 @@ def get_config(arg: str | None = None):
     pipeline_recipes.tiny_pipeline(c, 'digen_tiny_qwenimage', full='full' in variants)
     c.model.num_layers = 2
     c.model.joint_attention_dim = 32
-    c.latent.height = c.latent.width = 8  # 64x64 images
+    c.latent.image_height = c.latent.image_width = 64  # pixels (latent 8 through the 8x VAE)
+    c.latent.height = c.latent.width = 8
     c.sampler.guidance_scale = 4.0
 
   if 'ocr' in variants:

@@ -1,6 +1,6 @@
 """A bad model folder is one line from digen_jax.main, before anything compiles: a missing, extra
 or mis-shaped key, a tensor of the wrong dtype, an unreadable or missing shard, a missing
-component. Each line names the key (or the component), the file and what was expected; the exit
+component, a size flag that disagrees with the folder. Each line names the key (or the component), the file and what was expected; the exit
 code is non-zero and there is no traceback. Each case corrupts a copy of one tiny diffusers
 Qwen-Image folder (tests/model_folders.py) and runs main through tests/cli_zygote.py."""
 
@@ -90,6 +90,25 @@ CASES = {
         lambda d: shutil.rmtree(os.path.join(d, 'transformer')),
         ['no config.json in', 'transformer'],
     ),
+    # A size given on the command line must agree with the folder's.
+    'size_flag_disagrees': (
+        lambda d: None,
+        [
+            'config.model.joint_attention_dim=3584 but the model folder has 40',
+            'transformer/config.json',
+            'drop --config.model.joint_attention_dim',
+        ],
+        ['--config.model.joint_attention_dim=3584'],
+    ),
+    'image_size_not_a_multiple': (
+        lambda d: None,
+        [
+            'config.latent.image_height=72 must be a positive multiple of 16',
+            'vae/config.json',
+            '--config.latent.image_height=80',
+        ],
+        ['--config.latent.image_height=72'],
+    ),
     'missing_vae': (
         lambda d: shutil.rmtree(os.path.join(d, 'vae')),
         ["config.latent.space='vae'", 'vae/', 'config.model.checkpoint'],
@@ -98,9 +117,8 @@ CASES = {
 
 
 def _flags(folder):
-  """configs/qwenimage.py:tiny_pipeline on `folder` with the word encoder (no text cache), its
-  sizes given by hand."""
-  t = model_folders.QWEN_TRANSFORMER
+  """configs/qwenimage.py:tiny_pipeline on `folder` with the word encoder (no text cache); its
+  sizes, unlike the config's, come from the folder."""
   return [
       '--config=configs/qwenimage.py:tiny_pipeline',
       f'--config.model.checkpoint={folder}',
@@ -108,14 +126,6 @@ def _flags(folder):
       '--config.text.encoder=word',
       '--config.text.cache=',
       '--config.text.max_length=16',
-      f'--config.model.num_layers={t["num_layers"]}',
-      f'--config.model.attention_head_dim={t["attention_head_dim"]}',
-      f'--config.model.num_attention_heads={t["num_attention_heads"]}',
-      f'--config.model.joint_attention_dim={t["joint_attention_dim"]}',
-      f'--config.model.axes_dims_rope={tuple(t["axes_dims_rope"])}',
-      f'--config.model.in_channels={t["in_channels"]}',
-      f'--config.model.out_channels={t["out_channels"]}',
-      f'--config.latent.channels={model_folders.QWEN_Z}',
       '--config.total_steps=1',
       '--config.eval.every=0',
   ]
@@ -126,14 +136,13 @@ def outcomes(tmp_path_factory):
   good = model_folders.qwenimage(str(tmp_path_factory.mktemp('good')))
   root = tmp_path_factory.mktemp('bad')
   cases = []
-  for case_id, (corrupt, _) in CASES.items():
+  for case_id, (corrupt, _, *extra) in CASES.items():
     folder = str(root / case_id)
     shutil.copytree(good, folder)
     corrupt(folder)
     workdir = str(root / f'{case_id}_run')
-    cases.append(
-        (case_id, ['-m', 'digen_jax.main', f'--workdir={workdir}', *_flags(folder)], workdir)
-    )
+    flags = [*_flags(folder), *(extra[0] if extra else [])]
+    cases.append((case_id, ['-m', 'digen_jax.main', f'--workdir={workdir}', *flags], workdir))
   # The intact folder builds (the corruptions are what the lines are about): a run of one step.
   cases.append(
       (

@@ -20,6 +20,7 @@ from digen_jax.experiment import config as configlib
 from digen_jax.data import prompts as prompt_data
 from digen_jax.diffusion import sigmas as sigmas_lib
 from digen_jax.diffusion import sde as sde_lib
+from digen_jax.experiment import folder_config
 from digen_jax.experiment import fragments
 from digen_jax.experiment import weights as weights_lib
 from digen_jax.models import attention as attention_lib
@@ -336,8 +337,11 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
   return seq, texts
 
 
-def build(config, workdir: str, num_devices: int) -> Experiment:
-  """Validates the config (before anything compiles) and builds the run's parts."""
+def build(config, workdir: str, num_devices: int, explicit=frozenset()) -> Experiment:
+  """Reads the architecture from the model folder (folder_config.resolve: `explicit`, the fields
+  the command line set, must agree with it), validates the config (before anything compiles)
+  and builds the run's parts."""
+  folder_config.resolve(config, explicit)
   plan = configlib.validate(config, num_devices)
   logging.info(
       'attention: %s (config.model.attention=%r)', attention_choice(config), config.model.attention

@@ -115,6 +115,12 @@ def _latent_section() -> ml_collections.ConfigDict:
   latent.channels = 16  # unpacked latent channels (3 for pixel space)
   latent.height = 166  # latent grid (pixels for 'pixel' space)
   latent.width = 166
+  # 'vae' space with a pipeline folder: the image size in pixels (0 = the latent grid above as
+  # given), a multiple of the VAE's compression x model.patch_size; it sets latent.height/width
+  # (experiment/folder_config.py, which also reads model.* sizes and latent.channels from the
+  # folder).
+  latent.image_height = 0
+  latent.image_width = 0
   # Latent frames: 1 for images; a Wan video of 1 + 4k frames has k + 1 (its VAE compresses
   # time 4x, keeping the first frame: 81 frames -> 21). Tokens are frames x (height/p) x (width/p).
   latent.frames = 1

@@ -61,6 +61,7 @@ def tiny_pixel_space(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.model.remat = False
   c.model.frozen_dtype = 'float32'
   c.latent.space = 'pixel'
+  c.latent.image_height = c.latent.image_width = 0  # pixel space: the grid is the image
   c.latent.channels = 3
   c.latent.vae_batch_chunk = 0
   c.model.in_channels = 12

@@ -65,6 +65,8 @@ _INT_MIN = {
     'sampler.num_steps': 2,
     'latent.height': 1,
     'latent.width': 1,
+    'latent.image_height': 0,
+    'latent.image_width': 0,
     'latent.frames': 1,
     'latent.channels': 1,
     'latent.vae_batch_chunk': 0,
@@ -108,6 +110,8 @@ _INT_HINTS = {
     'parallel.sequence': '1 = no split',
     'sample_grid_every': '0 = off',
     'model.lora.rank': '0 = full fine-tuning',
+    'latent.image_height': 'pixels; 0 = latent.height as given',
+    'latent.image_width': 'pixels; 0 = latent.width as given',
     'runtime.max_consecutive_skips': 'updates skipped in a row for NaN/inf before the run stops',
 }
 _INF = float('inf')

@@ -144,8 +144,11 @@ def setup():
 def build_experiment(config, workdir: str, num_devices: int):
   """experiment.build with bad input reported as one line before anything compiles or is written."""
   from digen_jax.experiment import build as experiment  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import folder_config  # pylint: disable=g-import-not-at-top
 
   try:
-    return experiment.build(config, workdir, num_devices)
+    return experiment.build(
+        config, workdir, num_devices, explicit=folder_config.explicit_fields(sys.argv[1:])
+    )
   except (ValueError, FileNotFoundError) as e:
     fail(str(e))
