@@ -12,6 +12,7 @@ and plain torch, its source cited at each step.
 """
 
 import json
+import math
 import os
 
 import numpy as np
@@ -428,3 +429,235 @@ def test_hpsv2_folder_errors_and_converted_folder(tmp_path, images):
   torch.save({'state_dict': state}, os.path.join(folder, 'other.pt'))
   with pytest.raises(preference.WeightsError, match=r'exactly one open_clip checkpoint'):
     learned.load('hpsv2', folder, 'cpu')
+
+
+# ------------------------------------------------------------------------------------------------
+# ImageReward: BLIP's own names in ImageReward.pt, loaded into transformers' BLIP modules by the
+# loader; the reference runs BLIP's vit.py and med.py computations straight from those weights.
+
+BLIP_VISION = dict(width=128, layers=2, patch=8, image_size=32)  # 128 / 64 = 2 heads
+MED_CONFIG = {  # med_config.json's fields (a BertConfig), tiny
+    'architectures': ['BertModel'],
+    'attention_probs_dropout_prob': 0.1,
+    'hidden_act': 'gelu',
+    'hidden_dropout_prob': 0.1,
+    'hidden_size': 32,
+    'initializer_range': 0.02,
+    'intermediate_size': 48,
+    'layer_norm_eps': 1e-12,
+    'max_position_embeddings': 40,
+    'model_type': 'bert',
+    'num_attention_heads': 4,
+    'num_hidden_layers': 2,
+    'pad_token_id': 0,
+    'type_vocab_size': 2,
+    'vocab_size': 0,
+    'encoder_width': 768,
+    'add_cross_attention': True,
+}
+
+
+def bert_vocab() -> list[str]:
+  """A WordPiece vocabulary (bert-base-uncased's special tokens first) covering PROMPTS."""
+  words = sorted({w for p in PROMPTS for w in p.lower().split()})
+  return ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]'] + words + list('abcdefghijklmnopqrstuvwxyz')
+
+
+def image_reward_state(vocab: int, seed: int) -> dict:
+  """Random weights under ImageReward.pt's names (blip.visual_encoder.* of BLIP vit.py,
+  blip.text_encoder.* of med.py BertModel(add_pooling_layer=False), mlp.layers.*)."""
+  g = torch.Generator().manual_seed(seed)
+  v, c = BLIP_VISION, MED_CONFIG
+  vw, tw, ti = v['width'], c['hidden_size'], c['intermediate_size']
+
+  def r(*shape, std=0.2):
+    return torch.randn(*shape, generator=g) * std
+
+  def ln(prefix, w):
+    return {f'{prefix}.weight': 1 + r(w, std=0.1), f'{prefix}.bias': r(w, std=0.1)}
+
+  def linear(prefix, n_out, n_in, std=0.2):
+    return {f'{prefix}.weight': r(n_out, n_in, std=std), f'{prefix}.bias': r(n_out, std=0.1)}
+
+  grid = v['image_size'] // v['patch']
+  state = {
+      'blip.visual_encoder.cls_token': r(1, 1, vw),
+      'blip.visual_encoder.pos_embed': r(1, grid * grid + 1, vw),
+      **linear('blip.visual_encoder.patch_embed.proj', vw, 1),
+      **ln('blip.visual_encoder.norm', vw),
+      'blip.text_encoder.embeddings.word_embeddings.weight': r(vocab, tw, std=0.5),
+      'blip.text_encoder.embeddings.position_embeddings.weight': r(
+          c['max_position_embeddings'], tw
+      ),
+      'blip.text_encoder.embeddings.position_ids': torch.arange(c['max_position_embeddings'])[None],
+      **ln('blip.text_encoder.embeddings.LayerNorm', tw),
+      **linear('blip.vision_proj', 16, vw),  # BLIP_Pretrain's, unused by ImageReward.score
+      **linear('blip.text_proj', 16, tw),
+  }
+  state['blip.visual_encoder.patch_embed.proj.weight'] = r(vw, 3, v['patch'], v['patch'])
+  for i in range(v['layers']):
+    p = f'blip.visual_encoder.blocks.{i}'
+    state |= ln(f'{p}.norm1', vw) | ln(f'{p}.norm2', vw)
+    state |= linear(f'{p}.attn.qkv', 3 * vw, vw) | linear(f'{p}.attn.proj', vw, vw)
+    state |= linear(f'{p}.mlp.fc1', 4 * vw, vw) | linear(f'{p}.mlp.fc2', vw, 4 * vw)
+  for i in range(c['num_hidden_layers']):
+    p = f'blip.text_encoder.encoder.layer.{i}'
+    for attn, kv_width in (('attention', tw), ('crossattention', vw)):
+      state |= linear(f'{p}.{attn}.self.query', tw, tw)
+      state |= linear(f'{p}.{attn}.self.key', tw, kv_width)
+      state |= linear(f'{p}.{attn}.self.value', tw, kv_width)
+      state |= linear(f'{p}.{attn}.output.dense', tw, tw) | ln(f'{p}.{attn}.output.LayerNorm', tw)
+    state |= linear(f'{p}.intermediate.dense', ti, tw)
+    state |= linear(f'{p}.output.dense', tw, ti) | ln(f'{p}.output.LayerNorm', tw)
+  for j, (n_out, n_in) in zip(
+      (0, 2, 4, 6, 7), ((1024, tw), (128, 1024), (64, 128), (16, 64), (1, 16))
+  ):
+    state |= linear(f'mlp.layers.{j}', n_out, n_in, std=1.0 / math.sqrt(n_in))
+  return state
+
+
+def blip_vit(state, pixels):
+  """BLIP vit.py VisionTransformer.forward (Attention: qkv reshaped to (3, B, heads, N, d))."""
+  v = BLIP_VISION
+  heads, p = v['width'] // 64, 'blip.visual_encoder.'
+  x = F.conv2d(
+      pixels,
+      state[p + 'patch_embed.proj.weight'],
+      state[p + 'patch_embed.proj.bias'],
+      stride=v['patch'],
+  )
+  x = x.flatten(2).transpose(1, 2)  # timm PatchEmbed
+  x = torch.cat([state[p + 'cls_token'].expand(x.shape[0], -1, -1), x], dim=1)
+  x = x + state[p + 'pos_embed'][:, : x.size(1), :]
+
+  def norm(x, name):
+    return F.layer_norm(x, (x.shape[-1],), state[name + '.weight'], state[name + '.bias'], eps=1e-6)
+
+  def lin(x, name):
+    return F.linear(x, state[name + '.weight'], state[name + '.bias'])
+
+  for i in range(v['layers']):
+    b = f'{p}blocks.{i}.'
+    y = norm(x, b + 'norm1')
+    B, N, C = y.shape
+    qkv = lin(y, b + 'attn.qkv').reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
+    q, k, vv = qkv[0], qkv[1], qkv[2]
+    attn = ((q @ k.transpose(-2, -1)) * (C // heads) ** -0.5).softmax(dim=-1)
+    x = x + lin((attn @ vv).transpose(1, 2).reshape(B, N, C), b + 'attn.proj')
+    x = x + lin(F.gelu(lin(norm(x, b + 'norm2'), b + 'mlp.fc1')), b + 'mlp.fc2')
+  return norm(x, p + 'norm')
+
+
+def med_bert(state, input_ids, attention_mask, image_embeds):
+  """BLIP med.py BertModel.forward (mode 'multimodal'): embeddings (word + absolute position,
+  LayerNorm), per layer self-attention with the extended mask (1 - mask) * -10000, cross-attention
+  to the image tokens, feed-forward; post-LN residuals, eps from med_config."""
+  c, p = MED_CONFIG, 'blip.text_encoder.'
+  heads, eps = c['num_attention_heads'], c['layer_norm_eps']
+
+  def lin(x, name):
+    return F.linear(x, state[name + '.weight'], state[name + '.bias'])
+
+  def norm(x, name):
+    return F.layer_norm(x, (x.shape[-1],), state[name + '.weight'], state[name + '.bias'], eps=eps)
+
+  def attention(x, kv, mask, name):
+    B, N, C = x.shape
+    split = lambda t: t.view(B, -1, heads, C // heads).permute(0, 2, 1, 3)  # noqa: E731
+    q, k, v = (
+        split(lin(t, f'{name}.self.{n}')) for t, n in ((x, 'query'), (kv, 'key'), (kv, 'value'))
+    )
+    scores = q @ k.transpose(-1, -2) / math.sqrt(C // heads) + mask
+    ctx = (scores.softmax(-1) @ v).permute(0, 2, 1, 3).reshape(B, N, C)
+    return norm(lin(ctx, f'{name}.output.dense') + x, f'{name}.output.LayerNorm')
+
+  n = input_ids.shape[1]
+  x = state[p + 'embeddings.word_embeddings.weight'][input_ids]
+  x = norm(x + state[p + 'embeddings.position_embeddings.weight'][:n], p + 'embeddings.LayerNorm')
+  self_mask = (1.0 - attention_mask[:, None, None, :].float()) * -10000.0
+  cross_mask = torch.zeros(1, 1, 1, image_embeds.shape[1])  # image_atts: all ones
+  for i in range(c['num_hidden_layers']):
+    b = f'{p}encoder.layer.{i}.'
+    x = attention(x, x, self_mask, b + 'attention')
+    x = attention(x, image_embeds, cross_mask, b + 'crossattention')
+    x = norm(
+        lin(F.gelu(lin(x, b + 'intermediate.dense')), b + 'output.dense') + x,
+        b + 'output.LayerNorm',
+    )
+  return x
+
+
+def image_reward_transform(pil_image, n_px):
+  """ImageReward.py _transform(n_px): Resize(n_px, BICUBIC), CenterCrop(n_px), RGB, ToTensor,
+  Normalize; torchvision's PIL path written out (torchvision is not installable here)."""
+  w, h = pil_image.size
+  if min(w, h) != n_px:  # transforms.functional.resize: shorter side to n_px, longer truncated
+    if w <= h:
+      pil_image = pil_image.resize((n_px, int(n_px * h / w)), Image.BICUBIC)
+    else:
+      pil_image = pil_image.resize((int(n_px * w / h), n_px), Image.BICUBIC)
+  w, h = pil_image.size
+  top, left = int(round((h - n_px) / 2.0)), int(round((w - n_px) / 2.0))  # F.center_crop
+  pil_image = pil_image.crop((left, top, left + n_px, top + n_px)).convert('RGB')
+  x = torch.from_numpy(np.array(pil_image)).permute(2, 0, 1).float() / 255
+  mean = torch.tensor((0.48145466, 0.4578275, 0.40821073))[:, None, None]
+  std = torch.tensor((0.26862954, 0.26130258, 0.27577711))[:, None, None]
+  return (x - mean) / std
+
+
+def save_image_reward_folder(folder, seed):
+  vocab = bert_vocab()
+  state = image_reward_state(len(vocab), seed)
+  os.makedirs(folder, exist_ok=True)
+  torch.save(state, os.path.join(folder, 'ImageReward.pt'))
+  with open(os.path.join(folder, 'med_config.json'), 'w') as f:
+    json.dump(dict(MED_CONFIG, vocab_size=len(vocab)), f)
+  with open(os.path.join(folder, 'vocab.txt'), 'w') as f:
+    f.write('\n'.join(vocab) + '\n')
+  return state, vocab
+
+
+@pytest.mark.parametrize('shape', [(40, 52), (32, 32), (44, 40)])  # (44, 40): crop offset 1.5
+def test_image_reward_matches_blip_forward_and_transform(tmp_path, shape):
+  folder = str(tmp_path / 'image_reward')
+  state, vocab = save_image_reward_folder(folder, seed=6)
+  images = random_images(len(PROMPTS), *shape, seed=7)
+  got = learned.load('image_reward', folder, 'cpu')(images, PROMPTS)
+  # ImageReward.score(prompt, image), one at a time: tokenizer(prompt, padding='max_length',
+  # truncation=True, max_length=35), image_embeds = visual_encoder(preprocess(image)),
+  # text_encoder(ids, mask, encoder_hidden_states=image_embeds, encoder_attention_mask=ones),
+  # rewards = (mlp(last_hidden_state[:, 0]) - mean) / std.
+  ids = {w: i for i, w in enumerate(vocab)}
+  want = []
+  with torch.no_grad():
+    for image, prompt in zip(images, PROMPTS):
+      tokens = [ids['[CLS]']] + [ids[w] for w in prompt.lower().split()] + [ids['[SEP]']]
+      input_ids = torch.tensor([tokens + [0] * (35 - len(tokens))])
+      mask = (input_ids != 0).long()
+      pixels = image_reward_transform(Image.fromarray(image), BLIP_VISION['image_size'])[None]
+      image_embeds = blip_vit(state, pixels)
+      txt_features = med_bert(state, input_ids, mask, image_embeds)[:, 0, :]
+      x = txt_features
+      for j in (0, 2, 4, 6, 7):  # MLP: Linear / Dropout (eval: identity) ..., no activations
+        x = F.linear(x, state[f'mlp.layers.{j}.weight'], state[f'mlp.layers.{j}.bias'])
+      want.append(float((x[0, 0] - 0.16717362830052426) / 1.0333394966054072))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  assert len(set(np.round(want, 3))) == len(want), want
+
+
+def test_image_reward_folder_errors(tmp_path, images):
+  folder = str(tmp_path / 'image_reward')
+  state, _ = save_image_reward_folder(folder, seed=6)
+  os.remove(os.path.join(folder, 'med_config.json'))
+  with pytest.raises(preference.WeightsError, match=r'no med_config.json.*THUDM/ImageReward'):
+    learned.load('image_reward', folder, 'cpu')
+  with open(os.path.join(folder, 'med_config.json'), 'w') as f:  # a text encoder too wide
+    json.dump(dict(MED_CONFIG, vocab_size=len(bert_vocab()), hidden_size=64), f)
+  with pytest.raises(preference.WeightsError, match=r'text encoder'):
+    learned.load('image_reward', folder, 'cpu')
+  torch.save(
+      {k: v for k, v in state.items() if not k.startswith('mlp.')},
+      os.path.join(folder, 'ImageReward.pt'),
+  )
+  with pytest.raises(preference.WeightsError, match=r"not ImageReward's state dict"):
+    learned.load('image_reward', folder, 'cpu')

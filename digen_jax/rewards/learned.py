@@ -29,9 +29,10 @@ LOADERS = {
     "pickscore": "digen_jax.rewards.preference:load_pickscore",
     "aesthetic": "digen_jax.rewards.preference:load_aesthetic",
     "hpsv2": "digen_jax.rewards.hps:load",
+    "image_reward": "digen_jax.rewards.image_reward:load",
 }
 # Learned rewards that need a weights folder (config.reward.models); 'ocr' has its wheel's.
-NEEDS_FOLDER = frozenset({"clip_score", "pickscore", "aesthetic", "hpsv2"})
+NEEDS_FOLDER = frozenset({"clip_score", "pickscore", "aesthetic", "hpsv2", "image_reward"})
 
 
 def is_learned(name: str) -> bool:

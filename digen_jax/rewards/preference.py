@@ -252,9 +252,10 @@ def load_pickscore(folder: str, device: str):
 # The LAION aesthetic predictor v2: an MLP head on CLIP ViT-L/14's normalised image embedding.
 
 
-def aesthetic_head(input_size: int) -> torch.nn.Sequential:
-  """improved-aesthetic-predictor's MLP (simple_inference.py; no activations, as published):
-  its state dict keys are layers.{0,2,4,6,7}.{weight,bias}; [B, input_size] -> [B, 1]."""
+def mlp_head(input_size: int) -> torch.nn.Sequential:
+  """improved-aesthetic-predictor's MLP (simple_inference.py; no activations, as published), which
+  ImageReward's MLP copies: its state dict keys are layers.{0,2,4,6,7}.{weight,bias} (here without
+  'layers.'); [B, input_size] -> [B, 1]."""
   return torch.nn.Sequential(
       torch.nn.Linear(input_size, 1024),
       torch.nn.Dropout(0.2),
@@ -275,7 +276,7 @@ def load_aesthetic_head(name: str, path: str) -> torch.nn.Sequential:
         f'{path} is not an aesthetic predictor head (no layers.0.weight): use '
         "improved-aesthetic-predictor's sac+logos+ava1-l14-linearMSE.pth"
     )
-  head = aesthetic_head(int(state['0.weight'].shape[1]))
+  head = mlp_head(int(state['0.weight'].shape[1]))
   try:
     head.load_state_dict(state)
   except RuntimeError as e:
