@@ -111,19 +111,21 @@ def test_batches_are_scored_by_parallel_workers_while_the_caller_goes_on(built):
   assert s.failed == 0 and s.retries == 0 and s.faults == []
 
 
-def test_samples_a_reward_fails_on_are_nan_never_zero_and_masked_from_their_group(built):
+def test_samples_a_reward_fails_on_are_nan_never_zero_and_masked_from_their_group(built, caplog):
   """A reward that raises on one prompt and scores NaN on another: those samples are NaN with a
   line naming the prompt, the rest keep their scores; the advantages leave them out of their
   groups (adv 0, invalid) and normalise each group over the samples that scored."""
   rewards = built(_reward('w_fragile', batch_size=4))
   images = _images(8)
   prompts = ['a', 'a', 'b raise', 'b', 'c', 'c nan', 'd', 'd']
-  s = rewards.submit(images, prompts).result()
+  with caplog.at_level(logging.ERROR):
+    s = rewards.submit(images, prompts).result()
   ok = np.array([1, 1, 0, 1, 1, 0, 1, 1], bool)
   assert np.isnan(s.total[~ok]).all() and s.failed == 2
   np.testing.assert_allclose(s.total[ok], _brightness(images)[ok], rtol=1e-6)
   assert any("'b raise'" in f and 'KeyError' in f for f in s.faults), s.faults
   assert any("'c nan'" in f and 'non-finite' in f for f in s.faults), s.faults
+  assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == s.faults
   adv, valid = (np.asarray(x) for x in advantages.grpo_advantages(s.total, 4, mask_failed=True))
   assert np.isfinite(adv).all() and list(valid) == list(ok)
   assert adv[2] == 0 and adv[5] == 0

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import time
 
+from absl import logging
 import numpy as np
 
 from digen_jax.rewards import learned
@@ -178,6 +179,8 @@ class PendingScores:
       lines += info['faults']
       t_done = max(t_done, pending.t_done or time.perf_counter())
       n = got.shape[1]
+    for line in lines:  # the in-process rewards' faults are logged by their guard
+      logging.error('%s', line)
     parts.update(self._host)
     stack = np.stack([parts[k] for k in r.names]).astype(np.float32)
     w = np.asarray([r.weights[k] for k in r.names], np.float32)[:, None]
