@@ -14,6 +14,8 @@ and plain torch, its source cited at each step.
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 from PIL import Image
@@ -29,6 +31,7 @@ from digen_jax.experiment import tiny_pipeline
 from digen_jax.rewards import hps
 from digen_jax.rewards import learned
 from digen_jax.rewards import preference
+from digen_jax.rewards import registry
 
 PROMPTS = [
     'a red circle left of a blue square',
@@ -661,3 +664,74 @@ def test_image_reward_folder_errors(tmp_path, images):
   )
   with pytest.raises(preference.WeightsError, match=r"not ImageReward's state dict"):
     learned.load('image_reward', folder, 'cpu')
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the run's reward interface: config.reward names them, a worker process loads them.
+
+
+@pytest.mark.slow
+def test_all_five_in_a_reward_worker_as_a_config_declares_them(tmp_path, images):
+  """reward.weights names the five, reward.models their folders; one worker process (torch and
+  transformers there, not here) scores them; its parts equal the loaders' own scores."""
+  from digen_jax.experiment import config as configlib  # pylint: disable=g-import-not-at-top
+  from digen_jax.rewards import scoring  # pylint: disable=g-import-not-at-top
+
+  folders = {n: str(tmp_path / n) for n in ('clip_score', 'pickscore', 'aesthetic')}
+  save_clip_folder(folders['clip_score'], seed=0)
+  save_clip_folder(folders['pickscore'], seed=1)
+  save_clip_folder(folders['aesthetic'], seed=2, projection_dim=24)
+  torch.save(ReferenceAestheticMLP(24).state_dict(), os.path.join(folders['aesthetic'], 'head.pth'))
+  folders['hpsv2'] = str(tmp_path / 'hpsv2')
+  save_hps_folder(folders['hpsv2'], seed=4)
+  folders['image_reward'] = str(tmp_path / 'image_reward')
+  save_image_reward_folder(folders['image_reward'], seed=6)
+  r = configlib.base_config().reward
+  r.weights = 'clip_score:0.01,pickscore:0.05,hpsv2:1,image_reward:0.5,aesthetic:0.1'
+  r.models = ','.join(f'{n}={f}' for n, f in folders.items())
+  r.start_timeout_s = 300.0
+  assert set(scoring.where_each(r, registry.parse_weights(r.weights)).values()) == {'workers'}
+  rewards = scoring.build(r)
+  try:
+    scores = rewards.submit(images, PROMPTS).result()
+  finally:
+    rewards.close()
+  assert scores.failed == 0 and not scores.faults
+  for k, name in enumerate(rewards.names):
+    want = learned.load(name, folders[name], 'cpu')(images, PROMPTS)
+    np.testing.assert_allclose(scores.parts[k], want, rtol=1e-5, atol=1e-5, err_msg=name)
+  weights = np.asarray([rewards.weights[n] for n in rewards.names], np.float32)
+  np.testing.assert_allclose(scores.total, weights @ scores.parts, rtol=1e-5, atol=1e-5)
+
+
+def test_a_learned_reward_without_its_folder_is_one_line_at_config_load():
+  from digen_jax.experiment import config as configlib  # pylint: disable=g-import-not-at-top
+  from digen_jax.rewards import scoring  # pylint: disable=g-import-not-at-top
+
+  for name in sorted(learned.NEEDS_FOLDER):
+    r = configlib.base_config().reward
+    r.weights = name
+    with pytest.raises(ValueError, match=rf'--config.reward.models={name}=/path/to/folder'):
+      scoring.where_each(r, {name: 1.0})
+
+
+def test_declaring_them_imports_no_torch_in_the_training_process(tmp_path):
+  """The training process resolves reward.weights (rewards/scoring.py) without importing torch,
+  transformers or the loaders' modules (rewards/preference.py, hps.py, image_reward.py)."""
+  code = (
+      'import sys\n'
+      'from digen_jax.experiment import config as configlib\n'
+      'from digen_jax.rewards import registry, scoring\n'
+      'r = configlib.base_config().reward\n'
+      "r.weights = 'clip_score,pickscore,hpsv2,image_reward,aesthetic'\n"
+      f"r.models = ','.join(n + '={tmp_path}' for n in r.weights.split(','))\n"
+      'print(sorted(set(scoring.where_each(r, registry.parse_weights(r.weights)).values())))\n'
+      "print([m for m in ('torch', 'transformers', 'digen_jax.rewards.preference',\n"
+      "    'digen_jax.rewards.hps', 'digen_jax.rewards.image_reward') if m in sys.modules])\n"
+  )
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, '-c', code], cwd=repo, capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split('\n')[:2] == ["['workers']", '[]'], out.stdout
