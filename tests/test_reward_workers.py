@@ -287,6 +287,41 @@ def test_the_remote_scorer_fails_samples_times_out_and_stops(built, server):
   assert 'config.reward.max_restarts=1' in line
 
 
+def test_a_remote_scorer_cut_off_mid_answer_is_retried_then_stops_the_run(built):
+  """A server that answers the start's empty batch, then cuts every answer short (the body
+  shorter than its Content-Length: http.client.IncompleteRead): each batch is retried like a
+  dead worker's and the run stops after max_restarts, in one line; it never waits forever."""
+  import http.server  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+
+  class CutOff(http.server.BaseHTTPRequestHandler):
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+      body = json.loads(self.rfile.read(int(self.headers['Content-Length'])))
+      out = json.dumps({'scores': []}).encode()
+      self.send_response(200)
+      self.send_header('Content-Length', str(len(out) + (100 if body['prompts'] else 0)))
+      self.end_headers()
+      self.wfile.write(out)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), CutOff)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    r = configlib.base_config().reward
+    url = f'http://127.0.0.1:{server.server_port}/'
+    r.weights, r.remote, r.max_restarts, r.timeout_s = 'cut', f'cut={url}', 1, 5.0
+    t = time.perf_counter()
+    with pytest.raises(workers.RewardWorkerError) as e:
+      built(r).submit(_images(2), ['a', 'b']).result()
+    assert time.perf_counter() - t < 30
+    assert 'IncompleteRead' in str(e.value) and 'config.reward.max_restarts=1' in str(e.value)
+  finally:
+    server.shutdown()
+
+
 def test_a_remote_scorer_that_does_not_answer_is_one_line_at_start():
   r = configlib.base_config().reward
   r.weights, r.remote = 'mine', 'mine=http://127.0.0.1:9/score'  # the discard port: refused

@@ -265,6 +265,12 @@ class Pool:
         in_a_row += 1
         if not self._recover(backend, job, e, in_a_row):
           return
+      except Exception as e:  # pylint: disable=broad-except  (e.g. http.client.IncompleteRead)
+        # Anything else a backend raises is handled as its death: this thread must go on, or
+        # the batch would never be filled in and the run would wait for it forever.
+        in_a_row += 1
+        if not self._recover(backend, job, Died(f'{type(e).__name__}: {e}'), in_a_row):
+          return
 
   def _recover(self, backend, job: _Job, e: Exception, in_a_row: int) -> bool:
     """After a hang or death: restart the backend and retry the batch (or give it up as failed);
