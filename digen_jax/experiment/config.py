@@ -228,7 +228,8 @@ def _reward_section() -> ml_collections.ConfigDict:
   # the prompt that caused it in the log (rewards/registry.py: guarded).
   reward.timeout_s = 600.0
   # Where the rewards run (rewards/scoring.py; README "Learned rewards and reward workers").
-  # Learned models ('ocr', 'clip_score', 'pickscore', 'aesthetic': rewards/learned.py) and the
+  # Learned models ('ocr', 'clip_score', 'pickscore', 'aesthetic', 'hpsv2', 'image_reward':
+  # rewards/learned.py; what each folder holds: docs/rewards.md "Preference models") and the
   # names in `in_workers` run in `workers` worker processes started by the run (torch/ONNX never
   # in the training process), on `worker_devices` ('cpu', or e.g. 'cuda:0,cuda:1': worker i gets
   # the i-th, round robin), fed `batch_size` samples at a time as fragments finish; a batch that

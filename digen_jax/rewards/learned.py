@@ -8,11 +8,16 @@ model code:
   ocr          1 - normalised edit distance between the prompt's quoted text and the text
                PP-OCRv4 reads (rapidocr-onnxruntime; its wheel ships the ONNX weights; a folder
                may hold other det/rec .onnx files) -- Flow-GRPO's OCR reward (rewards/ocr.py)
-  clip_score   CLIP image-text cosine similarity x 100 (rewards/preference.py), from a
-               transformers CLIPModel folder
-  pickscore    PickScore: CLIP-H logit_scale x cosine similarity, from a CLIPModel folder
-  aesthetic    the LAION aesthetic predictor: an MLP on the normalised CLIP image embedding,
-               from a folder with a CLIPModel and the head's aesthetic_head.safetensors
+  clip_score   max(100 x CLIP cosine similarity, 0) (torchmetrics' CLIPScore), from a
+               transformers CLIPModel folder (rewards/preference.py)
+  pickscore    PickScore: CLIP-H logit_scale.exp() x cosine similarity, from PickScore_v1's
+               CLIPModel folder with CLIP-H's processor files (rewards/preference.py)
+  aesthetic    the LAION aesthetic predictor v2: its MLP head (.pth) on the normalised CLIP
+               ViT-L/14 image embedding, from a CLIPModel folder (rewards/preference.py)
+  hpsv2        HPSv2.1: cosine similarity of an open_clip ViT-H-14 fine-tune, from the published
+               HPS_v2.1_compressed.pt and CLIP's tokenizer (rewards/hps.py)
+  image_reward ImageReward v1.0: BLIP ViT-L + BERT cross-encoder + MLP head, from ImageReward.pt,
+               med_config.json and bert-base-uncased's vocab.txt (rewards/image_reward.py)
 
 `folder` comes from config.reward.models ('name=FOLDER'); nothing is downloaded. A user's own
 worker reward: config.reward.callables names it and config.reward.in_workers puts it in the
