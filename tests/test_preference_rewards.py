@@ -29,6 +29,7 @@ from transformers import CLIPModel
 
 from digen_jax.experiment import tiny_pipeline
 from digen_jax.rewards import hps
+from digen_jax.rewards import image_reward
 from digen_jax.rewards import learned
 from digen_jax.rewards import preference
 from digen_jax.rewards import registry
@@ -262,15 +263,18 @@ OPEN_CLIP_TINY = {  # open_clip's model-config format (model_configs/ViT-H-14.js
 }
 
 
-def open_clip_state(cfg: dict, vocab: int, seed: int) -> dict:
+def open_clip_state(cfg: dict, vocab: int, seed: int, meta: bool = False) -> dict:
   """Random weights under open_clip's CLIP names and shapes (open_clip/model.py CLIP,
-  transformer.py VisionTransformer / ResidualAttentionBlock with nn.MultiheadAttention)."""
+  transformer.py VisionTransformer / ResidualAttentionBlock with nn.MultiheadAttention); meta:
+  shapes only (no memory)."""
   g = torch.Generator().manual_seed(seed)
   v, t, e = cfg['vision_cfg'], cfg['text_cfg'], cfg['embed_dim']
   vw, tw, grid = v['width'], t['width'], v['image_size'] // v['patch_size']
 
   def r(*shape, std=0.3):
-    return torch.randn(*shape, generator=g) * std
+    if meta:
+      return torch.empty(shape, device='meta')
+    return torch.randn(shape, generator=g) * std
 
   def block(prefix, w):
     return {
@@ -291,7 +295,7 @@ def open_clip_state(cfg: dict, vocab: int, seed: int) -> dict:
   state = {
       'positional_embedding': r(t['context_length'], tw),
       'text_projection': r(tw, e),
-      'logit_scale': torch.tensor(4.6052),
+      'logit_scale': r(std=0) + 4.6052,
       'visual.class_embedding': r(vw),
       'visual.positional_embedding': r(grid * grid + 1, vw),
       'visual.proj': r(vw, e),
@@ -386,6 +390,41 @@ def save_hps_folder(folder, seed, *, tokenizer=True):
   if tokenizer:
     tok.save_pretrained(folder)
   return state, cfg, tok
+
+
+def test_hpsv2_checkpoint_shapes_convert_to_clip_h():
+  """HPS_v2.1_compressed.pt's shapes (open_clip ViT-H-14, hpsv2's model config) give
+  laion/CLIP-ViT-H-14-laion2B-s32B-b79K's CLIPConfig and fill every weight of that model with
+  the right shape (meta tensors: no memory)."""
+  from transformers import CLIPModel  # pylint: disable=g-import-not-at-top
+
+  state = open_clip_state(hps.VIT_H_14, 49408, seed=0, meta=True)
+  config = hps.clip_config(state, hps.VIT_H_14)
+  v, t = config.vision_config, config.text_config
+  assert (v.hidden_size, v.intermediate_size, v.num_hidden_layers, v.num_attention_heads) == (
+      1280,
+      5120,
+      32,
+      16,
+  )
+  assert (v.image_size, v.patch_size, v.hidden_act, config.projection_dim) == (
+      224,
+      14,
+      'gelu',
+      1024,
+  )
+  assert (t.hidden_size, t.intermediate_size, t.num_hidden_layers, t.num_attention_heads) == (
+      1024,
+      4096,
+      24,
+      16,
+  )
+  assert (t.vocab_size, t.max_position_embeddings, t.hidden_act) == (49408, 77, 'gelu')
+  converted = hps.convert_state(state, config)
+  with torch.device('meta'):
+    model = CLIPModel(config)
+  want = {k: tuple(p.shape) for k, p in model.state_dict().items() if 'position_ids' not in k}
+  assert {k: tuple(p.shape) for k, p in converted.items()} == want
 
 
 @pytest.mark.parametrize('shape', [(40, 52), (28, 28), (33, 21)])
@@ -618,6 +657,68 @@ def save_image_reward_folder(folder, seed):
   with open(os.path.join(folder, 'vocab.txt'), 'w') as f:
     f.write('\n'.join(vocab) + '\n')
   return state, vocab
+
+
+def test_image_reward_checkpoint_shapes_give_blip_large():
+  """ImageReward.pt's shapes (BLIP create_vit('large', 224)) and its med_config.json give
+  transformers' BLIP modules of ViT-L/16 (16 heads, eps 1e-6) and BERT-base with cross-attention
+  to 1024-d image tokens, every weight of the right shape (meta tensors: no memory)."""
+  from transformers import BlipTextModel  # pylint: disable=g-import-not-at-top
+  from transformers import BlipVisionModel  # pylint: disable=g-import-not-at-top
+
+  meta = lambda *shape: torch.empty(*shape, device='meta')  # noqa: E731
+  state = {
+      'blip.visual_encoder.cls_token': meta(1, 1, 1024),
+      'blip.visual_encoder.pos_embed': meta(1, 14 * 14 + 1, 1024),
+      'blip.visual_encoder.patch_embed.proj.weight': meta(1024, 3, 16, 16),
+      'blip.visual_encoder.patch_embed.proj.bias': meta(1024),
+      'blip.visual_encoder.norm.weight': meta(1024),
+      'blip.visual_encoder.norm.bias': meta(1024),
+  }
+  for i in range(24):
+    p = f'blip.visual_encoder.blocks.{i}.'
+    for name, shape in (
+        ('norm1', (1024,)),
+        ('norm2', (1024,)),
+        ('attn.qkv', (3072, 1024)),
+        ('attn.proj', (1024, 1024)),
+        ('mlp.fc1', (4096, 1024)),
+        ('mlp.fc2', (1024, 4096)),
+    ):
+      state[p + name + '.weight'] = meta(*shape)
+      state[p + name + '.bias'] = meta(shape[0])
+  vision = image_reward.vision_state(state)
+  config = image_reward.vision_config(vision)
+  assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (
+      1024,
+      24,
+      16,
+  )
+  assert (config.image_size, config.patch_size, config.layer_norm_eps) == (224, 16, 1e-6)
+  with torch.device('meta'):
+    model = BlipVisionModel(config)
+  assert {k: tuple(v.shape) for k, v in vision.items()} == {
+      k: tuple(v.shape) for k, v in model.state_dict().items()
+  }
+  # BLIP's configs/med_config.json, as ImageReward ships it.
+  med = dict(
+      MED_CONFIG,
+      hidden_size=768,
+      intermediate_size=3072,
+      max_position_embeddings=512,
+      num_attention_heads=12,
+      num_hidden_layers=12,
+      vocab_size=30524,
+  )
+  text_config = image_reward.text_config(med, config.hidden_size)
+  with torch.device('meta'):
+    text = BlipTextModel(text_config, add_pooling_layer=False)
+  shapes = {k: tuple(v.shape) for k, v in text.state_dict().items()}
+  assert shapes['encoder.layer.11.crossattention.self.key.weight'] == (768, 1024)
+  assert shapes['embeddings.word_embeddings.weight'] == (30524, 768)
+  assert (
+      'pooler.dense.weight' not in shapes and 'encoder.layer.12.output.dense.weight' not in shapes
+  )
 
 
 @pytest.mark.parametrize('shape', [(40, 52), (32, 32), (44, 40)])  # (44, 40): crop offset 1.5

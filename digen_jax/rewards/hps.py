@@ -158,12 +158,10 @@ def _block(state: dict, used: set, src: str, dst: str) -> dict:
   return out
 
 
-def open_clip_to_transformers(state: dict, cfg: dict, name: str = 'hpsv2'):
-  """open_clip CLIP state dict (+ its model config) -> a transformers CLIPModel computing the
-  same embeddings. WeightsError when the checkpoint has parts this conversion does not know
-  (layer scale, attention pooling, a Hugging Face text tower...)."""
-  from transformers import CLIPModel  # pylint: disable=g-import-not-at-top
-
+def convert_state(state: dict, config, name: str = 'hpsv2') -> dict:
+  """open_clip CLIP weights -> transformers CLIPModel weights (`config`: clip_config's).
+  WeightsError when the checkpoint has parts this conversion does not know (layer scale,
+  attention pooling, a Hugging Face text tower...)."""
   used: set = set()
 
   def take(key):
@@ -171,7 +169,6 @@ def open_clip_to_transformers(state: dict, cfg: dict, name: str = 'hpsv2'):
     return state[key]
 
   try:
-    config = clip_config(state, cfg)
     out = {
         'vision_model.embeddings.patch_embedding.weight': take('visual.conv1.weight'),
         'vision_model.embeddings.class_embedding': take('visual.class_embedding'),
@@ -204,8 +201,26 @@ def open_clip_to_transformers(state: dict, cfg: dict, name: str = 'hpsv2'):
         f'{name}: the checkpoint has {len(left)} open_clip weights this conversion does not know, '
         f'e.g. {left[:3]} (only the plain CLIP architecture of ViT-H-14 converts)'
     )
+  return out
+
+
+def open_clip_to_transformers(state: dict, cfg: dict, name: str = 'hpsv2'):
+  """open_clip CLIP state dict (+ its model config) -> a transformers CLIPModel computing the
+  same embeddings."""
+  from transformers import CLIPModel  # pylint: disable=g-import-not-at-top
+
+  try:
+    config = clip_config(state, cfg)
+  except KeyError as e:
+    raise preference.WeightsError(
+        f'{name}: the checkpoint is not an open_clip CLIP state dict (no {e.args[0]!r})'
+    ) from None
+  out = convert_state(state, config, name)
   model = CLIPModel(config)
-  missing, unexpected = model.load_state_dict(out, strict=False)
+  try:
+    missing, unexpected = model.load_state_dict(out, strict=False)
+  except RuntimeError as e:  # a shape the config does not give (e.g. heads)
+    raise preference.WeightsError(f'{name}: {" ".join(str(e).split())[:300]}') from None
   missing = [k for k in missing if not k.endswith('position_ids')]
   if missing or unexpected:
     raise preference.WeightsError(f'{name}: conversion left {missing[:3]} / {unexpected[:3]}')
