@@ -229,7 +229,8 @@ def test_aesthetic_matches_simple_inference(tmp_path, images):
   torch.save(mlp.state_dict(), head)
   got = learned.load('aesthetic', folder, 'cpu')(images, PROMPTS)
   # simple_inference.py: image_features = clip_model.encode_image(preprocess(pil_image)),
-  # im_emb_arr = normalized(image_features) (numpy L2), prediction = model(torch.from_numpy(...)).
+  # im_emb_arr = normalized(image_features) (numpy L2), prediction = model(torch.from_numpy(...));
+  # the image preprocessed by the transformers CLIP processor as DDPO's aesthetic_scorer.py does.
   processor = CLIPImageProcessorPil.from_pretrained(folder)
 
   def normalized(a, axis=-1, order=2):

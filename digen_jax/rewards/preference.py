@@ -11,7 +11,11 @@ process never imports it). Nothing is downloaded: every loader reads only `folde
                 Formula and preprocessing: PickScore's README (github.com/yuvalkirstain/PickScore).
   aesthetic     LAION aesthetic predictor v2 (improved-aesthetic-predictor): an MLP on the L2-normalised
                 CLIP ViT-L/14 image embedding; a CLIPModel folder (openai/clip-vit-large-patch14) and
-                the head's .pth (sac+logos+ava1-l14-linearMSE.pth). Formula: its simple_inference.py.
+                the head's .pth (sac+logos+ava1-l14-linearMSE.pth). Formula: its simple_inference.py;
+                preprocessing: the transformers CLIP processor, as the RL scorers run it (DDPO's
+                ddpo_pytorch/aesthetic_scorer.py, Flow-GRPO's): simple_inference.py's OpenAI
+                transform crops a non-square image's odd excess one pixel later (torchvision
+                rounds the offset, transformers floors it); square images are not cropped.
 
 The learned rewards 'hpsv2' (rewards/hps.py) and 'image_reward' (rewards/image_reward.py) reuse
 the pieces here (folder checks, checkpoint reading, CLIP's constants).
