@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, 'digen_jax')
 
 # Entry points: the only modules in the package root (python -m digen_jax.<name>).
-ENTRY_POINTS = {'main', 'eval', 'plan', 'encode_prompts'}
+ENTRY_POINTS = {'main', 'eval', 'plan', 'encode_prompts', 'export'}
 # Folder -> the folders its modules may import (besides its own). The arrows that must never
 # exist are the ones missing: model code knows nothing of RL, tasks or meshes' owners; RL math
 # nothing of meshes; programs nothing of the runtime; the runtime nothing of the simulator.

@@ -242,6 +242,16 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
   return Checkpoint(path, tuple(files), tensors)
 
 
+def numpy_dtype(name: str) -> np.dtype:
+  """The numpy dtype of a safetensors dtype name ('F32', 'BF16', ...)."""
+  return np.dtype(_NP_DTYPES[name])
+
+
+def flat_params(tree: Any) -> dict[str, Any]:
+  """{dotted path: leaf} of an nnx.State or nested dict: the names key tables use."""
+  return _flat(tree)
+
+
 def identity_table(abstract: Any) -> dict[str, TensorSource]:
   """Key table of a checkpoint saved in our own layout: each param's file key is its dotted path
   (params_io's params.safetensors)."""
