@@ -173,6 +173,7 @@ def test_nan_rewards_skip_updates_and_k_in_a_row_stop_the_run(tmp_path):
   wd = str(tmp_path / 'run')
   config = _config(6, **{'runtime.max_consecutive_skips': 2, 'reward.failed': 'skip'})
   exp = experiment.build(config, wd, 2)
+  _PLAN.update(calls=0, prompts={}, bad=None)  # the build's probe batch is no step's call
   with pytest.raises(faults.NonFiniteError) as e:
     loop.train(exp, wd, cluster_lib.colocated(jax.local_devices()[:2]))
   msg = str(e.value)
@@ -211,6 +212,7 @@ def test_gap_fragments_skip_a_batch_whose_reward_raises(tmp_path, caplog):
   wd = str(tmp_path / 'run')
   config = _config(3, **{'schedule.fragments': 2, 'schedule.trace': False, 'reward.failed': 'skip'})
   exp = experiment.build(config, wd, 2)
+  _PLAN.update(calls=0, prompts={}, bad=None)  # the build's probe batch is no step's call
   with caplog.at_level(logging.ERROR):
     loop.train(exp, wd, cluster_lib.colocated(jax.local_devices()[:2]))
   rows = [json.loads(l) for l in open(os.path.join(wd, 'metrics.jsonl'))]
@@ -238,6 +240,7 @@ def test_failed_rewards_are_masked_out_of_their_group_and_the_step_trains(tmp_pa
   _PLAN.update(nan_at={2}, raise_at=set(), calls=0, prompts={}, bad=None)
   wd = str(tmp_path / 'run')
   exp = experiment.build(_config(3), wd, 2)
+  _PLAN.update(calls=0, prompts={}, bad=None)  # the build's probe batch is no step's call
   loop.train(exp, wd, cluster_lib.colocated(jax.local_devices()[:2]))
   rows = [json.loads(l) for l in open(os.path.join(wd, 'metrics.jsonl'))]
   assert [r['nonfinite'] for r in rows] == [0, 0, 0]
