@@ -368,6 +368,9 @@ class _Profile:
     return self.out
 
 
+_DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
+
+
 def _child_command(layout: str, argv: list[str], out: str) -> tuple[list[str], dict]:
   """argv and environment of the processes that profile `layout`."""
   d = _DEVICES.value
@@ -386,7 +389,12 @@ def _child_command(layout: str, argv: list[str], out: str) -> tuple[list[str], d
     )
   if layout == 'sp':
     cmd += ['--config.runtime.mode=disagg']
-  return launcher + ['--num_processes=1', f'--devices_per_process={2 * d}', '--'] + cmd, env
+  # One process, started as the ladder starts its colocated and sp runs: without the launcher,
+  # whose jax.distributed job of one process routes the devices' collectives through gloo (the
+  # fused update took 2x as long as in the runs it predicts).
+  flags = [f for f in env.get('XLA_FLAGS', '').split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+  env['XLA_FLAGS'] = ' '.join([*flags, f'{_DEVICE_COUNT_FLAG}={2 * d}'])
+  return cmd, env
 
 
 def machine() -> dict:
