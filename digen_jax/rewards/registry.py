@@ -356,6 +356,11 @@ class _TimedCaller:
     return box["out"]
 
 
+def call_within(timeout_s: float, fn, *args):
+  """fn(*args), abandoned after timeout_s (> 0; 0 = no limit) with RewardTimeout."""
+  return _TimedCaller(timeout_s)(fn, *args)
+
+
 def guarded(
     fn: RewardFn, timeout_s: float = 0.0, field: str = "config.reward.timeout_s"
 ) -> RewardFn:

@@ -268,12 +268,13 @@ class Rewards:
         f'config.reward.weights={self.config.weights!r}: a probe batch (2 grey images with '
         f"the run's first prompts) failed before training: {why}"
     )
+    x = images.astype(np.float32) / np.float32(127.5) - 1
     for name in self._host:
       try:
-        registry.call_reward(name, images.astype(np.float32) / np.float32(127.5) - 1, prompts)
+        registry.call_within(self.config.timeout_s, registry.call_reward, name, x, prompts)
       except registry.RewardShapeError as e:
         raise fail(e) from None
-      except Exception:  # pylint: disable=broad-except  (a fault of these images: guarded)
+      except Exception:  # pylint: disable=broad-except  (a fault, a hang: the run's guard's)
         pass
     for pool in self.pools:
       got, info = pool.submit(images, prompts).result()
