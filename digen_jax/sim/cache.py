@@ -55,6 +55,10 @@ IGNORED_OVERRIDES = (
     'cluster.rollout.param_dtype',
     'text.cache',
     'text.seed',  # the word encoder's table values, not its shapes
+    # The image size in pixels: with a pipeline folder it sets latent.height/width (which the
+    # digest keeps); the programs never read it.
+    'latent.image_height',
+    'latent.image_width',
     'model.remat',
     # The costs are XLA:CPU's, where 'auto' is the portable attention ('fused' needs a GPU): the
     # CPU programs, and so the cached figures, are the same for every value.
