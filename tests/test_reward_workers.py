@@ -99,7 +99,7 @@ def test_batches_are_scored_by_parallel_workers_while_the_caller_goes_on(built):
   t = time.perf_counter()
   pending = rewards.submit(images, [f'p{i}' for i in range(7)])
   submit_s = time.perf_counter() - t
-  assert submit_s < 0.2 and not pending.done()  # the caller samples on meanwhile
+  assert submit_s < 0.5 and not pending.done()  # the caller samples on meanwhile
   s = pending.result()
   assert pending.done()
   np.testing.assert_allclose(s.parts[0], _brightness(images), rtol=1e-6)
