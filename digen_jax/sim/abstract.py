@@ -243,10 +243,14 @@ def _metric_sums(mesh):
   return {k: _scalar(mesh, jnp.float32) for k in programs.ACC_SUM_KEYS}
 
 
-def run_programs(exp, mesh, batch: int, *, rollout_layout: str = 'replicated', only=None):
+def run_programs(
+    exp, mesh, batch: int, *, rollout_layout: str = 'replicated', only=None, samples=None
+):
   """{name: (program, abstract args)} for every program programs.py builds for a run of `exp`,
   laid out on `mesh` as the runtime lays them out, `batch` samples a call (`only`: those
-  names). Each program has .lower(*args) and .trace(*args); nothing is read or allocated.
+  names; `samples`: a fragment's real samples, its first rows, the rest weight-0 padding the
+  fragment gradients do not compute: None, every row). Each program has .lower(*args) and
+  .trace(*args); nothing is read or allocated.
 
     rollout          the sampling scan + decode of the rollout role (its copy `rollout_layout`,
                      'replicated' or 'fsdp', in the published dtype)
@@ -257,7 +261,7 @@ def run_programs(exp, mesh, batch: int, *, rollout_layout: str = 'replicated', o
     grad, grad_tsp   one fragment's gradient (GAP; TSP's timestep-sharded form)
     apply, zero_acc, select   the optimizer step, a zero accumulator, the trained steps
   """
-  built = _RunPrograms(exp, mesh, batch, rollout_layout)
+  built = _RunPrograms(exp, mesh, batch, rollout_layout, samples)
   return {name: getattr(built, name)() for name in (only or PROGRAM_NAMES)}
 
 
@@ -278,8 +282,9 @@ PROGRAM_NAMES = (
 class _RunPrograms:
   """run_programs' programs, each a method, over one set of abstract arguments."""
 
-  def __init__(self, exp, mesh, batch: int, rollout_layout: str):
+  def __init__(self, exp, mesh, batch: int, rollout_layout: str, samples=None):
     self.exp, self.mesh, self.batch, self.layout = exp, mesh, batch, rollout_layout
+    self.samples = samples
     self.rep = mesh_lib.replicated(mesh)
     self.fsdp_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
     self.params = laid_out(exp.params, self.fsdp_sh, jnp.float32)
@@ -344,7 +349,7 @@ class _RunPrograms:
     exp = self.exp
     frozen = self._frozen(bool(exp.config.schedule.tag))
     program = programs.make_fragment_grad(
-        exp, self.mesh, self.fsdp_sh, self.traj_sh, tsp=tsp, frozen=frozen
+        exp, self.mesh, self.fsdp_sh, self.traj_sh, tsp=tsp, frozen=frozen, samples=self.samples
     )
     k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
     indices = jax.ShapeDtypeStruct((k,), jnp.int32, sharding=self.rep)

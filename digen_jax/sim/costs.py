@@ -5,7 +5,13 @@
     python -m digen_jax.sim.costs --config=configs/flux.py --devices=16 --fragment_batch=16
 
 prints FLOPs, bytes and per-device memory of the rollout, grad and apply programs (and, with
---hardware, their roofline seconds per accelerator kind); --json writes them.
+--hardware, their roofline seconds per accelerator kind); --json writes them. With
+--fit_gb=80 it chooses the sequence split (config.parallel.sequence, each sample's tokens over
+that many devices) that fits 80 GB per device:
+
+    python -m digen_jax.sim.costs --config=configs/wan21.py:disagg --devices=8 \
+        --programs=rollout,grad --method=raw --rollout_batch=8 --rollout_layout=fsdp \
+        --fragment_batch=8 --fragment_samples=1 --fit_gb=80
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ def format_table(costs: costs_lib.Costs) -> str:
       f'{costs.config or "config"}: {s["finetune"]}, remat {"on" if s["remat"] else "off"}, '
       f'CFG {"on" if s["cfg"] else "off"}, {costs.devices} devices, T={s["num_steps"]}, '
       f'K={s["trained_steps"]}, {s["image_tokens"]}+{s["text_tokens"]} tokens, '
-      f'{s["mmdit_params"] / 1e9:.2f}B params; per device'
+      f'{s["mmdit_params"] / 1e9:.2f}B params, tokens split over '
+      f'{s.get("sequence_split", 1)}; per device (XLA:CPU {s.get("xla_pipeline", "default")})'
   )
   cols = (
       f'{"program":<9}{"batch":>6}{"TFLOP":>10}{"analytic":>10}{"ratio":>7}{"raw TFLOP":>11}'
@@ -58,6 +65,24 @@ def format_table(costs: costs_lib.Costs) -> str:
       f'{costs.frozen_base_bytes / 1e9:.2f} GB, published per step '
       f'{costs.published_bytes / 1e9:.3f} GB, one FSDP gather '
       f'{costs.gathered_bytes / 1e9:.2f} GB'
+  )
+  return '\n'.join(rows)
+
+
+def format_fit(tried: dict, split: int | None, budget: float) -> str:
+  """--fit_gb's verdict: each split's largest program total, and the split chosen."""
+  rows = [f'per-device memory against {budget / 1e9:g} GB (XLA:CPU buffer assignment):']
+  for s, c in tried.items():
+    worst = max(c.programs.values(), key=lambda p: p.memory.total_bytes)
+    fits = 'fits' if worst.memory.total_bytes <= budget else 'does not fit'
+    rows.append(
+        f'  config.parallel.sequence={s}: largest {worst.name} '
+        f'{worst.memory.total_bytes / 1e9:.1f} GB, {fits}'
+    )
+  rows.append(
+      f'chosen: config.parallel.sequence={split}'
+      if split is not None
+      else 'no split fits: fewer samples a fragment, fewer trained steps or more devices'
   )
   return '\n'.join(rows)
 
@@ -112,30 +137,46 @@ def main(argv):
       hardware.get(kind)
     except ValueError as e:
       raise app.UsageError(f'--hardware: {e}') from e
+  kw = dict(
+      programs_=tuple(f['programs'].value),
+      method=f['method'].value,
+      rollout_batch=f['rollout_batch'].value,
+      fragment_batch=f['fragment_batch'].value,
+      rollout_layout=f['rollout_layout'].value or None,
+      vae=f['vae'].value,
+      name=name,
+      fragment_samples=f['fragment_samples'].value,
+      pipeline=f['xla_pipeline'].value,
+  )
+  search = None
   try:
-    costs = costs_lib.run_costs(
-        config,
-        f['devices'].value,
-        programs_=tuple(f['programs'].value),
-        method=f['method'].value,
-        rollout_batch=f['rollout_batch'].value,
-        fragment_batch=f['fragment_batch'].value,
-        rollout_layout=f['rollout_layout'].value or None,
-        vae=f['vae'].value,
-        name=name,
-    )
+    if f['fit_gb'].value:
+      budget = f['fit_gb'].value * 1e9
+      split, tried = costs_lib.fit_sequence_split(config, f['devices'].value, budget, **kw)
+      for c in tried.values():
+        print(format_table(c), flush=True)
+      print(format_fit(tried, split, budget), flush=True)
+      costs = tried[split if split is not None else max(tried)]
+      search = {
+          'budget_bytes': budget,
+          'chosen': split,
+          'total_bytes': {
+              s: {p.name: p.memory.total_bytes for p in c.programs.values()}
+              for s, c in tried.items()
+          },
+      }
+    else:
+      costs = costs_lib.run_costs(config, f['devices'].value, **kw)
+      print(format_table(costs), flush=True)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
-  print(format_table(costs), flush=True)
   if f['hardware'].value:
     print(format_times(costs, f['hardware'].value, f['mfu'].value), flush=True)
   if f['json'].value:
     with open(f['json'].value, 'w') as out:
-      json.dump(
-          dict(costs.to_json(), command=' '.join(['python -m digen_jax.sim.costs'] + sys.argv[1:])),
-          out,
-          indent=2,
-      )
+      extra = {} if search is None else {'sequence_search': search}
+      command = ' '.join(['python -m digen_jax.sim.costs'] + sys.argv[1:])
+      json.dump(dict(costs.to_json(), command=command, **extra), out, indent=2)
 
 
 def _define_flags() -> dict:
@@ -167,6 +208,13 @@ def _define_flags() -> dict:
           'Samples per gradient ' 'fragment (0: batch / schedule.fragments).',
           lower_bound=0,
       ),
+      'fragment_samples': flags.DEFINE_integer(
+          'fragment_samples',
+          0,
+          "The grad's real samples, the first of its --fragment_batch rows (0: all); with "
+          'config.parallel.sequence = s it computes a multiple of devices / s rows.',
+          lower_bound=0,
+      ),
       'rollout_layout': flags.DEFINE_enum(
           'rollout_layout',
           '',
@@ -175,6 +223,21 @@ def _define_flags() -> dict:
       ),
       'vae': flags.DEFINE_string('vae', 'auto', "'auto', 'real', 'tiny' or a config path."),
       'json': flags.DEFINE_string('json', None, 'Also write the figures as JSON here.'),
+      'xla_pipeline': flags.DEFINE_enum(
+          'xla_pipeline',
+          'default',
+          list(costs_lib.PIPELINES),
+          "XLA:CPU passes of the memory figures: 'no_hoist' keeps bf16->f32 converts of "
+          'stacked weights and residuals inside the loops, as an accelerator with bf16 dots '
+          '(sim/program_costs.PIPELINES).',
+      ),
+      'fit_gb': flags.DEFINE_float(
+          'fit_gb',
+          0.0,
+          'Per-device memory in GB: compile with each config.parallel.sequence the devices and '
+          'heads allow, smallest first, and choose the first whose every program fits (0: off).',
+          lower_bound=0.0,
+      ),
       'hardware': flags.DEFINE_list(
           'hardware',
           [],

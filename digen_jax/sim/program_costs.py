@@ -53,6 +53,7 @@ import numpy as np
 
 from digen_jax import programs
 from digen_jax.parallel import mesh as mesh_lib
+from digen_jax.parallel import sequence as sequence_lib
 from digen_jax.sim import abstract
 
 PROGRAMS = ('rollout', 'grad', 'apply')
@@ -181,9 +182,12 @@ def rollout_param_dtype(exp):
   return abstract.rollout_param_dtype(exp)
 
 
-def _lower(name: str, exp, mesh, batch: int, layout: str = 'replicated'):
-  """lower() -> Lowered of one of abstract.run_programs' programs."""
-  program, args = abstract.run_programs(exp, mesh, batch, rollout_layout=layout, only=(name,))[name]
+def _lower(name: str, exp, mesh, batch: int, layout: str = 'replicated', samples=None):
+  """lower() -> Lowered of one of abstract.run_programs' programs (`samples`: a fragment's real
+  samples, as there)."""
+  program, args = abstract.run_programs(
+      exp, mesh, batch, rollout_layout=layout, only=(name,), samples=samples
+  )[name]
 
   def lower():
     lowered = program.lower(*args)
@@ -197,10 +201,12 @@ def build_rollout(exp, mesh, batch: int, layout: str):
   return _lower('rollout', exp, mesh, batch, layout)
 
 
-def build_grad(exp, mesh, batch: int):
+def build_grad(exp, mesh, batch: int, samples=None):
   """lower() of the GAP fragment gradient (forward + backward over the K trained steps) as the
-  trainer compiles it: FSDP float32 params and accumulator, TSP when config.schedule.tsp."""
-  return _lower('grad_tsp' if exp.config.schedule.tsp else 'grad', exp, mesh, batch)
+  trainer compiles it: FSDP float32 params and accumulator, TSP when config.schedule.tsp;
+  `samples` real samples of its `batch` rows (None: all)."""
+  name = 'grad_tsp' if exp.config.schedule.tsp else 'grad'
+  return _lower(name, exp, mesh, batch, samples=samples)
 
 
 def build_apply(exp, mesh, batch: int):
@@ -315,12 +321,27 @@ def _memory(compiled) -> Memory:
   )
 
 
-def compile_and_read(lower: Callable[[], Any], *, unrolled: bool = False):
-  """(cost vector [flops, bytes accessed, transcendentals], Memory, seconds)."""
+# XLA:CPU pass pipelines for the memory figures. XLA:CPU has no native bf16 dot: it converts bf16
+# operands to f32, and while-loop-invariant-code-motion hoists the convert of a WHOLE stacked
+# tensor (every layer's weights, every layer's remat residuals) out of the layer / sampler
+# loops: f32 copies an accelerator with bf16 dots never makes. 'no_hoist' compiles without
+# that pass (the converts stay per layer), closer to an accelerator (benchmarks/memory.py's
+# NOTES; still an upper bound: CPU dots keep f32 activations).
+PIPELINES = {
+    'default': None,
+    'no_hoist': {'xla_disable_hlo_passes': 'while-loop-invariant-code-motion'},
+}
+
+
+def compile_and_read(
+    lower: Callable[[], Any], *, unrolled: bool = False, pipeline: str = 'default'
+):
+  """(cost vector [flops, bytes accessed, transcendentals], Memory, seconds), compiled with
+  XLA:CPU pass pipeline `pipeline` (PIPELINES)."""
   t0 = time.perf_counter()
   with unrolled_loops() if unrolled else contextlib.nullcontext():
     lowered = lower()
-  compiled = lowered.compile()
+  compiled = lowered.compile(PIPELINES[pipeline])
   seconds = time.perf_counter() - t0
   out = _cost_vector(compiled), _memory(compiled), seconds
   del compiled
@@ -331,10 +352,12 @@ def compile_and_read(lower: Callable[[], Any], *, unrolled: bool = False):
 BUILDERS = {'rollout': build_rollout, 'grad': build_grad, 'apply': build_apply}
 
 
-def _build(name, config, mesh, batch, layout, vae):
+def _build(name, config, mesh, batch, layout, vae, samples=None):
   exp, _ = abstract.abstract_experiment(config, vae)
   if name == 'rollout':
     return exp, build_rollout(exp, mesh, batch, layout)
+  if name == 'grad':
+    return exp, build_grad(exp, mesh, batch, samples)
   return exp, BUILDERS[name](exp, mesh, batch)
 
 
@@ -343,7 +366,7 @@ def outer_trip(name: str, exp, mesh) -> int:
   return len(exp.sigmas) - 1 if name == 'rollout' else trained_steps(exp, mesh)
 
 
-def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str):
+def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str, samples=None):
   """Counts every loop iteration by extrapolating loop-free variants (module docstring).
   Returns (cost vector [flops, bytes accessed, transcendentals] at the real trip counts, the FLOP
   coefficients a, b, c_k, d_k, compile seconds of the variants)."""
@@ -361,9 +384,8 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str):
       layers = dict(base)
       if extra:
         layers[extra] += 1
-      _, lower = _build(
-          name, variant_config(config, steps=steps_of(t), layers=layers), mesh, batch, layout, vae
-      )
+      variant = variant_config(config, steps=steps_of(t), layers=layers)
+      _, lower = _build(name, variant, mesh, batch, layout, vae, samples)
       cost[t, extra], _, s = compile_and_read(lower, unrolled=True)
       seconds += s
   t1, t2 = ts
@@ -392,12 +414,12 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str):
   return total, coefficients, seconds
 
 
-def count_unrolled(name: str, config, mesh, batch: int, layout: str, vae: str):
+def count_unrolled(name: str, config, mesh, batch: int, layout: str, vae: str, samples=None):
   """(cost vector, seconds) of the program at its real trip counts with every loop unrolled:
   exact, and slow to compile at real sizes."""
   unrolled_config = copy.deepcopy(config)
   unrolled_config.model.scan_layers = False
-  _, lower = _build(name, unrolled_config, mesh, batch, layout, vae)
+  _, lower = _build(name, unrolled_config, mesh, batch, layout, vae, samples)
   counted, _, seconds = compile_and_read(lower, unrolled=True)
   return counted, seconds
 
@@ -421,9 +443,14 @@ def program_cost(
     method: str = 'extrapolate',
     rollout_layout: str | None = None,
     vae: str = 'auto',
+    samples: int | None = None,
+    pipeline: str = 'default',
 ) -> ProgramCost:
   """Compiles program `name` (rollout | grad | apply) of `config` for `mesh` and reads XLA's
-  analyses; `method` says how loop iterations are counted (module docstring)."""
+  analyses; `method` says how loop iterations are counted (module docstring). `samples`: the
+  grad's real samples of its `batch` rows (a fragment smaller than the mesh, padded to it as
+  the runtime pads it; None: every row). `pipeline`: the XLA:CPU pass pipeline of the real
+  program's compile, whose memory the result reports (PIPELINES)."""
   if name not in PROGRAMS:
     raise ValueError(f'program {name!r}: expected one of {PROGRAMS}')
   if method not in METHODS:
@@ -431,17 +458,18 @@ def program_cost(
   layout = rollout_layout or config.cluster.rollout.param_sharding
   if batch % mesh.devices.size:
     raise ValueError(f'{name}: batch {batch} is not divisible by {mesh.devices.size} devices')
-  exp, lower = _build(name, config, mesh, batch, layout, vae)
-  raw, memory, compile_s = compile_and_read(lower)
+  samples = samples if name == 'grad' else None
+  exp, lower = _build(name, config, mesh, batch, layout, vae, samples)
+  raw, memory, compile_s = compile_and_read(lower, pipeline=pipeline)
   fit, count_s = {}, 0.0
   if name == 'apply' or method == 'raw':
     # The apply has no loop (optax over the param tree), so XLA's figure counts everything.
     counted = raw
     method = 'raw' if name != 'apply' else 'exact'
   elif method == 'unrolled':
-    counted, count_s = count_unrolled(name, config, mesh, batch, layout, vae)
+    counted, count_s = count_unrolled(name, config, mesh, batch, layout, vae, samples)
   else:
-    counted, fit, count_s = fit_counts(name, config, mesh, batch, layout, vae)
+    counted, fit, count_s = fit_counts(name, config, mesh, batch, layout, vae, samples)
   return ProgramCost(
       name=name,
       devices=mesh.devices.size,
@@ -515,10 +543,14 @@ def run_costs(
     rollout_layout: str | None = None,
     vae: str = 'auto',
     name: str = '',
+    fragment_samples: int = 0,
+    pipeline: str = 'default',
 ) -> Costs:
   """Costs of `config`'s programs on a 1-D mesh of the first `devices` jax devices (fake CPU
   devices: set --xla_force_host_platform_device_count before jax starts). Batches are global
-  sample counts; 0 takes default_batches."""
+  sample counts; 0 takes default_batches. fragment_samples: the grad's real samples, the first
+  of its fragment_batch rows (0: all), as a fragment smaller than the mesh is padded.
+  pipeline: the XLA:CPU pass pipeline of the memory figures (PIPELINES)."""
   if jax.device_count() < devices:
     raise ValueError(
         f'{devices} devices asked for but jax sees {jax.device_count()}: set '
@@ -552,6 +584,9 @@ def run_costs(
           'vae': vae_what,
           'method': method,
           'mmdit_params': int(exp.family.count_params(exp.model_config)),
+          'sequence_split': int(config.parallel.sequence),
+          'fragment_samples': fragment_samples or batches['grad'],
+          'xla_pipeline': pipeline,
       },
       **weight_bytes(exp),
   )
@@ -562,6 +597,33 @@ def run_costs(
         flush=True,
     )
     costs.programs[p] = program_cost(
-        p, config, mesh, batch=batches[p], method=method, rollout_layout=layout, vae=vae
+        p,
+        config,
+        mesh,
+        batch=batches[p],
+        method=method,
+        rollout_layout=layout,
+        vae=vae,
+        samples=fragment_samples or None,
+        pipeline=pipeline,
     )
   return costs
+
+
+def fit_sequence_split(
+    config, devices: int, budget_bytes: float, **run_costs_kw
+) -> tuple[int | None, dict[int, Costs]]:
+  """The smallest config.parallel.sequence (a split the `devices` and the model's heads allow)
+  under which every program of run_costs fits `budget_bytes` per device (XLA's memory
+  analysis), or None when none does; with the Costs of every split tried, in the order tried."""
+  heads = int(config.model.num_attention_heads)
+  tried = {}
+  for split in sequence_lib.divisors(devices):
+    if heads % split:
+      continue
+    c = copy.deepcopy(config)
+    c.parallel.sequence = split
+    tried[split] = costs = run_costs(c, devices, **run_costs_kw)
+    if all(p.memory.total_bytes <= budget_bytes for p in costs.programs.values()):
+      return split, tried
+  return None, tried
