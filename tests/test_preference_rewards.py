@@ -189,6 +189,15 @@ def test_pickscore_processor_subfolder_and_missing_files(tmp_path, images):
   assert learned.load('pickscore', str(folder), 'cpu')(images, PROMPTS).shape == (len(PROMPTS),)
   with pytest.raises(preference.WeightsError, match=r'pickscore=/path/to/folder'):
     learned.load('pickscore', str(tmp_path / 'absent'), 'cpu')
+  # Weights of another shape than config.json says: refused, never re-initialised at random.
+  config = json.loads((folder / 'config.json').read_text())
+  config['projection_dim'] = 8
+  (folder / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(preference.WeightsError, match=r'does not (load as|fit) CLIPModel'):
+    learned.load('pickscore', str(folder), 'cpu')
+  os.remove(folder / 'model.safetensors')
+  with pytest.raises(preference.WeightsError, match=r'does not load as CLIPModel'):
+    learned.load('pickscore', str(folder), 'cpu')
 
 
 # ------------------------------------------------------------------------------------------------

@@ -143,7 +143,15 @@ def load_state_dict(path: str) -> dict:
 def from_pretrained(name: str, cls, folder: str, **kwargs):
   """cls.from_pretrained(folder) in float32, refusing a folder whose weights do not all fit
   (transformers would initialise the missing or mis-shaped ones at random and go on)."""
-  model, info = cls.from_pretrained(folder, dtype=torch.float32, output_loading_info=True, **kwargs)
+  try:
+    model, info = cls.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True, **kwargs
+    )
+  except (OSError, RuntimeError) as e:  # no weights file; weights of another shape
+    raise WeightsError(
+        f'{name} weights folder {folder!r} does not load as {cls.__name__}: '
+        f'{" ".join(str(e).split())[:200]}'
+    ) from None
   bad = list(info.get('missing_keys') or []) + [
       str(m[0]) for m in info.get('mismatched_keys') or []
   ]
