@@ -87,3 +87,13 @@ def test_explicit_fields_of_a_command_line():
       '4',
   ]
   assert folder_config.explicit_fields(argv) == {'model.num_layers', 'latent.channels'}
+
+
+def test_a_bad_patch_size_is_left_to_validation(folders):
+  from digen_jax.experiment import config as configlib  # pylint: disable=g-import-not-at-top
+
+  c = _config('flux', folders['flux'])
+  c.model.patch_size = 0
+  folder_config.resolve(c)  # reads the folder without dividing by it
+  with pytest.raises(ValueError, match='config.model.patch_size=0 must be an int >= 1'):
+    configlib.validate(c, 1)

@@ -54,7 +54,7 @@ def folder_values(config, path: str) -> tuple[dict[str, Any], dict[str, str]]:
   if family.name == 'qwenimage':
     m.update({'model.patch_size': arch.patch_size, 'model.out_channels': arch.out_channels})
   else:  # FLUX packs 2x2 latent patches (config.model.patch_size); its transformer's patch is 1
-    p = config.model.patch_size
+    p = _positive(config.model.patch_size)
     m.update(
         {
             'model.out_channels': arch.out_channels // (p * p),
@@ -114,7 +114,7 @@ def _image_size(config, path: str) -> None:
   if config.latent.space != 'vae' or not (lat.image_height or lat.image_width):
     return
   vae = family_lib.of(config).vae.read_vae_config(os.path.join(path, 'vae'))
-  step = vae.spatial_compression * config.model.patch_size
+  step = vae.spatial_compression * _positive(config.model.patch_size)
   for field, latent_field in zip(IMAGE_FIELDS, ('height', 'width')):
     pixels = lat[field.split('.')[1]]
     if not isinstance(pixels, int) or pixels <= 0 or pixels % step:
@@ -126,3 +126,8 @@ def _image_size(config, path: str) -> None:
           f'latent patches; e.g. --config.{field}={fit}'
       )
     lat[latent_field] = pixels // vae.spatial_compression
+
+
+def _positive(patch) -> int:
+  """model.patch_size, or 1 where it is not a positive int (validation names that field)."""
+  return patch if isinstance(patch, int) and not isinstance(patch, bool) and patch > 0 else 1
