@@ -200,6 +200,19 @@ def test_pickscore_processor_subfolder_and_missing_files(tmp_path, images):
     learned.load('pickscore', str(folder), 'cpu')
 
 
+def test_a_video_is_scored_per_frame_and_averaged(tmp_path):
+  """A Wan run's uint8 videos [B, F, H, W, 3]: each frame scored with its video's prompt, the
+  frames' scores averaged (as the registry scores videos with image rewards)."""
+  folder = str(tmp_path / 'pickscore')
+  save_clip_folder(folder, seed=1)
+  score = learned.load('pickscore', folder, 'cpu')
+  videos = random_images(2 * 3, 40, 52, seed=8).reshape(2, 3, 40, 52, 3)
+  prompts = PROMPTS[:2]
+  frames = score(videos.reshape(6, 40, 52, 3), [p for p in prompts for _ in range(3)])
+  np.testing.assert_allclose(score(videos, prompts), frames.reshape(2, 3).mean(1), rtol=1e-6)
+  assert np.ptp(frames.reshape(2, 3), axis=1).min() > 0  # the frames' scores differ
+
+
 # ------------------------------------------------------------------------------------------------
 # LAION aesthetic predictor v2
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
+
 LOADERS = {
     "ocr": "digen_jax.rewards.ocr:load",
     "clip_score": "digen_jax.rewards.preference:load_clip_score",
@@ -45,6 +47,26 @@ def is_learned(name: str) -> bool:
 
 
 def load(name: str, folder: str, device: str):
-  """The scoring function of learned reward `name` (imports its model code: workers only)."""
+  """The scoring function of learned reward `name` (imports its model code: workers only), of
+  uint8 images [B, H, W, 3] or videos [B, F, H, W, 3] (per_frame)."""
   module, _, fn = LOADERS[name].partition(":")
-  return getattr(importlib.import_module(module), fn)(folder, device)
+  return per_frame(getattr(importlib.import_module(module), fn)(folder, device))
+
+
+def per_frame(fn):
+  """An image reward that scores videos too: every frame of each uint8 video [B, F, H, W, 3]
+  with the video's prompt, the frames' scores averaged (the registry's rule for image rewards,
+  rewards/registry.py); images [B, H, W, 3] as they are."""
+
+  def scored(images, prompts):
+    images = np.asarray(images)
+    if images.ndim != 5:
+      return fn(images, prompts)
+    b, f = images.shape[:2]
+    frames = images.reshape(b * f, *images.shape[2:])
+    per = np.asarray(fn(frames, [p for p in prompts for _ in range(f)]), np.float32)
+    if per.shape != (b * f,):  # the worker's shape check names the reward
+      return per
+    return per.reshape(b, f).mean(axis=1)
+
+  return scored
