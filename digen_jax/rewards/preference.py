@@ -85,7 +85,8 @@ def need_folder(name: str, folder: str) -> None:
   if not folder or not os.path.isdir(folder):
     raise WeightsError(
         f'{name} weights folder {folder!r} does not exist: give it as '
-        f'--config.reward.models={name}=/path/to/folder (rewards/preference.py lists its files)'
+        f'--config.reward.models={name}=/path/to/folder (docs/rewards.md, "Preference models", '
+        'lists what it holds)'
     )
 
 
@@ -174,8 +175,8 @@ def one_file(name: str, folder: str, patterns: Sequence[str], what: str) -> str:
 
 
 class ClipPair:
-  """A transformers CLIPModel with its tokenizer and CLIP's PIL image processor: normalised-free
-  image and text embeddings [B, E] of uint8 images and prompts."""
+  """A transformers CLIPModel with its tokenizer and CLIP's PIL image processor: the projected
+  (unnormalised) image and text embeddings [B, E] of uint8 images and prompts."""
 
   def __init__(self, name: str, model, tokenizer, image_processor, device: torch.device):
     self.name, self.model, self.tokenizer = name, model.eval().to(device), tokenizer
