@@ -40,6 +40,8 @@ PROMPTS = [
     'a photo of a cat',
     'an astronaut riding a horse on the moon',
 ]
+# Past CLIP's 77 tokens and ImageReward's 35: each cuts it as its reference does.
+LONG_PROMPTS = PROMPTS[:3] + [' '.join(['a red circle left of a blue square'] * 12)]
 IMAGE_SIZE = 30  # the tiny CLIP's input (CLIP-L and CLIP-H: 224)
 PATCH = 6
 
@@ -455,15 +457,18 @@ def test_hpsv2_matches_open_clip_forward_and_hps_preprocessing(tmp_path, shape):
   folder = str(tmp_path / 'hps')
   state, cfg, tok = save_hps_folder(folder, seed=4)
   images = random_images(len(PROMPTS), *shape, seed=5)
-  got = learned.load('hpsv2', folder, 'cpu')(images, PROMPTS)
+  got = learned.load('hpsv2', folder, 'cpu')(images, LONG_PROMPTS)
   # hpsv2/img_score.py score(), one image and prompt at a time: preprocess_val(image),
   # tokenizer([prompt]) (open_clip pads with 0 to 77), outputs = model(image, text) with
   # normalised features, hps = diagonal(image_features @ text_features.T).
   want = []
   with torch.no_grad():
-    for image, prompt in zip(images, PROMPTS):
+    for image, prompt in zip(images, LONG_PROMPTS):
       pixels = hps_preprocess_val(Image.fromarray(image), cfg['vision_cfg']['image_size'])[None]
       ids = tok(prompt)['input_ids']
+      if len(ids) > 77:  # open_clip tokenize: tokens[:context_length], the last one <end>
+        ids = ids[:77]
+        ids[-1] = tok.eos_token_id
       text = torch.tensor([ids + [0] * (77 - len(ids))])
       image_features = F.normalize(open_clip_encode_image(state, cfg, pixels), dim=-1)
       text_features = F.normalize(open_clip_encode_text(state, cfg, text), dim=-1)
@@ -749,7 +754,7 @@ def test_image_reward_matches_blip_forward_and_transform(tmp_path, shape):
   folder = str(tmp_path / 'image_reward')
   state, vocab = save_image_reward_folder(folder, seed=6)
   images = random_images(len(PROMPTS), *shape, seed=7)
-  got = learned.load('image_reward', folder, 'cpu')(images, PROMPTS)
+  got = learned.load('image_reward', folder, 'cpu')(images, LONG_PROMPTS)
   # ImageReward.score(prompt, image), one at a time: tokenizer(prompt, padding='max_length',
   # truncation=True, max_length=35), image_embeds = visual_encoder(preprocess(image)),
   # text_encoder(ids, mask, encoder_hidden_states=image_embeds, encoder_attention_mask=ones),
@@ -757,8 +762,9 @@ def test_image_reward_matches_blip_forward_and_transform(tmp_path, shape):
   ids = {w: i for i, w in enumerate(vocab)}
   want = []
   with torch.no_grad():
-    for image, prompt in zip(images, PROMPTS):
-      tokens = [ids['[CLS]']] + [ids[w] for w in prompt.lower().split()] + [ids['[SEP]']]
+    for image, prompt in zip(images, LONG_PROMPTS):
+      words = [ids[w] for w in prompt.lower().split()][:33]  # truncation=True: 35 with both
+      tokens = [ids['[CLS]']] + words + [ids['[SEP]']]
       input_ids = torch.tensor([tokens + [0] * (35 - len(tokens))])
       mask = (input_ids != 0).long()
       pixels = image_reward_transform(Image.fromarray(image), BLIP_VISION['image_size'])[None]
