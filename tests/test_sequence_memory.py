@@ -1,10 +1,12 @@
 """The memory tool on the real Wan2.1-14B (configs/wan21.py:disagg, 832x480 x 81 frames: 32,760
 tokens a sample): XLA's ahead-of-time memory analysis of the trainer's fragment gradient on 8
 fake CPU devices (`python -m digen_jax.sim.costs`, nothing runs), with each sample's tokens split
-over the 8 devices (config.parallel.sequence=8) and without. The split is what brings one
-fragment of one video under an 80 GB device; benchmarks/RESULTS.md ("Sequence parallelism")
-records these figures and the rollout's. Slow: two compiles of the 14B program, about a minute
-each here."""
+over the 8 devices (config.parallel.sequence=8) and without: a fragment of one video over the
+recipe's K = 11 trained steps x 2 CFG branches, the steps one after another (rl.step_loop=scan),
+XLA:CPU without the pass that hoists f32 copies of whole bf16 stacks (--xla_pipeline=no_hoist,
+closer to an accelerator). The split is what brings it under an 80 GB device;
+benchmarks/RESULTS.md ("Sequence parallelism for long videos") records these figures and the
+rollout's. Slow: two compiles of the 14B program, about a minute each here."""
 
 import json
 import subprocess
@@ -34,7 +36,7 @@ def _grad_bytes(tmp_path, split: int) -> dict:
           '--fragment_batch=8',
           '--fragment_samples=1',
           '--config.rl.step_loop=scan',
-          '--config.rl.timestep_fraction=0.25',
+          '--xla_pipeline=no_hoist',
           f'--config.parallel.sequence={split}',
           f'--json={out}',
       ],
@@ -47,7 +49,7 @@ def _grad_bytes(tmp_path, split: int) -> dict:
   assert proc.returncode == 0, proc.stderr[-3000:]
   data = json.loads(out.read_text())
   assert data['settings']['sequence_split'] == split
-  assert data['settings']['image_tokens'] == 32760 and data['settings']['trained_steps'] == 4
+  assert data['settings']['image_tokens'] == 32760 and data['settings']['trained_steps'] == 11
   return data['programs']['grad']['memory']
 
 
