@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from configs import wan21
-from digen_jax.sim import program_costs
+from digen_jax.sim import sequence_fit
 from tests import xla_env
 from tests.mp_scripts import launcher_util as util
 
@@ -71,10 +71,10 @@ def test_the_fit_search_tries_each_split_smallest_first():
   first fits any budget, and the split lowers the per-device temporaries."""
   config = wan21.get_config('tiny')
   kw = dict(programs_=('grad',), method='raw', fragment_batch=4, fragment_samples=1)
-  split, tried = program_costs.fit_sequence_split(config, 4, 0.0, **kw)
+  split, tried = sequence_fit.fit_sequence_split(config, 4, 0.0, **kw)
   assert split is None and list(tried) == [1, 2]
   temp = {s: c.programs['grad'].memory.temp_bytes for s, c in tried.items()}
   assert temp[2] < temp[1], temp
   assert [c.settings['sequence_split'] for c in tried.values()] == [1, 2]
-  split, tried = program_costs.fit_sequence_split(config, 4, float('inf'), **kw)
+  split, tried = sequence_fit.fit_sequence_split(config, 4, float('inf'), **kw)
   assert split == 1 and list(tried) == [1]

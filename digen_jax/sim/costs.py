@@ -28,6 +28,7 @@ import json
 
 from digen_jax.sim import hardware
 from digen_jax.sim import program_costs as costs_lib
+from digen_jax.sim import sequence_fit
 from digen_jax.sim import timing
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -65,24 +66,6 @@ def format_table(costs: costs_lib.Costs) -> str:
       f'{costs.frozen_base_bytes / 1e9:.2f} GB, published per step '
       f'{costs.published_bytes / 1e9:.3f} GB, one FSDP gather '
       f'{costs.gathered_bytes / 1e9:.2f} GB'
-  )
-  return '\n'.join(rows)
-
-
-def format_fit(tried: dict, split: int | None, budget: float) -> str:
-  """--fit_gb's verdict: each split's largest program total, and the split chosen."""
-  rows = [f'per-device memory against {budget / 1e9:g} GB (XLA:CPU buffer assignment):']
-  for s, c in tried.items():
-    worst = max(c.programs.values(), key=lambda p: p.memory.total_bytes)
-    fits = 'fits' if worst.memory.total_bytes <= budget else 'does not fit'
-    rows.append(
-        f'  config.parallel.sequence={s}: largest {worst.name} '
-        f'{worst.memory.total_bytes / 1e9:.1f} GB, {fits}'
-    )
-  rows.append(
-      f'chosen: config.parallel.sequence={split}'
-      if split is not None
-      else 'no split fits: fewer samples a fragment, fewer trained steps or more devices'
   )
   return '\n'.join(rows)
 
@@ -152,10 +135,10 @@ def main(argv):
   try:
     if f['fit_gb'].value:
       budget = f['fit_gb'].value * 1e9
-      split, tried = costs_lib.fit_sequence_split(config, f['devices'].value, budget, **kw)
+      split, tried = sequence_fit.fit_sequence_split(config, f['devices'].value, budget, **kw)
       for c in tried.values():
         print(format_table(c), flush=True)
-      print(format_fit(tried, split, budget), flush=True)
+      print(sequence_fit.format_fit(tried, split, budget), flush=True)
       costs = tried[split if split is not None else max(tried)]
       search = {
           'budget_bytes': budget,

@@ -53,7 +53,6 @@ import numpy as np
 
 from digen_jax import programs
 from digen_jax.parallel import mesh as mesh_lib
-from digen_jax.parallel import sequence as sequence_lib
 from digen_jax.sim import abstract
 
 PROGRAMS = ('rollout', 'grad', 'apply')
@@ -183,11 +182,9 @@ def rollout_param_dtype(exp):
 
 
 def _lower(name: str, exp, mesh, batch: int, layout: str = 'replicated', samples=None):
-  """lower() -> Lowered of one of abstract.run_programs' programs (`samples`: a fragment's real
-  samples, as there)."""
-  program, args = abstract.run_programs(
-      exp, mesh, batch, rollout_layout=layout, only=(name,), samples=samples
-  )[name]
+  """lower() -> Lowered of one of abstract.run_programs' programs (`samples` as there)."""
+  kw = dict(rollout_layout=layout, only=(name,), samples=samples)
+  program, args = abstract.run_programs(exp, mesh, batch, **kw)[name]
 
   def lower():
     lowered = program.lower(*args)
@@ -321,23 +318,18 @@ def _memory(compiled) -> Memory:
   )
 
 
-# XLA:CPU pass pipelines for the memory figures. XLA:CPU has no native bf16 dot: it converts bf16
-# operands to f32, and while-loop-invariant-code-motion hoists the convert of a WHOLE stacked
-# tensor (every layer's weights, every layer's remat residuals) out of the layer / sampler
-# loops: f32 copies an accelerator with bf16 dots never makes. 'no_hoist' compiles without
-# that pass (the converts stay per layer), closer to an accelerator (benchmarks/memory.py's
-# NOTES; still an upper bound: CPU dots keep f32 activations).
+# XLA:CPU pass pipelines. 'no_hoist': without the pass that hoists the f32 converts of WHOLE bf16
+# weight / residual stacks out of the loops (XLA:CPU has no bf16 dot), closer to an accelerator
+# (benchmarks/memory.py's NOTES).
 PIPELINES = {
     'default': None,
     'no_hoist': {'xla_disable_hlo_passes': 'while-loop-invariant-code-motion'},
 }
 
 
-def compile_and_read(
-    lower: Callable[[], Any], *, unrolled: bool = False, pipeline: str = 'default'
-):
-  """(cost vector [flops, bytes accessed, transcendentals], Memory, seconds), compiled with
-  XLA:CPU pass pipeline `pipeline` (PIPELINES)."""
+def compile_and_read(lower: Callable[[], Any], *, unrolled: bool = False, pipeline='default'):
+  """(cost vector [flops, bytes accessed, transcendentals], Memory, seconds); `pipeline`: the
+  XLA:CPU passes (PIPELINES)."""
   t0 = time.perf_counter()
   with unrolled_loops() if unrolled else contextlib.nullcontext():
     lowered = lower()
@@ -384,8 +376,8 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str, sampl
       layers = dict(base)
       if extra:
         layers[extra] += 1
-      variant = variant_config(config, steps=steps_of(t), layers=layers)
-      _, lower = _build(name, variant, mesh, batch, layout, vae, samples)
+      c = variant_config(config, steps=steps_of(t), layers=layers)
+      _, lower = _build(name, c, mesh, batch, layout, vae, samples)
       cost[t, extra], _, s = compile_and_read(lower, unrolled=True)
       seconds += s
   t1, t2 = ts
@@ -448,9 +440,8 @@ def program_cost(
 ) -> ProgramCost:
   """Compiles program `name` (rollout | grad | apply) of `config` for `mesh` and reads XLA's
   analyses; `method` says how loop iterations are counted (module docstring). `samples`: the
-  grad's real samples of its `batch` rows (a fragment smaller than the mesh, padded to it as
-  the runtime pads it; None: every row). `pipeline`: the XLA:CPU pass pipeline of the real
-  program's compile, whose memory the result reports (PIPELINES)."""
+  grad's real samples of its `batch` rows (None: all); `pipeline`: the XLA:CPU passes of the
+  real program's compile, whose memory it reports (PIPELINES)."""
   if name not in PROGRAMS:
     raise ValueError(f'program {name!r}: expected one of {PROGRAMS}')
   if method not in METHODS:
@@ -458,7 +449,6 @@ def program_cost(
   layout = rollout_layout or config.cluster.rollout.param_sharding
   if batch % mesh.devices.size:
     raise ValueError(f'{name}: batch {batch} is not divisible by {mesh.devices.size} devices')
-  samples = samples if name == 'grad' else None
   exp, lower = _build(name, config, mesh, batch, layout, vae, samples)
   raw, memory, compile_s = compile_and_read(lower, pipeline=pipeline)
   fit, count_s = {}, 0.0
@@ -549,8 +539,7 @@ def run_costs(
   """Costs of `config`'s programs on a 1-D mesh of the first `devices` jax devices (fake CPU
   devices: set --xla_force_host_platform_device_count before jax starts). Batches are global
   sample counts; 0 takes default_batches. fragment_samples: the grad's real samples, the first
-  of its fragment_batch rows (0: all), as a fragment smaller than the mesh is padded.
-  pipeline: the XLA:CPU pass pipeline of the memory figures (PIPELINES)."""
+  of its fragment_batch rows (0: all); pipeline: as program_cost's."""
   if jax.device_count() < devices:
     raise ValueError(
         f'{devices} devices asked for but jax sees {jax.device_count()}: set '
@@ -608,22 +597,3 @@ def run_costs(
         pipeline=pipeline,
     )
   return costs
-
-
-def fit_sequence_split(
-    config, devices: int, budget_bytes: float, **run_costs_kw
-) -> tuple[int | None, dict[int, Costs]]:
-  """The smallest config.parallel.sequence (a split the `devices` and the model's heads allow)
-  under which every program of run_costs fits `budget_bytes` per device (XLA's memory
-  analysis), or None when none does; with the Costs of every split tried, in the order tried."""
-  heads = int(config.model.num_attention_heads)
-  tried = {}
-  for split in sequence_lib.divisors(devices):
-    if heads % split:
-      continue
-    c = copy.deepcopy(config)
-    c.parallel.sequence = split
-    tried[split] = costs = run_costs(c, devices, **run_costs_kw)
-    if all(p.memory.total_bytes <= budget_bytes for p in costs.programs.values()):
-      return split, tried
-  return None, tried
