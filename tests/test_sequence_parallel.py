@@ -7,6 +7,7 @@ memory with and without the split is tests/test_sequence_memory.py's (slow)."""
 
 import copy
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,19 @@ def test_split_wan_equals_unsplit_forward_and_gradient(split, batch, img_shape):
   hlo = fwd_s.lower(params, *args).compile().as_text()
   assert 'all-to-all' in hlo
   assert 'all-to-all' not in fwd.lower(params, *args).compile().as_text()
+
+
+def test_the_split_is_per_thread():
+  """The rollout role traces in a thread of its own (runtime/loop.py): a split entered in one
+  thread is not seen by another."""
+  view = sequence.token_mesh(mesh_lib.make_mesh(jax.devices()[:4]), 2)
+  seen = []
+  with sequence_parallel.split_tokens(view):
+    thread = threading.Thread(target=lambda: seen.append(sequence_parallel.active()))
+    thread.start()
+    thread.join()
+    assert sequence_parallel.active() is view
+  assert seen == [None] and sequence_parallel.active() is None
 
 
 def test_split_mmdit_equals_unsplit_with_a_text_mask():

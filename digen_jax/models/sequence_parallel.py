@@ -23,13 +23,16 @@ unconditionally and knows nothing of meshes. The context is read at trace time o
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-_active: list[Mesh] = []
+# Per thread (a context variable): the rollout and trainer roles of one process trace their
+# programs in threads of their own, each on its own mesh.
+_active: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar('token_mesh', default=None)
 
 
 @contextlib.contextmanager
@@ -37,16 +40,16 @@ def split_tokens(mesh: Mesh | None) -> Iterator[None]:
   """Within: attention and constrain split tokens over `mesh`'s second axis (None: no split)."""
   if mesh is not None and len(mesh.axis_names) != 2:
     raise ValueError(f'split_tokens needs a (samples, tokens) mesh, got axes {mesh.axis_names}')
-  _active.append(mesh)
+  token = _active.set(mesh)
   try:
     yield
   finally:
-    _active.pop()
+    _active.reset(token)
 
 
 def active() -> Mesh | None:
-  """The (samples, tokens) mesh of the innermost split_tokens, or None."""
-  return _active[-1] if _active else None
+  """The (samples, tokens) mesh of the innermost split_tokens in this thread, or None."""
+  return _active.get()
 
 
 def constrain(x: jax.Array) -> jax.Array:
