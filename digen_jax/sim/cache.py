@@ -74,6 +74,8 @@ IGNORED_OVERRIDES = (
     'rl.clip_range',
     'rl.step_loop',
 )
+# Set: a cache miss raises instead of compiling the programs (cache.compute; tests/conftest.py).
+CACHE_ONLY_ENV = 'DIGEN_COSTS_CACHE_ONLY'
 # Config sections the compiled programs read (the digest of a cached entry).
 PROGRAM_SECTIONS = ('model', 'latent', 'text', 'sampler', 'rl', 'optim', 'cluster')
 
@@ -244,7 +246,18 @@ def compute(
     key: Key, overrides: list[str], digest: str, *, directory: str = COSTS_DIR, log=sys.stderr
 ) -> Entry:
   """Runs python -m digen_jax.sim.costs for `key` in a child process (it must fix the fake
-  device count before jax starts), stores the result as the entry of `key` and returns it."""
+  device count before jax starts), stores the result as the entry of `key` and returns it.
+  With $DIGEN_COSTS_CACHE_ONLY set (the test suite sets it) a missing entry is an error instead:
+  a config change that moved the digest must not make a test compile a 20B model for minutes."""
+  if os.environ.get(CACHE_ONLY_ENV):
+    stale_entries = stale(key.config, key.finetune, key.lora_rank, directory)
+    raise RuntimeError(
+        f'no cached costs for {key.filename()} (config digest {digest}; '
+        f'{len(stale_entries)} entries of {key.config} are for other settings or digests) and '
+        f'${CACHE_ONLY_ENV} is set: recompute them (python -m digen_jax.plan --config=... '
+        '--recompute) or, if the change does not reach the programs, leave the field out of '
+        'sim/cache.config_digest'
+    )
   os.makedirs(directory, exist_ok=True)
   tmp = os.path.join(directory, '.' + key.filename() + '.part')
   arg = key.config + (f':{key.variant}' if key.variant else '')
