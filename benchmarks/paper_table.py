@@ -7,8 +7,12 @@ calibrated colocated baseline and over naive disaggregation, for four model fami
 
 Families: Qwen-Image-20B and FLUX.1-dev-12B from configs/qwenimage.py and configs/flux.py with
 their XLA costs from the cache (benchmarks/costs/; full fine-tuning where cached, else the
-config's LoRA), HunyuanVideo-13B and Wan2.1-14B from their published sizes (sim/analytic.py:
-ANALYTIC). Batches scale with the cluster (weak scaling): the configs' batch at 16 GPUs
+config's LoRA); Wan2.1-T2V-14B from configs/wan21.py:full with analytic costs (sim/analytic.py
+run_model_of: its model code's FLOP count, models/wan.flops_per_forward). Its compiled programs
+are cached too, but XLA:CPU's memory analysis puts the fragment gradient of one 32,760-token
+video at 893 GiB a device, which fits only with the tokens split over devices
+(config.parallel.sequence), and the planner does not model that split yet.
+HunyuanVideo-13B from its published sizes (sim/analytic.py, no model code here). Batches scale with the cluster (weak scaling): the configs' batch at 16 GPUs
 (images: 8 prompts x 16; videos: 4 prompts x 8), twice the prompts at 32, and so on. Every mode
 is the planner's (digen_jax/sim/search.py): the best split and fragment count it finds,
 simulated by sim/engine.py, at the calibrated efficiencies of sim/hardware.py. Splits whose
@@ -37,6 +41,7 @@ sys.path.insert(0, REPO)
 # pylint: disable=wrong-import-position
 from configs import flux as flux_config
 from configs import qwenimage
+from configs import wan21
 from digen_jax.sim import analytic
 from digen_jax.sim import baseline
 from digen_jax.sim import cache
@@ -75,7 +80,8 @@ def families() -> dict[str, rm.RunModel]:
     run = cached_run(module, path, 'full') or cached_run(module, path, 'lora')
     out[f'{label} ({run.finetune}, XLA)'] = run
   out['HunyuanVideo-13B (full, analytic)'] = analytic.run_model(analytic.HUNYUAN_VIDEO)
-  out['Wan2.1-14B (full, analytic)'] = analytic.run_model(analytic.WAN21_14B)
+  wan = analytic.run_model_of(wan21.get_config('full'), 'configs/wan21.py:full')
+  out['Wan2.1-14B (full, analytic)'] = wan
   return out
 
 

@@ -1,19 +1,18 @@
 """Cost models from architecture sizes: ANALYTIC, not compiled. The planner treats them like
 XLA-costed runs (sim/runmodel.RunModel), with every figure from the formulas below.
 
-Two sources: `run_model_of(config)`, any config whose family has model code here (its FLOPs are
-the family's flops_per_forward as program_costs.analytic_flops counts a program: forwards x steps
-x CFG rows, the backward, the remat recompute; its weights' bytes as the compiled programs hold
-them, from the abstract weights); and `run_model(VideoDiT)`, video DiTs from their published
-sizes alone:
+Two sources: `run_model_of(config)`, any config whose family has model code here (Qwen-Image,
+FLUX, Wan2.1: its FLOPs are the family's flops_per_forward as program_costs.analytic_flops counts
+a program: forwards x steps x CFG rows, the backward, the remat recompute; its weights' bytes as
+the compiled programs hold them, from the abstract weights); and `run_model(VideoDiT)`, a video
+DiT without model code here (HunyuanVideo) from its published sizes alone:
 
   FLOPs    matmuls only (2 per multiply-add), as models/mmdit.py and models/flux.py count
            them. HunyuanVideo's transformer is FLUX's block structure (dual-stream MMDiT blocks,
            then single-stream blocks, MLP ratio 4, guidance embedding) at other depths, so
-           flux.flops_per_forward counts it. Wan2.1's block is self-attention + cross-attention
-           to the text + a GELU MLP of width ffn_dim (counted by `wan_flops_per_forward`).
-           Backward = 2 forwards, remat = 1 more forward (full fine-tuning). The VAE decode
-           and the text encoders are left out (a few % of a video rollout).
+           flux.flops_per_forward counts it. Backward = 2 forwards, remat = 1 more forward
+           (full fine-tuning). The VAE decode and the text encoders are left out (a few % of a
+           video rollout).
   bytes    per forward: the bf16 weights once, and 24 bytes per token per hidden unit per
            block of activation traffic (bf16, flash attention: no S x S logits).
   memory   grad, per sample-step per device: with remat the blocks' bf16 inputs (2 bytes x L)
@@ -46,18 +45,17 @@ ANALYTIC_DEVICES = 16  # the nominal compile the per-device figures are stated f
 
 @dataclasses.dataclass(frozen=True)
 class VideoDiT:
-  """A video DiT's published sizes and the clip users post-train it on."""
+  """A FLUX-like video DiT's published sizes (dual-stream, then single-stream blocks) and the
+  clip users post-train it on."""
 
   name: str
-  kind: str  # 'hunyuan' (FLUX-like dual + single stream) | 'wan'
   hidden: int
   heads: int
-  double_layers: int  # dual-stream blocks (Wan: its blocks)
-  single_layers: int  # single-stream blocks (Wan: 0)
-  ffn: int  # MLP width (hunyuan: 4 x hidden)
+  double_layers: int  # dual-stream blocks
+  single_layers: int  # single-stream blocks
   text_tokens: int
   text_dim: int  # the text encoder's hidden size
-  pooled_dim: int  # pooled text embedding (hunyuan: CLIP-L 768; wan: 0)
+  pooled_dim: int  # pooled text embedding (hunyuan: CLIP-L 768)
   guidance_embeds: bool  # CFG-distilled (one row per sample) vs true CFG (two)
   frames: int
   height: int
@@ -94,68 +92,25 @@ class VideoDiT:
     )
 
   def params(self) -> int:
-    if self.kind == 'hunyuan':
-      return flux.count_params(self.flux_config())
-    d, f = self.hidden, self.ffn
-    block = 2 * (4 * d * d + 4 * d) + 2 * d * f + d + f + 6 * d  # self + cross attn, MLP, mod
-    embed = (
-        self.latent_channels * d
-        + self.text_dim * d
-        + d * d
-        + 256 * d
-        + d * d
-        + d * 6 * d
-        + d * self.latent_channels
-    )
-    return self.double_layers * block + embed
+    return flux.count_params(self.flux_config())
 
   def flops_per_forward(self, rows: int) -> float:
     """Matmul FLOPs of one forward on `rows` samples."""
-    if self.kind == 'hunyuan':
-      return flux.flops_per_forward(self.flux_config(), rows, self.tokens, self.text_tokens)
-    return wan_flops_per_forward(self, rows)
+    return flux.flops_per_forward(self.flux_config(), rows, self.tokens, self.text_tokens)
 
 
-def wan_flops_per_forward(m: VideoDiT, rows: int) -> float:
-  """Wan2.1 block: self-attention (q, k, v, o and QK^T, PV over S tokens), cross-attention (q, o
-  on S tokens, k, v on the text, QK^T and PV against it), MLP d -> ffn -> d; the text embedding
-  (text_dim -> d -> d), patch embedding, time embedding and head once."""
-  d, s, L = m.hidden, m.tokens, m.text_tokens
-  block = (
-      s * 4 * d * d
-      + 2 * s * s * d  # self-attention
-      + s * 2 * d * d
-      + L * 2 * d * d
-      + 2 * s * L * d  # cross-attention
-      + s * 2 * d * m.ffn
-  )  # MLP
-  once = (
-      L * (m.text_dim * d + d * d)
-      + s * m.latent_channels * d
-      + 256 * d
-      + d * d
-      + 6 * d * d
-      + s * d * m.latent_channels
-  )
-  return 2.0 * rows * (m.double_layers * block + once)
-
-
-# Published sizes. HunyuanVideo: github.com/Tencent/HunyuanVideo hyvideo/modules/models.py
+# Published sizes: github.com/Tencent/HunyuanVideo hyvideo/modules/models.py
 # HUNYUAN_VIDEO_CONFIG['HYVideo-T/2-cfgdistill'] (mm_double_blocks_depth 20,
 # mm_single_blocks_depth 40, hidden 3072, 24 heads, mlp ratio 4, guidance embedding), text
 # 256 LLaVA-Llama-3-8B tokens (hidden 4096) + CLIP-L pooled 768; 544p x 129 frames is one of
-# the two resolutions its README lists. Wan2.1: github.com/Wan-Video/Wan2.1
-# wan/configs/wan_t2v_14B.py (dim 5120, ffn_dim 13824, 40 heads, 40 layers, patch 1x2x2, VAE
-# stride 4x8x8) and shared_config.py (text_len 512, umT5-XXL 4096); 480p (832 x 480) x 81
-# frames and guide scale 5.0 are its README's T2V-14B defaults.
+# the two resolutions its README lists. (Wan2.1 has model code: configs/wan21.py, costed from
+# its compiled programs or by run_model_of.)
 HUNYUAN_VIDEO = VideoDiT(
     'HunyuanVideo-13B (analytic)',
-    'hunyuan',
     hidden=3072,
     heads=24,
     double_layers=20,
     single_layers=40,
-    ffn=4 * 3072,
     text_tokens=256,
     text_dim=4096,
     pooled_dim=768,
@@ -167,26 +122,6 @@ HUNYUAN_VIDEO = VideoDiT(
     source='Tencent/HunyuanVideo hyvideo/modules/models.py HYVideo-T/2-cfgdistill; README '
     '544p x 129 frames',
 )
-WAN21_14B = VideoDiT(
-    'Wan2.1-T2V-14B (analytic)',
-    'wan',
-    hidden=5120,
-    heads=40,
-    double_layers=40,
-    single_layers=0,
-    ffn=13824,
-    text_tokens=512,
-    text_dim=4096,
-    pooled_dim=0,
-    guidance_embeds=False,
-    frames=81,
-    height=480,
-    width=832,
-    cfg=True,
-    source='Wan-Video/Wan2.1 wan/configs/wan_t2v_14B.py, shared_config.py; README 480p x 81 '
-    'frames, guide scale 5.0',
-)
-FAMILIES = {'hunyuanvideo': HUNYUAN_VIDEO, 'wan21': WAN21_14B}
 
 
 def _programs(n0, fwd, steps, weights, act, rows_tokens_hidden, layers, grad_flops):
