@@ -1,5 +1,7 @@
 """Untrusted inputs (issue 18, part 6): nothing the package reads can run code (no pickle: weights,
-checkpoints and caches go through safetensors, orbax and array_record only), and the transfer
+checkpoints and caches go through safetensors, orbax and array_record only; the published .pt
+checkpoints of learned rewards through torch.load(weights_only=True), which unpickles tensors and
+plain containers only), and the transfer
 server listens on the configured interface only (127.0.0.1 by default)."""
 
 import ast
@@ -47,7 +49,16 @@ def pickle_uses(source: str, path: str = '<src>') -> list[str]:
       f = node.func
       name = f.attr if isinstance(f, ast.Attribute) else getattr(f, 'id', '')
       owner = getattr(f.value, 'id', '') if isinstance(f, ast.Attribute) else ''
-      if (owner, name) == ('torch', 'load') or name in ('read_pickle', 'to_pickle'):
+      # torch.load only with weights_only=True: PyTorch's restricted unpickler (tensors and
+      # plain containers, no code), for the published .pt reward checkpoints (rewards/).
+      safe_torch_load = any(
+          kw.arg == 'weights_only' and isinstance(kw.value, ast.Constant) and kw.value.value is True
+          for kw in node.keywords
+      )
+      if ((owner, name) == ('torch', 'load') and not safe_torch_load) or name in (
+          'read_pickle',
+          'to_pickle',
+      ):
         found.append(f'{path}:{node.lineno}: {owner + "." if owner else ""}{name}(...)')
       for kw in node.keywords:
         if kw.arg == 'allow_pickle' and not (
@@ -65,10 +76,11 @@ def test_the_scanner_finds_pickle():
   src = (
       'import pickle\nfrom dill import loads\nimport torch\nimport numpy as np\n'
       'torch.load("w.bin")\nnp.load("a.npy", allow_pickle=True)\n'
+      'torch.load("w.pt", weights_only=False)\ntorch.load("w.pt", weights_only=True)\n'
       'm.from_pretrained(p, use_safetensors=False)\n'
       's = "pickle is not allowed"  # pickle\n'
   )
-  assert len(pickle_uses(src)) == 5
+  assert len(pickle_uses(src)) == 6  # torch.load(weights_only=True) is the one allowed
 
 
 def test_no_pickle_anywhere_in_the_package():
