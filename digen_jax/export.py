@@ -21,12 +21,22 @@ from absl import app
 from absl import flags
 from absl import logging
 
-WORKDIR = flags.DEFINE_string('workdir', None, 'The run directory (config.json, checkpoints/).')
-OUT = flags.DEFINE_string('out', None, 'The diffusers folder to write (new or empty).')
-MAX_SHARD_MB = flags.DEFINE_float(
-    'max_shard_mb', 5000.0, 'Largest safetensors shard of transformer/, in MB (diffusers: 5-10 GB).'
-)
-flags.mark_flags_as_required(['workdir', 'out'])
+_FLAGS = {}
+
+
+def _define_flags() -> None:
+  """The command line's flags, defined only when this module runs as the command: `export()`
+  is also imported beside digen_jax.main's flags (one absl registry per process)."""
+  _FLAGS['workdir'] = flags.DEFINE_string(
+      'workdir', None, 'The run directory (config.json, checkpoints/).'
+  )
+  _FLAGS['out'] = flags.DEFINE_string('out', None, 'The diffusers folder to write (new or empty).')
+  _FLAGS['max_shard_mb'] = flags.DEFINE_float(
+      'max_shard_mb',
+      5000.0,
+      'Largest safetensors shard of transformer/, in MB (diffusers: 5-10 GB).',
+  )
+  flags.mark_flags_as_required(['workdir', 'out'])
 
 
 def fail(message: str):
@@ -152,9 +162,10 @@ def main(argv):
 
   try:
     # Not beside a run training in this workdir (its checkpoints change under the read).
-    lock = workdir_lib.acquire(WORKDIR.value)
+    workdir, out = _FLAGS['workdir'].value, _FLAGS['out'].value
+    lock = workdir_lib.acquire(workdir)
     try:
-      done = export(WORKDIR.value, OUT.value, int(MAX_SHARD_MB.value * 2**20))
+      done = export(workdir, out, int(_FLAGS['max_shard_mb'].value * 2**20))
     finally:
       lock.release()
   except (ValueError, FileNotFoundError, faults.RunError) as e:
@@ -168,4 +179,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)
