@@ -80,6 +80,16 @@ FILE_SECONDS = {
     "test_checkpoint_faults.py": 18,
     "test_programs.py": 17,
     "test_encode_prompts.py": 16,
+    # New on 2026-11-29; seconds from single runs of each file on the 2-core AMD host.
+    "test_ocr_pipeline.py": 260,
+    "test_wan_pipeline.py": 200,
+    "test_sequence_memory.py": 150,
+    "test_bad_checkpoints.py": 100,
+    "test_reward_workers.py": 90,
+    "test_metrics_rows.py": 70,
+    "test_sequence_parallel.py": 60,
+    "test_preference_rewards.py": 50,
+    "test_export.py": 45,
 }
 
 
