@@ -80,7 +80,7 @@ FILE_SECONDS = {
     "test_checkpoint_faults.py": 18,
     "test_programs.py": 17,
     "test_encode_prompts.py": 16,
-    # New on 2026-11-29; seconds from single runs of each file on the 2-core AMD host.
+    # New on 2026-11-29: estimates from single runs of each file on a loaded 2-core AMD host.
     "test_ocr_pipeline.py": 260,
     "test_wan_pipeline.py": 200,
     "test_sequence_memory.py": 150,

@@ -334,6 +334,7 @@ def _images_for_agreement():
   return out
 
 
+@pytest.mark.slow
 def test_two_scoring_paths_agree():
   """check (the reward's margins at zero temperature) and strict_atoms (plain thresholds) give
   the same atoms on ground truth, noisy, mismatched, blotchy and near-miss images."""

@@ -230,6 +230,7 @@ def test_abstract_fragment_has_the_rollout_shapes(tmp_path):
 
 
 @pytest.mark.parametrize('fragments', [1, 2])
+@pytest.mark.slow
 def test_trainer_compile_leaves_nothing_for_the_first_fragment(tmp_path, fragments):
   """Trainer.compile compiles its programs (the fused update; or the fragment gradient and the
   optimizer step) from a fragment's abstract layout while the rollout samples the first

@@ -56,6 +56,7 @@ def _all_gathers(trainer, state, frag, cond, adv):
   return len(shapes), sum(size(dims) * _ITEMSIZE.get(dt, 4) for dt, dims in shapes)
 
 
+@pytest.mark.slow
 def test_one_gather_per_step_gives_the_same_update_with_fewer_collectives(tmp_path):
   """Two fragments of a LoRA step on 2 trainer devices, the base gathered per fragment and per
   step: the same accumulated update, and the per-step program gathers none of

@@ -22,6 +22,7 @@ def _same(a: nnx.Module, b: nnx.Module):
 
 
 @pytest.mark.parametrize('config', [qwenimage.get_config('tiny'), flux_config.get_config('tiny')])
+@pytest.mark.slow
 def test_jitted_init_equals_eager(config):
   mcfg = experiment.model_config_from(config)
   module = family.of(config).module

@@ -172,6 +172,7 @@ def test_short_ladder_one_process(tmp_path, capsys, plots):
   assert any(r['timeline'] for r in result['rows'])  # the `plots` fixture: runs draw them
 
 
+@pytest.mark.slow
 def test_ladder_accepts_the_flux_config(tmp_path):
   """configs/flux.py on the exact rungs: every run is ok, and the schedules reproduce colocated's
   rewards (same samples, same policy)."""

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests import xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +43,7 @@ def _finish(started) -> dict:
   return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_memory_bench_tiny_pipeline(tmp_path):
   # Three runs at once (each is mostly single-threaded compilation).
   lora4 = _start(tmp_path, 'lora4', 'tiny_pipeline', 4, '--pipelines=default')

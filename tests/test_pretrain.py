@@ -39,6 +39,7 @@ def _tiny_model(seed=0):
 # params_io
 
 
+@pytest.mark.slow
 def test_params_io_round_trip_is_exact(tmp_path):
   cfg, model = _tiny_model()
   _, state = nnx.split(model)
@@ -658,6 +659,7 @@ def _ae_config(folder, variant='test'):
   return c
 
 
+@pytest.mark.slow
 def test_pretrain_in_the_autoencoder_latent_space(tiny_ae, tmp_path):
   folder, _ = tiny_ae
   c = _ae_config(folder)

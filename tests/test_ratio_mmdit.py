@@ -120,6 +120,7 @@ def test_ratio_is_one_with_lora(tmp_path):
 
 
 @pytest.mark.parametrize('lora', [False, True])
+@pytest.mark.slow
 def test_bf16_ratio_is_one_with_trainer_behaviour_logprobs(tmp_path, lora):
   """Real-model numerics (bf16 compute, bf16 frozen copies, float32 masters): the rollout's and
   the trainer's programs round differently, so the rollout's stored log-probs put |ratio - 1|

@@ -89,6 +89,7 @@ def test_bad_schedule_fails_naming_the_field(overrides, message):
     configlib.validate(_tiny(**overrides), 2)
 
 
+@pytest.mark.slow
 def test_schedule_defaults_are_one_fragment_trained_by_the_fused_update(tmp_path):
   from digen_jax.runtime import bookkeeping
   from digen_jax.runtime import trainer as trainer_lib
@@ -118,6 +119,7 @@ def test_schedule_defaults_are_one_fragment_trained_by_the_fused_update(tmp_path
 # ------------------------------------------------------------------------------ TSP
 
 
+@pytest.mark.slow
 def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   """K = 5 timesteps padded to 6 over a 2-device trainer mesh (steps axis forced to 2; auto
   would pick t = 1 for these 8 samples), one batched fwd/bwd, vs the per-timestep lax.scan: same

@@ -47,6 +47,7 @@ def rel(a, b):
   return abs(a - b) / abs(b)
 
 
+@pytest.mark.slow
 def test_rollout_flops_count_every_step_and_layer():
   """Qwen-Image toy with CFG and LoRA: the extrapolated count equals the fully unrolled
   program's, agrees with the analytic count, and the raw (loop bodies once) figure does not."""
@@ -88,6 +89,7 @@ def test_program_cost_grad_full_remat_and_raw_undercount():
   assert p.compile_s > 0 and p.count_compile_s > 0 and p.bytes_accessed > 0
 
 
+@pytest.mark.slow
 def test_grad_lora_backward_counts():
   """LoRA's backward: data gradients (linear layers once, attention twice) plus the full weight
   gradient of each adapted kernel (the merged weight is what the forward reads). XLA's cost of
@@ -132,6 +134,7 @@ def test_flux_rollout_counts_both_block_kinds():
   assert fit['c_num_layers'] > fit['c_num_single_layers'] > 0
 
 
+@pytest.mark.slow
 def test_memory_per_device_falls_with_fsdp_devices():
   config = qwen_toy(cfg=False)
   per = {n: costs.program_cost('apply', config, mesh_of(n), batch=0) for n in (1, 2, 4)}

@@ -465,6 +465,7 @@ print('RESULT ' + json.dumps(out))
 MIB = 2**20
 
 
+@pytest.mark.slow
 def test_peak_host_memory_is_about_one_tensor(tmp_path):
   """Bound: staging memory <= 2 x (largest param, float32) + 16 MiB, by tracemalloc and by RSS.
 

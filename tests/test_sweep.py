@@ -299,6 +299,7 @@ def _sweep(root, *args):
   return sweep.main([f'--config={TINY}', f'--root={root}', '--devices_per_process=2', *args])
 
 
+@pytest.mark.slow
 def test_sweep_reports_metrics_and_failures(tmp_path, capsys):
   """One 2-step tiny run and one that fails at its start (more devices than its process has:
   values the sweep cannot check itself): both in the table; the sweep exits 1."""

@@ -103,6 +103,7 @@ def test_disagg_checks_the_steps_axis_against_the_trainer_role():
         ({'K': 3, 'B': 6}, (4, 2, 2)),
     ],
 )
+@pytest.mark.slow
 def test_tsp_grid_update_equals_colocated_on_4_devices(case, layout, tmp_path):
   r = exactness.run_case(dict(case, workdir=str(tmp_path)), jax.devices()[:4])
   assert (r['layout']['K_pad'], r['layout']['t'], r['layout']['b']) == layout

@@ -49,6 +49,7 @@ def test_a_batch_the_devices_do_not_divide_is_valid_and_padded():
 
 
 @pytest.mark.parametrize('program', ['update', 'grad'])
+@pytest.mark.slow
 def test_six_samples_on_four_devices_update_as_on_one(program, tmp_path):
   """The fused update, and the fragment gradient (no TSP) then the optimizer step, of 6
   samples padded to 8 rows on 4 devices: the one-device update of the 6 samples."""

@@ -121,6 +121,7 @@ def _rows(wd):
     return [json.loads(l) for l in f if '"loss"' in l]
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_workdir_refuses_and_a_killed_runs_lock_is_taken_over(tmp_path, caplog):
   """Two real mains (issue 46: both ran, the second failed at its first save after 1,115 lines,
   config.json described the other run, metrics.jsonl mixed both)."""
