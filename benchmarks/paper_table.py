@@ -7,12 +7,12 @@ calibrated colocated baseline and over naive disaggregation, for four model fami
 
 Families: Qwen-Image-20B and FLUX.1-dev-12B from configs/qwenimage.py and configs/flux.py with
 their XLA costs from the cache (benchmarks/costs/; full fine-tuning where cached, else the
-config's LoRA); Wan2.1-T2V-14B from configs/wan21.py:full with analytic costs (sim/analytic.py
-run_model_of: its model code's FLOP count, models/wan.flops_per_forward). Its compiled programs
-are cached too, but XLA:CPU's memory analysis puts the fragment gradient of one 32,760-token
-video at 893 GiB a device, which fits only with the tokens split over devices
-(config.parallel.sequence), and the planner does not model that split yet.
-HunyuanVideo-13B from its published sizes (sim/analytic.py, no model code here). Batches scale with the cluster (weak scaling): the configs' batch at 16 GPUs
+config's LoRA); Wan2.1-T2V-14B from configs/wan21.py (LoRA rank 32) with its XLA costs too:
+XLA:CPU's memory analysis puts the fragment gradient of one 32,760-token video at 1,259 GB a
+device unsplit, so the planner tries the sequence splits (config.parallel.sequence) whose
+compiled programs the cache holds, smallest first, and plans at the first under which a mode
+fits (each plan's 'sequence'). HunyuanVideo-13B from its published sizes (sim/analytic.py, no
+model code here). Batches scale with the cluster (weak scaling): the configs' batch at 16 GPUs
 (images: 8 prompts x 16; videos: 4 prompts x 8), twice the prompts at 32, and so on. Every mode
 is the planner's (digen_jax/sim/search.py): the best split and fragment count it finds,
 simulated by sim/engine.py, at the calibrated efficiencies of sim/hardware.py. Splits whose
@@ -80,8 +80,8 @@ def families() -> dict[str, rm.RunModel]:
     run = cached_run(module, path, 'full') or cached_run(module, path, 'lora')
     out[f'{label} ({run.finetune}, XLA)'] = run
   out['HunyuanVideo-13B (full, analytic)'] = analytic.run_model(analytic.HUNYUAN_VIDEO)
-  wan = analytic.run_model_of(wan21.get_config('full'), 'configs/wan21.py:full')
-  out['Wan2.1-14B (full, analytic)'] = wan
+  wan = planning.run_model('configs/wan21.py', wan21.get_config(''), [], planning.Settings())
+  out[f'Wan2.1-14B ({wan.finetune}, XLA)'] = wan
   return out
 
 
@@ -141,7 +141,9 @@ def table(rows: list[dict]) -> str:
         f'{fmt(m["samples_per_s"] / off["samples_per_s"]) if m else "-"} | '
         f'{fmt(m["x_disagg"]) if m else "-"} | '
         + (
-            f'{m["trainer_busy"]:.2f} / {m["rollout_busy"]:.2f} | {m["split"]}, {m["fragments"]} |'
+            f'{m["trainer_busy"]:.2f} / {m["rollout_busy"]:.2f} | {m["split"]}, {m["fragments"]}'
+            + (f', sequence split {p["sequence"]}' if p['sequence'] > 1 else '')
+            + ' |'
             if m
             else '- | - |'
         )
@@ -173,6 +175,7 @@ def scaling(runs: dict[str, rm.RunModel], settings: planning.Settings) -> dict:
                 'best_mode': k,
                 'best': p['modes'][k]['samples_per_s'] if k else None,
                 'best_split': p['modes'][k]['split'] if k else None,
+                'sequence': p['sequence'],
                 'seconds': round(time.time() - t0, 1),
             }
         )
@@ -303,6 +306,7 @@ def main(argv=None) -> int:
             'modes': {m: compact(v) for m, v in r['plan']['modes'].items()},
             'best': r['plan']['best'],
             'best_on_policy': r['plan']['best_on_policy'],
+            'sequence': r['plan']['sequence'],
             'notes': r['plan']['notes'],
         }
         for r in rows

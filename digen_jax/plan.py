@@ -167,7 +167,11 @@ def main(argv):
     parts, trainer = planning.validate(
         _CLUSTER.value, _TRAINER.value, settings, accelerators=_ACCELERATORS.value
     )
-    run = planning.run_model(_config_arg(sys.argv[1:]), config, _overrides(sys.argv[1:]), settings)
+    config_arg, overrides = _config_arg(sys.argv[1:]), _overrides(sys.argv[1:])
+    run = planning.run_model(config_arg, config, overrides, settings)
+    compute_split = None
+    if settings.costs == 'xla':  # a split's memory the cache lacks: compiled (minutes)
+      compute_split = planning.split_computer(config_arg, config, overrides, run)
     plans = [
         planning.plan(
             variant,
@@ -176,6 +180,8 @@ def main(argv):
             trainer=trainer,
             cluster=_CLUSTER.value,
             recipe=baseline.recipe_of(config),
+            sequence=int(config.parallel.sequence),
+            split_memory=compute_split,
         )
         for variant in planning.trained_step_variants(run, _TRAINED_STEPS.value)
     ]

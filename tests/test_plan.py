@@ -85,17 +85,72 @@ def test_cli_on_the_cached_real_config():
 
 def test_cli_on_the_cached_video_config():
   """Wan2.1-T2V-14B (configs/wan21.py: 81 frames at 832x480, 32,760 tokens a sample) plans from
-  the committed costs of its compiled programs (no compile). XLA:CPU's memory analysis of its
-  fragment gradient leaves no accelerator that holds one video unsplit, and the planner does not
-  model config.parallel.sequence yet: one line says so; the analytic costs plan it."""
+  the committed costs of its compiled programs (no compile). No mode holds one video's
+  gradient unsplit (XLA:CPU's memory analysis: 1,259 GB a device), so the planner tries the
+  sequence splits the heads and devices allow, smallest first, and keeps the first under which
+  a mode fits: 8 (a split's memory from the programs compiled at it). A split the config fixes
+  is planned alone: 4 does not fit, in one line."""
   proc = run_plan('--config=configs/wan21.py', '--cluster=16xH100')
+  assert 'computing costs' not in proc.stderr
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert '32760 image tokens' in proc.stdout and 'samples/s' in proc.stdout
+  assert 'config.parallel.sequence=8: each sample' in proc.stdout
+  assert 'tried [1, 2, 4, 8]' in proc.stdout
+  assert 'scan over K, 1 sample per 8 devices/call, config.parallel.sequence=8' in proc.stdout
+  proc = run_plan('--config=configs/wan21.py', '--cluster=16xH100', '--config.parallel.sequence=4')
   assert 'computing costs' not in proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
   assert 'does not fit 16xH100: the trainer needs' in lines[0]
+  assert 'config.parallel.sequence=4' in lines[0]
   proc = run_plan('--config=configs/wan21.py', '--cluster=16xH100', '--costs=analytic')
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert 'samples/s' in proc.stdout and '32760 image' in proc.stdout
+
+
+@pytest.fixture(scope='module')
+def wan():
+  """Wan2.1-14B LoRA with its cached sequence splits (planner.run_model: the cache only)."""
+  from configs import wan21  # pylint: disable=g-import-not-at-top
+
+  config = wan21.get_config('')
+  return planning.run_model('configs/wan21.py', config, [], planning.Settings())
+
+
+def test_a_split_takes_its_memory_from_its_compile_and_its_flops_from_split_1(wan):
+  """At config.parallel.sequence = 8 on 8 H100s the trainer's options read XLA's temp memory of
+  the programs compiled at that split (one video over the 8 devices, the K steps as a vmap and
+  as a scan), FLOPs of split 1 over 8, and pay all-to-alls that split 2 halves' share."""
+  assert sorted(wan.split_memory) == [2, 4, 8]
+  group = roles.Group(hardware.parse_cluster('8xH100'))
+  knobs = rm.Knobs()
+  at8 = dataclasses.replace(wan, sequence=8)
+  options = {
+      (o.detail['loop'], o.detail['chunk']): o
+      for o in rm.grad_options(at8, group, 1, knobs, tsp=False)
+  }
+  compiled = {}
+  for e in cache.entries():
+    s = e.costs.settings
+    if e.key.config == 'configs/wan21.py' and s.get('sequence_split') == 8:
+      if s['fragment_samples'] == 1:
+        compiled[e.key.step_loop or 'vmap'] = e.costs.programs['grad'].memory.temp_bytes
+  assert set(compiled) == {'vmap', 'scan'}
+  for loop in ('vmap', 'scan'):
+    assert options[(loop, 1)].memory['temp'] == pytest.approx(compiled[loop], rel=1e-9), loop
+  assert options[('scan', 1)].fits and not options[('vmap', 1)].fits  # 80 GB H100s
+  # FLOPs: one video's K steps over 8 devices = split 1's per-device FLOPs of 1/8 video.
+  prog = wan.grads[True]
+  assert options[('vmap', 1)].detail['compute_s'] > 0
+  per_device = prog.flops(8, wan.K / 8, 1)
+  one = dataclasses.replace(wan, sequence=1)
+  whole = prog.flops(8, wan.K, 8)
+  assert per_device == pytest.approx(whole / 8, rel=0.05)
+  # All-to-alls: none unsplit; (q - 1) / q of a device's slice at split q.
+  assert one.all_to_all_seconds(3, 1.0, group, knobs) == 0
+  a8 = at8.all_to_all_seconds(3, 1.0, group, knobs)
+  a2 = dataclasses.replace(wan, sequence=2).all_to_all_seconds(3, 1.0, group, knobs)
+  assert a8 / a2 == pytest.approx((7 / 8) / (1 / 2))
 
 
 @pytest.mark.parametrize(

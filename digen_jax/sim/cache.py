@@ -95,6 +95,15 @@ class Key:
   fragment_batch: int
   method: str  # extrapolate | unrolled | raw
   programs: tuple[str, ...] = costs_lib.PROGRAMS
+  # XLA:CPU's pass pipeline of the memory figures (program_costs.PIPELINES; 'no_hoist' is
+  # closer to an accelerator's buffers); entries before it existed are 'default'.
+  xla_pipeline: str = 'default'
+  # The grad's real samples, the first of its fragment_batch rows (0: all; costs.py's
+  # --fragment_samples: with a sequence split the program computes fewer rows than devices).
+  fragment_samples: int = 0
+  # The grad's loop over the K trained steps: '' the config's (rl.step_loop, which the digest
+  # leaves out), 'scan' forced (a scan's memory: the planner's scan option at a split).
+  step_loop: str = ''
 
   def filename(self) -> str:
     stem = os.path.splitext(os.path.basename(self.config))[0]
@@ -108,6 +117,12 @@ class Key:
         self.method,
         '-'.join(self.programs),
     ]
+    if self.fragment_samples:
+      parts.append(f's{self.fragment_samples}')
+    if self.step_loop:
+      parts.append(self.step_loop)
+    if self.xla_pipeline != 'default':
+      parts.append(self.xla_pipeline.replace('_', '-'))
     if self.overrides:
       parts.append(hashlib.sha256('\n'.join(self.overrides).encode()).hexdigest()[:8])
     return '_'.join(parts) + '.json'
@@ -272,10 +287,13 @@ def compute(
       f'--fragment_batch={key.fragment_batch}',
       f'--method={key.method}',
       f'--programs={",".join(key.programs)}',
+      f'--xla_pipeline={key.xla_pipeline}',
+      f'--fragment_samples={key.fragment_samples}',
       f'--json={tmp}',
   ]
   cmd += ['--full'] if key.finetune == 'full' else ['--lora', f'--lora_rank={key.lora_rank}']
   cmd += [o if o.startswith('--config.') else f'--config.{o}' for o in overrides]
+  cmd += [f'--config.rl.step_loop={key.step_loop}'] if key.step_loop else []
   print(
       f'[plan] computing costs (compiles the real programs; minutes for a 20B config): '
       f'{" ".join(cmd[1:])}',

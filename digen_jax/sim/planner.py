@@ -6,9 +6,12 @@ Every input error is a PlanError with one line saying what is wrong and what wou
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
+import os
+from typing import Callable
 
 from digen_jax.sim import analytic
 from digen_jax.sim import baseline
@@ -184,6 +187,9 @@ def run_model(
       raise PlanError(f'{config_arg}: {e}') from None
   lora = int(m.lora.rank) > 0
   finetune, rank = ('lora', int(m.lora.rank)) if lora else ('full', 0)
+  # The FLOPs are split 1's (a split's are those over q): the programs of config.parallel.
+  # sequence = 1; a split's memory comes from its own compiles (split_entries).
+  config, overrides = at_split(config, overrides, 1)
   digest = cache.config_digest(config)
   found = [] if settings.recompute else cache.matching(path, digest, finetune, rank, directory)
   notes = []
@@ -194,10 +200,92 @@ def run_model(
   ]
   if not main:
     found = _compute_entries(config_arg, config, overrides, settings, found, notes, directory, log)
+  split_entries = {}
+  for q in range(2, int(m.num_attention_heads) + 1):
+    if int(m.num_attention_heads) % q == 0 and not settings.recompute:
+      split_config, _ = at_split(config, overrides, q)
+      digest_q = cache.config_digest(split_config)
+      raw = [
+          e
+          for e in cache.matching(path, digest_q, finetune, rank, directory)
+          if e.key.method == 'raw'
+      ]
+      if any(e.key.step_loop == 'scan' for e in raw):  # else split_computer completes it
+        split_entries[q] = raw
   sources = [cache.describe(e) for e in found]
-  run = rm.from_cache(config_arg, config, found, notes=notes)
+  try:
+    run = rm.from_cache(config_arg, config, found, split_entries=split_entries, notes=notes)
+  except ValueError as e:
+    raise PlanError(f'{config_arg}: {e}') from None
   run.notes.append('costs: ' + '; '.join(sources))
   return run
+
+
+def at_split(config, overrides: list[str], q: int):
+  """(config, overrides) with config.parallel.sequence = q (the overrides say so for q > 1)."""
+  config = copy.deepcopy(config)
+  config.parallel.sequence = q
+  kept = [o for o in overrides if not o.lstrip('-').startswith('config.parallel.sequence=')]
+  return config, kept + ([f'--config.parallel.sequence={q}'] if q > 1 else [])
+
+
+def split_computer(
+    config_arg: str,
+    config,
+    overrides: list[str],
+    run: rm.RunModel,
+    *,
+    directory: str = cache.COSTS_DIR,
+    log=None,
+) -> Callable[[int], rm.SplitMemory]:
+  """A function of a split q that compiles the config's rollout and grad at
+  config.parallel.sequence = q for their memory (method 'raw', XLA:CPU's 'no_hoist' pipeline)
+  at one and two samples' worth a device, stores them in the cache and returns their
+  SplitMemory. The rollout at one and two samples a device (it lays rows out in multiples of
+  the devices), the gradient (its K steps as a vmap and as a scan) at one and two samples a
+  row of q devices: the per-device work the split exists for."""
+  path, variant = cache.split_config_arg(config_arg)
+  lora = run.finetune == 'lora'
+  rank = int(config.model.lora.rank) if lora else 0
+  n0 = run.rollout.n0
+
+  def compute(q: int) -> rm.SplitMemory:
+    split_config, split_overrides = at_split(config, overrides, q)
+    digest = cache.config_digest(split_config)
+    devices = n0 * q // math.gcd(n0, q)
+    entries = []
+    for rows, loop in ((1, ''), (2, ''), (1, 'scan'), (2, 'scan')):
+      key = cache.Key(
+          path,
+          variant,
+          cache.program_overrides(split_overrides),
+          run.finetune,
+          rank,
+          bool(config.model.remat),
+          devices,
+          rows * devices,
+          devices,
+          'raw',
+          ('grad',) if loop else ('rollout', 'grad'),
+          'no_hoist',
+          rows * devices // q,
+          loop,
+      )
+      stored = os.path.join(directory, key.filename())
+      if os.path.exists(stored) and cache.load(stored).digest == digest:
+        entries.append(cache.load(stored))
+        continue
+      try:
+        entries.append(
+            cache.compute(key, split_overrides, digest, directory=directory, **_log(log))
+        )
+      except RuntimeError as e:
+        raise PlanError(f'{config_arg} at config.parallel.sequence={q}: {e}') from None
+    return rm.split_memory_of(
+        entries, run.K, False, f'{config_arg} at config.parallel.sequence={q}'
+    )
+
+  return compute
 
 
 def _compute_entries(config_arg, config, overrides, settings, found, notes, directory, log):
@@ -283,7 +371,8 @@ def baseline_row(run, parts, knobs, recipe: baseline.Recipe, terms: frozenset) -
   groups = {'all': roles.Group(parts)}
   if len(parts) > 1:
     fast = max(parts, key=lambda p: p.accelerator.peak_bf16_flops)
-    groups['fast_part'] = roles.Group((fast,))
+    if fast.count % run.sequence == 0:  # the split must divide the devices
+      groups['fast_part'] = roles.Group((fast,))
   for key, g in groups.items():
     sec = baseline.step_seconds(run, g, knobs, recipe, terms)
     out[key] = {'devices': g.label, 'samples_per_s': run.batch / sec['total'], 'seconds': sec}
@@ -299,22 +388,17 @@ def plan(
     trainer: search.Split | None = None,
     cluster: str = '',
     recipe: baseline.Recipe | None = None,
+    sequence: int = 1,
+    split_memory: Callable[[int], rm.SplitMemory] | None = None,
 ) -> dict:
   """Searches every mode and returns the report (a JSON-able dict; simulation results under
   '_results' for the timelines). `recipe`: the compared colocated system (config.baseline;
-  default veRL-Omni's), priced with settings.colocated_terms."""
+  default veRL-Omni's), priced with settings.colocated_terms. `sequence`: the config's
+  config.parallel.sequence (> 1: plan that split only; 1: the smallest split under which a
+  mode fits, _search_splits); `split_memory`: computes a split's memory the cache lacks."""
+  run = dataclasses.replace(run, sequence=sequence, notes=list(run.notes))
   knobs = settings.knobs()
-  planner = search.Planner(
-      run,
-      parts,
-      knobs,
-      steps=settings.steps,
-      simulate_top=settings.simulate_top,
-      grid=settings.grid,
-      tcss_fraction=settings.tcss_fraction or None,
-      fixed=trainer,
-  )
-  found = planner.search()
+  run, planner, found = _search_splits(run, parts, settings, knobs, trainer, split_memory)
   modes = found['modes']
   if all(c is None for c in modes.values()):
     raise PlanError(diagnose(run, parts, knobs, cluster))
@@ -359,10 +443,58 @@ def plan(
       'best': best,
       'best_on_policy': best_on,
       'best_split': out_modes[best_on or best].get('split'),
+      'sequence': run.sequence,
       'tried': tried,
       'notes': list(run.notes) + planner.notes(modes),
       '_results': results,
   }
+
+
+def _search_splits(run, parts, settings: Settings, knobs, trainer, split_memory):
+  """(run at its split, the search.Planner, its search result). A split (config.parallel.
+  sequence > 1) buys memory with all-to-alls, so with run.sequence = 1 the splits are tried
+  smallest first and the first under which any mode fits is kept; they are tried only when the
+  trainer's state fits and split 1's activations do not (no split helps otherwise)."""
+  devices = sum(p.count for p in parts)
+  fixed = run.sequence > 1
+  splits = [run.sequence] if fixed else run.sequence_splits(devices)
+  if fixed and devices % run.sequence:
+    raise PlanError(
+        f'config.parallel.sequence={run.sequence} must divide the {devices} devices of the '
+        'cluster'
+    )
+  tried = []
+  for q in splits:
+    if q > 1 and q not in run.split_memory:
+      if split_memory is None:
+        continue
+      run.split_memory[q] = split_memory(q)
+    trial = dataclasses.replace(run, sequence=q, notes=list(run.notes))
+    planner = search.Planner(
+        trial,
+        parts,
+        knobs,
+        steps=settings.steps,
+        simulate_top=settings.simulate_top,
+        grid=settings.grid,
+        tcss_fraction=settings.tcss_fraction or None,
+        fixed=trainer,
+    )
+    found = planner.search()
+    tried.append(q)
+    if any(c is not None for c in found['modes'].values()) or not rm.trainer_fits(
+        trial, roles.Group(parts), knobs
+    ):
+      break
+  if trial.sequence > 1:
+    how = 'the config' if fixed else f'the smallest split under which a mode fits (tried {tried})'
+    trial.notes.append(
+        f"config.parallel.sequence={trial.sequence}: each sample's tokens over "
+        f'{trial.sequence} devices of each role ({how}); its temp memory from '
+        f"{trial.split_memory[trial.sequence].source}'s compiled programs, its FLOPs split "
+        "1's over the split, plus the all-to-alls over the split's link"
+    )
+  return trial, planner, found
 
 
 def _mode_rows(planner, modes: dict, settings: Settings) -> tuple[dict, dict]:

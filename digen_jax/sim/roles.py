@@ -148,9 +148,11 @@ def program_model(
     tsp: bool = False,
     memory_points: tuple[costs_lib.ProgramCost, ...] = (),
     upcast_bytes: float = 0.0,
+    own_memory: bool = True,
 ) -> ProgramModel:
   """A ProgramModel from XLA's figures of `cost` (and of the same program at other per-device
-  batches on the same device count: memory points)."""
+  batches on the same device count: memory points). own_memory=False: the temp memory from the
+  memory points alone (`cost`'s was read under another XLA:CPU pipeline)."""
   units0 = units_of(cost, trained_steps, tsp)
   share = cost.analytic_flops / cost.flops if cost.analytic_flops and cost.flops else 1.0
   m = ProgramModel(
@@ -175,14 +177,15 @@ def program_model(
     m.sharded_flops = cost.flops
   else:
     m.per_unit = (cost.flops - m.batch_flops - m.fixed_flops - m.sharded_flops) / units0
-  temp = cost.memory.temp_bytes
   points = sorted(
       {
           (units_of(p, trained_steps, tsp), p.memory.temp_bytes)
-          for p in (cost,) + tuple(memory_points)
+          for p in ((cost,) if own_memory else ()) + tuple(memory_points)
           if p.devices == cost.devices
       }
   )
+  if not points:
+    raise ValueError(f'{cost.name}: no memory figure on {cost.devices} devices to model it from')
   if len(points) >= 2 and points[-1][0] > points[0][0]:
     (u1, t1), (u2, t2) = points[0], points[-1]
     m.temp_per_unit = (t2 - t1) / (u2 - u1)
@@ -191,10 +194,13 @@ def program_model(
       m.temp_const, m.temp_per_unit = 0.0, t2 / u2
     m.temp_fit = f'affine in {len(points)} points (units {", ".join(f"{u:g}" for u, _ in points)})'
   elif cost.name == 'apply':
-    m.temp_const = temp
+    m.temp_const = cost.memory.temp_bytes
     m.temp_fit = 'scales as n0 / n'
+  elif own_memory:
+    m.temp_per_unit = cost.memory.temp_bytes / units0
   else:
-    m.temp_per_unit = temp / units0
+    u, t = points[-1]
+    m.temp_per_unit = t / u
   return m
 
 

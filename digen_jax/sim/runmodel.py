@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from digen_jax.parallel import tsp_grid
 from digen_jax.rewards import scoring as reward_scoring
@@ -73,11 +74,58 @@ class RunModel:
   # gradients (it trains through the merged W + s A B), which a LoRA that trains A and B
   # directly (PEFT, the peers') does not (program_costs.lora_weight_grad_flops).
   lora_weight_grad_flops: float = 0.0
+  # Sequence parallelism (config.parallel.sequence, models/sequence_parallel.py): each sample's
+  # tokens over `sequence` devices of a role, (n / sequence) samples side by side. A split's
+  # FLOPs are split 1's over q; its temp memory is XLA's, of the programs compiled at that split
+  # (split_memory, by split > 1). sequence_bytes: one forward of one sample's Ulysses
+  # all-to-alls (q, k, v to head-split and the output back: 4 per self-attention layer, every
+  # CFG row, in the compute dtype).
+  heads: int = 0  # attention heads: a split divides them (0: no split tried)
+  sequence: int = 1
+  split_memory: dict[int, 'SplitMemory'] = dataclasses.field(default_factory=dict)
+  sequence_bytes: float = 0.0
+  # What a grad's per-layer remat keeps of one sample-step (each layer's input, every CFG row):
+  # a scan over the K steps holds it for all K steps (rl/objective.py), 0: not modelled.
+  layer_input_bytes: float = 0.0
   notes: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def batch(self) -> int:
     return self.prompts * self.group_size
+
+  def sequence_splits(self, devices: int) -> list[int]:
+    """The config.parallel.sequence values a plan on `devices` may try, smallest first: those
+    dividing the model's heads (Ulysses gives each device whole heads) and the devices."""
+    return [q for q in range(1, devices + 1) if devices % q == 0 and (self.heads or 1) % q == 0]
+
+  def rollout_temp(self, units: float) -> float:
+    """The rollout's temp bytes per device at `units` samples' worth a device, at the split."""
+    prog = self.split_memory[self.sequence].rollout if self.sequence > 1 else self.rollout
+    return prog.temp(units)
+
+  def scan_memory(self, remat: bool) -> roles.ProgramModel | None:
+    """The scan over K compiled at the split (None: modelled from the vmap's)."""
+    if self.sequence == 1:
+      return None
+    return self.split_memory[self.sequence].scans.get(remat)
+
+  def grad_memory(self, remat: bool) -> roles.ProgramModel | None:
+    """The grad program whose temp memory holds at the split (None: not compiled there)."""
+    if self.sequence == 1:
+      return self.grads.get(remat)
+    return self.split_memory[self.sequence].grads.get(remat)
+
+  def all_to_all_seconds(
+      self, forwards: float, units: float, group: roles.Group, knobs: 'Knobs'
+  ) -> float:
+    """The Ulysses all-to-alls of `forwards` passes over `units` samples' worth of tokens on
+    a device of `group` (each sends (q - 1) / q of its slice), within the split's q devices."""
+    q = self.sequence
+    if q == 1:
+      return 0.0
+    sent = forwards * self.sequence_bytes * units * (q - 1) / q
+    per_node = group.per_node(knobs.devices_per_node)
+    return max(sent / timing.link_bw(a, q, per_node, knobs.eff) for a in group.kinds)
 
   def fragment_counts(self) -> list[int]:
     """M values with one or more whole prompt groups per fragment (fragment_unit 'group')."""
@@ -121,6 +169,17 @@ class RunModel:
         + self.frozen_base_bytes
         + self.ref_bytes
     ) / n
+
+
+@dataclasses.dataclass
+class SplitMemory:
+  """XLA's temp memory of a run's programs compiled with config.parallel.sequence > 1 (their
+  units as split 1's: samples, or sample-steps, a device's share)."""
+
+  rollout: roles.ProgramModel
+  grads: dict[bool, roles.ProgramModel]  # by remat, the K steps as one vmap
+  scans: dict[bool, roles.ProgramModel]  # by remat, rl.step_loop 'scan' (unit: a sample-step)
+  source: str = ''
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,15 +253,21 @@ def rollout_options(
 ) -> list[roles.Option]:
   """Ways to sample b samples on `group`. on_trainer (TAG): the trainer's own FSDP params,
   gathered per sampler step, beside `persistent` bytes of trainer state."""
-  n, prog = group.n, run.rollout
+  n, prog, q = group.n, run.rollout, run.sequence
+  if n % q:  # the split must divide the role's devices
+    return []
+  # With a split too the rollout lays rows out in multiples of the devices (q samples a row of
+  # q devices): c samples' worth of tokens a device.
   s = math.ceil(b / n)
   out = []
   for layout in (('trainer',) if on_trainer else layouts):
     for c in roles.chunks(s):
       calls = math.ceil(s / c)
       call_batch = min(b, c * n)
-      flops = prog.flops(n, c, call_batch, sharded_decode=knobs.sharded_decode)
+      units = c
+      flops = prog.flops(n, units, call_batch, sharded_decode=knobs.sharded_decode)
       sec = knobs.seconds(group, prog, flops, prog.bytes_for(flops))
+      sec += run.all_to_all_seconds(run.T, units, group, knobs)
       gather = 0.0
       if layout in ('fsdp', 'trainer'):
         gather = run.T * group.gather_seconds(run.gathered_bytes, knobs.devices_per_node, knobs.eff)
@@ -215,20 +280,32 @@ def rollout_options(
       # The sharded layouts hold one gathered block at a time besides the copy.
       block = run.gathered_bytes / run.layers if layout != 'replicated' else 0.0
       mem = roles.memory_dict(
-          state=persistent, rollout_copy=copy, gathered_block=block, temp=prog.temp(c)
+          state=persistent, rollout_copy=copy, gathered_block=block, temp=run.rollout_temp(units)
       )
       gather = knobs.exposed(gather, sec, run.layers)
       out.append(
           roles.Option(
-              f'{layout} layout, {c} sample{"s" if c > 1 else ""}/device/call',
+              f'{layout} layout, {c} sample{"s" if c > 1 else ""}/device/call'
+              + (f' (tokens of {q} samples over {q} devices)' if q > 1 else '')
+              + _split_label(q),
               calls * (sec + gather),
               mem,
               mem['total'] <= _limit(group, knobs),
               calls,
-              {'layout': layout, 'chunk': c, 'padded': b % n != 0, 'gather_s': calls * gather},
+              {
+                  'layout': layout,
+                  'chunk': c,
+                  'padded': b % n != 0,
+                  'gather_s': calls * gather,
+                  'sequence': q,
+              },
           )
       )
   return out
+
+
+def _split_label(q: int) -> str:
+  return f', config.parallel.sequence={q}' if q > 1 else ''
 
 
 def grad_options(
@@ -254,31 +331,51 @@ def grad_options(
     gathered -= run.frozen_base_bytes
     step_gather = group.gather_seconds(run.frozen_base_bytes, knobs.devices_per_node, knobs.eff)
   apply = apply_temp(run, n)
+  q = run.sequence
+  if n % q or (tsp and q > 1):  # TSP and a sequence split do not combine (config validation)
+    return []
+  rows = n // q  # samples side by side, each over q devices
   out = []
   for remat, prog in sorted(run.grads.items()):
+    held = run.grad_memory(remat)
+    if held is None:  # this remat setting was not compiled at the split
+      continue
     if tsp:  # chunks of the fragment's samples, K x samples over a (t, b) grid of the mesh
       plans = [
           ('vmap', bc, math.ceil(b / bc), tsp_grid.choose(run.K, n, bc).work, bc)
           for bc in roles.chunks(b)
       ]
     else:
-      s = math.ceil(b / n)
+      s = math.ceil(b / rows)
       plans = []
       for c in roles.chunks(s):
-        plans.append(('vmap', c, math.ceil(s / c), run.K * c, min(b, c * n)))
-        plans.append(('scan', c, math.ceil(s / c), c, min(b, c * n)))
+        plans.append(('vmap', c, math.ceil(s / c), run.K * c / q, min(b, c * rows)))
+        plans.append(('scan', c, math.ceil(s / c), c / q, min(b, c * rows)))
+    # What a scan keeps of each earlier step: the layer inputs under remat, else everything.
+    kept = min(run.layer_input_bytes, held.temp_per_unit) if remat else held.temp_per_unit
     for loop, c, calls, mem_units, call_batch in plans:
-      units = mem_units if loop == 'vmap' else run.K * c
+      units = mem_units if loop == 'vmap' else run.K * mem_units
       flops = prog.flops(n, units, call_batch)
       gathers = 2 if loop == 'vmap' else 2 * run.K
       sec = knobs.seconds(group, prog, flops, prog.bytes_for(flops))
+      # Forward and backward (and the remat's second forward) each pass the all-to-alls.
+      sec += run.all_to_all_seconds(3 if remat else 2, units, group, knobs)
       fsdp = group.fsdp_seconds(
           gathered, run.trainable_bytes, gathers, knobs.devices_per_node, knobs.eff
       )
       fsdp = knobs.exposed(fsdp, sec, run.layers)
-      mem = roles.memory_dict(state=persistent, temp=max(prog.temp(mem_units), apply))
-      what = f'{c} sample{"s" if c > 1 else ""}' + ('/call (TSP)' if tsp else '/device/call')
+      scan = run.scan_memory(remat)
+      if loop == 'scan' and scan is not None:  # XLA's, of the scan compiled at the split
+        temp = scan.temp(mem_units)
+      else:
+        temp = held.temp(mem_units)
+        if loop == 'scan':  # under grad a scan's residuals of all K steps stay alive
+          temp += (run.K - 1) * mem_units * kept
+      mem = roles.memory_dict(state=persistent, temp=max(temp, apply))
+      per = '/call (TSP)' if tsp else '/device/call' if q == 1 else f' per {q} devices/call'
+      what = f'{c} sample{"s" if c > 1 else ""}{per}'
       what += ', base gathered once per step' if frozen_once else ''
+      what += _split_label(q)
       out.append(
           roles.Option(
               f'remat {"on" if remat else "off"}, {loop} over K, {what}',
@@ -290,7 +387,8 @@ def grad_options(
                   'remat': remat,
                   'loop': loop,
                   'chunk': c,
-                  'padded': b % n != 0,
+                  'padded': b % rows != 0,
+                  'sequence': q,
                   'fsdp_s': calls * fsdp,
                   'compute_s': calls * sec,
                   'frozen_once': frozen_once,
@@ -433,10 +531,66 @@ def reward_terms(config) -> dict:
 # From the costs cache.
 
 
-def from_cache(name: str, config, entries: list, *, notes: list[str] | None = None) -> RunModel:
+def _pipeline(entry) -> str:
+  return entry.costs.settings.get('xla_pipeline', 'default')
+
+
+def memory_entries(entries: list, devices: int) -> list:
+  """The memory points (method 'raw') on `devices` devices the model reads: those of XLA:CPU's
+  'no_hoist' pipeline where the cache holds them (no f32 copy of whole bf16 weight and residual
+  stacks: closer to an accelerator, sim/program_costs.PIPELINES), else the default's."""
+  raw = [e for e in entries if e.key.method == 'raw' and e.key.devices == devices]
+  return [e for e in raw if _pipeline(e) == 'no_hoist'] or raw
+
+
+def split_memory_of(entries: list, trained_steps: int, tsp: bool, source: str) -> SplitMemory:
+  """SplitMemory from a split's cached memory points (sim/cache.Entry, method 'raw')."""
+  devices = max(
+      {e.key.devices for e in entries}, key=lambda d: [e.key.devices for e in entries].count(d)
+  )
+  points = memory_entries(entries, devices)
+
+  def model(name, remat=None, loop=''):
+    # A grad computes its real samples' rows (fragment_samples), not all its batch's.
+    same = [
+        dataclasses.replace(
+            e.costs.programs[name],
+            batch=e.costs.settings.get('fragment_samples') or e.costs.programs[name].batch,
+        )
+        if name == 'grad'
+        else e.costs.programs[name]
+        for e in points
+        if name in e.costs.programs
+        and (remat is None or e.costs.settings['remat'] == remat)
+        and (name != 'grad' or e.key.step_loop == loop)
+    ]
+    if not same:
+      return None
+    # A scan's unit is one step of a sample (its temp holds what the K steps keep).
+    kw = {'trained_steps': trained_steps if not loop else 1, 'tsp': tsp} if name == 'grad' else {}
+    return roles.program_model(same[0], memory_points=tuple(same[1:]), **kw)
+
+  rollout = model('rollout')
+  if rollout is None:
+    raise ValueError(f'{source}: no cached rollout program')
+  grads = {r: g for r in (True, False) if (g := model('grad', r)) is not None}
+  scans = {r: g for r in (True, False) if (g := model('grad', r, 'scan')) is not None}
+  files = ', '.join(os.path.basename(e.path) for e in entries)
+  return SplitMemory(rollout, grads, scans, f'{source} ({files})')
+
+
+def from_cache(
+    name: str,
+    config,
+    entries: list,
+    *,
+    split_entries: dict[int, list] | None = None,
+    notes: list[str] | None = None,
+) -> RunModel:
   """A RunModel from cached entries (sim/cache.Entry) of one config and fine-tuning: the entry
   with all three programs (the config's remat preferred), grads of other remat settings, and
-  memory points (method 'raw' at other batches on the same device count)."""
+  memory points (method 'raw' at other batches on the same device count; memory_entries).
+  split_entries: by config.parallel.sequence > 1, the memory points compiled at that split."""
   counted = [e for e in entries if e.key.method != 'raw']
   full = [e for e in counted if set(e.costs.programs) >= {'rollout', 'grad', 'apply'}]
   if not full:
@@ -445,29 +599,49 @@ def from_cache(name: str, config, entries: list, *, notes: list[str] | None = No
   main = sorted(full, key=lambda e: (e.key.remat != remat0, e.key.devices != 16))[0]
   c = main.costs
   s = c.settings
-  points = [e.costs for e in entries if e.key.method == 'raw' and e.key.devices == c.devices]
+  point_entries = [e for e in memory_entries(entries, c.devices) if not e.key.step_loop]
+  points = [e.costs for e in point_entries]
+  # The counted entries' own memory only under the points' pipeline (else from the points).
+  own = not point_entries or _pipeline(point_entries[0]) == _pipeline(main)
   bf16 = s['compute_dtype'] == 'bfloat16'
-  # XLA:CPU's f32 copy of every bf16 weight the replicated rollout reads (roles docstring).
+  # XLA:CPU's f32 copy of every bf16 weight the replicated rollout reads (roles docstring);
+  # 'no_hoist' keeps it per layer.
   upcast = 2 * c.gathered_bytes if bf16 and s['rollout_layout'] == 'replicated' else 0
+  if point_entries and _pipeline(point_entries[0]) == 'no_hoist':
+    upcast = 0
   T, K, tsp = int(s['num_steps']), int(s['trained_steps']), bool(s['tsp'])
   rollout = roles.program_model(
       c.programs['rollout'],
       memory_points=tuple(p.programs['rollout'] for p in points if 'rollout' in p.programs),
       upcast_bytes=upcast,
+      own_memory=own,
   )
   grads = {}
   for e in sorted(counted, key=lambda e: e is not main):
     g = e.costs.programs.get('grad')
     if g is None or e.key.remat in grads or e.costs.settings['tsp'] != tsp:
       continue
-    same = [
+    same = tuple(
         p.programs['grad']
         for p in points
         if 'grad' in p.programs and p.settings['remat'] == e.key.remat
-    ]
-    grads[e.key.remat] = roles.program_model(g, trained_steps=K, tsp=tsp, memory_points=tuple(same))
+    )
+    grads[e.key.remat] = roles.program_model(
+        g, trained_steps=K, tsp=tsp, memory_points=same, own_memory=own or not same
+    )
   m = config.model
   layers = int(m.num_layers) + (int(m.num_single_layers) if m.family == 'flux' else 0)
+  # Tokens of one self-attention (MMDiT and FLUX attend over [text, image] jointly, Wan's text
+  # is cross-attention) and the bytes a layer's input or an all-to-all moves per sample.
+  attended = int(s['image_tokens']) + (0 if m.family == 'wan' else int(s.get('text_tokens', 0)))
+  width = int(m.num_attention_heads) * int(m.attention_head_dim)
+  cfg_rows = int(c.programs['grad'].trip_counts.get('cfg_branches', 1))
+  layer_input = layers * attended * width * (2 if bf16 else 4) * cfg_rows
+  splits = {
+      q: split_memory_of(es, K, tsp, f'{name} at config.parallel.sequence={q}')
+      for q, es in sorted((split_entries or {}).items())
+      if q > 1 and es
+  }
   lora = s['finetune'] == 'lora'
   # The copy the rollout samples with, in the dtype the config publishes (the cached compile
   # may have used another): float32 trainable bytes, halved for a bf16 copy of full weights.
@@ -495,6 +669,10 @@ def from_cache(name: str, config, entries: list, *, notes: list[str] | None = No
       ref_bytes=c.trainable_bytes if config.rl.kl_beta > 0 and not lora else 0,
       finetune=s['finetune'],
       tcss_fraction=float(config.schedule.tcss_fraction),
+      heads=int(m.num_attention_heads),
+      split_memory=splits,
+      sequence_bytes=4 * layer_input,
+      layer_input_bytes=layer_input,
       notes=list(notes or []),
       **reward_terms(config),
   )
