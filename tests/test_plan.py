@@ -95,7 +95,7 @@ def test_cli_on_the_cached_video_config():
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert '32760 image tokens' in proc.stdout and 'samples/s' in proc.stdout
   assert 'config.parallel.sequence=8: each sample' in proc.stdout
-  assert 'tried [1, 2, 4, 8]' in proc.stdout
+  assert 'tried 1, 2, 4, 8)' in proc.stdout
   assert 'scan over K, 1 sample per 8 devices/call, config.parallel.sequence=8' in proc.stdout
   proc = run_plan('--config=configs/wan21.py', '--cluster=16xH100', '--config.parallel.sequence=4')
   assert 'computing costs' not in proc.stderr

@@ -8,6 +8,7 @@ closer to an accelerator). The split is what brings it under an 80 GB device;
 benchmarks/RESULTS.md ("Sequence parallelism for long videos") records these figures and the
 rollout's. Slow: two compiles of the 14B program, about a minute each here."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -78,3 +79,53 @@ def test_the_fit_search_tries_each_split_smallest_first():
   assert [c.settings['sequence_split'] for c in tried.values()] == [1, 2]
   split, tried = sequence_fit.fit_sequence_split(config, 4, float('inf'), **kw)
   assert split == 1 and list(tried) == [1]
+
+
+@pytest.mark.slow
+def test_the_planner_compiles_a_split_the_cache_lacks_once(tmp_path, monkeypatch):
+  """planner.split_computer on wan21:tiny (2 heads), into an empty cache: the rollout and the
+  gradient (its K steps as a vmap and as a scan) compiled at config.parallel.sequence = 2 at
+  one and two videos a row of 2 devices, stored under their own keys; the trainer's options at
+  that split read exactly those compiles' temp memory; asked again, nothing is compiled."""
+  from digen_jax.sim import hardware  # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import roles  # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import runmodel as rm  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.delenv('DIGEN_COSTS_CACHE_ONLY', raising=False)
+  config = wan21.get_config('tiny')
+  log = tmp_path / 'log.txt'
+  with open(log, 'w') as f:
+    run = planning.run_model(
+        'configs/wan21.py:tiny', config, [], planning.Settings(), directory=str(tmp_path), log=f
+    )
+    assert run.split_memory == {}
+    compute = planning.split_computer(
+        'configs/wan21.py:tiny', config, [], run, directory=str(tmp_path), log=f
+    )
+    memory = compute(2)
+  split_files = sorted(p.name for p in tmp_path.glob('*_no-hoist_*.json'))
+  assert len(split_files) == 4, split_files
+  assert sum('_scan_' in n for n in split_files) == 2
+  assert set(memory.grads) == set(memory.scans) == {bool(config.model.remat)}
+  at2 = dataclasses.replace(run, sequence=2, split_memory={2: memory})
+  group = roles.Group(hardware.parse_cluster('4xH100'))
+  options = {
+      (o.detail['loop'], o.detail['chunk']): o
+      for o in rm.grad_options(at2, group, 2, rm.Knobs(), tsp=False)
+  }
+  compiled = {}
+  for name in split_files:
+    d = json.loads((tmp_path / name).read_text())
+    if d['settings']['fragment_samples'] == d['devices'] // 2:  # one video a row of 2 devices
+      compiled[d['key']['step_loop'] or 'vmap'] = d['programs']['grad']['memory']['temp_bytes']
+  # Affine through both compiles (proportional to the larger when the constant would be < 0:
+  # a few bytes off here).
+  for loop in ('vmap', 'scan'):
+    assert options[(loop, 1)].memory['temp'] == pytest.approx(compiled[loop], rel=1e-4), loop
+  before = log.read_text().count('computing costs')
+  with open(log, 'a') as f:
+    planning.split_computer(
+        'configs/wan21.py:tiny', config, [], run, directory=str(tmp_path), log=f
+    )(2)
+  assert log.read_text().count('computing costs') == before

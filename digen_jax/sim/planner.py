@@ -457,7 +457,12 @@ def _search_splits(run, parts, settings: Settings, knobs, trainer, split_memory)
   trainer's state fits and split 1's activations do not (no split helps otherwise)."""
   devices = sum(p.count for p in parts)
   fixed = run.sequence > 1
-  splits = [run.sequence] if fixed else run.sequence_splits(devices)
+  # Tried: splits within a node (each attention layer's all-to-alls would cross the NICs).
+  splits = (
+      [run.sequence]
+      if fixed
+      else [q for q in run.sequence_splits(devices) if q <= settings.devices_per_node]
+  )
   if fixed and devices % run.sequence:
     raise PlanError(
         f'config.parallel.sequence={run.sequence} must divide the {devices} devices of the '
@@ -487,7 +492,11 @@ def _search_splits(run, parts, settings: Settings, knobs, trainer, split_memory)
     ):
       break
   if trial.sequence > 1:
-    how = 'the config' if fixed else f'the smallest split under which a mode fits (tried {tried})'
+    how = (
+        'the config'
+        if fixed
+        else 'the smallest split under which a mode fits; tried ' + ', '.join(map(str, tried))
+    )
     trial.notes.append(
         f"config.parallel.sequence={trial.sequence}: each sample's tokens over "
         f'{trial.sequence} devices of each role ({how}); its temp memory from '

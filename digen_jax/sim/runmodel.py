@@ -20,6 +20,17 @@ and keeps the fastest that fits in its devices' memory (x `memory_fraction`):
             rebuilt from the shards each step: the switch), optionally the optimizer state
             offloaded to host memory during the rollout
 
+A sequence split q (config.parallel.sequence, one for both roles: the planner tries them) lays
+each sample's tokens over q devices: a device computes 1/q of each sample of its row of q
+devices (split 1's FLOPs over q), pays the Ulysses all-to-alls of every attention layer over
+the split's link (forward, backward and remat's second forward), and holds the temp memory XLA
+reports for the programs compiled at that split (SplitMemory: the memory is not split 1's over
+q; one video's vmapped gradient is 1,259 GB a device unsplit, 134 GB at q = 8). The rollout
+lays rows out in multiples of the devices at any split. A scan over the K steps: XLA's memory
+of the scan compiled at the split; unsplit, one step's temp of the vmap's model, which leaves
+out what the scan keeps of the other steps under grad (rl/objective.py; Wan2.1-14B at split 8:
+47.0 GB modelled that way, 59.4 compiled).
+
 A batch that does not divide a role's device count is padded (ceil): the plan marks it, since
 the runtime needs it divisible.
 """
@@ -84,9 +95,6 @@ class RunModel:
   sequence: int = 1
   split_memory: dict[int, 'SplitMemory'] = dataclasses.field(default_factory=dict)
   sequence_bytes: float = 0.0
-  # What a grad's per-layer remat keeps of one sample-step (each layer's input, every CFG row):
-  # a scan over the K steps holds it for all K steps (rl/objective.py), 0: not modelled.
-  layer_input_bytes: float = 0.0
   notes: list[str] = dataclasses.field(default_factory=list)
 
   @property
@@ -286,7 +294,7 @@ def rollout_options(
       out.append(
           roles.Option(
               f'{layout} layout, {c} sample{"s" if c > 1 else ""}/device/call'
-              + (f' (tokens of {q} samples over {q} devices)' if q > 1 else '')
+              + (f", each sample's tokens over {q} devices" if q > 1 else '')
               + _split_label(q),
               calls * (sec + gather),
               mem,
@@ -351,8 +359,6 @@ def grad_options(
       for c in roles.chunks(s):
         plans.append(('vmap', c, math.ceil(s / c), run.K * c / q, min(b, c * rows)))
         plans.append(('scan', c, math.ceil(s / c), c / q, min(b, c * rows)))
-    # What a scan keeps of each earlier step: the layer inputs under remat, else everything.
-    kept = min(run.layer_input_bytes, held.temp_per_unit) if remat else held.temp_per_unit
     for loop, c, calls, mem_units, call_batch in plans:
       units = mem_units if loop == 'vmap' else run.K * mem_units
       flops = prog.flops(n, units, call_batch)
@@ -367,10 +373,8 @@ def grad_options(
       scan = run.scan_memory(remat)
       if loop == 'scan' and scan is not None:  # XLA's, of the scan compiled at the split
         temp = scan.temp(mem_units)
-      else:
+      else:  # one step's (a scan keeps some residuals of every step: module docstring)
         temp = held.temp(mem_units)
-        if loop == 'scan':  # under grad a scan's residuals of all K steps stay alive
-          temp += (run.K - 1) * mem_units * kept
       mem = roles.memory_dict(state=persistent, temp=max(temp, apply))
       per = '/call (TSP)' if tsp else '/device/call' if q == 1 else f' per {q} devices/call'
       what = f'{c} sample{"s" if c > 1 else ""}{per}'
@@ -632,11 +636,11 @@ def from_cache(
   m = config.model
   layers = int(m.num_layers) + (int(m.num_single_layers) if m.family == 'flux' else 0)
   # Tokens of one self-attention (MMDiT and FLUX attend over [text, image] jointly, Wan's text
-  # is cross-attention) and the bytes a layer's input or an all-to-all moves per sample.
+  # is cross-attention): one [tokens, width] operand of every layer, every CFG row, per sample.
   attended = int(s['image_tokens']) + (0 if m.family == 'wan' else int(s.get('text_tokens', 0)))
   width = int(m.num_attention_heads) * int(m.attention_head_dim)
   cfg_rows = int(c.programs['grad'].trip_counts.get('cfg_branches', 1))
-  layer_input = layers * attended * width * (2 if bf16 else 4) * cfg_rows
+  operand = layers * attended * width * (2 if bf16 else 4) * cfg_rows
   splits = {
       q: split_memory_of(es, K, tsp, f'{name} at config.parallel.sequence={q}')
       for q, es in sorted((split_entries or {}).items())
@@ -671,8 +675,7 @@ def from_cache(
       tcss_fraction=float(config.schedule.tcss_fraction),
       heads=int(m.num_attention_heads),
       split_memory=splits,
-      sequence_bytes=4 * layer_input,
-      layer_input_bytes=layer_input,
+      sequence_bytes=4 * operand,
       notes=list(notes or []),
       **reward_terms(config),
   )
