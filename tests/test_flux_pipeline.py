@@ -11,7 +11,6 @@
 
 import copy
 import os
-import sys
 
 import diffusers
 import jax
@@ -29,9 +28,8 @@ from digen_jax.models import flux
 from digen_jax.models import flux_convert
 from digen_jax.models import lora
 from tests import diffusers_models
-from tests.mp_scripts import launcher_util
-from tests.test_qwenimage_pipeline import _NO_TORCH_MAIN, REPO, _rows
-import subprocess
+from tests import test_qwenimage_pipeline as qwen_pipeline
+from tests.test_qwenimage_pipeline import REPO, _rows
 
 CONFIG = os.path.join(REPO, 'configs', 'flux.py')
 TINY = dict(
@@ -145,28 +143,7 @@ def test_diffusers_loads_our_flux_lora(tmp_path):
 
 
 def _main(folder, workdir, *extra, variant='tiny_pipeline'):
-  env = dict(os.environ, PYTHONPATH=REPO)
-  r = subprocess.run(
-      [sys.executable, '-c', _NO_TORCH_MAIN, *_flags(folder, workdir, variant, *extra)],
-      cwd=REPO,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=900,
-  )
-  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-  return r
-
-
-def _flags(folder, workdir, variant, *extra):
-  return [
-      f'--config={CONFIG}:{variant}',
-      f'--workdir={workdir}',
-      f'--config.model.checkpoint={folder}',
-      f'--config.text.cache={folder}/text_cache',
-      f'--config.data.data_dir={folder}/data',
-      *extra,
-  ]
+  return qwen_pipeline._main(folder, workdir, *extra, variant=variant, config=CONFIG)
 
 
 @pytest.mark.slow
@@ -192,17 +169,7 @@ def test_tiny_pipeline_colocated_lora_runs_and_resumes(tmp_path):
 
   # Two processes (a restart of a two-process run is test_qwenimage_pipeline's).
   wd = tmp_path / 'mp'
-  code, out = launcher_util.run(
-      ['--num_processes=2'],
-      [
-          sys.executable,
-          '-c',
-          _NO_TORCH_MAIN,
-          *_flags(folder, wd, 'tiny_pipeline,disagg', '--config.total_steps=2'),
-      ],
-      timeout_s=900,
-  )
-  assert code == 0, out[-5000:]
+  qwen_pipeline._main_two_processes(folder, wd, '--config.total_steps=2', config=CONFIG)
   train = [r for r in _rows(wd) if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2]
   assert abs(train[0]['ratio_mean'] - 1.0) < 1e-5

@@ -153,6 +153,26 @@ def test_a_split_takes_its_memory_from_its_compile_and_its_flops_from_split_1(wa
   assert a8 / a2 == pytest.approx((7 / 8) / (1 / 2))
 
 
+def test_a_split_the_plan_cannot_model_is_one_clear_error(qwen, wan):
+  """A config's config.parallel.sequence that the heads or devices refuse, that the cache has no
+  compile of (and nothing may compile it), or under analytic costs: a PlanError naming the
+  field and the fix, before any search."""
+  settings = planning.Settings(steps=4, simulate_top=4)
+  parts = hardware.parse_cluster('16xH100')
+  cases = [
+      (qwen, 5, "must divide the 16 devices of the cluster and the model's 24 heads"),
+      (qwen, 8, 'holds no programs compiled at that split'),
+      (analytic.run_model(analytic.HUNYUAN_VIDEO), 8, '--costs=analytic does not model'),
+  ]
+  for run, q, words in cases:
+    with pytest.raises(planning.PlanError, match='config.parallel.sequence') as e:
+      planning.plan(run, parts, settings, cluster='16xH100', sequence=q)
+    assert words in str(e.value), str(e.value)
+  # The cached split is planned alone when the config sets it.
+  p = planning.plan(wan, parts, settings, cluster='16xH100', sequence=8)
+  assert p['sequence'] == 8 and 'the config' in ' '.join(p['notes'])
+
+
 @pytest.mark.parametrize(
     'args,words',
     [

@@ -66,6 +66,22 @@ def _main(folder, workdir, *extra, variant='tiny_pipeline', config=CONFIG):
   return r
 
 
+def _main_two_processes(folder, workdir, *extra, variant='tiny_pipeline,disagg', config=CONFIG):
+  """_main over two processes (launch/local.py, jax.distributed on 127.0.0.1)."""
+  code, out = launcher_util.run(
+      ['--num_processes=2'],
+      [
+          sys.executable,
+          '-c',
+          _NO_TORCH_MAIN,
+          *_flags(folder, workdir, variant, *extra, config=config),
+      ],
+      timeout_s=900,
+  )
+  assert code == 0, out[-5000:]
+  return out
+
+
 def _rows(workdir):
   return [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
 
@@ -140,17 +156,7 @@ def test_colocated_lora_runs_and_resumes(folder, tmp_path):
 def test_two_processes_lora_with_resume(folder, tmp_path):
   wd = tmp_path / 'mp'
   for steps in (2, 3):  # a restart in the middle resumes
-    code, out = launcher_util.run(
-        ['--num_processes=2'],
-        [
-            sys.executable,
-            '-c',
-            _NO_TORCH_MAIN,
-            *_flags(folder, wd, 'tiny_pipeline,disagg', f'--config.total_steps={steps}'),
-        ],
-        timeout_s=900,
-    )
-    assert code == 0, out[-5000:]
+    _main_two_processes(folder, wd, f'--config.total_steps={steps}')
   train = [r for r in _rows(wd) if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert abs(train[0]['ratio_mean'] - 1.0) < 1e-5

@@ -14,7 +14,6 @@
 """
 
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +29,7 @@ from digen_jax.experiment import tiny_pipeline
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import wan
 from digen_jax.parallel import mesh as mesh_lib
-from tests.mp_scripts import launcher_util
-from tests.test_qwenimage_pipeline import _NO_TORCH_MAIN, REPO, _flags, _main, _rows
+from tests.test_qwenimage_pipeline import REPO, _main, _main_two_processes, _rows
 
 CONFIG = os.path.join(REPO, 'configs', 'wan21.py')
 
@@ -179,17 +177,7 @@ def test_two_processes_with_gap_equal_colocated(folder, straight, tmp_path):
   _main(folder, ref_wd, smooth, config=CONFIG)
   wd = tmp_path / 'gap'
   extra = ('--config.schedule.fragments=2', '--config.schedule.fragment_unit=sample', smooth)
-  code, out = launcher_util.run(
-      ['--num_processes=2'],
-      [
-          sys.executable,
-          '-c',
-          _NO_TORCH_MAIN,
-          *_flags(folder, wd, 'tiny_pipeline,disagg', *extra, config=CONFIG),
-      ],
-      timeout_s=900,
-  )
-  assert code == 0, out[-5000:]
+  _main_two_processes(folder, wd, *extra, config=CONFIG)
   train = [r for r in _rows(wd) if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert train[0]['publish_mb'] < 0.1  # only adapters travel

@@ -463,11 +463,23 @@ def _search_splits(run, parts, settings: Settings, knobs, trainer, split_memory)
       if fixed
       else [q for q in run.sequence_splits(devices) if q <= settings.devices_per_node]
   )
-  if fixed and devices % run.sequence:
-    raise PlanError(
-        f'config.parallel.sequence={run.sequence} must divide the {devices} devices of the '
-        'cluster'
-    )
+  if fixed:
+    q = run.sequence
+    if not run.heads:
+      raise PlanError(
+          f'config.parallel.sequence={q}: --costs=analytic does not model a sequence split; '
+          'plan it from the compiled programs (the default --costs=xla)'
+      )
+    if devices % q or run.heads % q:
+      raise PlanError(
+          f'config.parallel.sequence={q} must divide the {devices} devices of the cluster and '
+          f"the model's {run.heads} heads"
+      )
+    if q not in run.split_memory and split_memory is None:
+      raise PlanError(
+          f'config.parallel.sequence={q}: the costs cache holds no programs compiled at that '
+          'split; python -m digen_jax.plan compiles them'
+      )
   tried = []
   for q in splits:
     if q > 1 and q not in run.split_memory:
