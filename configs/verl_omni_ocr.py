@@ -29,7 +29,10 @@ PUBLISHED holds each variant's published throughput (docs/algo/performance.md of
 verl-project/verl-omni, updated 2026-09-10).
 """
 
-from configs import qwenimage
+from digen_jax.experiment import config as configlib
+
+# configs/qwenimage.py beside this file (loads outside the checkout too).
+qwenimage = configlib.sibling_config(__file__, 'qwenimage')
 
 VARIANTS = ('lora', 'full', 'full64')
 SOURCE = 'verl-project/verl-omni docs/algo/performance.md (updated 2026-09-10)'

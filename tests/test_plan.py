@@ -108,6 +108,21 @@ def test_cli_on_the_cached_video_config():
   assert 'samples/s' in proc.stdout and '32760 image' in proc.stdout
 
 
+def test_a_config_built_on_another_plans_outside_the_checkout(tmp_path):
+  """configs/verl_omni_ocr.py builds on configs/qwenimage.py (configlib.sibling_config): it loads
+  by its path from any working directory, not only the checkout's root."""
+  path = os.path.join(REPO, 'configs', 'verl_omni_ocr.py')
+  env = xla_env.env_with_devices(1)
+  env.pop('PYTHONPATH', None)
+  proc = subprocess.run(
+      [sys.executable, '-m', 'digen_jax.plan', f'--config={path}:lora', '--cluster=4xH800',
+       '--costs=analytic'],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert 'samples/s' in proc.stdout
+
+
 @pytest.fixture(scope='module')
 def wan():
   """Wan2.1-14B LoRA with its cached sequence splits (planner.run_model: the cache only)."""

@@ -607,6 +607,17 @@ def test_decoder_only_training_keeps_the_latent_space_exactly(tiny_ae, tmp_path)
   }
   assert not any(v for k, v in changed.items() if 'enc' in k), changed
   assert all(v for k, v in changed.items() if 'dec' in k), changed
+  # One step trains too (its schedule has a warm-up of 0 and one decay step).
+  one = pretrain_ae.train(
+      str(tmp_path / 'one'), steps=1, batch=2, size=32, lr=1e-3, latent_channels=1, width=2,
+      perturb=0.2, seed=3, eval_images=2, init_from=folder, decoder_only=True, split='all',
+  )  # fmt: skip
+  _, after_one, _ = params_io.load_params(str(tmp_path / 'one' / 'params'))
+  assert one['steps'] == 1
+  assert any(
+      not np.array_equal(np.asarray(a), np.asarray(b))
+      for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(after_one))
+  )
   with pytest.raises(ValueError, match='decoder_only needs init_from'):
     pretrain_ae.train(
         str(tmp_path), steps=1, batch=2, size=32, lr=1e-3, latent_channels=4, width=4,

@@ -50,3 +50,23 @@ def test_config_form_profiles_then_predicts(tmp_path):
   assert '--config.rl.prompts_per_step=4' in profile['argv']
   modes = doc['modes']
   assert modes['colocated']['samples_per_s'] > 0 and modes['disagg']['samples_per_s'] > 0
+
+
+def test_a_colocated_config_is_profiled_disaggregated_in_the_disagg_layouts():
+  """configs/wan21.py:tiny is colocated: its sp and mp2 profiles run it disaggregated on the
+  'auto' roles (it used to fail config validation: TAG needs separate meshes); a disaggregated
+  config keeps its own roles; the colocated layout runs colocated."""
+  from configs import wan21  # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import profile  # pylint: disable=g-import-not-at-top
+
+  config = wan21.get_config('tiny')
+  assert config.runtime.mode == 'colocated'
+  for layout in ('sp', 'mp2'):
+    c = profile.layout_config(config, layout, 2, 'group')
+    assert (c.runtime.mode, c.cluster.layout, c.schedule.tag) == ('disagg', 'auto', True)
+  c = profile.layout_config(config, 'colocated', 2, 'group')
+  assert (c.runtime.mode, c.schedule.tag) == ('colocated', False)
+  explicit = wan21.get_config('tiny,disagg')
+  explicit.cluster.layout = 'explicit'
+  assert profile.layout_config(explicit, 'mp2', 2, 'group').cluster.layout == 'explicit'
+  assert config.runtime.mode == 'colocated'  # the caller's config is not changed

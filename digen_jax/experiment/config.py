@@ -8,6 +8,11 @@ time. `validate(config, num_devices)` checks cross-field consistency before anyt
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+import types
+
 import ml_collections
 
 # Re-exported: configs/, the runtime and the tests call them as configlib.validate / ...
@@ -23,8 +28,24 @@ __all__ = [
     'set_disagg',
     'shapes_base',
     'shapes_latent_base',
+    'sibling_config',
     'validate',
 ]
+
+
+def sibling_config(this_file: str, name: str) -> types.ModuleType:
+  """The config file `name`.py beside `this_file` (a config file's __file__), as a module: a
+  config built on another loads wherever the checkout is and whatever the working directory
+  (`from configs import ...` needs the checkout's root on sys.path)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(this_file)), f'{name}.py')
+  module_name = f'_digen_config_{name}'
+  if module_name in sys.modules:
+    return sys.modules[module_name]
+  spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[module_name] = module
+  spec.loader.exec_module(module)
+  return module
 
 
 def base_config() -> ml_collections.ConfigDict:

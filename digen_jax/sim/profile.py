@@ -44,6 +44,7 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from digen_jax.experiment import config as configlib
 from digen_jax.process import cli
 
 LAYOUTS = ('colocated', 'sp', 'mp2')
@@ -82,11 +83,15 @@ def _median_time(fn, repeats: int) -> float:
   return _timed(fn, repeats)[0]
 
 
-def _layout_config(config, layout: str, fragments: int, unit: str):
+def layout_config(config, layout: str, fragments: int, unit: str):
+  """`config` as the profile of `layout` runs it: colocated, or disaggregated (a colocated
+  config gets the 'auto' roles: half of the devices each), with M fragments of `unit`."""
   config = config.copy_and_resolve_references()
   with config.unlocked():
     if layout == 'colocated':
       config.runtime.mode = 'colocated'
+    elif config.runtime.mode != 'disagg':  # a colocated config's roles: the 'auto' layout
+      configlib.set_disagg(config)
     config.schedule.fragments = fragments
     config.schedule.fragment_unit = unit
     # Disagg: the trainer's frozen weights include the decoder (TAG samples on its mesh).
@@ -117,7 +122,7 @@ def profile_child(
 
   info = distributed.maybe_initialize()
   compile_cache.enable()  # the runs it predicts then start from the same compiled programs
-  config = _layout_config(config, layout, fragments, unit)
+  config = layout_config(config, layout, fragments, unit)
   if layout == 'colocated':
     cluster = cluster_lib.colocated(jax.local_devices())
   else:

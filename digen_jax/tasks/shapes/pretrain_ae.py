@@ -190,8 +190,10 @@ def _optimizer(
     params: nnx.State, lr: float, steps: int, decoder_only: bool
 ) -> optax.GradientTransformation:
   """AdamW after a global-norm clip, warm-up then cosine decay to 10% of lr; with decoder_only
-  the encoder's params are frozen."""
-  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(200, steps // 10 + 1), steps, lr * 0.1)
+  the encoder's params are frozen. The warm-up is a tenth of the run (at most 200 steps) and
+  the decay at least one step past it, so a run of 1 or 2 steps trains too."""
+  warmup = min(200, steps // 10)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.1)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   if decoder_only:
     # The encoder's params get no update at all (not even weight decay): the latents stay exact.
