@@ -45,6 +45,7 @@ from configs import wan21
 from digen_jax.sim import analytic
 from digen_jax.sim import baseline
 from digen_jax.sim import cache
+from digen_jax.sim import cached_run
 from digen_jax.sim import hardware
 from digen_jax.sim import planner as planning
 from digen_jax.sim import runmodel as rm
@@ -59,7 +60,7 @@ LADDER = search.MODES
 SHOWN = ('disagg', 'gap', 'gap_tsp', 'gap_tsp_tag', 'gap_tsp_tag_tcss', 'gap_tag', 'gap_tag_tcss')
 
 
-def cached_run(module, path: str, finetune: str) -> rm.RunModel | None:
+def run_from_cache(module, path: str, finetune: str) -> rm.RunModel | None:
   """The RunModel of a config from the costs cache (None when it has no entry)."""
   variant = 'full' if finetune == 'full' else ''
   config = module.get_config(variant)
@@ -68,7 +69,7 @@ def cached_run(module, path: str, finetune: str) -> rm.RunModel | None:
   if not any(set(e.key.programs) >= {'rollout', 'grad', 'apply'} for e in entries):
     return None
   name = f'{path}{":" + variant if variant else ""}'
-  return rm.from_cache(name, config, entries)
+  return cached_run.from_cache(name, config, entries)
 
 
 def families() -> dict[str, rm.RunModel]:
@@ -77,7 +78,7 @@ def families() -> dict[str, rm.RunModel]:
       ('Qwen-Image-20B', qwenimage, 'configs/qwenimage.py'),
       ('FLUX.1-dev-12B', flux_config, 'configs/flux.py'),
   ):
-    run = cached_run(module, path, 'full') or cached_run(module, path, 'lora')
+    run = run_from_cache(module, path, 'full') or run_from_cache(module, path, 'lora')
     out[f'{label} ({run.finetune}, XLA)'] = run
   out['HunyuanVideo-13B (full, analytic)'] = analytic.run_model(analytic.HUNYUAN_VIDEO)
   wan = planning.run_model('configs/wan21.py', wan21.get_config(''), [], planning.Settings())

@@ -133,6 +133,7 @@ def main(argv):
   from digen_jax.sim import baseline  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import plan_report  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import splits  # pylint: disable=g-import-not-at-top
 
   t0 = time.time()
   if _CONFIG.value is None or _CLUSTER.value is None:
@@ -171,7 +172,7 @@ def main(argv):
     run = planning.run_model(config_arg, config, overrides, settings)
     compute_split = None
     if settings.costs == 'xla':  # a split's memory the cache lacks: compiled (minutes)
-      compute_split = planning.split_computer(config_arg, config, overrides, run)
+      compute_split = splits.split_computer(config_arg, config, overrides, run)
     plans = [
         planning.plan(
             variant,

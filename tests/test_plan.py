@@ -13,6 +13,7 @@ import pytest
 from configs import qwenimage
 from digen_jax.sim import analytic
 from digen_jax.sim import cache
+from digen_jax.sim import cached_run
 from digen_jax.parallel import tsp_grid
 from digen_jax.sim import hardware
 from digen_jax.sim import planner as planning
@@ -42,7 +43,7 @@ def qwen():
   config = qwenimage.get_config('')
   entries = cache.matching('configs/qwenimage.py', cache.config_digest(config), 'lora', 64)
   assert entries, 'benchmarks/costs/ has no Qwen-Image LoRA entry'
-  return rm.from_cache('configs/qwenimage.py', config, entries)
+  return cached_run.from_cache('configs/qwenimage.py', config, entries)
 
 
 def plan(run, spec, **kw):
@@ -325,7 +326,7 @@ def test_memory_report_per_role(qwen):
   # Full fine-tuning's FSDP state is larger per device than LoRA's.
   full = qwenimage.get_config('full')
   entries = cache.matching('configs/qwenimage.py', cache.config_digest(full), 'full', 0)
-  run_full = rm.from_cache('full', full, entries)
+  run_full = cached_run.from_cache('full', full, entries)
   assert run_full.trainer_persistent(8) > 5 * qwen.trainer_persistent(8)
 
 

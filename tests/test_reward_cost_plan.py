@@ -12,6 +12,7 @@ import pytest
 from configs import qwenimage
 from digen_jax.sim import analytic
 from digen_jax.sim import hardware
+from digen_jax.sim import planner as planning
 from digen_jax.sim import roles
 from digen_jax.sim import runmodel as rm
 from digen_jax.sim import search
@@ -116,3 +117,16 @@ def test_disaggregated_pays_it_on_the_rollout_or_beside_it_on_reward_workers(run
   sim_o = p_o.simulate(cand['o'])
   sim_w = p_w.simulate(cand['w'])
   assert sim_w.samples_per_s > sim_o.samples_per_s
+
+
+def test_the_plan_says_the_reward_workers_are_beside_the_cluster(runs):
+  """The reward workers' devices are not among --cluster's: the report says so, and not when
+  the reward is paid where the samples are made."""
+  _, on_role, workers = runs
+  settings = planning.Settings(steps=2, simulate_top=2)
+  parts = hardware.parse_cluster('16xH100')
+  notes = ' '.join(planning.plan(workers, parts, settings, cluster='16xH100')['notes'])
+  assert 'config.reward.workers=4 devices of their own (H100' in notes
+  assert "beside the cluster's 16, not among them" in notes
+  notes = ' '.join(planning.plan(on_role, parts, settings, cluster='16xH100')['notes'])
+  assert 'config.reward.workers' not in notes

@@ -91,6 +91,7 @@ def test_the_planner_compiles_a_split_the_cache_lacks_once(tmp_path, monkeypatch
   from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import roles  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import runmodel as rm  # pylint: disable=g-import-not-at-top
+  from digen_jax.sim import splits  # pylint: disable=g-import-not-at-top
 
   monkeypatch.delenv('DIGEN_COSTS_CACHE_ONLY', raising=False)
   config = wan21.get_config('tiny')
@@ -100,7 +101,7 @@ def test_the_planner_compiles_a_split_the_cache_lacks_once(tmp_path, monkeypatch
         'configs/wan21.py:tiny', config, [], planning.Settings(), directory=str(tmp_path), log=f
     )
     assert run.split_memory == {}
-    compute = planning.split_computer(
+    compute = splits.split_computer(
         'configs/wan21.py:tiny', config, [], run, directory=str(tmp_path), log=f
     )
     memory = compute(2)
@@ -125,7 +126,7 @@ def test_the_planner_compiles_a_split_the_cache_lacks_once(tmp_path, monkeypatch
     assert options[(loop, 1)].memory['temp'] == pytest.approx(compiled[loop], rel=1e-4), loop
   before = log.read_text().count('computing costs')
   with open(log, 'a') as f:
-    planning.split_computer(
-        'configs/wan21.py:tiny', config, [], run, directory=str(tmp_path), log=f
-    )(2)
+    splits.split_computer('configs/wan21.py:tiny', config, [], run, directory=str(tmp_path), log=f)(
+        2
+    )
   assert log.read_text().count('computing costs') == before

@@ -51,7 +51,7 @@ IGNORED_OVERRIDES = (
     'model.checkpoint',
     'cluster.transfer_host',  # where the transfer server listens: no program reads it
     # The rollout copy's dtype changes its bytes, not the programs' FLOPs or temp memory: the
-    # run model takes the copy's size from the config (runmodel.from_cache).
+    # run model takes the copy's size from the config (cached_run.from_cache).
     'cluster.rollout.param_dtype',
     'text.cache',
     'text.seed',  # the word encoder's table values, not its shapes

@@ -6,20 +6,20 @@ Every input error is a PlanError with one line saying what is wrong and what wou
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
-import os
 from typing import Callable
 
 from digen_jax.sim import analytic
 from digen_jax.sim import baseline
 from digen_jax.sim import cache
+from digen_jax.sim import cached_run
 from digen_jax.sim import hardware
 from digen_jax.sim import roles
 from digen_jax.sim import runmodel as rm
 from digen_jax.sim import search
+from digen_jax.sim import splits
 from digen_jax.sim import timing
 
 PlanError = search.PlanError
@@ -189,7 +189,7 @@ def run_model(
   finetune, rank = ('lora', int(m.lora.rank)) if lora else ('full', 0)
   # The FLOPs are split 1's (a split's are those over q): the programs of config.parallel.
   # sequence = 1; a split's memory comes from its own compiles (split_entries).
-  config, overrides = at_split(config, overrides, 1)
+  config, overrides = splits.at_split(config, overrides, 1)
   digest = cache.config_digest(config)
   found = [] if settings.recompute else cache.matching(path, digest, finetune, rank, directory)
   notes = []
@@ -200,92 +200,14 @@ def run_model(
   ]
   if not main:
     found = _compute_entries(config_arg, config, overrides, settings, found, notes, directory, log)
-  split_entries = {}
-  for q in range(2, int(m.num_attention_heads) + 1):
-    if int(m.num_attention_heads) % q == 0 and not settings.recompute:
-      split_config, _ = at_split(config, overrides, q)
-      digest_q = cache.config_digest(split_config)
-      raw = [
-          e
-          for e in cache.matching(path, digest_q, finetune, rank, directory)
-          if e.key.method == 'raw'
-      ]
-      if any(e.key.step_loop == 'scan' for e in raw):  # else split_computer completes it
-        split_entries[q] = raw
+  split_entries = {} if settings.recompute else splits.cached_entries(path, config, directory)
   sources = [cache.describe(e) for e in found]
   try:
-    run = rm.from_cache(config_arg, config, found, split_entries=split_entries, notes=notes)
+    run = cached_run.from_cache(config_arg, config, found, split_entries=split_entries, notes=notes)
   except ValueError as e:
     raise PlanError(f'{config_arg}: {e}') from None
   run.notes.append('costs: ' + '; '.join(sources))
   return run
-
-
-def at_split(config, overrides: list[str], q: int):
-  """(config, overrides) with config.parallel.sequence = q (the overrides say so for q > 1)."""
-  config = copy.deepcopy(config)
-  config.parallel.sequence = q
-  kept = [o for o in overrides if not o.lstrip('-').startswith('config.parallel.sequence=')]
-  return config, kept + ([f'--config.parallel.sequence={q}'] if q > 1 else [])
-
-
-def split_computer(
-    config_arg: str,
-    config,
-    overrides: list[str],
-    run: rm.RunModel,
-    *,
-    directory: str = cache.COSTS_DIR,
-    log=None,
-) -> Callable[[int], rm.SplitMemory]:
-  """A function of a split q that compiles the config's rollout and grad at
-  config.parallel.sequence = q for their memory (method 'raw', XLA:CPU's 'no_hoist' pipeline)
-  at one and two samples' worth a device, stores them in the cache and returns their
-  SplitMemory. The rollout at one and two samples a device (it lays rows out in multiples of
-  the devices), the gradient (its K steps as a vmap and as a scan) at one and two samples a
-  row of q devices: the per-device work the split exists for."""
-  path, variant = cache.split_config_arg(config_arg)
-  lora = run.finetune == 'lora'
-  rank = int(config.model.lora.rank) if lora else 0
-  n0 = run.rollout.n0
-
-  def compute(q: int) -> rm.SplitMemory:
-    split_config, split_overrides = at_split(config, overrides, q)
-    digest = cache.config_digest(split_config)
-    devices = n0 * q // math.gcd(n0, q)
-    entries = []
-    for rows, loop in ((1, ''), (2, ''), (1, 'scan'), (2, 'scan')):
-      key = cache.Key(
-          path,
-          variant,
-          cache.program_overrides(split_overrides),
-          run.finetune,
-          rank,
-          bool(config.model.remat),
-          devices,
-          rows * devices,
-          devices,
-          'raw',
-          ('grad',) if loop else ('rollout', 'grad'),
-          'no_hoist',
-          rows * devices // q,
-          loop,
-      )
-      stored = os.path.join(directory, key.filename())
-      if os.path.exists(stored) and cache.load(stored).digest == digest:
-        entries.append(cache.load(stored))
-        continue
-      try:
-        entries.append(
-            cache.compute(key, split_overrides, digest, directory=directory, **_log(log))
-        )
-      except RuntimeError as e:
-        raise PlanError(f'{config_arg} at config.parallel.sequence={q}: {e}') from None
-    return rm.split_memory_of(
-        entries, run.K, False, f'{config_arg} at config.parallel.sequence={q}'
-    )
-
-  return compute
 
 
 def _compute_entries(config_arg, config, overrides, settings, found, notes, directory, log):
@@ -395,10 +317,20 @@ def plan(
   '_results' for the timelines). `recipe`: the compared colocated system (config.baseline;
   default veRL-Omni's), priced with settings.colocated_terms. `sequence`: the config's
   config.parallel.sequence (> 1: plan that split only; 1: the smallest split under which a
-  mode fits, _search_splits); `split_memory`: computes a split's memory the cache lacks."""
+  mode fits, splits.search_splits); `split_memory`: computes a split's memory the cache lacks."""
   run = dataclasses.replace(run, sequence=sequence, notes=list(run.notes))
   knobs = settings.knobs()
-  run, planner, found = _search_splits(run, parts, settings, knobs, trainer, split_memory)
+  run, planner, found = splits.search_splits(
+      run,
+      parts,
+      knobs,
+      split_memory,
+      steps=settings.steps,
+      simulate_top=settings.simulate_top,
+      grid=settings.grid,
+      tcss_fraction=settings.tcss_fraction or None,
+      fixed=trainer,
+  )
   modes = found['modes']
   if all(c is None for c in modes.values()):
     raise PlanError(diagnose(run, parts, knobs, cluster))
@@ -445,77 +377,22 @@ def plan(
       'best_split': out_modes[best_on or best].get('split'),
       'sequence': run.sequence,
       'tried': tried,
-      'notes': list(run.notes) + planner.notes(modes),
+      'notes': list(run.notes) + _reward_worker_notes(run, parts) + planner.notes(modes),
       '_results': results,
   }
 
 
-def _search_splits(run, parts, settings: Settings, knobs, trainer, split_memory):
-  """(run at its split, the search.Planner, its search result). A split (config.parallel.
-  sequence > 1) buys memory with all-to-alls, so with run.sequence = 1 the splits are tried
-  smallest first and the first under which any mode fits is kept; they are tried only when the
-  trainer's state fits and split 1's activations do not (no split helps otherwise)."""
+def _reward_worker_notes(run: rm.RunModel, parts) -> list[str]:
+  """Where the reward workers' devices are: beside the cluster, not among its devices."""
+  if not run.reward_workers:
+    return []
   devices = sum(p.count for p in parts)
-  fixed = run.sequence > 1
-  # Tried: splits within a node (each attention layer's all-to-alls would cross the NICs).
-  splits = (
-      [run.sequence]
-      if fixed
-      else [q for q in run.sequence_splits(devices) if q <= settings.devices_per_node]
-  )
-  if fixed:
-    q = run.sequence
-    if not run.heads:
-      raise PlanError(
-          f'config.parallel.sequence={q}: --costs=analytic does not model a sequence split; '
-          'plan it from the compiled programs (the default --costs=xla)'
-      )
-    if devices % q or run.heads % q:
-      raise PlanError(
-          f'config.parallel.sequence={q} must divide the {devices} devices of the cluster and '
-          f"the model's {run.heads} heads"
-      )
-    if q not in run.split_memory and split_memory is None:
-      raise PlanError(
-          f'config.parallel.sequence={q}: the costs cache holds no programs compiled at that '
-          'split; python -m digen_jax.plan compiles them'
-      )
-  tried = []
-  for q in splits:
-    if q > 1 and q not in run.split_memory:
-      if split_memory is None:
-        continue
-      run.split_memory[q] = split_memory(q)
-    trial = dataclasses.replace(run, sequence=q, notes=list(run.notes))
-    planner = search.Planner(
-        trial,
-        parts,
-        knobs,
-        steps=settings.steps,
-        simulate_top=settings.simulate_top,
-        grid=settings.grid,
-        tcss_fraction=settings.tcss_fraction or None,
-        fixed=trainer,
-    )
-    found = planner.search()
-    tried.append(q)
-    if any(c is not None for c in found['modes'].values()) or not rm.trainer_fits(
-        trial, roles.Group(parts), knobs
-    ):
-      break
-  if trial.sequence > 1:
-    how = (
-        'the config'
-        if fixed
-        else 'the smallest split under which a mode fits; tried ' + ', '.join(map(str, tried))
-    )
-    trial.notes.append(
-        f"config.parallel.sequence={trial.sequence}: each sample's tokens over "
-        f'{trial.sequence} devices of each role ({how}); its temp memory from '
-        f"{trial.split_memory[trial.sequence].source}'s compiled programs, its FLOPs split "
-        "1's over the split, plus the all-to-alls over the split's link"
-    )
-  return trial, planner, found
+  return [
+      f'the reward scores on config.reward.workers={run.reward_workers} devices of their own '
+      f'({run.reward_accelerator}, {run.reward_device_s:g} s a sample each) beside the '
+      f"cluster's {devices}, not among them: a disaggregated plan's fragments are scored there "
+      'while the rollout samples on; colocated modes score on their own devices'
+  ]
 
 
 def _mode_rows(planner, modes: dict, settings: Settings) -> tuple[dict, dict]:

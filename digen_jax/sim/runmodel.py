@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 from digen_jax.parallel import tsp_grid
 from digen_jax.rewards import scoring as reward_scoring
@@ -316,6 +315,24 @@ def _split_label(q: int) -> str:
   return f', config.parallel.sequence={q}' if q > 1 else ''
 
 
+def _grad_plans(run: RunModel, n: int, b: int, tsp: bool) -> list[tuple]:
+  """(loop over K, samples a call, calls, per-device memory units, the call's batch) of each
+  way to compute b samples' gradient on n devices at the run's split."""
+  if tsp:  # chunks of the fragment's samples, K x samples over a (t, b) grid of the mesh
+    return [
+        ('vmap', bc, math.ceil(b / bc), tsp_grid.choose(run.K, n, bc).work, bc)
+        for bc in roles.chunks(b)
+    ]
+  q = run.sequence
+  rows = n // q  # samples side by side, each over q devices
+  s = math.ceil(b / rows)
+  plans = []
+  for c in roles.chunks(s):
+    plans.append(('vmap', c, math.ceil(s / c), run.K * c / q, min(b, c * rows)))
+    plans.append(('scan', c, math.ceil(s / c), c / q, min(b, c * rows)))
+  return plans
+
+
 def grad_options(
     run: RunModel,
     group: roles.Group,
@@ -348,18 +365,7 @@ def grad_options(
     held = run.grad_memory(remat)
     if held is None:  # this remat setting was not compiled at the split
       continue
-    if tsp:  # chunks of the fragment's samples, K x samples over a (t, b) grid of the mesh
-      plans = [
-          ('vmap', bc, math.ceil(b / bc), tsp_grid.choose(run.K, n, bc).work, bc)
-          for bc in roles.chunks(b)
-      ]
-    else:
-      s = math.ceil(b / rows)
-      plans = []
-      for c in roles.chunks(s):
-        plans.append(('vmap', c, math.ceil(s / c), run.K * c / q, min(b, c * rows)))
-        plans.append(('scan', c, math.ceil(s / c), c / q, min(b, c * rows)))
-    for loop, c, calls, mem_units, call_batch in plans:
+    for loop, c, calls, mem_units, call_batch in _grad_plans(run, n, b, tsp):
       units = mem_units if loop == 'vmap' else run.K * mem_units
       flops = prog.flops(n, units, call_batch)
       gathers = 2 if loop == 'vmap' else 2 * run.K
@@ -529,153 +535,3 @@ def reward_terms(config) -> dict:
       'reward_accelerator': str(r.cost_accelerator),
       'reward_workers': int(r.workers) if cost > 0 and elsewhere else 0,
   }
-
-
-# ---------------------------------------------------------------------------------------------
-# From the costs cache.
-
-
-def _pipeline(entry) -> str:
-  return entry.costs.settings.get('xla_pipeline', 'default')
-
-
-def memory_entries(entries: list, devices: int) -> list:
-  """The memory points (method 'raw') on `devices` devices the model reads: those of XLA:CPU's
-  'no_hoist' pipeline where the cache holds them (no f32 copy of whole bf16 weight and residual
-  stacks: closer to an accelerator, sim/program_costs.PIPELINES), else the default's."""
-  raw = [e for e in entries if e.key.method == 'raw' and e.key.devices == devices]
-  return [e for e in raw if _pipeline(e) == 'no_hoist'] or raw
-
-
-def split_memory_of(entries: list, trained_steps: int, tsp: bool, source: str) -> SplitMemory:
-  """SplitMemory from a split's cached memory points (sim/cache.Entry, method 'raw')."""
-  devices = max(
-      {e.key.devices for e in entries}, key=lambda d: [e.key.devices for e in entries].count(d)
-  )
-  points = memory_entries(entries, devices)
-
-  def model(name, remat=None, loop=''):
-    # A grad computes its real samples' rows (fragment_samples), not all its batch's.
-    same = [
-        dataclasses.replace(
-            e.costs.programs[name],
-            batch=e.costs.settings.get('fragment_samples') or e.costs.programs[name].batch,
-        )
-        if name == 'grad'
-        else e.costs.programs[name]
-        for e in points
-        if name in e.costs.programs
-        and (remat is None or e.costs.settings['remat'] == remat)
-        and (name != 'grad' or e.key.step_loop == loop)
-    ]
-    if not same:
-      return None
-    # A scan's unit is one step of a sample (its temp holds what the K steps keep).
-    kw = {'trained_steps': trained_steps if not loop else 1, 'tsp': tsp} if name == 'grad' else {}
-    return roles.program_model(same[0], memory_points=tuple(same[1:]), **kw)
-
-  rollout = model('rollout')
-  if rollout is None:
-    raise ValueError(f'{source}: no cached rollout program')
-  grads = {r: g for r in (True, False) if (g := model('grad', r)) is not None}
-  scans = {r: g for r in (True, False) if (g := model('grad', r, 'scan')) is not None}
-  files = ', '.join(os.path.basename(e.path) for e in entries)
-  return SplitMemory(rollout, grads, scans, f'{source} ({files})')
-
-
-def from_cache(
-    name: str,
-    config,
-    entries: list,
-    *,
-    split_entries: dict[int, list] | None = None,
-    notes: list[str] | None = None,
-) -> RunModel:
-  """A RunModel from cached entries (sim/cache.Entry) of one config and fine-tuning: the entry
-  with all three programs (the config's remat preferred), grads of other remat settings, and
-  memory points (method 'raw' at other batches on the same device count; memory_entries).
-  split_entries: by config.parallel.sequence > 1, the memory points compiled at that split."""
-  counted = [e for e in entries if e.key.method != 'raw']
-  full = [e for e in counted if set(e.costs.programs) >= {'rollout', 'grad', 'apply'}]
-  if not full:
-    raise ValueError(f'{name}: no cached entry holds the rollout, grad and apply programs')
-  remat0 = bool(config.model.remat)
-  main = sorted(full, key=lambda e: (e.key.remat != remat0, e.key.devices != 16))[0]
-  c = main.costs
-  s = c.settings
-  point_entries = [e for e in memory_entries(entries, c.devices) if not e.key.step_loop]
-  points = [e.costs for e in point_entries]
-  # The counted entries' own memory only under the points' pipeline (else from the points).
-  own = not point_entries or _pipeline(point_entries[0]) == _pipeline(main)
-  bf16 = s['compute_dtype'] == 'bfloat16'
-  # XLA:CPU's f32 copy of every bf16 weight the replicated rollout reads (roles docstring);
-  # 'no_hoist' keeps it per layer.
-  upcast = 2 * c.gathered_bytes if bf16 and s['rollout_layout'] == 'replicated' else 0
-  if point_entries and _pipeline(point_entries[0]) == 'no_hoist':
-    upcast = 0
-  T, K, tsp = int(s['num_steps']), int(s['trained_steps']), bool(s['tsp'])
-  rollout = roles.program_model(
-      c.programs['rollout'],
-      memory_points=tuple(p.programs['rollout'] for p in points if 'rollout' in p.programs),
-      upcast_bytes=upcast,
-      own_memory=own,
-  )
-  grads = {}
-  for e in sorted(counted, key=lambda e: e is not main):
-    g = e.costs.programs.get('grad')
-    if g is None or e.key.remat in grads or e.costs.settings['tsp'] != tsp:
-      continue
-    same = tuple(
-        p.programs['grad']
-        for p in points
-        if 'grad' in p.programs and p.settings['remat'] == e.key.remat
-    )
-    grads[e.key.remat] = roles.program_model(
-        g, trained_steps=K, tsp=tsp, memory_points=same, own_memory=own or not same
-    )
-  m = config.model
-  layers = int(m.num_layers) + (int(m.num_single_layers) if m.family == 'flux' else 0)
-  # Tokens of one self-attention (MMDiT and FLUX attend over [text, image] jointly, Wan's text
-  # is cross-attention): one [tokens, width] operand of every layer, every CFG row, per sample.
-  attended = int(s['image_tokens']) + (0 if m.family == 'wan' else int(s.get('text_tokens', 0)))
-  width = int(m.num_attention_heads) * int(m.attention_head_dim)
-  cfg_rows = int(c.programs['grad'].trip_counts.get('cfg_branches', 1))
-  operand = layers * attended * width * (2 if bf16 else 4) * cfg_rows
-  splits = {
-      q: split_memory_of(es, K, tsp, f'{name} at config.parallel.sequence={q}')
-      for q, es in sorted((split_entries or {}).items())
-      if q > 1 and es
-  }
-  lora = s['finetune'] == 'lora'
-  # The copy the rollout samples with, in the dtype the config publishes (the cached compile
-  # may have used another): float32 trainable bytes, halved for a bf16 copy of full weights.
-  bf16_copy = not lora and config.cluster.rollout.param_dtype == 'bfloat16'
-  published = c.trainable_bytes // 2 if bf16_copy else c.trainable_bytes
-  return RunModel(
-      name=name,
-      source='xla',
-      prompts=int(config.rl.prompts_per_step),
-      group_size=int(config.rl.group_size),
-      T=T,
-      K=K,
-      image_tokens=int(s['image_tokens']),
-      latent_channels=int(m.in_channels),
-      layers=layers,
-      trainable_bytes=c.trainable_bytes,
-      optimizer_state_bytes=c.optimizer_state_bytes,
-      frozen_base_bytes=c.frozen_base_bytes,
-      published_bytes=published,
-      rollout_param_bytes=published + c.frozen_base_bytes,
-      gathered_bytes=c.gathered_bytes,
-      rollout=rollout,
-      grads=grads,
-      apply=roles.program_model(c.programs['apply']),
-      ref_bytes=c.trainable_bytes if config.rl.kl_beta > 0 and not lora else 0,
-      finetune=s['finetune'],
-      tcss_fraction=float(config.schedule.tcss_fraction),
-      heads=int(m.num_attention_heads),
-      split_memory=splits,
-      sequence_bytes=4 * operand,
-      notes=list(notes or []),
-      **reward_terms(config),
-  )
