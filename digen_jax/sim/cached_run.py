@@ -25,40 +25,50 @@ def memory_entries(entries: list, devices: int) -> list:
   return [e for e in raw if _pipeline(e) == 'no_hoist'] or raw
 
 
+def memory_model(points: list, name: str, remat=None, loop: str = '', trained_steps=1, tsp=False):
+  """The ProgramModel of program `name` from memory points (sim/cache.Entry, method 'raw'; a
+  grad of `remat` and step loop `loop`, '' or 'scan'), or None when none holds it. A grad's
+  batch is its real samples' rows (fragment_samples); a scan's unit is one step of a sample
+  (its temp holds what the K steps keep)."""
+  same = [
+      dataclasses.replace(
+          e.costs.programs[name],
+          batch=e.costs.settings.get('fragment_samples') or e.costs.programs[name].batch,
+      )
+      if name == 'grad'
+      else e.costs.programs[name]
+      for e in points
+      if name in e.costs.programs
+      and (remat is None or e.costs.settings['remat'] == remat)
+      and (name != 'grad' or e.key.step_loop == loop)
+  ]
+  if not same:
+    return None
+  kw = {'trained_steps': trained_steps if not loop else 1, 'tsp': tsp} if name == 'grad' else {}
+  return roles.program_model(same[0], memory_points=tuple(same[1:]), **kw)
+
+
+def scan_models(points: list) -> dict:
+  """By remat, the scans over K the memory points hold (rl.step_loop 'scan' compiles)."""
+  return {r: g for r in (True, False) if (g := memory_model(points, 'grad', r, 'scan'))}
+
+
 def split_memory_of(entries: list, trained_steps: int, tsp: bool, source: str) -> rm.SplitMemory:
   """SplitMemory from a split's cached memory points (sim/cache.Entry, method 'raw')."""
   devices = max(
       {e.key.devices for e in entries}, key=lambda d: [e.key.devices for e in entries].count(d)
   )
   points = memory_entries(entries, devices)
-
-  def model(name, remat=None, loop=''):
-    # A grad computes its real samples' rows (fragment_samples), not all its batch's.
-    same = [
-        dataclasses.replace(
-            e.costs.programs[name],
-            batch=e.costs.settings.get('fragment_samples') or e.costs.programs[name].batch,
-        )
-        if name == 'grad'
-        else e.costs.programs[name]
-        for e in points
-        if name in e.costs.programs
-        and (remat is None or e.costs.settings['remat'] == remat)
-        and (name != 'grad' or e.key.step_loop == loop)
-    ]
-    if not same:
-      return None
-    # A scan's unit is one step of a sample (its temp holds what the K steps keep).
-    kw = {'trained_steps': trained_steps if not loop else 1, 'tsp': tsp} if name == 'grad' else {}
-    return roles.program_model(same[0], memory_points=tuple(same[1:]), **kw)
-
-  rollout = model('rollout')
+  rollout = memory_model(points, 'rollout')
   if rollout is None:
     raise ValueError(f'{source}: no cached rollout program')
-  grads = {r: g for r in (True, False) if (g := model('grad', r)) is not None}
-  scans = {r: g for r in (True, False) if (g := model('grad', r, 'scan')) is not None}
+  grads = {
+      r: g
+      for r in (True, False)
+      if (g := memory_model(points, 'grad', r, '', trained_steps, tsp)) is not None
+  }
   files = ', '.join(os.path.basename(e.path) for e in entries)
-  return rm.SplitMemory(rollout, grads, scans, f'{source} ({files})')
+  return rm.SplitMemory(rollout, grads, scan_models(points), f'{source} ({files})')
 
 
 def _programs(main, counted: list, points: list, own: bool, upcast: float, K: int, tsp: bool):
@@ -118,7 +128,8 @@ def from_cache(
   main = sorted(full, key=lambda e: (e.key.remat != remat0, e.key.devices != 16))[0]
   c = main.costs
   s = c.settings
-  point_entries = [e for e in memory_entries(entries, c.devices) if not e.key.step_loop]
+  memory = memory_entries(entries, c.devices)
+  point_entries = [e for e in memory if not e.key.step_loop]
   no_hoist = bool(point_entries) and _pipeline(point_entries[0]) == 'no_hoist'
   # XLA:CPU's f32 copy of every bf16 weight the replicated rollout reads (roles docstring);
   # 'no_hoist' keeps it per layer.
@@ -163,6 +174,7 @@ def from_cache(
       ref_bytes=c.trainable_bytes if config.rl.kl_beta > 0 and not lora else 0,
       finetune=s['finetune'],
       tcss_fraction=float(config.schedule.tcss_fraction),
+      scans=scan_models(memory),
       heads=int(m.num_attention_heads),
       split_memory={
           q: split_memory_of(es, K, tsp, f'{name} at config.parallel.sequence={q}')

@@ -211,8 +211,8 @@ def run_model(
 
 
 def _compute_entries(config_arg, config, overrides, settings, found, notes, directory, log):
-  """Compiles the config's programs for the cache (an entry and a memory point) and returns them
-  with the memory points `found` already had."""
+  """Compiles the config's programs for the cache (an entry, a memory point and the scan's at
+  it) and returns them with the memory points `found` already had."""
   path, variant = cache.split_config_arg(config_arg)
   r, m = config.rl, config.model
   lora = int(m.lora.rank) > 0
@@ -251,10 +251,12 @@ def _compute_entries(config_arg, config, overrides, settings, found, notes, dire
       method='raw',
       programs=('rollout', 'grad'),
   )
+  # The gradient's memory with the K steps as a scan too (what it keeps of every step).
+  scan_point = dataclasses.replace(point, programs=('grad',), step_loop='scan')
   try:
     return [
-        cache.compute(key, overrides, digest, directory=directory, **_log(log)),
-        cache.compute(point, overrides, digest, directory=directory, **_log(log)),
+        cache.compute(k, overrides, digest, directory=directory, **_log(log))
+        for k in (key, point, scan_point)
     ] + [e for e in found if e.key.method == 'raw']
   except RuntimeError as e:
     raise PlanError(f'{config_arg}: {e}') from None

@@ -26,10 +26,11 @@ devices (split 1's FLOPs over q), pays the Ulysses all-to-alls of every attentio
 the split's link (forward, backward and remat's second forward), and holds the temp memory XLA
 reports for the programs compiled at that split (SplitMemory: the memory is not split 1's over
 q; one video's vmapped gradient is 1,259 GB a device unsplit, 134 GB at q = 8). The rollout
-lays rows out in multiples of the devices at any split. A scan over the K steps: XLA's memory
-of the scan compiled at the split; unsplit, one step's temp of the vmap's model, which leaves
-out what the scan keeps of the other steps under grad (rl/objective.py; Wan2.1-14B at split 8:
-47.0 GB modelled that way, 59.4 compiled).
+lays rows out in multiples of the devices at any split. A scan over the K steps keeps residuals
+of every step under grad (rl/objective.py): its memory is XLA's of the scan compiled (cached
+beside the vmap's memory points), else modelled from the vmap's: without remat all K steps'
+activations, with remat one step's, which leaves out the residuals (Wan2.1-14B at split 8: 47.0
+GB modelled that way, 59.4 compiled).
 
 A batch that does not divide a role's device count is padded (ceil): the plan marks it, since
 the runtime needs it divisible.
@@ -90,6 +91,9 @@ class RunModel:
   # (split_memory, by split > 1). sequence_bytes: one forward of one sample's Ulysses
   # all-to-alls (q, k, v to head-split and the output back: 4 per self-attention layer, every
   # CFG row, in the compute dtype).
+  # By remat, XLA's memory of the gradient with the K steps as a scan (rl.step_loop 'scan'),
+  # where the cache holds it compiled; else modelled from the vmap's (grad_options).
+  scans: dict[bool, roles.ProgramModel] = dataclasses.field(default_factory=dict)
   heads: int = 0  # attention heads: a split divides them (0: no split tried)
   sequence: int = 1
   split_memory: dict[int, 'SplitMemory'] = dataclasses.field(default_factory=dict)
@@ -113,7 +117,7 @@ class RunModel:
   def scan_memory(self, remat: bool) -> roles.ProgramModel | None:
     """The scan over K compiled at the split (None: modelled from the vmap's)."""
     if self.sequence == 1:
-      return None
+      return self.scans.get(remat)
     return self.split_memory[self.sequence].scans.get(remat)
 
   def grad_memory(self, remat: bool) -> roles.ProgramModel | None:
@@ -377,9 +381,11 @@ def grad_options(
       )
       fsdp = knobs.exposed(fsdp, sec, run.layers)
       scan = run.scan_memory(remat)
-      if loop == 'scan' and scan is not None:  # XLA's, of the scan compiled at the split
+      if loop == 'scan' and scan is not None:  # XLA's, of the scan compiled
         temp = scan.temp(mem_units)
-      else:  # one step's (a scan keeps some residuals of every step: module docstring)
+      elif loop == 'scan' and not remat:  # every step's activations kept, as the vmap's
+        temp = held.temp(run.K * mem_units)
+      else:  # one step's (a remat scan keeps some residuals of every step: module docstring)
         temp = held.temp(mem_units)
       mem = roles.memory_dict(state=persistent, temp=max(temp, apply))
       per = '/call (TSP)' if tsp else '/device/call' if q == 1 else f' per {q} devices/call'
