@@ -169,6 +169,26 @@ def test_a_split_takes_its_memory_from_its_compile_and_its_flops_from_split_1(wa
   assert a8 / a2 == pytest.approx((7 / 8) / (1 / 2))
 
 
+def test_a_scan_over_k_takes_the_memory_of_its_compile(qwen):
+  """The gradient with the K steps as a scan keeps residuals of every step: its options read
+  XLA's temp memory of the scan compiled at one and two images a device (the committed
+  *_grad_scan.json), which is more than one step of the vmapped program's model."""
+  assert set(qwen.scans) == {True}
+  group = roles.Group(hardware.parse_cluster('16xH100'))
+  options = {
+      (o.detail['loop'], o.detail['chunk']): o
+      for o in rm.grad_options(qwen, group, 32, rm.Knobs(), tsp=False)
+  }
+  compiled = {}
+  for e in cache.entries():
+    if e.key.config == 'configs/qwenimage.py' and e.key.finetune == 'lora' and e.key.step_loop:
+      compiled[e.key.fragment_batch // e.key.devices] = e.costs.programs['grad'].memory.temp_bytes
+  assert sorted(compiled) == [1, 2]
+  for c in (1, 2):
+    assert options[('scan', c)].memory['temp'] == pytest.approx(compiled[c], rel=1e-9)
+    assert compiled[c] > qwen.grads[True].temp(c)  # more than one step's
+
+
 def test_a_split_the_plan_cannot_model_is_one_clear_error(qwen, wan):
   """A config's config.parallel.sequence that the heads or devices refuse, that the cache has no
   compile of (and nothing may compile it), or under analytic costs: a PlanError naming the
