@@ -37,12 +37,11 @@ def split_computer(
     directory: str = cache.COSTS_DIR,
     log=None,
 ) -> Callable[[int], rm.SplitMemory]:
-  """A function of a split q that compiles the config's rollout and grad at
-  config.parallel.sequence = q for their memory (method 'raw', XLA:CPU's 'no_hoist' pipeline)
-  at one and two samples' worth a device, stores them in the cache and returns their
-  SplitMemory. The rollout at one and two samples a device (it lays rows out in multiples of
-  the devices), the gradient (its K steps as a vmap and as a scan) at one and two samples a
-  row of q devices: the per-device work the split exists for."""
+  """A function of a split q that returns the SplitMemory of the config's programs compiled at
+  config.parallel.sequence = q (method 'raw', XLA:CPU's 'no_hoist' pipeline), compiling and
+  storing in the cache the ones it lacks: the rollout at one and two samples a device (it lays
+  rows out in multiples of the devices), the gradient (its K steps as a vmap and as a scan) at
+  one and two samples a row of q devices, the per-device work the split exists for."""
   path, variant = cache.split_config_arg(config_arg)
   lora = run.finetune == 'lora'
   rank = int(config.model.lora.rank) if lora else 0
@@ -71,8 +70,8 @@ def split_computer(
           loop,
       )
       stored = os.path.join(directory, key.filename())
-      if os.path.exists(stored) and cache.load(stored).digest == digest:
-        entries.append(cache.load(stored))
+      if os.path.exists(stored) and (entry := cache.load(stored)).digest == digest:
+        entries.append(entry)
         continue
       try:
         entries.append(
@@ -114,10 +113,12 @@ def cached_entries(path: str, config, directory: str = cache.COSTS_DIR) -> dict[
 
 
 def search_splits(run: rm.RunModel, parts, knobs: rm.Knobs, split_memory, **planner_kw):
-  """(run at its split, the search.Planner, its search result); planner_kw: search.Planner's. A split (config.parallel.
-  sequence > 1) buys memory with all-to-alls, so with run.sequence = 1 the splits are tried
-  smallest first and the first under which any mode fits is kept; they are tried only when the
-  trainer's state fits and split 1's activations do not (no split helps otherwise)."""
+  """(run at its split, the search.Planner, its search result); planner_kw: search.Planner's.
+  A split (config.parallel.sequence > 1) buys memory with all-to-alls, so with run.sequence = 1
+  the splits are tried smallest first and the first under which any mode fits is kept; a next
+  one only while the trainer's state fits and no mode does (no split helps otherwise). A split
+  the run sets (the config's) is planned alone; split_memory (split_computer) compiles a
+  split's memory the run lacks, None: only the cached splits are tried."""
   devices = sum(p.count for p in parts)
   fixed = run.sequence > 1
   # Tried: splits within a node (each attention layer's all-to-alls would cross the NICs).
