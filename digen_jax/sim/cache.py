@@ -137,6 +137,12 @@ class Key:
     return Key(**dict(d, overrides=tuple(d['overrides']), programs=tuple(d['programs'])))
 
 
+def finetuning(config) -> tuple[str, int]:
+  """The fine-tuning an entry of `config` is cached under: ('lora', rank) or ('full', 0)."""
+  rank = int(config.model.lora.rank)
+  return ('lora', rank) if rank > 0 else ('full', 0)
+
+
 def split_config_arg(arg: str) -> tuple[str, str]:
   """'configs/qwenimage.py:full' -> ('configs/qwenimage.py', 'full')."""
   path, _, variant = arg.partition(':')

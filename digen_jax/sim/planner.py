@@ -174,7 +174,7 @@ def run_model(
         f'{config_arg} is a pretraining config (python -m digen_jax.tasks.shapes.pretrain); the '
         'planner plans GRPO runs: give an RL config, e.g. configs/shapes.py'
     )
-  r, m = config.rl, config.model
+  r = config.rl
   if r.prompts_per_step < 1 or r.group_size < 1:
     raise PlanError(
         f'config.rl.prompts_per_step={r.prompts_per_step} and group_size='
@@ -185,8 +185,7 @@ def run_model(
       return analytic.run_model_of(config, config_arg)
     except ValueError as e:
       raise PlanError(f'{config_arg}: {e}') from None
-  lora = int(m.lora.rank) > 0
-  finetune, rank = ('lora', int(m.lora.rank)) if lora else ('full', 0)
+  finetune, rank = cache.finetuning(config)
   # The FLOPs are split 1's (a split's are those over q): the programs of config.parallel.
   # sequence = 1; a split's memory comes from its own compiles (split_entries).
   config, overrides = splits.at_split(config, overrides, 1)
@@ -215,8 +214,7 @@ def _compute_entries(config_arg, config, overrides, settings, found, notes, dire
   it) and returns them with the memory points `found` already had."""
   path, variant = cache.split_config_arg(config_arg)
   r, m = config.rl, config.model
-  lora = int(m.lora.rank) > 0
-  finetune, rank = ('lora', int(m.lora.rank)) if lora else ('full', 0)
+  finetune, rank = cache.finetuning(config)
   digest = cache.config_digest(config)
   batch, fragment = r.prompts_per_step * r.group_size, r.group_size
   if config.schedule.fragments > 1:

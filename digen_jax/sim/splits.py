@@ -43,8 +43,7 @@ def split_computer(
   rows out in multiples of the devices), the gradient (its K steps as a vmap and as a scan) at
   one and two samples a row of q devices, the per-device work the split exists for."""
   path, variant = cache.split_config_arg(config_arg)
-  lora = run.finetune == 'lora'
-  rank = int(config.model.lora.rank) if lora else 0
+  finetune, rank = cache.finetuning(config)
   n0 = run.rollout.n0
 
   def compute(q: int) -> rm.SplitMemory:
@@ -57,7 +56,7 @@ def split_computer(
           path,
           variant,
           cache.program_overrides(split_overrides),
-          run.finetune,
+          finetune,
           rank,
           bool(config.model.remat),
           devices,
@@ -95,10 +94,8 @@ def split_computer(
 def cached_entries(path: str, config, directory: str = cache.COSTS_DIR) -> dict[int, list]:
   """By split q > 1 (dividing the model's heads), the cached memory compiles of `config` (at
   split 1) at q, where the cache holds the scan's too (else split_computer completes them)."""
-  m = config.model
-  lora = int(m.lora.rank) > 0
-  finetune, rank = ('lora', int(m.lora.rank)) if lora else ('full', 0)
-  heads = int(m.num_attention_heads)
+  finetune, rank = cache.finetuning(config)
+  heads = int(config.model.num_attention_heads)
   out = {}
   for q in range(2, heads + 1):
     if heads % q:
