@@ -19,8 +19,13 @@ Scenarios (configs/shapes.py:pixel,disagg, B = prompts x 8 samples):
                  8 steps: the first steps after compiling run slower, and BTS is still
                  profiling its costs)
 
-Output: OUT/<scenario>/{profile.json, ladder.json, sim.json} and OUT/validation.json with
-every line, the mean absolute and largest relative error of samples/s per scenario and overall.
+The programs are profiled twice, just before and just after the ladder, and the simulator sees
+each program's mean of the two (a drift of the machine's speed over the ladder cancels to first
+order; the comparison's 'drift' holds each program's after / before).
+
+Output: OUT/<scenario>/{profile_before.json, profile_after.json, profile.json (their mean),
+ladder.json, sim.json} and OUT/validation.json with every line, the mean absolute and largest
+relative error of samples/s per scenario and overall.
 Each rung whose roles do not share cores is also simulated at its measured spans (the programs'
 mean times in the run's trace instead of the profile's, python -m digen_jax.sim --measured):
 what is left of the error then is the schedule's and the host work's, not the programs' times.
@@ -33,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -143,10 +149,17 @@ def fragment_grads_of(s: Scenario) -> list[str]:
 
 
 def run_scenario(
-    s: Scenario, out: str, *, python: str = sys.executable, predict_only: bool = False
+    s: Scenario,
+    out: str,
+    *,
+    python: str = sys.executable,
+    predict_only: bool = False,
+    before: str | None = None,
 ) -> dict:
-  """Profile, ladder and prediction of one scenario. Returns its comparison. predict_only:
-  reuse OUT/<scenario>'s profile and ladder (e.g. after a change to the simulator)."""
+  """Profile, ladder, profile again and prediction of one scenario. Returns its comparison.
+  predict_only: reuse OUT/<scenario>'s profile and ladder (e.g. after a change to the
+  simulator). before: a profile just taken (a previous attempt's profile_after.json) serves as
+  this one's profile before the ladder."""
   d = os.path.join(out, s.name)
   os.makedirs(d, exist_ok=True)
   if predict_only:
@@ -155,24 +168,13 @@ def run_scenario(
   hog = cores[1 % len(cores)] if s.hog_rollout_core else None  # mp2 pins the rollout there
   t0 = time.time()
   with cpu_hog(hog):
-    _run(
-        [
-            python,
-            '-m',
-            'digen_jax.sim.profile',
-            f'--config={CONFIG}',
-            *s.sets,
-            # The runs' step count: the learning-rate schedule is part of the update and apply
-            # programs, so the ladder's runs then load them from the compilation cache.
-            f'--config.total_steps={s.steps}',
-            f'--out={d}/profile.json',
-            f'--layouts={",".join(layouts_of(s))}',
-            f'--fragment_grads={",".join(fragment_grads_of(s))}',
-            f'--fragments={s.fragments}',
-            '--fragment_unit=group',
-        ],
-        f'{d}/profile.log',
-    )
+    # The programs are profiled before and after the ladder and the simulator sees their mean:
+    # the machine's speed drifts by 10-20 % over minutes (RESULTS.md), and a drift over the
+    # ladder then cancels to first order.
+    if before is None:
+      _run(_profile_command(s, d, python, 'before'), f'{d}/profile_before.log')
+    else:
+      shutil.copyfile(before, f'{d}/profile_before.json')
     t_profile = time.time() - t0
     ladder = [
         python,
@@ -197,8 +199,64 @@ def run_scenario(
     for word in s.sets:
       ladder += ['--set', word]
     _run(ladder, f'{d}/ladder.log')
-  t_ladder = time.time() - t0 - t_profile
-  return _predict(s, d, python, t_profile, t_ladder)
+    t_ladder = time.time() - t0 - t_profile
+    _run(_profile_command(s, d, python, 'after'), f'{d}/profile_after.log')
+    t_profile = time.time() - t0 - t_ladder
+  profiles = []
+  for when in ('before', 'after'):
+    with open(f'{d}/profile_{when}.json') as f:
+      profiles.append(json.load(f))
+  with open(f'{d}/profile.json', 'w') as f:
+    json.dump(mean_profile(*profiles), f, indent=1)
+  cmp = _predict(s, d, python, t_profile, t_ladder)
+  cmp['drift'] = profile_drift(*profiles)
+  return cmp
+
+
+def _profile_command(s: Scenario, d: str, python: str, when: str) -> list[str]:
+  return [
+      python,
+      '-m',
+      'digen_jax.sim.profile',
+      f'--config={CONFIG}',
+      *s.sets,
+      # The runs' step count: the learning-rate schedule is part of the update and apply
+      # programs, so the ladder's runs then load them from the compilation cache.
+      f'--config.total_steps={s.steps}',
+      f'--out={d}/profile_{when}.json',
+      f'--layouts={",".join(layouts_of(s))}',
+      f'--fragment_grads={",".join(fragment_grads_of(s))}',
+      f'--fragments={s.fragments}',
+      '--fragment_unit=group',
+  ]
+
+
+def mean_profile(before: dict, after: dict) -> dict:
+  """One profile (sim/profile.py's JSON) from two of the same programs: each key's mean
+  seconds; `after`'s machine as machine_after."""
+  if before['layouts'].keys() != after['layouts'].keys():
+    raise ValueError(
+        f'profiles of other layouts: {sorted(before["layouts"])} vs {sorted(after["layouts"])}'
+    )
+  layouts = {}
+  for name, b in before['layouts'].items():
+    a = after['layouts'][name]
+    if b['seconds'].keys() != a['seconds'].keys():
+      raise ValueError(f'layout {name!r}: the two profiles timed other programs')
+    seconds = {k: (v + a['seconds'][k]) / 2 for k, v in b['seconds'].items()}
+    layouts[name] = dict(b, seconds=seconds)
+  return dict(before, layouts=layouts, machine_after=after.get('machine'))
+
+
+def profile_drift(before: dict, after: dict) -> dict[str, float]:
+  """after / before seconds of each layout's sampling and training programs (layout/key)."""
+  main = ('rollout/', 'grad', 'update/', 'tag_rollout/')
+  return {
+      f'{name}/{k}': after['layouts'][name]['seconds'][k] / v
+      for name, b in before['layouts'].items()
+      for k, v in b['seconds'].items()
+      if k.startswith(main) and v > 0
+  }
 
 
 def _predict(s: Scenario, d: str, python: str, t_profile: float, t_ladder: float) -> dict:

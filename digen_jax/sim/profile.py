@@ -14,12 +14,13 @@ starts (the device count must be fixed before jax is imported):
              server, as in the real run
 Every program is built as the runtime builds it (runtime/trainer.py, runtime/rollout.py,
 runtime/links.py), run once to compile, then timed --repeats times with nothing else running
-(the median is kept), for a fragment of the whole batch (n = B: the colocated and naive
-disaggregation rungs, the fused update) and, on the disaggregated layouts, of B / M samples:
-the fragment rollout (device span and host scoring apart), its hand-over to the trainer, the
-trainer's encode, advantages and gradient (with and without TSP: --fragment_grads, only those
-the predicted rungs use), the optimizer apply, the trainer-side (TAG) fragment rollout, the
-weight publish and pull, the step's selection program and the checkpoint save (its blocking
+(the mean is kept: a run's throughput follows its programs' mean times, slow calls included,
+and a run's spans are averaged too), for a fragment of the whole batch (n = B: the colocated
+and naive disaggregation rungs, the fused update) and, on the disaggregated layouts, of B / M
+samples: the fragment rollout (device span and host scoring apart), its hand-over to the
+trainer, the trainer's encode, advantages and gradient (with and without TSP:
+--fragment_grads, only those the predicted rungs use), the optimizer apply, the trainer-side
+(TAG) fragment rollout, the weight publish and pull, the step's selection program and the checkpoint save (its blocking
 part and the asynchronous rest). Nothing here is fitted to a run's throughput.
 
 Output: {'config', 'overrides', 'machine', 'layouts': {name: {'trainer_devices',
@@ -55,7 +56,7 @@ _LAYOUTS = flags.DEFINE_list('layouts', list(LAYOUTS), f'subset of {",".join(LAY
 _FRAGMENTS = flags.DEFINE_integer('fragments', 16, 'M of the fragment programs profiled')
 _UNIT = flags.DEFINE_enum('fragment_unit', 'group', ['group', 'sample'], 'fragment unit')
 _DEVICES = flags.DEFINE_integer('devices_per_process', 1, 'D (colocated and sp get 2*D)')
-_REPEATS = flags.DEFINE_integer('repeats', 5, 'timed calls per program (median kept)')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'timed calls per program (their mean kept)')
 FRAGMENT_GRADS = ('plain', 'tsp')
 _GRADS = flags.DEFINE_list(
     'fragment_grads',
@@ -67,7 +68,7 @@ _CHILD = flags.DEFINE_string('child', None, 'internal: the layout this process p
 
 
 def _timed(fn, repeats: int) -> tuple[float, list]:
-  """(median seconds of fn() over `repeats` calls after one warm-up call (it compiles), the
+  """(mean seconds of fn() over `repeats` calls after one warm-up call (it compiles), the
   timed calls' results)."""
   fn()
   times, results = [], []
@@ -75,11 +76,11 @@ def _timed(fn, repeats: int) -> tuple[float, list]:
     t0 = time.perf_counter()
     results.append(fn())
     times.append(time.perf_counter() - t0)
-  return statistics.median(times), results
+  return statistics.fmean(times), results
 
 
-def _median_time(fn, repeats: int) -> float:
-  """Median seconds of fn() over `repeats` calls after one warm-up call (it compiles)."""
+def _mean_time(fn, repeats: int) -> float:
+  """Mean seconds of fn() over `repeats` calls after one warm-up call (it compiles)."""
   return _timed(fn, repeats)[0]
 
 
@@ -206,7 +207,7 @@ class _Profile:
       link = links.LocalLink(
           cluster, exp.weights, trainer.traj_shardings, self.rollout_sh, self.dtype
       )
-      self.out['publish'] = _median_time(lambda: link.publish(trainer.params, 0), r)
+      self.out['publish'] = _mean_time(lambda: link.publish(trainer.params, 0), r)
       self.out['pull'] = 0.0
       self.policy = link.wait_policy(0)[0]
       return
@@ -219,12 +220,12 @@ class _Profile:
         link.publish(trainer.params, v)
         sends.append(time.perf_counter() - t0)
         link.weights_delivered()
-      self.out['publish'] = statistics.median(sends[1:])
+      self.out['publish'] = statistics.fmean(sends[1:])
     else:
       ab = transfer.abstract(exp.params, self.rollout_sh, self.dtype)
       link = links.ChannelLink(cluster, 'rollout', weights=exp.weights, weights_abstract=ab)
       pulls = [link.wait_policy(v) for v in range(r + 1)]
-      self.out['pull'] = statistics.median(p[1] for p in pulls[1:])
+      self.out['pull'] = statistics.fmean(p[1] for p in pulls[1:])
       self.policy = pulls[-1][0]
     self.barrier('weights')
 
@@ -272,8 +273,8 @@ class _Profile:
         sampler.sample(self.policy.params, 0, self.batch_prompts, 0, f % plan.num)
         for f in range(self.repeats + 1)
     ][1:]
-    self.out[f'rollout/{plan.size}'] = statistics.median(f.sample_s for f in frags)
-    self.out[f'reward/{plan.size}'] = statistics.median(f.reward_s for f in frags)
+    self.out[f'rollout/{plan.size}'] = statistics.fmean(f.sample_s for f in frags)
+    self.out[f'reward/{plan.size}'] = statistics.fmean(f.reward_s for f in frags)
     return frags[0]
 
   def _handover(self, plan, frag):
@@ -287,7 +288,7 @@ class _Profile:
     key = f'handover/{plan.size}'
     if not self.multi:
       move = lambda: jax.block_until_ready(jax.device_put(frag.traj, sh))
-      self.out[key] = _median_time(move, self.repeats)
+      self.out[key] = _mean_time(move, self.repeats)
       return move()
     if self.is_rollout:
       for _ in range(self.repeats + 1):
@@ -296,7 +297,7 @@ class _Profile:
       return None
     ab = rollout_lib.abstract_fragment(self.exp, plan, sh)
     pulls = [self.chan.receive_full(ab, 'frag') for _ in range(self.repeats + 1)]
-    self.out[key] = statistics.median(d.pull_s for d in pulls[1:])
+    self.out[key] = statistics.fmean(d.pull_s for d in pulls[1:])
     return pulls[-1].tree
 
   def _trainer_programs(self, trainer, plan, name: str, traj, rewards) -> None:
@@ -304,13 +305,13 @@ class _Profile:
 
     n, r = plan.size, self.repeats
     cond = trainer.encode(plan.prompts(0, self.batch_prompts))
-    self.out[f'encode/{n}'] = _median_time(
+    self.out[f'encode/{n}'] = _mean_time(
         lambda: trainer.encode(plan.prompts(0, self.batch_prompts)), r
     )
-    self.out[f'adv/{n}'] = _median_time(
+    self.out[f'adv/{n}'] = _mean_time(
         lambda: jax.block_until_ready(trainer.advantages(0, rewards)), r
     )
-    self.out['begin'] = _median_time(lambda: jax.block_until_ready(trainer.begin(0)), r)
+    self.out['begin'] = _mean_time(lambda: jax.block_until_ready(trainer.begin(0)), r)
     adv = trainer.advantages(0, rewards)
     state = {'s': trainer.begin(0)}  # the accumulator (or params) is donated: thread it
 
@@ -318,7 +319,7 @@ class _Profile:
       state['s'] = jax.block_until_ready(trainer.train(state['s'], traj, cond, *adv))
 
     key = {'update': 'update', 'plain': 'grad', 'tsp': 'grad_tsp'}[name]
-    self.out[f'{key}/{n}'] = _median_time(train, r)
+    self.out[f'{key}/{n}'] = _mean_time(train, r)
     if trainer.fused:
       return
     applies = []
@@ -327,7 +328,7 @@ class _Profile:
       t0 = time.perf_counter()
       jax.device_get(trainer.apply(s))
       applies.append(time.perf_counter() - t0)
-    self.out['apply'] = statistics.median(applies[1:])
+    self.out['apply'] = statistics.fmean(applies[1:])
 
   def _checkpoint(self, trainer) -> None:
     """The checkpoint each step ends with (config.checkpoint_every): what the save call
@@ -341,8 +342,8 @@ class _Profile:
       trainer.checkpointer.wait()
       blocks.append(t1 - t0)
       rests.append(time.perf_counter() - t1)
-    self.out['checkpoint_block'] = statistics.median(blocks[1:])
-    self.out['checkpoint'] = statistics.median(rests[1:])
+    self.out['checkpoint_block'] = statistics.fmean(blocks[1:])
+    self.out['checkpoint'] = statistics.fmean(rests[1:])
 
   def _tag_rollout(self, trainer, plan) -> None:
     from digen_jax.runtime import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
@@ -355,8 +356,8 @@ class _Profile:
         sampler.sample(trainer.params, 0, self.batch_prompts, 0, f % plan.num)
         for f in range(self.repeats + 1)
     ][1:]
-    self.out[f'tag_rollout/{plan.size}'] = statistics.median(f.sample_s for f in tags)
-    self.out[f'tag_reward/{plan.size}'] = statistics.median(f.reward_s for f in tags)
+    self.out[f'tag_rollout/{plan.size}'] = statistics.fmean(f.sample_s for f in tags)
+    self.out[f'tag_reward/{plan.size}'] = statistics.fmean(f.reward_s for f in tags)
 
   def finish(self) -> dict:
     """The seconds (the trainer process gets the rollout's through the key-value store)."""
