@@ -227,14 +227,29 @@ def _mp2_profile(checkpoint: float) -> dict:
   return {'layouts': {'mp2': dict(prof, seconds=seconds)}}
 
 
-def _span(name, step, seconds):
-  return {'ph': 'X', 'name': name, 'dur': seconds * 1e6, 'args': {'step': step}}
+def _span(name, step, seconds, start=0.0):
+  return {'ph': 'X', 'name': name, 'ts': start * 1e6, 'dur': seconds * 1e6, 'args': {'step': step}}
 
 
 def test_span_seconds_average_each_program_after_the_first_step():
   events = [_span('grad', 0, 9.0), _span('grad', 1, 0.2), _span('grad', 2, 0.4)]
   events += [_span('rollout', 1, 0.3), {'ph': 'M', 'name': 'process_name', 'args': {}}]
   assert predict.span_seconds(events) == pytest.approx({'grad': 0.3, 'rollout': 0.3})
+
+
+def test_span_seconds_measure_the_rollouts_host_time_between_fragments_of_a_step():
+  # Step 1: fragments at 10.0-10.3, 10.35-10.65, 10.75-11.05 (gaps 0.05 and 0.1, listed out of
+  # order); step 2's one fragment starts after the policy pull: no gap across steps. Step 0
+  # warms up.
+  events = [_span('rollout', 0, 0.3, 0.0), _span('rollout', 0, 0.3, 5.0)]
+  events += [_span('rollout', 1, 0.3, 10.75), _span('rollout', 1, 0.3, 10.0)]
+  events += [_span('rollout', 1, 0.3, 10.35), _span('rollout', 2, 0.3, 12.0)]
+  spans = predict.span_seconds(events)
+  assert spans['rollout_gap'] == pytest.approx(0.075)
+  # A span on two devices is two events (runtime/trace.py): the gaps are per device.
+  twice = events + [dict(e, tid=1) for e in events]
+  assert predict.span_seconds(twice)['rollout_gap'] == pytest.approx(0.075)
+  assert 'rollout_gap' not in predict.span_seconds(events[:2] + events[-1:])
 
 
 def test_a_rung_simulated_at_its_measured_spans():
@@ -258,6 +273,12 @@ def test_a_rung_simulated_at_its_measured_spans():
   assert tsp['samples_per_s_at_spans'] < 0.9 * tsp['samples_per_s']
   assert tsp['spans_vs_profile']['grad'] == pytest.approx(2.0)
   assert tsp['spans_vs_profile']['rollout'] == pytest.approx(1.0)  # not measured: profiled
+  # A rollout that spent longer between its fragments than the profile's scoring, hand-over
+  # and encode (0.05 + 0.01 + 0.001) makes a rollout-bound rung slower at its spans.
+  gap = {'mp2-tsp': dict(same['mp2-tsp'], rollout_gap=0.2)}
+  bound = predict.predict_ladder(prof, measured_spans=gap, **kw)['modes']['gap_tsp']
+  assert bound['spans_vs_profile']['gap'] == pytest.approx(0.2 / 0.061)
+  assert bound['samples_per_s_at_spans'] < 0.9 * bound['samples_per_s']
   # The checkpoint's background work is in the measured spans already: not added again.
   busy = _mp2_profile(checkpoint=0.5)
   costs = predict.at_measured_spans(

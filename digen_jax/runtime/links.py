@@ -395,6 +395,6 @@ class ChannelLink:
 
   def finish_rollout(self) -> None:
     # With wait_for_pull every fragment was already delivered (and its ack consumed).
-    if self.chan._sent.get(FRAG_TAG) and not self.wait_for_pull:  # pylint: disable=protected-access
+    if self.chan.sent(FRAG_TAG) and not self.wait_for_pull:
       self.chan.wait_delivered(FRAG_TAG, timeout_s=PEER_TIMEOUT_S)
     self._held = []

@@ -365,6 +365,10 @@ class Channel:
     self._acks_consumed.discard((tag, seq - 1))
     return seq
 
+  def sent(self, tag: str) -> int:
+    """How many sends under `tag` this channel has made."""
+    return self._sent.get(tag, 0)
+
   def wait_delivered(self, tag: str, seq: int | None = None, timeout_s: float | None = None):
     """Blocks until the peer has received send number `seq` (default: the latest) of `tag`."""
     if seq is None:

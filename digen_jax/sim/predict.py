@@ -121,19 +121,34 @@ def span_seconds(events: list[dict], skip_steps: int = 1) -> dict[str, float]:
   """Mean seconds of each program's spans in a run's trace (runtime/trace.py's Chrome 'X'
   events: name, dur in microseconds, args.step), the steps below `skip_steps` left out (they
   compile and warm up). The mean, not the median: a span slowed by the checkpoint's
-  background work beside it counts as often as it happens."""
+  background work beside it counts as often as it happens. Also 'rollout_gap': the mean host
+  time from one rollout span's end to the next's start on a device (an event per span and
+  device) within a step, where a step has two or more: StepCosts.gap as it ran (the runtime's
+  claims, hand-over and encode, with its scoring beside them)."""
   durations: dict[str, list[float]] = {}
+  rollouts: dict[tuple[int, int], list[tuple[float, float]]] = {}  # (step, device) -> spans
   for e in events:
-    if e.get('ph') == 'X' and e.get('args', {}).get('step', 0) >= skip_steps:
+    step = e.get('args', {}).get('step', 0)
+    if e.get('ph') == 'X' and step >= skip_steps:
       durations.setdefault(e['name'], []).append(e['dur'] / 1e6)
-  return {name: statistics.fmean(d) for name, d in durations.items()}
+      if e['name'] == 'rollout':
+        on = rollouts.setdefault((step, e.get('tid', 0)), [])
+        on.append((e['ts'] / 1e6, (e['ts'] + e['dur']) / 1e6))
+  out = {name: statistics.fmean(d) for name, d in durations.items()}
+  gaps = [
+      b[0] - a[1] for spans in rollouts.values() for a, b in zip(sorted(spans), sorted(spans)[1:])
+  ]
+  if gaps:
+    out['rollout_gap'] = statistics.fmean(gaps)
+  return out
 
 
 def at_measured_spans(
     prof: dict, layout_name: str, schedule: engine.Modes, spans: dict[str, float]
 ) -> engine.StepCosts:
   """step_costs with each program's seconds replaced by its mean span in a measured run of the
-  same rung (span_seconds): the programs as they ran there, beside each other. The checkpoint's
+  same rung (span_seconds), and the rollout's host time between fragments by the run's: the
+  programs as they ran there, beside each other. The checkpoint's
   background job is dropped, since the spans it slowed already hold it. Simulating these costs
   separates a prediction's error into the programs' times (profile vs run) and the rest (the
   schedule, host work no span covers). Not for a layout whose roles share cores at once (sp):
@@ -156,6 +171,7 @@ def at_measured_spans(
       apply=span('apply', costs.apply),
       tag_rollout=tag_rollout,
       publish=span('publish', costs.publish),
+      gap=span('rollout_gap', costs.gap),
       checkpoint=0.0,
   )
 
@@ -229,7 +245,7 @@ def predict_ladder(
         row['samples_per_s_at_spans'] = again.summary()['samples_per_s']
         row['spans_vs_profile'] = {
             f: getattr(measured, f) / getattr(costs, f)
-            for f in ('rollout', 'grad', 'apply', 'tag_rollout', 'publish')
+            for f in ('rollout', 'gap', 'grad', 'apply', 'tag_rollout', 'publish')
             if getattr(costs, f) and getattr(measured, f) is not None
         }
       rows.append(row)
