@@ -47,6 +47,9 @@ def test_config_form_profiles_then_predicts(tmp_path):
   doc = json.loads(out.read_text())
   profile = json.loads((tmp_path / 'sim.json.profile.json').read_text())
   assert set(profile['layouts']) == {'colocated', 'sp'}
+  # The fragments were also sampled as the runtime samples them (each scored beside the next).
+  seconds = profile['layouts']['sp']['seconds']
+  assert {'rollout_piped/8', 'rollout_host/8'} <= set(seconds), sorted(seconds)
   assert '--config.rl.prompts_per_step=4' in profile['argv']
   modes = doc['modes']
   assert modes['colocated']['samples_per_s'] > 0 and modes['disagg']['samples_per_s'] > 0

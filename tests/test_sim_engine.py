@@ -290,3 +290,18 @@ def test_a_rung_simulated_at_its_measured_spans():
     predict.at_measured_spans(
         shared, 'sp', predict.rung_schedule('tsp', 4, 'group', 0.5), same['mp2-tsp']
     )
+
+
+def test_fragments_sampled_as_the_runtime_samples_them_give_the_rollouts_costs():
+  prof = _mp2_profile(checkpoint=0.0)['layouts']['mp2']
+  tsp = predict.rung_schedule('tsp', 4, 'group', 0.5)
+  before = predict.step_costs(prof, 'mp2', tsp)
+  assert before.rollout == 0.3 and before.gap == pytest.approx(0.05 + 0.01 + 0.001)
+  # Each fragment scored beside the next one's span (sim/profile.py's piped rollout).
+  piped = dict(prof, seconds={**prof['seconds'], 'rollout_piped/4': 0.34, 'rollout_host/4': 0.02})
+  costs = predict.step_costs(piped, 'mp2', tsp)
+  assert costs.rollout == 0.34 and costs.gap == pytest.approx(0.02 + 0.01)
+  assert costs.deliver == before.deliver  # the scores still come after the span
+  # One fragment of the whole batch is never sampled beside another.
+  disagg = predict.rung_schedule('disagg', 4, 'group', 0.5)
+  assert predict.step_costs(piped, 'mp2', disagg) == predict.step_costs(prof, 'mp2', disagg)

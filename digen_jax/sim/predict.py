@@ -8,8 +8,10 @@ rung's StepCosts (what the runtime's one loop does between its programs; colocat
 disaggregation are one fragment of the whole batch, n = B, the others n = B / M):
   rollout = a fragment's sampling span; deliver = its scoring + hand-over; gap = scoring +
   hand-over (the rollout hands each fragment over before the next one) + the next fragment's
-  encode; grad = advantages + gradient (TSP: its program; one fragment without TSP: the fused
-  update, apply then 0); apply; tag_rollout = encode + span + scoring on the trainer;
+  encode; with M > 1 fragments, when the profile has them, the span and the host time between
+  two spans as the runtime samples them (the scoring beside the next span) + the hand-over;
+  grad = advantages + gradient (TSP: its program; one fragment without TSP: the fused update,
+  apply then 0); apply; tag_rollout = encode + span + scoring on the trainer;
   trainer_host = the step's encodes + selection + the checkpoint save's blocking part;
   checkpoint = the save's asynchronous rest, beside the trainer's next programs (each /
   checkpoint_every); publish (+ pull, mp2).
@@ -95,15 +97,20 @@ def step_costs(
   tag = None
   if schedule.tag:
     tag = g(f'encode/{n}') + g(f'tag_rollout/{n}') + g(f'tag_reward/{n}')
+  # Fragments as the runtime's rollout samples them, each scored beside the next one's span
+  # (sim/profile.py): the span and the host time between two, plus the send.
+  rollout, gap = g(f'rollout/{n}'), hand + g(f'encode/{n}')
+  if M > 1 and f'rollout_piped/{n}' in s:
+    rollout, gap = g(f'rollout_piped/{n}'), g(f'rollout_host/{n}') + g(f'handover/{n}')
   return engine.StepCosts(
-      rollout=g(f'rollout/{n}'),
+      rollout=rollout,
       grad=g(f'adv/{n}') + g(grad),
       apply=0.0 if schedule.fused else g('apply'),
       tag_rollout=tag,
       publish=g('publish'),
       pull=g('pull'),
       deliver=hand,
-      gap=hand + g(f'encode/{n}'),
+      gap=gap,
       trainer_host=M * g(f'encode/{n}') + g('begin') + save_block,
       checkpoint=save_rest,
       cores=cores(

@@ -17,17 +17,19 @@ runtime/links.py), run once to compile, then timed --repeats times with nothing 
 (the mean is kept: a run's throughput follows its programs' mean times, slow calls included,
 and a run's spans are averaged too), for a fragment of the whole batch (n = B: the colocated
 and naive disaggregation rungs, the fused update) and, on the disaggregated layouts, of B / M
-samples: the fragment rollout (device span and host scoring apart), its hand-over to the
-trainer, the trainer's encode, advantages and gradient (with and without TSP:
---fragment_grads, only those the predicted rungs use), the optimizer apply, the trainer-side
-(TAG) fragment rollout, the weight publish and pull, the step's selection program and the checkpoint save (its blocking
+samples: the fragment rollout (device span and host scoring apart; then again as the runtime
+samples fragments, each scored beside the next one's span), its hand-over to the trainer, the
+trainer's encode, advantages and gradient (with and without TSP: --fragment_grads, only those
+the predicted rungs use), the optimizer apply, the trainer-side (TAG) fragment rollout, the
+weight publish and pull, the step's selection program and the checkpoint save (its blocking
 part and the asynchronous rest). Nothing here is fitted to a run's throughput.
 
 Output: {'config', 'overrides', 'machine', 'layouts': {name: {'trainer_devices',
 'rollout_devices', 'shared', 'colocated', 'batch', 'fragment', 'seconds': {key: s}}}} with keys
-rollout/<n>, reward/<n>, handover/<n>, encode/<n>, adv/<n>, update/<B>, grad/<n>,
-grad_tsp/<n>, apply, tag_rollout/<n>, tag_reward/<n>, publish, pull, begin, checkpoint_block,
-checkpoint; and checkpoint_every (the config's: one save per that many steps).
+rollout/<n>, reward/<n>, rollout_piped/<n>, rollout_host/<n>, handover/<n>, encode/<n>,
+adv/<n>, update/<B>, grad/<n>, grad_tsp/<n>, apply, tag_rollout/<n>, tag_reward/<n>, publish,
+pull, begin, checkpoint_block, checkpoint; and checkpoint_every (the config's: one save per
+that many steps).
 """
 
 from __future__ import annotations
@@ -275,7 +277,29 @@ class _Profile:
     ][1:]
     self.out[f'rollout/{plan.size}'] = statistics.fmean(f.sample_s for f in frags)
     self.out[f'reward/{plan.size}'] = statistics.fmean(f.reward_s for f in frags)
+    if plan.num > 1:
+      self._piped_rollout(sampler, plan)
     return frags[0]
+
+  def _piped_rollout(self, sampler, plan) -> None:
+    """Fragments sampled as the runtime's rollout samples them (runtime/rollout.py): each one
+    scored while the next one samples, on the same host. rollout_piped/<n>: the mean span
+    then; rollout_host/<n>: the mean host time from a span's end to the next one's start
+    (encode, dispatch, taking the previous scores in)."""
+    from digen_jax.runtime import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
+
+    spans, hosts, prev, t_end = [], [], None, None
+    for f in range(self.repeats + 2):
+      frag = sampler.sample(self.policy.params, 0, self.batch_prompts, 0, f % plan.num, wait=False)
+      if t_end is not None and f > 1:  # the first pair warms up
+        spans.append(frag.sample_s)
+        hosts.append(frag.t_start - t_end)
+      if prev is not None:
+        rollout_lib.complete(prev)
+      prev, t_end = frag, frag.t_end
+    rollout_lib.complete(prev)
+    self.out[f'rollout_piped/{plan.size}'] = statistics.fmean(spans)
+    self.out[f'rollout_host/{plan.size}'] = statistics.fmean(hosts)
 
   def _handover(self, plan, frag):
     """A fragment's trajectory onto the trainer's layout (a jax.device_put in one process, the
