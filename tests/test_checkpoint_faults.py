@@ -353,3 +353,26 @@ def test_a_metrics_row_that_cannot_be_written_is_one_line(tmp_path):
     w.write({'step': 1, 'loss': 0.5})
   assert str(e.value).startswith(f'writing {tmp_path}/metrics.jsonl failed: No space left on')
   assert 'rerun the same command to resume' in str(e.value)
+
+
+def test_tensorboard_events_that_cannot_be_flushed_at_close_are_one_line(tmp_path, monkeypatch):
+  """The events' last buffer meets a full disk at close (the slow full-disk run above hits this
+  beside a failed save, whose line then stands alone): a RunError naming the folder."""
+  import errno  # pylint: disable=g-import-not-at-top
+
+  from digen_jax.outputs import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+
+  w = metrics_lib.MetricsWriter(str(tmp_path))
+  w.write({'step': 1, 'loss': 0.5})
+
+  def full(*_):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  import tensorboardX  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(tensorboardX.SummaryWriter, 'close', full)
+  with pytest.raises(faults.RunError) as e:
+    w.close()
+  assert str(e.value).startswith(f'writing the TensorBoard events in {tmp_path}/tensorboard failed')
+  assert 'No space left on device' in str(e.value)
+  w.close()  # closed: a second close does nothing

@@ -86,9 +86,19 @@ class MetricsWriter:
       self._tb.add_image(tag, image_hwc_uint8, step, dataformats='HWC')
 
   def close(self):
+    """Closes metrics.jsonl and the TensorBoard events; a failed write of the events' last
+    buffer (a full disk) is a RunError naming the folder, not a traceback."""
     self._file.close()
     if self._tb is not None:
-      self._tb.close()
+      tb, self._tb = self._tb, None
+      try:
+        tb.close()
+      except OSError as e:
+        raise faults.RunError(
+            f'writing the TensorBoard events in {tb.logdir} failed: {e.strerror or e}: free '
+            'space (or fix the cause) and rerun the same command to resume from the last '
+            'checkpoint'
+        ) from None
 
 
 def supersede_rows_after(workdir: str, step: int) -> int:

@@ -189,7 +189,10 @@ class Bookkeeping:
     try:
       fn(*args, **kwargs)
     except faults.CheckpointError:
-      self.writer.close()
+      try:
+        self.writer.close()
+      except faults.RunError:
+        pass  # its events' last write met the same storage (a full disk): one line, the save's
       try:
         self.trainer.close()
       except faults.CheckpointError:
