@@ -142,9 +142,10 @@ def span_seconds(events: list[dict], skip_steps: int = 1) -> dict[str, float]:
         on = rollouts.setdefault((step, e.get('tid', 0)), [])
         on.append((e['ts'] / 1e6, (e['ts'] + e['dur']) / 1e6))
   out = {name: statistics.fmean(d) for name, d in durations.items()}
-  gaps = [
-      b[0] - a[1] for spans in rollouts.values() for a, b in zip(sorted(spans), sorted(spans)[1:])
-  ]
+  gaps = []
+  for spans in rollouts.values():
+    spans.sort()
+    gaps += [b[0] - a[1] for a, b in zip(spans, spans[1:])]
   if gaps:
     out['rollout_gap'] = statistics.fmean(gaps)
   return out
@@ -155,8 +156,8 @@ def at_measured_spans(
 ) -> engine.StepCosts:
   """step_costs with each program's seconds replaced by its mean span in a measured run of the
   same rung (span_seconds), and the rollout's host time between fragments by the run's: the
-  programs as they ran there, beside each other. The checkpoint's
-  background job is dropped, since the spans it slowed already hold it. Simulating these costs
+  programs as they ran there, beside each other. The checkpoint's background job is dropped,
+  since the spans it slowed already hold it. Simulating these costs
   separates a prediction's error into the programs' times (profile vs run) and the rest (the
   schedule, host work no span covers). Not for a layout whose roles share cores at once (sp):
   there the engine would slow the measured spans a second time."""

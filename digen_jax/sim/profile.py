@@ -288,15 +288,15 @@ class _Profile:
     (encode, dispatch, taking the previous scores in)."""
     from digen_jax.runtime import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
 
-    spans, hosts, prev, t_end = [], [], None, None
+    spans, hosts, prev = [], [], None
     for f in range(self.repeats + 2):
       frag = sampler.sample(self.policy.params, 0, self.batch_prompts, 0, f % plan.num, wait=False)
-      if t_end is not None and f > 1:  # the first pair warms up
+      if f > 1:  # the first pair warms up
         spans.append(frag.sample_s)
-        hosts.append(frag.t_start - t_end)
+        hosts.append(frag.t_start - prev.t_end)
       if prev is not None:
         rollout_lib.complete(prev)
-      prev, t_end = frag, frag.t_end
+      prev = frag
     rollout_lib.complete(prev)
     self.out[f'rollout_piped/{plan.size}'] = statistics.fmean(spans)
     self.out[f'rollout_host/{plan.size}'] = statistics.fmean(hosts)
