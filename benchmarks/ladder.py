@@ -34,10 +34,10 @@ mean over the same steps (both from metrics.jsonl); eval accuracy is eval/strict
 evaluation at the last step (--eval_prompts prompts x 2 samples; 0 turns eval off). Every rung starts
 from an empty workdir under OUT/runs/. Each rung's timeline.png (and trace.json) is copied to
 OUT/timelines/<run>.png; the table goes to OUT/ladder.{json,csv} unless --json/--csv (with
-`--out FILE.json`, as DESIGN.md §5 writes it, the JSON is FILE.json and OUT is FILE). The JSON
-has DESIGN.md §5's shape: 'machine', 'command', and 'modes' {colocated, disagg, gap, gap_tsp,
-gap_tsp_tag, gap_tsp_tag_tcss} of the first --variants entry ('modes_by_variant' has each), next
-to every run's full row in 'rows'.
+`--out FILE.json`, as docs/design.md#measuring writes it, the JSON is FILE.json and OUT is FILE).
+The JSON has docs/design.md#measuring's shape: 'machine', 'command', and 'modes' {colocated, disagg,
+gap, gap_tsp, gap_tsp_tag, gap_tsp_tag_tcss} of the first --variants entry ('modes_by_variant' has
+each), next to every run's full row in 'rows'.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ LABELS = {
 }
 VARIANTS = ('mp2', 'sp', 'mp2u')
 DEFAULT_VARIANTS = ('mp2', 'sp')
-# DESIGN.md §5: the ladder's JSON names each rung by the techniques it has on (the simulator's
-# --json uses the same keys, so predicted and measured figures compare line by line).
+# docs/design.md#measuring: the ladder's JSON names each rung by the techniques it has on (the
+# simulator's --json uses the same keys, so predicted and measured figures compare line by line).
 MODE_KEYS = {
     'colocated': 'colocated',
     'disagg': 'disagg',
@@ -159,8 +159,8 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def modes(rows: list[dict], variant: str) -> dict[str, dict]:
-  """DESIGN.md §5 'modes': {mode key: {samples_per_s, utilization, eval_strict_accuracy, ...}}
-  of `variant`'s rungs (and the colocated baseline), for the rungs that ran."""
+  """docs/design.md#measuring 'modes': {mode key: {samples_per_s, utilization, eval_strict_accuracy,
+  ...}} of `variant`'s rungs (and the colocated baseline), for the rungs that ran."""
   out = {}
   for r in rows:
     if r['variant'] in ('-', variant) and r['status'] == 'ok':
@@ -260,8 +260,8 @@ def parse_args(argv):
   p.add_argument(
       '--out',
       default='/tmp/digen_ladder',
-      help='directory for workdirs, timelines and the table; or FILE.json (DESIGN.md '
-      '§5): the JSON goes there, everything else to FILE/ beside it',
+      help='directory for workdirs, timelines and the table; or FILE.json '
+      '(docs/design.md#measuring): the JSON goes there, everything else to FILE/ beside it',
   )
   p.add_argument('--steps', type=int, default=6, help='optimizer steps per rung (>= 2)')
   p.add_argument('--rungs', default=','.join(RUNG_NAMES), help=f'subset of {",".join(RUNG_NAMES)}')
@@ -289,7 +289,7 @@ def parse_args(argv):
   p.add_argument('--json', default=None, help='default OUT/ladder.json')
   p.add_argument('--csv', default=None, help='default OUT/ladder.csv')
   a = p.parse_args(argv)
-  if a.out.endswith('.json'):  # DESIGN.md §5: `ladder.py --out FILE.json`
+  if a.out.endswith('.json'):  # docs/design.md#measuring: `ladder.py --out FILE.json`
     a.json = a.json or a.out
     a.out = a.out[: -len('.json')]
   a.rungs = [r.strip() for r in a.rungs.split(',') if r.strip()]

@@ -25,8 +25,8 @@ performance page measures the LoRA recipe at 420 s per step with the reward on t
 GPUs and 360 s with it on a 5th GPU: 60 s of scoring per 512 images on 4 H800s, 0.469
 device-seconds per image.
 
-PUBLISHED holds each variant's published throughput (docs/algo/performance.md of
-verl-project/verl-omni, updated 2026-09-10).
+PUBLISHED holds each variant's published throughput (verl-project/verl-omni
+docs/algo/performance.md, updated 2026-09-10).
 """
 
 from digen_jax.experiment import config as configlib

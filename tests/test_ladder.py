@@ -1,5 +1,6 @@
 """benchmarks/ladder.py: the rungs' override sets, the run plan, ratios, bad input, and a real
-short ladder (colocated and naive disagg in one process) with DESIGN.md §5's JSON keys."""
+short ladder (colocated and naive disagg in one process) with docs/design.md#measuring's JSON
+keys."""
 
 import csv
 import json
@@ -120,7 +121,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, match):
 
 @pytest.mark.slow
 def test_short_ladder_one_process(tmp_path, capsys, plots):
-  out = tmp_path / 'ladder'  # DESIGN.md §5's form: --out FILE.json, the rest under FILE/
+  out = tmp_path / 'ladder'  # docs/design.md#measuring: --out FILE.json, the rest under FILE/
   code = ladder.main(
       [
           '--config',
@@ -156,7 +157,7 @@ def test_short_ladder_one_process(tmp_path, capsys, plots):
   )
   assert rows['sp-disagg']['x_disagg'] == 1.0 and code == 0
   assert re.search(r'^disagg +sp +1x2 +ok ', text, re.M) and 'x coloc' in text, text
-  # DESIGN.md §5's keys, from the same rows.
+  # docs/design.md#measuring's keys, from the same rows.
   assert result['variant'] == 'sp' and set(result['modes']) == {'colocated', 'disagg'}
   assert result['modes']['disagg']['samples_per_s'] == rows['sp-disagg']['samples_per_s']
   assert result['modes']['colocated']['utilization'] == rows['colocated']['utilization']

@@ -1,8 +1,8 @@
 """One sampler step of a flow-matching model: ODE (Euler) and SDE variants with exact log-probs.
 
-Conventions (DESIGN.md §2): x_σ = (1−σ)·x0 + σ·ε, the network predicts v ≈ ε − x0, sampling runs
-σ: 1 → 0 and dt = σ_next − σ < 0. Latents are [B, ...] (usually [B, N, C]); sigmas are a scalar or
-[B] (one per sample). All arithmetic is float32 whatever the dtype of x and v.
+Conventions (docs/design.md#the-math): x_σ = (1−σ)·x0 + σ·ε, the network predicts v ≈ ε − x0,
+sampling runs σ: 1 → 0 and dt = σ_next − σ < 0. Latents are [B, ...] (usually [B, N, C]); sigmas are
+a scalar or [B] (one per sample). All arithmetic is float32 whatever the dtype of x and v.
 
 ``sde_log_prob`` is THE log-density used by both the rollout (through ``sde_step``) and training, so
 recomputing it with unchanged params gives exp(logp_new − logp_old) = 1 up to float32 rounding.

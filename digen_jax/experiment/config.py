@@ -365,13 +365,13 @@ def _parallel_section() -> ml_collections.ConfigDict:
   # models/sequence_parallel.py). It must divide each role's device count and the model's
   # attention heads; the token count is padded to it. 1 = no split. What it buys: a device
   # holds 1/s of a sample's activations, so a fragment needs only n/s samples to fill n
-  # devices (DESIGN.md §8, docs/real_models.md "Long videos").
+  # devices (docs/design.md#attention-and-sequence-parallelism, docs/real_models.md "Long videos").
   parallel.sequence = 1
   return parallel
 
 
 def _schedule_section() -> ml_collections.ConfigDict:
-  """config.schedule: scheduling (DESIGN.md §3); the defaults are the synchronous
+  """config.schedule: scheduling (docs/design.md#execution-modes); the defaults are the synchronous
   schedule."""
   schedule = ml_collections.ConfigDict()
   schedule.fragments = 1  # M: GAP fragments per logical batch (1 = no GAP)

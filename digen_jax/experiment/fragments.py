@@ -1,4 +1,5 @@
-"""How a logical batch is cut into GAP fragments along the sampling axis (DESIGN.md §3).
+"""How a logical batch is cut into GAP fragments along the sampling axis
+(docs/design.md#execution-modes).
 
 The batch holds P prompt groups of G samples, group-contiguous (B = P*G). Fragment f covers
 samples [f*s, (f+1)*s) with s = B/M. With unit 'group' every fragment holds whole groups; with

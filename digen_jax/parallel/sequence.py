@@ -1,8 +1,9 @@
 """Sequence parallelism's layout: a sample's tokens split over `s` devices of a role's mesh
-(config.parallel.sequence = s, DESIGN.md §8). The role's n devices are viewed as (n / s) x s,
-row-major (a second Mesh over the same devices in the same order, as TSP's grid: the jit's
-device assignment is unchanged): samples go over the first axis, each sample's tokens over the
-s devices of the second. models/sequence_parallel.py runs attention on that view ("Ulysses").
+(config.parallel.sequence = s, docs/design.md#attention-and-sequence-parallelism). The role's n
+devices are viewed as (n / s) x s, row-major (a second Mesh over the same devices in the same order,
+as TSP's grid: the jit's device assignment is unchanged): samples go over the first axis, each
+sample's tokens over the s devices of the second. models/sequence_parallel.py runs attention on that
+view ("Ulysses").
 
 `check` is the arithmetic a config load runs (no JAX: validation and runtime.cluster call it
 before anything compiles); `token_mesh` builds the view.

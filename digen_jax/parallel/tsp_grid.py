@@ -1,6 +1,6 @@
-"""The (t, b) grid of time-step parallelism (TSP, DESIGN.md §3): how a fragment gradient's K
-trained steps x B samples spread over a trainer mesh of n devices. Arithmetic only (no JAX), so
-a config check or a cost model can use it without building anything.
+"""The (t, b) grid of time-step parallelism (TSP, docs/design.md#execution-modes): how a fragment
+gradient's K trained steps x B samples spread over a trainer mesh of n devices. Arithmetic only (no
+JAX), so a config check or a cost model can use it without building anything.
 
 The n devices are viewed as t x b (t * b = n): the K steps are padded with weight-0 steps to
 K_pad = ceil(K / t) * t and split over t, the B samples over b (padded with weight-0 rows to

@@ -1,7 +1,7 @@
-"""Time-step parallelism (TSP, DESIGN.md §3) in the programs: a fragment gradient's K trained
-steps x B samples as one batched forward/backward on the (t, b) grid of the trainer mesh
-(parallel/tsp_grid.py: how t, K_pad and b are chosen). The grid is a second Mesh over the same
-devices in the same order (row-major), so the jit's device assignment is unchanged and its
+"""Time-step parallelism (TSP, docs/design.md#execution-modes) in the programs: a fragment
+gradient's K trained steps x B samples as one batched forward/backward on the (t, b) grid of the
+trainer mesh (parallel/tsp_grid.py: how t, K_pad and b are chosen). The grid is a second Mesh over
+the same devices in the same order (row-major), so the jit's device assignment is unchanged and its
 arguments keep the trainer mesh's shardings; only the gathered per-step arrays are constrained
 onto it. Every FSDP weight is gathered once per fragment for all K_pad / t steps of a device.
 

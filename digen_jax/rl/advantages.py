@@ -1,4 +1,4 @@
-"""GRPO advantages: rewards normalised within each prompt group (DESIGN.md §2)."""
+"""GRPO advantages: rewards normalised within each prompt group (docs/design.md#the-math)."""
 
 from __future__ import annotations
 

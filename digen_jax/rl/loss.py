@@ -1,4 +1,5 @@
-"""PPO-clip policy loss over (timestep, sample) pairs, and the exact Gaussian KL (DESIGN.md §2).
+"""PPO-clip policy loss over (timestep, sample) pairs, and the exact Gaussian KL
+(docs/design.md#the-math).
 
 Averaging. Flow-GRPO takes, per selected timestep, the mean of max(−A·ρ, −A·clip(ρ)) over the
 samples of a micro-batch, and accumulates gradients over timesteps and micro-batches with

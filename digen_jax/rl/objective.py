@@ -1,4 +1,4 @@
-"""The GRPO training objective on stored trajectories (DESIGN.md §2).
+"""The GRPO training objective on stored trajectories (docs/design.md#the-math).
 
 For each selected step t and sample b it recomputes v_θ(x_t) (with the rollout's CFG settings),
 the log-prob of the stored x_{t+1} through ``sde_log_prob`` (the function the rollout used), and
@@ -11,10 +11,10 @@ grad the residuals of all K steps are still kept unless velocity_fn is remateria
 the same loss and gradients to float32 rounding (the model's matmuls round differently in the last
 bit on a K·B batch than on a B batch, so 'scan' reproduces the rollout's log-probs more tightly).
 
-Time-step parallelism (TSP, DESIGN.md §3) is the 'vmap' loop with ``step_constraint`` laying the
-gathered [K, B, ...] steps over a (steps x samples) view of the trainer mesh (so one parameter
-all-gather serves all K steps; programs/tsp.py); ``step_weights`` [K] zero out the padding steps
-that make K divisible by the steps axis.
+Time-step parallelism (TSP, docs/design.md#execution-modes) is the 'vmap' loop with
+``step_constraint`` laying the gathered [K, B, ...] steps over a (steps x samples) view of the
+trainer mesh (so one parameter all-gather serves all K steps; programs/tsp.py); ``step_weights`` [K]
+zero out the padding steps that make K divisible by the steps axis.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which sampler steps are stochastic at rollout and which are trained on (DESIGN.md §2).
+"""Which sampler steps are stochastic at rollout and which are trained on (docs/design.md#the-math).
 
 Steps are indexed t = 0 … T−1 (step t goes σ_t → σ_{t+1}). The last step (σ_{T−1} → 0) is never
 stochastic nor trained on: cps is deterministic there (std = sin(aπ/2)·0) and every method we

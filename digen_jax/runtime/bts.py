@@ -15,8 +15,8 @@ online (exponential moving averages of measured device spans):
             a TAG insertion minus its device span)
   c_train   trainer mesh: gradient of one fragment
 
-and inserts only if the prediction goes down (DESIGN.md §3). Every decision is returned as a
-record the schedule logs and stores in the trace.
+and inserts only if the prediction goes down (docs/design.md#execution-modes). Every decision is
+returned as a record the schedule logs and stores in the trace.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""How the two roles exchange weights, fragments, claims and small values (DESIGN.md §3).
+"""How the two roles exchange weights, fragments, claims and small values
+(docs/design.md#execution-modes).
 
 `Link` is what a schedule needs from a transport; two implement it:
 
@@ -7,7 +8,7 @@
   ChannelLink  trainer and rollout in two processes (launch/local.py, launch/slurm.sh):
                transfer.Channel for weights and fragments, the jax.distributed key-value
                store for prompts, claims and eval rows (plain cross-process device_put hangs
-               on CPU: DESIGN.md §3).
+               on CPU: docs/design.md#execution-modes).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The one step loop of every mode: colocated, naive disaggregation, GAP, TSP, TAG/BTS, TCSS,
-in one process or two (DESIGN.md §3).
+in one process or two (docs/design.md#execution-modes).
 
 Each role asks its runtime/schedule.Schedule for its next action and runs one small handler
 per action, with the real programs; the modes are the Schedule's parameters (M = 1 is one

@@ -1,4 +1,5 @@
-"""The DigenRL schedule as a state machine (DESIGN.md §3, §7): fragments in, next action out.
+"""The DigenRL schedule as a state machine: fragments in, next action out
+(docs/design.md#execution-modes, docs/design.md#one-schedule-two-drivers).
 
 One `Schedule` holds what a role knows about the run's fragments: per logical batch (step),
 which fragments are claimed (by whom, when), which are scored and with which policy version,

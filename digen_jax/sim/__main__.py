@@ -8,7 +8,7 @@
 --config profiles the config's programs on this machine first (python -m digen_jax.sim.profile
 in the layouts the variants need, same --config.k=v overrides; the profile is kept beside OUT as
 OUT.profile.json), then predicts; --profile predicts from a profile taken before (same config and
-overrides as the ladder run it predicts). OUT.json has the ladder's keys (DESIGN.md §5:
+overrides as the ladder run it predicts). OUT.json has the ladder's keys (docs/design.md#measuring:
 'modes', 'modes_by_variant', 'rows'), so predicted and measured rungs compare line by line;
 --measured prints that comparison (relative error of samples/s, absolute error of utilization)
 and stores it under 'comparison'. --timelines writes each simulated rung's timeline.png in a

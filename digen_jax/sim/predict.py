@@ -209,7 +209,7 @@ def predict_ladder(
     measured_spans: dict[str, dict[str, float]] | None = None,
 ) -> dict:
   """Simulates every (rung, variant) the ladder runs. Returns {'rows': [...], 'modes': ...,
-  'modes_by_variant': ...} with the ladder's keys (DESIGN.md §5).
+  'modes_by_variant': ...} with the ladder's keys (docs/design.md#measuring).
 
   measured_spans: run name ('mp2-tag', ...) -> span_seconds of its measured run; each such
   row of a layout that does not share cores is simulated a second time at_measured_spans
