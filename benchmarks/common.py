@@ -1,4 +1,4 @@
-"""Shared pieces of the single-device benchmarks (issue 6): the "bench-s" problem built in both frameworks, A/B
+"""Shared pieces of the single-device benchmarks: the "bench-s" problem built in both frameworks, A/B
 timing, the matmul roofline probe, compile-time and peak-memory measurement.
 
 "bench-s" (fixed so figures compare across time): QwenImage transformer, 4 layers, 4 heads x 64, joint_attention_dim

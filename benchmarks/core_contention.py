@@ -1,4 +1,4 @@
-"""Do two XLA programs on two different cores slow each other down? (issue 17's open question)
+"""Do two XLA programs on two different cores slow each other down?
 
   python benchmarks/core_contention.py [--seconds=20] [--json OUT.json]
 

@@ -5,7 +5,7 @@
 Writes (1 - alpha) * A + alpha * B to DIR (params_io format; `extra` is B's less the measurements
 of B's own weights, 'final_eval' and 'loss', with the two sources and alpha recorded under
 extra['interpolated']). Meant for a fine-tune B of A: the straight line
-between them trades what B gained for what it lost (issue 16: a count-weighted continuation of the
+between them trades what B gained for what it lost (e.g. a count-weighted continuation of the
 ShapesBench base counted better and listened less to the shape word of held-out pairs).
 """
 

@@ -1,4 +1,4 @@
-"""The scheduling ladder (issue 5 item 7): one config under colocated, naive disagg, +GAP, +TSP,
+"""The scheduling ladder: one config under colocated, naive disagg, +GAP, +TSP,
 +TAG/BTS and +TCSS, real runs in one session on this machine, one table of samples/s, ratio to
 colocated and to naive disagg (measured in the same session), utilization and eval accuracy.
 

@@ -1,4 +1,4 @@
-"""Sampling throughput, ours vs diffusers, on one device (issue 6).
+"""Sampling throughput, ours vs diffusers, on one device.
 
 Loads the same random weights into diffusers' QwenImageTransformer2DModel and into our MMDiT, checks that they agree
 (one forward, the sigma schedule, and the whole 10-step Euler trajectory), then times 10-step sampling of a batch in

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pretrains a latent-space ShapesBench base end to end: the autoencoder (shape + colour channels),
 # then the generator on its latents, sized to a wall-clock budget, then the probe. Runs unchanged on
-# a CPU or a GPU (benchmarks/RESULTS.md, issue 16):
+# a CPU or a GPU (benchmarks/RESULTS.md):
 #
 #   benchmarks/shapes_base.sh OUT [BUDGET_S=480] [AE_STEPS=8000] [WORKERS=12] [BATCH=256]
 #

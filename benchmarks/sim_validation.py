@@ -1,4 +1,4 @@
-"""The simulator against measured runs (issue 17, part 4): per scenario, profile this machine's
+"""The simulator against measured runs: per scenario, profile this machine's
 programs (python -m digen_jax.sim.profile), run the real ladder (benchmarks/ladder.py), predict
 the same rungs with the simulator (python -m digen_jax.sim) and compare samples/s and
 utilization line by line. Nothing is fitted to the ladder's figures: the simulator sees only

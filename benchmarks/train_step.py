@@ -1,4 +1,4 @@
-"""GRPO update throughput, ours vs a plain PyTorch implementation on the diffusers model, on one device (issue 6).
+"""GRPO update throughput, ours vs a plain PyTorch implementation on the diffusers model, on one device.
 
 One update = the GRPO policy loss over the K = T-1 selected timesteps ('all_but_last') of a batch of stored
 trajectories, its gradient, and one AdamW step. Both frameworks start from the same weights and the same stored

@@ -1,5 +1,5 @@
 """The fragment gradient under 2-D time-step parallelism against the 1-D layout it replaced and
-against no TSP: program-level timing on N fake CPU devices (issue 42, part 4).
+against no TSP: program-level timing on N fake CPU devices.
 
     python benchmarks/tsp_grid.py --devices=8 --cases=5x8,3x8,5x4,5x2 --json=/tmp/tsp_grid.json
     python benchmarks/tsp_grid.py --config=configs/qwenimage.py:tiny --devices=8 --repeats=7
@@ -10,7 +10,7 @@ window; B samples in the fragment) and layout:
   tsp_auto  programs.make_fragment_grad(tsp=True), the steps axis t chosen by
             parallel/tsp_grid.choose (the least per-device work, ties to the larger t)
   tsp_1d    the same program with t forced to N: the timestep axis alone over the mesh, K
-            padded to a multiple of N (the layout before issue 42)
+            padded to a multiple of N (the layout before the 2-D grid)
   no_tsp    make_fragment_grad(tsp=False): rl.step_loop over K (vmap on several devices), the
             batch sharded over the mesh
 

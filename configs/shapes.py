@@ -34,7 +34,7 @@ def get_config(arg: str | None = None):
     # RL's prompts: train plus the held-out relation prompts outside eval and val (grammar.py),
     # so RL meets the (colour, shape) pairs the base never saw; no eval or val prompt among them.
     c.data.split = 'rl'
-    # Chosen on the val split (benchmarks/RESULTS.md, issue 16): 150 steps 13.5 -> 33.75 %, 300
+    # Chosen on the val split (benchmarks/RESULTS.md): 150 steps 13.5 -> 33.75 %, 300
     # steps -> 43 % (flat from 200); 2.9-4.7 s a step on the 2-core AMD hosts (15-26 min in all).
     c.total_steps = 300
     # SDE exploration and the update on the first 4 of the 9 stochastic steps, where the layout

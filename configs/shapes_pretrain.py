@@ -77,7 +77,7 @@ def get_config(arg: str | None = None):
   if arg == 'ae':
     # The same MMDiT at patch 1 on the 8 x 8 x 8 latents of a 32 px ShapesBench autoencoder
     # (models/shapes_ae.py: shape and colour channels), caption noise on relations and binding
-    # only, so single-object captions stay true (benchmarks/RESULTS.md, issue 16).
+    # only, so single-object captions stay true (benchmarks/RESULTS.md).
     configlib.shapes_latent_base(c, checkpoint='')
     p.image_size = 32
     p.caption_noise = 0.1

@@ -1,5 +1,5 @@
 """Calibrated efficiencies (sim/hardware.py) and the colocated baseline's calibration against
-veRL-Omni's published runs (issue 42)."""
+veRL-Omni's published runs."""
 
 import pytest
 
@@ -19,7 +19,7 @@ def test_the_calibration_flops_are_the_real_qwen_image_forward():
 def test_measured_fractions_and_who_borrows_them():
   ours = hardware.calibration('digen_jax', hardware.get('H200'))
   torch = hardware.calibration('torch', hardware.get('H200'))
-  # issue 40's H200 figures: forward MFU 0.52 (cuDNN) vs diffusers 0.41; forward + backward with
+  # The H200 probe's figures: forward MFU 0.52 (cuDNN) vs diffusers 0.41; forward + backward with
   # checkpointing 0.26 vs 0.11 counting 3 forwards, i.e. 4/3 of that counting the recompute.
   assert ours.sampling == pytest.approx(0.517, abs=1e-3)
   assert torch.sampling == pytest.approx(0.410, abs=1e-3)

@@ -1,4 +1,4 @@
-"""Storage faults (issue 18, part 5): a corrupt latest checkpoint is detected and the previous one
+"""Storage faults: a corrupt latest checkpoint is detected and the previous one
 used; a full disk during a save leaves the previous checkpoint readable and the next run able to
 save again."""
 
@@ -75,7 +75,7 @@ def _garble_meta(step_dir):
 
 
 def _flip_byte_without_digest(step_dir):
-  # Issue 46: with its digest gone, a flipped byte restored silently (an optimizer entry of 5e25
+  # Before digests were trusted: with its digest gone, a flipped byte restored silently (an optimizer entry of 5e25
   # was trained on); a step without a digest is now not trusted.
   os.remove(os.path.join(step_dir, ckpt_lib.DIGEST_FILE))
   _flip_byte(step_dir)
@@ -250,7 +250,7 @@ def test_training_resumes_past_a_corrupt_latest_checkpoint(tmp_path):
     np.testing.assert_array_equal(a, b)
   assert len(os.listdir(str(wd / 'checkpoints') + '.corrupt')) == 1
   # Step 2 appears once: the first run's row moved aside, the redone step's row in its place
-  # (issue 46: metrics.jsonl held steps [1, 2, 2]).
+  # (metrics.jsonl used to hold steps [1, 2, 2]).
   rows = _train_rows(wd / 'metrics.jsonl')
   assert [r['step'] for r in rows] == [1, 2], rows
   assert rows[0] == rows_before[0] and rows[1]['time'] > rows_before[1]['time']
@@ -263,7 +263,7 @@ def _train_rows(path):
 
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_the_resume_redoes_the_lost_step(tmp_path):
-  """Issue 46: a real ENOSPC during a run ended after ~800 lines and ~80 tracebacks, reported at
+  """Before: a real ENOSPC during a run ended after ~800 lines and ~80 tracebacks, reported at
   the save after next (two more steps logged), and the resumed run left steps [1, 2, 2, ...] in
   metrics.jsonl. Now: one line, before step 3's row; the resume redoes step 2 in its place."""
   mnt = tmp_path / 'mnt'

@@ -1,4 +1,4 @@
-"""Numerical faults (issue 18, part 4): a NaN/inf reward, advantage, loss or gradient skips its
+"""Numerical faults: a NaN/inf reward, advantage, loss or gradient skips its
 update (counted in metrics.jsonl) and never reaches the weights or the optimizer state; K skips
 in a row stop the run with a clear error and the last good checkpoint intact; a reward that
 raises or hangs is reported with the prompt that caused it."""

@@ -1,4 +1,4 @@
-"""Bad input to every entry point (issue 18, part 6): main, eval, pretrain, sweep and launch, fed
+"""Bad input to every entry point: main, eval, pretrain, sweep and launch, fed
 malformed configs and overrides (wrong types, negative or zero sizes, unknown keys, inconsistent
 cluster specs, learning rates that would produce NaN), malformed prompt files (empty, binary,
 huge lines, invalid UTF-8, NUL bytes) and corrupt checkpoints and caches.
@@ -675,7 +675,7 @@ def test_a_workdir_that_saw_every_failure_runs_and_corrupt_checkpoints_are_one_l
   ckpts = os.path.join(wd, 'checkpoints')
   assert sorted(os.listdir(ckpts)) == ['1', '2']
 
-  # A resume with a changed model: the checkpoint's line alone (issue 46: followed by two
+  # A resume with a changed model: the checkpoint's line alone (it used to be followed by two
   # "Event loop is closed" tracebacks), and the config.json of the run that wrote it kept.
   config_json = open(os.path.join(wd, 'config.json')).read()
   changed = [TINY, '--config.model.attention_head_dim=16', '--config.model.axes_dims_rope=4,6,6']

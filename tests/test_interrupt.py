@@ -1,4 +1,4 @@
-"""Issue 18 parts 1-3: SIGTERM/SIGINT stop every process within a bound after checkpointing the
+"""Preemption: SIGTERM/SIGINT stop every process within a bound after checkpointing the
 last completed step; a restart resumes it exactly in every mode; a process killed with -9 stops
 the others and a relaunch resumes."""
 

@@ -1,4 +1,4 @@
-"""The text-rendering task end to end on the tiny pipelines (issue 44): configs/qwenimage.py and
+"""The text-rendering task end to end on the tiny pipelines: configs/qwenimage.py and
 configs/flux.py `:tiny_pipeline,ocr` -- a random diffusers folder, the text_render prompts encoded
 into the cache, sampling, VAE decode, the OCR reward (PP-OCRv4) in two reward worker processes
 that the run starts itself, GRPO with LoRA -- for 2 steps, with the rewards' figures in

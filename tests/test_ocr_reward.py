@@ -1,4 +1,4 @@
-"""The OCR reward (rewards/ocr.py) and the text-rendering task (tasks/text_render), issue 44:
+"""The OCR reward (rewards/ocr.py) and the text-rendering task (tasks/text_render):
 rapidocr-onnxruntime's PP-OCRv4 (a runtime requirement: it must import here, never skip) reads
 text rendered with PIL in the fonts matplotlib ships (the same glyphs on every machine); the
 score is Flow-GRPO's 1 - normalised edit distance; the prompt set's splits hold disjoint texts."""

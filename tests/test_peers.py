@@ -1,4 +1,4 @@
-"""A dead peer is one line from each survivor (issue 46): after kill -9 of the trainer, the
+"""A dead peer is one line from each survivor: after kill -9 of the trainer, the
 rollout process was aborted by the jax.distributed client with a ~40-line C++ and Python stack
 dump; after kill -9 of the rollout, the trainer printed two lines. digen_jax/process/peers.py's
 stderr watcher and launch/local.py's status file, on a recorded dump and on real runs."""

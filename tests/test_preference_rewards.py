@@ -1,4 +1,4 @@
-"""Preference-model rewards (rewards/preference.py, issue 44): each loader, given a local folder in
+"""Preference-model rewards (rewards/preference.py): each loader, given a local folder in
 its published layout, must score as the reference code scores on the same weights.
 
 The weights are tiny random models saved here (transformers CLIPModel / BLIP modules with

@@ -462,7 +462,7 @@ def test_shapes_probe_reports_on_the_shipped_checkpoint():
 
 
 def test_shipped_latent_base_draws_the_shape_and_colour_it_is_asked_for():
-  """assets/shapes_latent_base on assets/shapes_ae (issue 16): the shape word moves the image
+  """assets/shapes_latent_base on assets/shapes_ae: the shape word moves the image
   comparably to the colour word (0.53 with 8 noises), and single objects come out as the prompted
   shape, never another, including the two held-out pairs among the probe's prompts (a red circle, a
   blue triangle)."""
@@ -627,7 +627,7 @@ def test_decoder_only_training_keeps_the_latent_space_exactly(tiny_ae, tmp_path)
 
 
 def test_shipped_autoencoder_reconstructs_ground_truth_the_checker_accepts():
-  """assets/shapes_ae (the latents issue 16's base generators work in) keeps every shape: its
+  """assets/shapes_ae (the latents the ShapesBench base generators work in) keeps every shape: its
   reconstructions of fresh renders pass the strict checker as the renders do."""
   from digen_jax.tasks.shapes import training as training_data
   from digen_jax.tasks.shapes import autoencoder as shapes_ae

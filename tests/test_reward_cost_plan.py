@@ -1,4 +1,4 @@
-"""A reward's cost per sample in the planner (issue 44): config.reward.device_s_per_sample (a
+"""A reward's cost per sample in the planner: config.reward.device_s_per_sample (a
 run measures its own: metrics.jsonl's reward_s_per_sample) on cost_accelerator. A colocated run
 pays it on its own devices; a disaggregated one on the rollout's devices after each fragment,
 or, with the reward in worker processes on accelerators of their own, on those workers while

@@ -1,4 +1,4 @@
-"""Reward workers (issue 44): rewards scored in worker processes started by the run, batched and
+"""Reward workers: rewards scored in worker processes started by the run, batched and
 overlapped with the caller, bounded (a hung batch times out, its worker restarted and the batch
 retried; a killed worker likewise), a worker that keeps failing stops the run with one line, a
 sample whose reward failed is NaN (never 0) and masked out of its group's advantage and counted in

@@ -1,4 +1,4 @@
-"""The rollout copy in the dtype the config publishes, in every mode (issue 42): full
+"""The rollout copy in the dtype the config publishes, in every mode: full
 fine-tuning under bf16 compute samples with a bf16 copy colocated as well as disaggregated, the
 planner costs that copy, and LoRA keeps float32 adapters everywhere."""
 

@@ -1,5 +1,5 @@
 """python -m digen_jax.sim's documented form: --config profiles the config on this machine, then
-predicts the ladder (issue 42: it used to require --profile and had no --config)."""
+predicts the ladder (it used to require --profile and had no --config)."""
 
 import json
 import os

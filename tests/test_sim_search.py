@@ -1,5 +1,5 @@
 """The planner's search (sim/search.py): its bound is a lower bound on every simulated step, and
-more candidates never make a mode's best worse (issue 42: costing the uneven splits too, then
+more candidates never make a mode's best worse (costing the uneven splits too, then
 `--pad`, used to lose FLUX full's gap_tag on 8xH100+8xH20, 3.46x -> 2.48x, because the ranking
 bound ignored TAG and only the top few by bound were simulated)."""
 

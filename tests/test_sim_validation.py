@@ -1,4 +1,4 @@
-"""Issue 17 part 4 at CI size: the simulator, calibrated only with costs profiled on this
+"""The simulator's validation at CI size: the simulator, calibrated only with costs profiled on this
 machine (sim/profile.py), predicts the samples/s of real ladder runs (colocated on one process;
 two processes, naive disaggregation and GAP+TSP+TAG) within 10% on average and 15% at worst; at the programs' times
 the runs measured, within SCHEDULE_ERROR_MAX (the schedule itself). The full comparison

@@ -1,4 +1,4 @@
-"""One code style (issue 17): pyink formats and ruff lints the repository, as configured in
+"""One code style: pyink formats and ruff lints the repository, as configured in
 pyproject.toml with the versions pinned in requirements-test.txt. A missing or differently
 versioned tool fails here (it does not skip), so CI enforces the style. To fix a failure:
 `python -m pyink . && python -m ruff check --fix`."""

@@ -1,4 +1,4 @@
-"""Untrusted inputs (issue 18, part 6): nothing the package reads can run code (no pickle: weights,
+"""Untrusted inputs: nothing the package reads can run code (no pickle: weights,
 checkpoints and caches go through safetensors, orbax and array_record only; the published .pt
 checkpoints of learned rewards through torch.load(weights_only=True), which unpickles tensors and
 plain containers only), and the transfer

@@ -1,4 +1,4 @@
-"""One run per workdir (issue 46): the lock of digen_jax/process/workdir.py, and two real runs
+"""One run per workdir: the lock of digen_jax/process/workdir.py, and two real runs
 started on one workdir (two independent mains; a two-process job): the second one refuses in
 one line naming the first, before it writes anything; a killed run's lock is taken over."""
 
@@ -123,7 +123,7 @@ def _rows(wd):
 
 @pytest.mark.slow
 def test_a_second_run_on_a_workdir_refuses_and_a_killed_runs_lock_is_taken_over(tmp_path, caplog):
-  """Two real mains (issue 46: both ran, the second failed at its first save after 1,115 lines,
+  """Two real mains (before the lock both ran, the second failed at its first save after 1,115 lines,
   config.json described the other run, metrics.jsonl mixed both)."""
   wd = str(tmp_path / 'run')
   env = xla_env.env_with_devices(2)

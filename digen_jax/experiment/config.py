@@ -423,7 +423,7 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides: dict) -> ml_collect
 
 
 SHAPES_BASE_CHECKPOINT = 'assets/shapes_base'
-SHAPES_AE_CHECKPOINT = 'assets/shapes_ae'  # issue 16's autoencoder (assets/shapes_ae/README.md)
+SHAPES_AE_CHECKPOINT = 'assets/shapes_ae'  # the ShapesBench autoencoder (its README)
 SHAPES_LATENT_BASE_CHECKPOINT = 'assets/shapes_latent_base'  # its generator (README beside it)
 
 

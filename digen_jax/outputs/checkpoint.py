@@ -4,7 +4,7 @@ Saved per step: params, optimizer state, the base RNG key (as raw uint32 data), 
 (step, data position, policy version). Restores onto the shardings of a template state, so a
 resumed run continues on the same mesh layout without a host copy of the full model.
 
-Storage faults (issues 18, 46): orbax writes each step into a temporary directory and renames it
+Storage faults: orbax writes each step into a temporary directory and renames it
 when complete, so a crash or a full disk during a save leaves the previous steps as they were
 (old steps are deleted only after a new one is committed). Orbax does not notice bytes that
 change later (a flipped bit in a chunk restores silently), so every step holds

@@ -1,4 +1,4 @@
-"""A dead peer of a multi-process run, reported by each surviving process in one line (issue 46).
+"""A dead peer of a multi-process run, reported by each surviving process in one line.
 
 launch/local.py writes which copy died and its exit code to the file named by
 $DIGEN_LAUNCH_STATUS before it stops the others (SIGTERM). A survivor then ends one of two ways:

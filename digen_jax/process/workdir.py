@@ -1,4 +1,4 @@
-"""One run per workdir: an exclusive lock held for the run's life (issue 46).
+"""One run per workdir: an exclusive lock held for the run's life.
 
 Two runs on one workdir overwrite each other's config.json, interleave their metrics.jsonl rows
 and break each other's checkpoint saves. `acquire(workdir)`, called by the entry points before

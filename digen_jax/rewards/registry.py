@@ -305,7 +305,7 @@ def register_callables(spec: str, field: str = "config.reward.callables") -> lis
 
 
 # ------------------------------------------------------------------------------------------------
-# Faults of a reward at run time (issue 18): a reward that raises, hangs or returns NaN must not
+# Faults of a reward at run time: a reward that raises, hangs or returns NaN must not
 # end a days-long run on the first bad batch, nor slip garbage into the update.
 
 

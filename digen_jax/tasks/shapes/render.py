@@ -73,7 +73,7 @@ def default_gap(size: int) -> float:
 
 def count_gap(size: int) -> float:
   # One cell of the base's 8 x 8 latent grid: no cell holds two counted objects, so a generator
-  # working in that grid draws them apart (at default_gap the base often merged two: issue 16).
+  # working in that grid draws them apart (at default_gap the base often merged two).
   return max(default_gap(size), size / 8)
 
 
@@ -88,7 +88,7 @@ def _layout_count(prompt: ShapesPrompt, size: int, rng: np.random.Generator) -> 
   # Counted objects each take their own quadrant (which ones is random): a box keeps `margin`
   # from the border and half of `count_gap` from the midlines, so any two are >= count_gap apart.
   # Free placement crowded three ~9 px objects into 32 px, and a generator on the 8 x 8 latent
-  # grid drew a fourth, partial one or merged two (issue 16).
+  # grid drew a fourth, partial one or merged two.
   half = size / 2
   inner = count_gap(size) / 2
   room = half - margin - inner
