@@ -75,7 +75,7 @@ def _garble_meta(step_dir):
 
 
 def _flip_byte_without_digest(step_dir):
-  # Before digests were trusted: with its digest gone, a flipped byte restored silently (an optimizer entry of 5e25
+  # Once, with its digest gone, a flipped byte restored silently (an optimizer entry of 5e25
   # was trained on); a step without a digest is now not trusted.
   os.remove(os.path.join(step_dir, ckpt_lib.DIGEST_FILE))
   _flip_byte(step_dir)

@@ -123,7 +123,7 @@ def _rows(wd):
 
 @pytest.mark.slow
 def test_a_second_run_on_a_workdir_refuses_and_a_killed_runs_lock_is_taken_over(tmp_path, caplog):
-  """Two real mains (before the lock both ran, the second failed at its first save after 1,115 lines,
+  """Two real mains (unlocked, both ran; the second failed at its first save after 1,115 lines,
   config.json described the other run, metrics.jsonl mixed both)."""
   wd = str(tmp_path / 'run')
   env = xla_env.env_with_devices(2)
