@@ -317,7 +317,7 @@ def _mfu(rows: int, passes: int, seconds: float, acc_name: str) -> float:
 
 
 _H200_PROBE = (
-    "a probe on one H200 (Qwen-Image-20B transformer, 512 px: 1024 image + 128 text "
+    'a probe on one H200 (Qwen-Image-20B transformer, 512 px: 1024 image + 128 text '
     'tokens, bf16, random weights; jax 0.11.2 CUDA / diffusers 0.42.1 on torch 2.11; project at '
     'c004c89)'
 )
