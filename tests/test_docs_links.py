@@ -6,7 +6,9 @@ import os
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+# The checkout's root: the nearest folder above this file holding pyproject.toml (the file may
+# sit at any depth under tests/).
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / 'pyproject.toml').exists())
 FENCE = re.compile(r'^\s*(```|~~~)')
 HEADING = re.compile(r'^(#{1,6})\s+(.*?)\s*#*\s*$')
 # [text](target) and ![alt](target); the target ends at the first space or ')'.
