@@ -528,6 +528,7 @@ def main(argv):
         f'divisible by --devices={n}; give --per_device_batch'
     )
   mesh = mesh_lib.make_mesh(jax.devices()[:n])
+  print(f'[memory] params: {mesh_lib.fsdp_layout(exp.params, mesh).describe()}', flush=True)
   result = {
       'machine': common.machine_info(),
       'command': shlex.join(['python'] + sys.argv),

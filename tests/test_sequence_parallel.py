@@ -2,12 +2,13 @@
 sequence.py): each sample's tokens split over devices, attention through all-to-alls over
 heads ("Ulysses"). Exact: the split Wan transformer equals the unsplit one to float32 rounding,
 forward and gradient, on 4 fake CPU devices, with token counts the split does not divide; the
-image families' attention likewise; and a program with the split equals it without. The 14B's
+image families' attention likewise; the split reaches the model as an argument (token_mesh)
+through the family's forward and the programs' velocity function; and a program with the split
+equals it without. The 14B's
 memory with and without the split is tests/test_sequence_memory.py's (slow)."""
 
 import copy
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from digen_jax import programs
 from digen_jax.experiment import build as experiment
 from digen_jax.experiment import config as configlib
 from digen_jax.models import mmdit
-from digen_jax.models import sequence_parallel
+from digen_jax.models import family as family_lib
 from digen_jax.models import wan
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.parallel import sequence
@@ -59,8 +60,8 @@ def _program(graphdef, img_shape, view, batch):
   mesh = mesh_lib.make_mesh(jax.devices()[:4])
 
   def forward(params, latents, sigma, text):
-    with sequence_parallel.split_tokens(view):
-      return nnx.merge(graphdef, params)(latents, sigma, text, img_shape=img_shape)
+    model = nnx.merge(graphdef, params)
+    return model(latents, sigma, text, img_shape=img_shape, token_mesh=view)
 
   def loss(params, latents, sigma, text):
     out = forward(params, latents, sigma, text)
@@ -110,17 +111,34 @@ def test_split_wan_equals_unsplit_forward_and_gradient(split, batch, img_shape):
   assert 'all-to-all' not in fwd.lower(params, *args).compile().as_text()
 
 
-def test_the_split_is_per_thread():
-  """The rollout role traces in a thread of its own (runtime/loop.py): a split entered in one
-  thread is not seen by another."""
-  view = sequence.token_mesh(mesh_lib.make_mesh(jax.devices()[:4]), 2)
-  seen = []
-  with sequence_parallel.split_tokens(view):
-    thread = threading.Thread(target=lambda: seen.append(sequence_parallel.active()))
-    thread.start()
-    thread.join()
-    assert sequence_parallel.active() is view
-  assert seen == [None] and sequence_parallel.active() is None
+def test_the_velocity_function_passes_the_split_to_the_model():
+  """programs.make_velocity_fn's token_mesh reaches the Wan forward through the family table:
+  the velocity it computes equals the model called with the same token_mesh (and the unsplit
+  one), its program runs the all-to-alls, and without the argument nothing is split. A mesh
+  that is not (samples, tokens) fails naming the argument."""
+  model = _wan()
+  graphdef, params = nnx.split(model)
+  img_shape = (3, 2, 3)
+  latents, sigma, text = _inputs(model, 2, img_shape)
+  cond = {'text': text, 'text_mask': jnp.ones(text.shape[:2], jnp.int32)}
+  mesh = mesh_lib.make_mesh(jax.devices()[:4])
+  view = sequence.token_mesh(mesh, 2)
+  fam = family_lib.get('wan')
+  velocity = {
+      m: jax.jit(programs.make_velocity_fn(graphdef, img_shape, jnp.float32, fam, token_mesh=m))
+      for m in (None, view)
+  }
+  direct = jax.jit(
+      lambda p: nnx.merge(graphdef, p)(latents, sigma, text, img_shape=img_shape, token_mesh=view)
+  )
+  want = velocity[None](params, latents, sigma, cond)
+  got = velocity[view](params, latents, sigma, cond)
+  assert _max_rel(got, direct(params)) == 0.0
+  assert _max_rel(got, want) <= TOL
+  hlo = lambda m: velocity[m].lower(params, latents, sigma, cond).compile().as_text()
+  assert 'all-to-all' in hlo(view) and 'all-to-all' not in hlo(None)
+  with pytest.raises(ValueError, match=r'token_mesh must be a \(samples, tokens\) mesh'):
+    fam.forward(model, latents, sigma, cond, img_shape, 0.0, token_mesh=mesh)
 
 
 def test_split_mmdit_equals_unsplit_with_a_text_mask():
@@ -144,8 +162,8 @@ def test_split_mmdit_equals_unsplit_with_a_text_mask():
   view = sequence.token_mesh(mesh_lib.make_mesh(jax.devices()[:4]), 2)
 
   def forward(params, split):
-    with sequence_parallel.split_tokens(split):
-      return nnx.merge(graphdef, params)(lat, sigma, text, mask, img_shape=(1, 3, 4))
+    model = nnx.merge(graphdef, params)
+    return model(lat, sigma, text, mask, img_shape=(1, 3, 4), token_mesh=split)
 
   want = jax.jit(lambda p: forward(p, None))(params)
   got = jax.jit(lambda p: forward(p, view))(params)

@@ -48,7 +48,9 @@ class Family:
   load_sharded: Callable[..., Any]  # (folder, shardings_fn, dtype) -> (cfg, graphdef, state)
   key_table: Callable[[Any], dict]  # arch config -> {our dotted path: diffusers source}
   cond_keys: tuple[str, ...]  # conditioning arrays the forward reads
-  forward: Callable[..., jax.Array]  # (module, latents, sigma, cond, img_shape, guidance) -> v
+  # (module, latents, sigma, cond, img_shape, guidance, token_mesh=None) -> v; token_mesh: the
+  # (samples, tokens) mesh each sample's tokens are split over (models/sequence_parallel.py)
+  forward: Callable[..., jax.Array]
   count_params: Callable[[Any], int]  # arch config -> parameter count
   flops_per_forward: Callable[..., float]  # (arch config, batch, n_img, n_txt) -> matmul FLOPs
   # The pipeline's VAE module: read_vae_config(folder), abstract_vae(cfg, dtype) ->
@@ -115,12 +117,14 @@ def _wan_config(m) -> wan.WanConfig:
   )
 
 
-def _mmdit_forward(model, latents, sigma, cond, img_shape, guidance):
+def _mmdit_forward(model, latents, sigma, cond, img_shape, guidance, token_mesh=None):
   del guidance
-  return model(latents, sigma, cond['text'], cond['text_mask'], img_shape=img_shape)
+  return model(
+      latents, sigma, cond['text'], cond['text_mask'], img_shape=img_shape, token_mesh=token_mesh
+  )
 
 
-def _flux_forward(model, latents, sigma, cond, img_shape, guidance):
+def _flux_forward(model, latents, sigma, cond, img_shape, guidance, token_mesh=None):
   # Guidance-distilled FLUX.1-dev takes the guidance scale as an input (no CFG branch).
   g = None
   if model.config.guidance_embeds:
@@ -132,14 +136,15 @@ def _flux_forward(model, latents, sigma, cond, img_shape, guidance):
       cond['pooled'].astype(latents.dtype),
       g,
       img_shape=tuple(img_shape[-2:]),
+      token_mesh=token_mesh,
   )
 
 
-def _wan_forward(model, latents, sigma, cond, img_shape, guidance):
+def _wan_forward(model, latents, sigma, cond, img_shape, guidance, token_mesh=None):
   # True CFG (a second, negative-prompt forward) is the sampler's; the mask is not read (see the
   # module docstring).
   del guidance
-  return model(latents, sigma, cond['text'], img_shape=tuple(img_shape))
+  return model(latents, sigma, cond['text'], img_shape=tuple(img_shape), token_mesh=token_mesh)
 
 
 _TABLE = {

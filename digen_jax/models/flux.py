@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from digen_jax.models import dit
 from digen_jax.models import sequence_parallel
@@ -137,9 +138,11 @@ class SingleStreamAttention(QKVProjection):
   """FluxAttention(pre_only=True): Q/K/V with per-head RMSNorm on Q and K and RoPE, one softmax over
   the joint sequence, no output projection (the block's proj_out mixes it with the MLP branch)."""
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, S, D], tables [S, Dh/2] -> [B, S, D]."""
-    return multihead_attention(*self.project(x, cos, sin), None, self.implementation)
+  def __call__(
+      self, x: jax.Array, cos: jax.Array, sin: jax.Array, token_mesh: Mesh | None = None
+  ) -> jax.Array:
+    """x [B, S, D], tables [S, Dh/2] -> [B, S, D]; token_mesh as layers.multihead_attention."""
+    return multihead_attention(*self.project(x, cos, sin), None, self.implementation, token_mesh)
 
 
 class SingleStreamBlock(nnx.Module):
@@ -155,13 +158,13 @@ class SingleStreamBlock(nnx.Module):
     self.attn = SingleStreamAttention(config, rngs=rngs, param_dtype=param_dtype)
     self.proj_out = linear(d + MLP_RATIO * d, d, rngs, param_dtype)
 
-  def __call__(self, x, temb, rope):
+  def __call__(self, x, temb, rope, token_mesh: Mesh | None = None):
     """x [B, S, D] joint [text, image] tokens, temb [B, D], rope = (cos, sin) [S, Dh/2]
-    -> [B, S, D]."""
+    -> [B, S, D]; token_mesh as layers.multihead_attention."""
     shift, scale, gate = jnp.split(self.mod(jax.nn.silu(temb)), 3, axis=-1)
     h = modulate(layer_norm(x, self.eps), shift, scale)
     mlp = jax.nn.gelu(self.proj_mlp(h), approximate=True)
-    out = self.proj_out(jnp.concatenate([self.attn(h, *rope), mlp], axis=-1))
+    out = self.proj_out(jnp.concatenate([self.attn(h, *rope, token_mesh), mlp], axis=-1))
     return x + gate[:, None, :] * out
 
 
@@ -203,6 +206,7 @@ class Flux(dit.TransformerModel):
       img_shape: tuple[int, int] | None = None,
       img_ids: np.ndarray | None = None,
       txt_ids: np.ndarray | None = None,
+      token_mesh: Mesh | None = None,
   ) -> jax.Array:
     """latents [B, N_img, in_channels] packed latent tokens; sigma [B] in [0, 1] (FluxPipeline's
     timestep / 1000); text [B, L, joint_attention_dim] (T5, no mask: every token attends); pooled
@@ -212,7 +216,8 @@ class Flux(dit.TransformerModel):
     Positions: img_shape = (h_tokens, w_tokens) static ints for FluxPipeline's grid ids
     ``image_ids(h, w)``, or img_ids [N_img, 3] given directly; txt_ids [L, 3] (default all zero).
     Ids must be concrete numpy (the RoPE tables are built at trace time): under jit, close over
-    them. Returns [B, N_img, out_dim] float32.
+    them. token_mesh: the (samples, tokens) mesh each sample's tokens are split over
+    (models/sequence_parallel.py; None: no split). Returns [B, N_img, out_dim] float32.
     """
     cfg = self.config
     b, n_img, n_txt = self._check_inputs(latents, sigma, text, pooled, guidance)
@@ -236,9 +241,9 @@ class Flux(dit.TransformerModel):
     img, txt = self.run_blocks(
         self.blocks,
         (img, txt),
-        # Token streams split over devices inside sequence_parallel.split_tokens.
         lambda block, c: tuple(
-            map(sequence_parallel.constrain, block(*c, temb, double_rope, None))
+            sequence_parallel.constrain(y, token_mesh)
+            for y in block(*c, temb, double_rope, None, token_mesh)
         ),
         cfg.num_layers,
     )
@@ -248,7 +253,9 @@ class Flux(dit.TransformerModel):
     x = self.run_blocks(
         self.single_blocks,
         x,
-        lambda block, x: sequence_parallel.constrain(block(x, temb, joint_rope)),
+        lambda block, x: sequence_parallel.constrain(
+            block(x, temb, joint_rope, token_mesh), token_mesh
+        ),
         cfg.num_single_layers,
     )
     img = x[:, n_txt:]

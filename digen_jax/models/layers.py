@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from digen_jax.models import attention as attention_lib
 from digen_jax.models import rope
@@ -259,14 +260,15 @@ def multihead_attention(
     v: jax.Array,
     key_mask: jax.Array | None,
     implementation: str = 'auto',
+    token_mesh: Mesh | None = None,
 ) -> jax.Array:
   """q, k, v [B, S, H, Dh] (q pre-scaled, as from project_qkv), key_mask [B, S] bool or None ->
   [B, S, H*Dh]: the shared attention (models/attention.py, `implementation` as there), heads
-  merged back in order; each sample's tokens split over devices inside
-  sequence_parallel.split_tokens.
+  merged back in order; each sample's tokens split over `token_mesh`'s devices
+  (models/sequence_parallel.py; None: no split).
   """
   attend = functools.partial(attention_lib.attention, implementation=implementation)
-  out = sequence_parallel.attention(q, k, v, key_mask, attend)
+  out = sequence_parallel.attention(q, k, v, key_mask, attend, token_mesh)
   return out.reshape(*out.shape[:2], -1)
 
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from digen_jax.models import dit
 from digen_jax.models import sequence_parallel
@@ -175,10 +176,11 @@ class JointAttention(QKVProjection):
     self.norm_added_q = RMSNorm(hd, config.eps, param_dtype=param_dtype)
     self.norm_added_k = RMSNorm(hd, config.eps, param_dtype=param_dtype)
 
-  def __call__(self, img, txt, tables, key_mask):
+  def __call__(self, img, txt, tables, key_mask, token_mesh: Mesh | None = None):
     """img [B, N, D], txt [B, L, D]; tables = (img_cos, img_sin, txt_cos, txt_sin) [S, Dh/2] RoPE
-    tables; key_mask [B, L+N] bool (False = padded text key) or None. Returns (img_out [B, N, D],
-    txt_out [B, L, D]).
+    tables; key_mask [B, L+N] bool (False = padded text key) or None; token_mesh: the devices
+    each sample's tokens are split over (models/sequence_parallel.py; None: no split). Returns
+    (img_out [B, N, D], txt_out [B, L, D]).
     """
     img_cos, img_sin, txt_cos, txt_sin = tables
     iq, ik, iv = self.project(img, img_cos, img_sin)
@@ -200,7 +202,7 @@ class JointAttention(QKVProjection):
       return jnp.concatenate([t, i], axis=1)
 
     out = multihead_attention(
-        joint(tq, iq), joint(tk, ik), joint(tv, iv), key_mask, self.implementation
+        joint(tq, iq), joint(tk, ik), joint(tv, iv), key_mask, self.implementation, token_mesh
     )
     n_txt = txt.shape[1]
     return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
@@ -223,9 +225,9 @@ class MMDiTBlock(nnx.Module):
     self.img_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
     self.txt_mlp = MLP(d, rngs=rngs, param_dtype=param_dtype)
 
-  def __call__(self, img, txt, temb, tables, key_mask):
-    """img [B, N, D], txt [B, L, D], temb [B, D]; tables and key_mask as JointAttention -> (img,
-    txt)."""
+  def __call__(self, img, txt, temb, tables, key_mask, token_mesh: Mesh | None = None):
+    """img [B, N, D], txt [B, L, D], temb [B, D]; tables, key_mask and token_mesh as
+    JointAttention -> (img, txt)."""
     # Chunk order along the 6D axis: (shift1, scale1, gate1, shift2, scale2, gate2).
     i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = jnp.split(self.img_mod(jax.nn.silu(temb)), 6, axis=-1)
     t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = jnp.split(self.txt_mod(jax.nn.silu(temb)), 6, axis=-1)
@@ -235,6 +237,7 @@ class MMDiTBlock(nnx.Module):
         modulate(layer_norm(txt, self.eps), t_sh1, t_sc1),
         tables,
         key_mask,
+        token_mesh,
     )
     img = img + i_g1[:, None, :] * img_attn
     txt = txt + t_g1[:, None, :] * txt_attn
@@ -274,11 +277,13 @@ class MMDiT(dit.TransformerModel):
       text_mask: jax.Array | None,
       *,
       img_shape: tuple[int, int, int],
+      token_mesh: Mesh | None = None,
   ) -> jax.Array:
     """latents [B, N_img, in_channels] packed patch tokens; sigma [B] in [0, 1]; text [B, L,
     joint_attention_dim]; text_mask [B, L] (1 = real token, 0 = padding) or None (all real);
-    img_shape = (frames, h_tokens, w_tokens) static ints with frames*h*w == N_img. Returns [B,
-    N_img, patch_size**2 * out_channels] float32.
+    img_shape = (frames, h_tokens, w_tokens) static ints with frames*h*w == N_img; token_mesh:
+    the (samples, tokens) mesh each sample's tokens are split over (models/sequence_parallel.py;
+    None: no split). Returns [B, N_img, patch_size**2 * out_channels] float32.
     """
     cfg = self.config
     b, n_img, n_txt = self._check_inputs(latents, sigma, text, text_mask, img_shape)
@@ -304,8 +309,10 @@ class MMDiT(dit.TransformerModel):
     img, _ = self.run_blocks(
         self.blocks,
         (img, txt),
-        # Token streams split over devices inside sequence_parallel.split_tokens.
-        lambda block, c: tuple(map(sequence_parallel.constrain, block(*c, temb, tables, key_mask))),
+        lambda block, c: tuple(
+            sequence_parallel.constrain(y, token_mesh)
+            for y in block(*c, temb, tables, key_mask, token_mesh)
+        ),
         cfg.num_layers,
     )
     return self.output(img, temb)

@@ -1,9 +1,10 @@
 """Attention with each sample's tokens split over devices ("Ulysses", DeepSpeed-Ulysses,
 arXiv 2309.14509): exact, one jitted program.
 
-Inside `split_tokens(mesh)` (a 2-D Mesh: samples over its first axis, each sample's tokens over
-its second, of size s; parallel/sequence.py builds it from a role's mesh), while a forward is
-traced:
+The split is an argument: `token_mesh`, a 2-D Mesh (samples over its first axis, each sample's
+tokens over its second, of size s; parallel/sequence.py builds it from a role's mesh), which the
+programs pass to the family's forward and the model passes down to every block (its `token_mesh`
+keyword). With a mesh:
 
   * `attention` runs models/attention.py's attention under jax.shard_map on that mesh. Self-
     attention (as many keys as queries): q, k, v arrive token-split [B/d, S/s, H, Dh]; one
@@ -16,50 +17,35 @@ traced:
   * `constrain` lays a token stream [B, S, ...] out token-split (a sharding constraint), so the
     layers between attentions (norms, projections, feed-forward) run on S/s tokens a device.
 
-Outside the context both are the identity / plain attention: model code calls them
-unconditionally and knows nothing of meshes. The context is read at trace time only.
+With None both are the identity / plain attention.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# Per thread (a context variable): the rollout and trainer roles of one process trace their
-# programs in threads of their own, each on its own mesh.
-_active: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar('token_mesh', default=None)
+
+def _axes(mesh: Mesh) -> tuple[str, str]:
+  """(samples, tokens): the axis names of a token mesh; ValueError for any other mesh."""
+  if len(mesh.axis_names) != 2:
+    raise ValueError(
+        f'token_mesh must be a (samples, tokens) mesh (parallel/sequence.token_mesh), got axes '
+        f'{mesh.axis_names}'
+    )
+  return tuple(mesh.axis_names)
 
 
-@contextlib.contextmanager
-def split_tokens(mesh: Mesh | None) -> Iterator[None]:
-  """Within: attention and constrain split tokens over `mesh`'s second axis (None: no split)."""
-  if mesh is not None and len(mesh.axis_names) != 2:
-    raise ValueError(f'split_tokens needs a (samples, tokens) mesh, got axes {mesh.axis_names}')
-  token = _active.set(mesh)
-  try:
-    yield
-  finally:
-    _active.reset(token)
-
-
-def active() -> Mesh | None:
-  """The (samples, tokens) mesh of the innermost split_tokens in this thread, or None."""
-  return _active.get()
-
-
-def constrain(x: jax.Array) -> jax.Array:
-  """x [B, S, ...] laid out samples x tokens on the active mesh (unchanged without one)."""
-  mesh = active()
-  if mesh is None:
+def constrain(x: jax.Array, token_mesh: Mesh | None) -> jax.Array:
+  """x [B, S, ...] laid out samples x tokens on `token_mesh` (unchanged with None)."""
+  if token_mesh is None:
     return x
-  samples, tokens = mesh.axis_names
+  samples, tokens = _axes(token_mesh)
   spec = P(samples, tokens, *([None] * (x.ndim - 2)))
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(token_mesh, spec))
 
 
 def _pad_to(x: jax.Array, axis: int, multiple: int, value=0) -> jax.Array:
@@ -77,14 +63,15 @@ def attention(
     v: jax.Array,
     key_mask: jax.Array | None,
     attend: Callable[..., jax.Array],
+    token_mesh: Mesh | None,
 ) -> jax.Array:
   """attend(q, k, v, key_mask) -> [B, Sq, H, Dh] (models/attention.py's signature), run split
-  over the active mesh (module docstring); plain attend without one. q [B, Sq, H, Dh]
-  (pre-scaled), k, v [B, Sk, H, Dh], key_mask [B, Sk] bool or None."""
-  mesh = active()
-  if mesh is None:
+  over `token_mesh` (module docstring); plain attend with None. q [B, Sq, H, Dh] (pre-scaled),
+  k, v [B, Sk, H, Dh], key_mask [B, Sk] bool or None."""
+  if token_mesh is None:
     return attend(q, k, v, key_mask)
-  samples, tokens = mesh.axis_names
+  mesh = token_mesh
+  samples, tokens = _axes(mesh)
   d, s = mesh.shape[samples], mesh.shape[tokens]
   b, sq, h, _ = q.shape
   sk = k.shape[1]

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from digen_jax.models import dit
 from digen_jax.models import sequence_parallel
@@ -199,12 +200,19 @@ class WanAttention(QKVProjection):
     super().__init__(config, rngs=rngs, param_dtype=param_dtype, norm_across_heads=True)
     self.to_out = linear(config.inner_dim, config.inner_dim, rngs, param_dtype)
 
-  def self_attention(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, S, D], RoPE tables [S, Dh/2] -> [B, S, D]."""
-    return self.to_out(multihead_attention(*self.project(x, cos, sin), None, self.implementation))
+  def self_attention(
+      self, x: jax.Array, cos: jax.Array, sin: jax.Array, token_mesh: Mesh | None = None
+  ) -> jax.Array:
+    """x [B, S, D], RoPE tables [S, Dh/2] -> [B, S, D]; token_mesh as
+    layers.multihead_attention."""
+    q, k, v = self.project(x, cos, sin)
+    return self.to_out(multihead_attention(q, k, v, None, self.implementation, token_mesh))
 
-  def cross_attention(self, x: jax.Array, context: jax.Array) -> jax.Array:
-    """x [B, S, D] queries, context [B, L, D] keys and values -> [B, S, D]."""
+  def cross_attention(
+      self, x: jax.Array, context: jax.Array, token_mesh: Mesh | None = None
+  ) -> jax.Array:
+    """x [B, S, D] queries, context [B, L, D] keys and values -> [B, S, D]; token_mesh as
+    layers.multihead_attention (the queries split, the keys whole)."""
 
     def heads(y):
       return y.reshape(*y.shape[:-1], self.heads, -1)
@@ -214,7 +222,8 @@ class WanAttention(QKVProjection):
     q = (q * (1.0 / math.sqrt(head_dim))).astype(x.dtype)
     k = rms_norm(self.to_k(context), self.norm_k.scale[...], self.norm_k.eps).astype(x.dtype)
     v = heads(self.to_v(context))
-    return self.to_out(multihead_attention(heads(q), heads(k), v, None, self.implementation))
+    out = multihead_attention(heads(q), heads(k), v, None, self.implementation, token_mesh)
+    return self.to_out(out)
 
 
 class WanBlock(nnx.Module):
@@ -233,9 +242,9 @@ class WanBlock(nnx.Module):
     table = jax.random.normal(rngs.params(), (1, MODULATION_CHUNKS, d)) / math.sqrt(d)
     self.scale_shift_table = nnx.Param(table.astype(param_dtype))
 
-  def __call__(self, x, context, time_proj, rope):
+  def __call__(self, x, context, time_proj, rope, token_mesh: Mesh | None = None):
     """x [B, N, D] video tokens, context [B, L, D] projected text, time_proj [B, 6, D] float32,
-    rope = (cos, sin) [N, Dh/2] -> [B, N, D]."""
+    rope = (cos, sin) [N, Dh/2] -> [B, N, D]; token_mesh as layers.multihead_attention."""
     mod = self.scale_shift_table[...].astype(jnp.float32) + time_proj
     shift1, scale1, gate1, shift2, scale2, gate2 = (mod[:, i] for i in range(MODULATION_CHUNKS))
     dtype = x.dtype
@@ -247,10 +256,10 @@ class WanBlock(nnx.Module):
       return (y.astype(jnp.float32) + branch.astype(jnp.float32) * gate[:, None, :]).astype(dtype)
 
     x = gated_residual(
-        x, self.attn1.self_attention(modulated_norm(x, shift1, scale1), *rope), gate1
+        x, self.attn1.self_attention(modulated_norm(x, shift1, scale1), *rope, token_mesh), gate1
     )
     h = x if self.norm2 is None else self.norm2(x)
-    x = x + self.attn2.cross_attention(h, context).astype(dtype)
+    x = x + self.attn2.cross_attention(h, context, token_mesh).astype(dtype)
     return gated_residual(x, self.ffn(modulated_norm(x, shift2, scale2)), gate2)
 
 
@@ -282,20 +291,21 @@ class Wan(dit.TransformerModel):
       text: jax.Array,
       *,
       img_shape: tuple[int, int, int],
+      token_mesh: Mesh | None = None,
   ) -> jax.Array:
     """latents [B, N_img, p*p*in_channels] packed video tokens (latents.pack_frames); sigma [B] in
     [0, 1] (the pipeline's timestep / 1000); text [B, L, joint_attention_dim] umT5 embeddings,
     zero past each prompt's length, every position attended (WanPipeline passes no mask);
-    img_shape = (frames, h_tokens, w_tokens) static ints with product N_img. Returns [B, N_img,
-    p*p*out_channels] float32, tokens in the same order."""
+    img_shape = (frames, h_tokens, w_tokens) static ints with product N_img; token_mesh: the
+    (samples, tokens) mesh each sample's tokens are split over (models/sequence_parallel.py;
+    None: no split). Returns [B, N_img, p*p*out_channels] float32, tokens in the same order."""
     cfg = self.config
     b, _, _ = self._check_inputs(latents, sigma, text, img_shape)
     cos, sin = rope_cos_sin(img_shape, cfg.axes_dims_rope, cfg.rope_theta)
     rope = (jnp.asarray(cos), jnp.asarray(sin))
 
-    # Inside sequence_parallel.split_tokens, each sample's tokens lie split over devices
-    # between the attentions too (identity otherwise).
-    x = sequence_parallel.constrain(self.img_in(latents))
+    # With a token mesh, each sample's tokens lie split over devices between the attentions too.
+    x = sequence_parallel.constrain(self.img_in(latents), token_mesh)
     # diffusers: the pipeline's timestep (1000 sigma), then Timesteps(scale=1).
     temb = self.time_embed(TIMESTEP_SCALE * sigma.astype(jnp.float32), scale=1.0)
     time_proj = self.time_proj(jax.nn.silu(temb)).astype(jnp.float32)
@@ -304,7 +314,9 @@ class Wan(dit.TransformerModel):
     x = self.run_blocks(
         self.blocks,
         x,
-        lambda block, x: sequence_parallel.constrain(block(x, context, time_proj, rope)),
+        lambda block, x: sequence_parallel.constrain(
+            block(x, context, time_proj, rope, token_mesh), token_mesh
+        ),
         cfg.num_layers,
     )
     return self.output(x, temb)

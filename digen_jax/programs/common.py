@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from digen_jax.diffusion import sampler as sampler_lib
 from digen_jax.models import family as family_lib
-from digen_jax.models import sequence_parallel
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.parallel import sequence as sequence_lib
 
@@ -35,8 +34,8 @@ def make_velocity_fn(
       params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
     model = nnx.merge(graphdef, params)
     cond = dict(cond, text=cond['text'].astype(compute_dtype))
-    with sequence_parallel.split_tokens(token_mesh):  # read while tracing the forward
-      v = forward(model, latents.astype(compute_dtype), sigma, cond, img_shape, guidance)
+    latents = latents.astype(compute_dtype)
+    v = forward(model, latents, sigma, cond, img_shape, guidance, token_mesh=token_mesh)
     return v.astype(jnp.float32)
 
   return velocity_fn

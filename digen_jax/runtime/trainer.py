@@ -51,7 +51,9 @@ class Trainer:
     c = exp.config
     inputs.check_rows(plan, mesh, 'trainer')
     self.devices = list(mesh.devices.flat)
-    self.param_shardings = mesh_lib.fsdp_shardings(exp.params, mesh)
+    layout = mesh_lib.fsdp_layout(exp.params, mesh)
+    logging.info('trainer params: %s', layout.describe())
+    self.param_shardings = layout.shardings
     self.params = exp.weights.init_params(self.param_shardings)
     # The frozen weights this mesh's programs read (the LoRA base; the VAE only for TAG).
     self.frozen = exp.weights.frozen(mesh, fsdp=True, decode=tag)
