@@ -146,7 +146,10 @@ def main(argv: list[str]) -> int:
   a = ap.parse_args(argv)
   spec = {'models': {a.reward: a.model}, 'device': a.device, 'callables': a.callables}
   spec['modules'] = [m.strip() for m in a.modules.split(',') if m.strip()]
-  serve(a.reward, a.host, a.port, spec)
+  try:
+    serve(a.reward, a.host, a.port, spec)
+  except (ValueError, ImportError) as e:  # an unknown reward or module: one line
+    sys.exit(f"digen_jax.rewards.remote: {e} (a task's reward: --modules=<its package>)")
   return 0
 
 
