@@ -190,6 +190,24 @@ def test_the_core_never_imports_tasks_or_perf():
   assert not bad, 'the core reaches up into the tasks or the toolkit:\n' + '\n'.join(bad)
 
 
+def test_the_package_reads_no_data_from_the_checkouts_benchmarks():
+  """An installed package has no benchmarks/ beside it: what the package reads (the toolkit's
+  committed costs cache) is its own package data. A path built or opened with 'benchmarks' as
+  its first part is a read from the checkout."""
+  bad = []
+  for path in MODULES.values():
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+      if isinstance(node, ast.Call):
+        for arg in node.args:
+          if (
+              isinstance(arg, ast.Constant)
+              and isinstance(arg.value, str)
+              and arg.value.split('/')[0] == 'benchmarks'
+          ):
+            bad.append(f'{path}:{node.lineno}: {arg.value!r}')
+  assert not bad, "paths into the checkout's benchmarks/:\n" + '\n'.join(bad)
+
+
 def test_the_core_folders_go_one_way():
   """The core's rows of the table have no cycle (a folder never reaches, through others, back
   to itself): each core folder sits on the ones below it."""
