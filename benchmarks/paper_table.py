@@ -6,7 +6,7 @@ calibrated colocated baseline and over naive disaggregation, for four model fami
         --png=benchmarks/sim_scaling.png
 
 Families: Qwen-Image-20B and FLUX.1-dev-12B from configs/qwenimage.py and configs/flux.py with
-their XLA costs from the cache (benchmarks/costs/; full fine-tuning where cached, else the
+their XLA costs from the cache (digen_jax/sim/costs_data/; full fine-tuning where cached, else the
 config's LoRA); Wan2.1-T2V-14B from configs/wan21.py (LoRA rank 32) with its XLA costs too:
 XLA:CPU's memory analysis puts the fragment gradient of one 32,760-token video at 1,259 GB a
 device unsplit, so the planner tries the sequence splits (config.parallel.sequence) whose

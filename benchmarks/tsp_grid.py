@@ -57,6 +57,7 @@ from digen_jax import programs
 from digen_jax.experiment import build as experiment
 from digen_jax.experiment import config as configlib
 from digen_jax.parallel import mesh as mesh_lib
+import digen_jax.tasks  # noqa: F401  (registers the tasks: the config's prompt set and reward)
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
 

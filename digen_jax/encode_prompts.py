@@ -384,6 +384,7 @@ def gather_prompts(config, prompts: str = '', split: str = '', data_dir: str = '
   splits of a dataset ('' = config.data.split and config.eval.split, those that exist; a file has
   the one split 'train'). data_dir: tfds data_dir for datasets.
   """
+  import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
   from digen_jax.data import prompts as prompt_data  # pylint: disable=g-import-not-at-top
 
   source = prompts or config.data.prompts

@@ -34,13 +34,15 @@ def main(argv):
 
 def _evaluate(config, workdir: str, n: int):
   import jax  # pylint: disable=g-import-not-at-top
+  import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
+  from digen_jax.experiment import entry  # pylint: disable=g-import-not-at-top
   from digen_jax.outputs import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.experiment import evaluation  # pylint: disable=g-import-not-at-top
   from digen_jax.outputs import eval_report  # pylint: disable=g-import-not-at-top
   from digen_jax.outputs import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
-  exp = cli.build_experiment(config, workdir, n)
+  exp = entry.build_experiment(config, workdir, n)
   mesh = mesh_lib.make_mesh(jax.local_devices()[:n])
   from digen_jax.experiment import weights as weights_lib  # pylint: disable=g-import-not-at-top
 

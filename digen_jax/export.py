@@ -66,6 +66,7 @@ def trained_transformer(workdir: str):
   from digen_jax.models import loading  # pylint: disable=g-import-not-at-top
   from digen_jax.models import lora as lora_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.outputs import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
 
   config = run_config(workdir)
   path = weights_lib.repo_path(config.model.checkpoint or '')

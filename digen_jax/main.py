@@ -155,6 +155,8 @@ def _lock_workdir(workdir: str, info):
 def _train(info, config, workdir: str, n: int):
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top  (after absl parsed flags such as --jax_*)
+  import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
+  from digen_jax.experiment import entry  # pylint: disable=g-import-not-at-top
   from digen_jax.outputs import report  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import loop  # pylint: disable=g-import-not-at-top
@@ -171,7 +173,7 @@ def _train(info, config, workdir: str, n: int):
       )
     if tiny_pipeline:
       prepare_tiny_pipeline(config, workdir)
-    exp = cli.build_experiment(config, workdir, n)  # also rejects unknown modes
+    exp = entry.build_experiment(config, workdir, n)  # also rejects unknown modes
     logging.info(
         'workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n, exp.batch_size
     )
@@ -193,7 +195,7 @@ def _train(info, config, workdir: str, n: int):
     distributed.barrier('digen/experiment_built', timeout_s=1800)  # the writer prepares data first
   elif tiny_pipeline:
     prepare_tiny_pipeline(config, workdir)
-  exp = cli.build_experiment(config, workdir, n_check)
+  exp = entry.build_experiment(config, workdir, n_check)
   transfer.set_host(config.cluster.transfer_host)  # checked by configlib.validate above
   if info.num_processes > 1 and writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)

@@ -6,7 +6,7 @@ utilization of every mode, the best rollout/trainer split, a simulated timeline.
         [--config.k=v ...] [--trainer=8xH100] [--roofline=bytes] [--recompute]
 
 Costs come from the real compiled programs (sim/costs.py via the cache of sim/cache.py:
-benchmarks/costs/ holds the real Qwen-Image-20B and FLUX.1 configs'; a config without an entry
+digen_jax/sim/costs_data/ holds the real Qwen-Image-20B and FLUX.1 configs'; a config without an entry
 is compiled once, in a child process, and stored). sim/runmodel.py scales them to each role's
 devices and accelerator, sim/search.py runs every mode through the simulator (sim/engine.py:
 the runtime's own schedule on a virtual clock) over the splits of the cluster, and this file
@@ -134,6 +134,7 @@ def main(argv):
   from digen_jax.sim import plan_report  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import splits  # pylint: disable=g-import-not-at-top
+  import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
 
   t0 = time.time()
   if _CONFIG.value is None or _CLUSTER.value is None:

@@ -31,6 +31,7 @@ import optax  # noqa: F401
 import tensorflow_datasets  # noqa: F401
 import digen_jax.experiment.build  # noqa: F401
 import digen_jax.runtime.loop  # noqa: F401
+import digen_jax.tasks  # noqa: F401
 
 
 def _child(case: dict, out: str, err: str) -> None:

@@ -33,7 +33,7 @@ if "DIGEN_COMPILATION_CACHE" not in os.environ:  # a cold cache per session, nev
 # The session's runs skip reward.png and timeline.png (about a second each: matplotlib); the
 # tests that check the figures ask for them with the `plots` fixture.
 os.environ.setdefault("DIGEN_PLOTS", "0")
-# A planner test whose costs are not in benchmarks/costs/ fails at once instead of compiling the
+# A planner test whose costs are not in digen_jax/sim/costs_data/ fails at once instead of compiling the
 # real programs for minutes (and writing into the repository): sim/cache.compute.
 os.environ.setdefault("DIGEN_COSTS_CACHE_ONLY", "1")
 
@@ -112,3 +112,11 @@ def pytest_collection_modifyitems(items):
 def plots(monkeypatch):
   """DIGEN_PLOTS=1 for this test and the processes it starts: the runs draw their figures."""
   monkeypatch.setenv("DIGEN_PLOTS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tasks_registered():
+  """The built-in tasks' prompt sets, rewards, vocabulary, latent space and eval metrics
+  registered, as the entry points register them (the core never imports digen_jax.tasks).
+  Imported here, after collection, so no test module's own device set-up runs after jax."""
+  import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top

@@ -1,6 +1,8 @@
-"""The package's structure holds: which folder may import which (a small table), no import
-cycles (function-level imports included), no use of another module's private names, the
-package root holding only the entry points, and the schedule state machine free of devices.
+"""The package's structure holds: three layers (the core; the tasks and the performance toolkit
+on it) with which folder may import which (a small table), the core never reaching up into the
+tasks or the toolkit, no import cycles (function-level imports included), no use of another
+module's private names, the package root holding only the entry points, and the schedule state
+machine free of devices.
 
 Read from the source with `ast` (nothing is imported), so a violation names the file and line.
 """
@@ -8,23 +10,35 @@ Read from the source with `ast` (nothing is imported), so a violation names the 
 import ast
 import collections
 import os
+import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, 'digen_jax')
 
 # Entry points: the only modules in the package root (python -m digen_jax.<name>).
 ENTRY_POINTS = {'main', 'eval', 'plan', 'encode_prompts', 'export'}
-# Folder -> the folders its modules may import (besides its own). The arrows that must never
-# exist are the ones missing: model code knows nothing of RL, tasks or meshes' owners; RL math
-# nothing of meshes; programs nothing of the runtime; the runtime nothing of the simulator.
-ALLOWED = {
+
+# Three layers. The core trains: config and build (experiment/), the schedule and the runtime,
+# programs, models, diffusion, RL math, rewards, meshes, outputs, process plumbing, prompt data.
+# The tasks (what a run learns: ShapesBench, text rendering) sit on the core and plug into its
+# registries (prompt sets, rewards, eval metrics, word vocabularies, latent spaces); the core
+# never names them. The performance toolkit (simulator, planner, costs and their committed
+# cache) sits on the core too, and needs no task.
+TASKS = {'tasks'}
+PERF = {'sim'}
+# Folder -> the folders its modules may import (besides its own). Within the core the arrows go
+# one way (test_the_core_folders_go_one_way): model code knows nothing of RL or meshes' owners;
+# RL math nothing of meshes; programs nothing of the builder; process plumbing nothing of the
+# builder (the entry points hand it what it needs); nothing below the runtime knows of it.
+CORE_ALLOWED = {
     'diffusion': set(),
     'parallel': set(),
     'data': set(),
-    'rewards': {'outputs'},  # outputs.faults: a reward worker that cannot go on stops the run
     'outputs': set(),
     'models': set(),
     'rl': {'diffusion'},
+    'rewards': {'outputs'},  # outputs.faults: a reward worker that cannot go on stops the run
+    'process': {'outputs'},
     'programs': {'diffusion', 'models', 'parallel', 'rl'},
     'experiment': {
         'data',
@@ -32,23 +46,11 @@ ALLOWED = {
         'models',
         'outputs',
         'parallel',
+        'process',
         'programs',
         'rewards',
         'rl',
-        'tasks',
     },
-    'tasks': {
-        'data',
-        'diffusion',
-        'experiment',
-        'models',
-        'outputs',
-        'parallel',
-        'process',
-        'rewards',
-        'rl',
-    },
-    'process': {'experiment', 'outputs'},
     'runtime': {
         'data',
         'diffusion',
@@ -61,19 +63,13 @@ ALLOWED = {
         'rewards',
         'rl',
     },
-    'sim': {
-        'diffusion',
-        'experiment',
-        'models',
-        'outputs',
-        'parallel',
-        'process',
-        'programs',
-        'rewards',  # where the rewards run (reward workers: their own devices)
-        'rl',
-        'runtime',
-    },
 }
+CORE = set(CORE_ALLOWED)
+ALLOWED = {**CORE_ALLOWED, **{t: CORE for t in TASKS}, **{p: CORE for p in PERF}}
+# The toolkit's command lines that build and run a task's experiment for real: they import the
+# package digen_jax.tasks itself, as the entry points do, for its registrations (nothing in it).
+# Module names inside their folder.
+PERF_COMMANDS_REGISTERING_TASKS = {'profile'}
 # The DigenRL schedule is a pure state machine: no devices, threads, clocks or models in it.
 PURE = {'digen_jax.runtime.schedule', 'digen_jax.runtime.bts', 'digen_jax.experiment.fragments'}
 PURE_ALLOWED_EXTERNAL = {'__future__', 'dataclasses', 'math', 'typing'}
@@ -147,6 +143,16 @@ def test_the_root_holds_only_entry_points():
   assert areas == set(ALLOWED), f'folders without a row in ALLOWED: {areas ^ set(ALLOWED)}'
 
 
+def _registers_tasks(name: str, dep: str) -> bool:
+  """Whether `name` -> `dep` is a toolkit command line importing digen_jax.tasks (the package)."""
+  src, tail = _area(name), name.split('.', 2)[-1]
+  return (
+      src in PERF
+      and tail in PERF_COMMANDS_REGISTERING_TASKS
+      and dep in {f'digen_jax.{t}' for t in TASKS}
+  )
+
+
 def test_imports_follow_the_table():
   bad = []
   for name, deps in _graph().items():
@@ -155,9 +161,64 @@ def test_imports_follow_the_table():
       continue  # entry points may import anything
     for dep, line in deps.items():
       dst = _area(dep)
-      if dst != src and dst not in ALLOWED[src]:
+      if dst != src and dst not in ALLOWED[src] and not _registers_tasks(name, dep):
         bad.append(f'{MODULES[name]}:{line}: {src} -> {dst} ({dep})')
   assert not bad, 'imports outside the table:\n' + '\n'.join(bad)
+
+
+def test_the_core_never_imports_tasks_or_perf():
+  """Neither by an import statement nor by a module name in a string (importlib): the tasks and
+  the toolkit register into the core, the core never reaches up to them."""
+  above = TASKS | PERF
+  names = re.compile(r'digen_jax\.(%s)(\.\w+)*' % '|'.join(sorted(above)))
+  bad = []
+  for name, deps in _graph().items():
+    if _area(name) not in CORE:
+      continue
+    bad += [
+        f'{MODULES[name]}:{line}: imports {dep}'
+        for dep, line in deps.items()
+        if _area(dep) in above
+    ]
+    for node in ast.walk(ast.parse(open(MODULES[name]).read(), MODULES[name])):
+      if (
+          isinstance(node, ast.Constant)
+          and isinstance(node.value, str)
+          and names.fullmatch(node.value)
+      ):
+        bad.append(f'{MODULES[name]}:{node.lineno}: names module {node.value!r}')
+  assert not bad, 'the core reaches up into the tasks or the toolkit:\n' + '\n'.join(bad)
+
+
+def test_the_package_reads_no_data_from_the_checkouts_benchmarks():
+  """An installed package has no benchmarks/ beside it: what the package reads (the toolkit's
+  committed costs cache) is its own package data. A path built or opened with 'benchmarks' as
+  its first part is a read from the checkout."""
+  bad = []
+  for path in MODULES.values():
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+      if isinstance(node, ast.Call):
+        for arg in node.args:
+          if (
+              isinstance(arg, ast.Constant)
+              and isinstance(arg.value, str)
+              and arg.value.split('/')[0] == 'benchmarks'
+          ):
+            bad.append(f'{path}:{node.lineno}: {arg.value!r}')
+  assert not bad, "paths into the checkout's benchmarks/:\n" + '\n'.join(bad)
+
+
+def test_the_core_folders_go_one_way():
+  """The core's rows of the table have no cycle (a folder never reaches, through others, back
+  to itself): each core folder sits on the ones below it."""
+  order, left = [], dict(CORE_ALLOWED)
+  while left:
+    ready = sorted(f for f, deps in left.items() if not (deps - set(order)))
+    assert ready, f'the core rows of ALLOWED have a cycle among {sorted(left)}'
+    order += ready
+    for f in ready:
+      del left[f]
+  assert all(set(deps) <= CORE for deps in CORE_ALLOWED.values()), CORE_ALLOWED
 
 
 def test_no_import_cycles():

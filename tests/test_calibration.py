@@ -90,7 +90,7 @@ def test_each_term_costs_time_and_switches_off():
 
 def test_analytic_costs_agree_with_the_compiled_programs():
   """The analytic run model of configs/qwenimage.py:full against XLA's counts of its compiled
-  programs (benchmarks/costs/), at their matmul share: within 6 %."""
+  programs (digen_jax/sim/costs_data/), at their matmul share: within 6 %."""
   from configs import qwenimage  # pylint: disable=g-import-not-at-top
   from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
 

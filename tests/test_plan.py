@@ -1,6 +1,6 @@
 """python -m digen_jax.plan: the CLI on a toy config and on a cached real one, bad input as one
 line, the split search, heterogeneous role assignment, and the prediction's response to costs.
-Nothing here compiles a real-size program: the costs come from benchmarks/costs/."""
+Nothing here compiles a real-size program: the costs come from digen_jax/sim/costs_data/."""
 
 import dataclasses
 import json
@@ -42,7 +42,7 @@ def qwen():
   """Qwen-Image-20B LoRA from the committed costs cache (XLA's figures of the real programs)."""
   config = qwenimage.get_config('')
   entries = cache.matching('configs/qwenimage.py', cache.config_digest(config), 'lora', 64)
-  assert entries, 'benchmarks/costs/ has no Qwen-Image LoRA entry'
+  assert entries, 'digen_jax/sim/costs_data/ has no Qwen-Image LoRA entry'
   return cached_run.from_cache('configs/qwenimage.py', config, entries)
 
 
@@ -437,7 +437,7 @@ def test_committed_costs_match_the_configs_they_were_computed_for():
   from digen_jax.sim import cache as cache_lib
 
   entries = cache_lib.entries()
-  assert entries, 'benchmarks/costs/ holds no cached costs'
+  assert entries, 'digen_jax/sim/costs_data/ holds no cached costs'
   for e in entries:
     if e.key.overrides:
       continue

@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import importlib
 import inspect
 import os
 import re
@@ -55,11 +54,9 @@ DATA_DIR_ENV = "DIGEN_DATA_DIR"
 
 # Named prompt sets that tasks provide: name -> prepare(data_dir) (builds the dataset under
 # data_dir if absent, checks a present one is current). Each task's module registers its own
-# (register_prompt_set); the modules below are imported on the first lookup.
-BUILTIN_PROMPT_SETS = ("digen_jax.tasks.shapes.prompts", "digen_jax.tasks.text_render.prompts")
+# (register_prompt_set) when digen_jax.tasks is imported.
 _PROMPT_SETS: dict[str, Callable[[str], str]] = {}
 _ALIASES: dict[str, str] = {}
-_builtins_loaded = False
 
 
 def register_prompt_set(name: str, prepare: Callable[[str], str], aliases: Sequence[str] = ()):
@@ -69,12 +66,9 @@ def register_prompt_set(name: str, prepare: Callable[[str], str], aliases: Seque
   _ALIASES.update({a: name for a in aliases})
 
 
-def _load_builtin_sets() -> None:
-  global _builtins_loaded
-  if not _builtins_loaded:
-    _builtins_loaded = True
-    for module in BUILTIN_PROMPT_SETS:
-      importlib.import_module(module)
+def registered_prompt_sets() -> list[str]:
+  """The registered prompt sets' names and aliases."""
+  return sorted({*_PROMPT_SETS, *_ALIASES})
 
 
 def resolve_data_dir(configured: str, workdir: str) -> str:
@@ -368,7 +362,6 @@ def load_prompts(
   first use, validated with max_chars).
   """
   data_dir = os.fspath(data_dir)
-  _load_builtin_sets()
   name = _ALIASES.get(name, name)
   if name in _PROMPT_SETS:
     _PROMPT_SETS[name](data_dir)
@@ -394,7 +387,11 @@ def load_prompts(
           if name.startswith(PROMPT_FILE + "/")
           else ""
       )
-      raise ValueError(f"no prepared tfds dataset {name!r} under data_dir={data_dir}{hint}")
+      raise ValueError(
+          f"no prepared tfds dataset {name!r} under data_dir={data_dir}{hint} (config.data.prompts: "
+          f"a registered prompt set {registered_prompt_sets()}, a prompt file's path, or a "
+          "prepared tfds dataset)"
+      )
   sources = tfds.data_source(
       name,
       data_dir=data_dir,

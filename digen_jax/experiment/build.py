@@ -30,7 +30,6 @@ from digen_jax.models import text as text_lib
 from digen_jax.models import text_cache
 from digen_jax.rewards import scoring as reward_scoring
 from digen_jax.rl import timesteps as timesteps_lib
-from digen_jax.tasks.shapes import grammar
 
 
 @dataclasses.dataclass
@@ -194,7 +193,7 @@ def build_text_encoder(config):
   """The frozen word encoder, or the embedding cache of a real encoder (no torch here)."""
   if config.text.encoder == 'word':
     enc = text_lib.WordEncoder(
-        grammar.grammar_words(),
+        text_lib.vocabulary(config.text.encoder),
         dim=config.model.joint_attention_dim,
         max_length=config.text.max_length,
         seed=config.text.seed,

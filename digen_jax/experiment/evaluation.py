@@ -1,5 +1,6 @@
 """Evaluation: deterministic ODE sampling of N samples per eval prompt, scored by the reward and
-(for ShapesBench prompts) the strict checker (outputs/eval_report.py writes the report).
+by the eval metrics of the task the prompts belong to, if a task registered any
+(rewards/eval_metrics.py: ShapesBench's strict checker); outputs/eval_report.py writes the report.
 
 Used by `python -m digen_jax.eval` and periodically inside training."""
 
@@ -12,9 +13,7 @@ import numpy as np
 
 from digen_jax import programs
 from digen_jax.data import prompts as prompt_data
-from digen_jax.rewards import registry as reward_registry
-from digen_jax.tasks.shapes import grammar
-from digen_jax.tasks.shapes import checker as shapes_checker
+from digen_jax.rewards import eval_metrics
 from digen_jax.parallel import mesh as mesh_lib
 
 
@@ -25,15 +24,6 @@ def eval_prompts(exp, workdir: str) -> list[str]:
   source = prompt_data.load_prompts(c.data.prompts, c.eval.split, data_dir)
   n = len(source) if c.eval.num_prompts <= 0 else min(c.eval.num_prompts, len(source))
   return list(source[:n])
-
-
-def _is_shapes(prompts) -> bool:
-  try:
-    for p in prompts:
-      grammar.parse(p)
-    return True
-  except ValueError:
-    return False
 
 
 class Evaluator:
@@ -59,7 +49,7 @@ class Evaluator:
         deterministic=True,
     )
     self._rep = rep
-    self.shapes = _is_shapes(prompts)
+    self.task_metrics = eval_metrics.for_prompts(prompts)
     self._uncond = self._encode([c.sampler.negative_prompt] * self.batch)
 
   def _encode(self, prompts):
@@ -88,8 +78,8 @@ class Evaluator:
         'eval/samples_per_prompt': self.n_per,
     }
     passed = None
-    if self.shapes:
-      passed = _shapes_metrics(images, all_prompts, metrics)
+    if self.task_metrics is not None:
+      passed = self.task_metrics.score(images, all_prompts, metrics)
     return {
         'metrics': metrics,
         'images': images,
@@ -97,26 +87,3 @@ class Evaluator:
         'rewards': rewards,
         'passed': passed,
     }
-
-
-def _shapes_metrics(images, prompts: list[str], metrics: dict) -> np.ndarray:
-  """The strict checker's accuracy (and per-atom rates, and the hard-threshold second path)
-  into `metrics`; returns each sample's strict pass. A video passes when every frame does
-  (the atom rates count frames)."""
-  frames, per = images, 1
-  if images.ndim == 5:  # uint8 videos: every frame checked against the prompt
-    per = images.shape[1]
-    frames = reward_registry.video_frames(images)
-    prompts = [p for p in prompts for _ in range(per)]
-  checked = shapes_checker.check_all(frames, prompts)
-  passed = np.array([r.strict for r in checked], bool).reshape(-1, per).all(axis=1)
-  metrics['eval/strict_accuracy'] = float(passed.mean())
-  metrics.update(
-      {f'eval/atom_{kind}': rate for kind, rate in shapes_checker.atom_rates(checked).items()}
-  )
-  # A second scoring path that shares none of the reward's margin code (plain thresholds): a
-  # policy that games the smoothed reward shows up as a gap between the two accuracies.
-  hard = shapes_checker.strict_atoms_all(frames, prompts)
-  hard_pass = np.array([all(h.values()) for h in hard], bool).reshape(-1, per).all(axis=1)
-  metrics['eval/strict_accuracy_hard'] = float(hard_pass.mean())
-  return passed

@@ -70,6 +70,35 @@ TEXT = dict(
     intermediate_size=64,
     mrope_section=[2, 3, 3],
 )
+# The toy tokenizers' own words, each one token: those of the toy prompts (ShapesBench's, in its
+# grammar's order; tests/test_shapes_grammar.py checks they are the same).
+TOY_WORDS = (
+    'a',
+    'above',
+    'background',
+    'below',
+    'black',
+    'blue',
+    'circle',
+    'circles',
+    'cyan',
+    'gray',
+    'green',
+    'left',
+    'of',
+    'on',
+    'purple',
+    'red',
+    'right',
+    'square',
+    'squares',
+    'three',
+    'triangle',
+    'triangles',
+    'two',
+    'white',
+    'yellow',
+)
 SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>')
 # Qwen2.5-VL's vision placeholders: ids exist in the vocabulary but are never in a prompt.
 VISION_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>')
@@ -88,8 +117,6 @@ def _tokenizer():
   from transformers import Qwen2Tokenizer
   from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-  from digen_jax.tasks.shapes.grammar import grammar_words
-
   # The same pipeline Qwen2Tokenizer builds around its BPE, so training splits text as it will.
   bpe = Tokenizer(
       BPE(
@@ -107,7 +134,7 @@ def _tokenizer():
           pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
       ]
   )
-  words = grammar_words()
+  words = list(TOY_WORDS)
   corpus = [text_cache.QWENIMAGE_TEMPLATE.format(' '.join(words))]
   corpus += [f' {w}' for w in words] + words  # each word both inside and at the start of a prompt
   trainer = trainers.BpeTrainer(
@@ -267,9 +294,7 @@ FLUX_CLIP_MAX_LENGTH = 77
 
 
 def _flux_words() -> list[str]:
-  from digen_jax.tasks.shapes.grammar import grammar_words  # pylint: disable=g-import-not-at-top
-
-  return grammar_words() + 'and cat photo astronaut riding horse moon'.split()
+  return list(TOY_WORDS) + 'and cat photo astronaut riding horse moon'.split()
 
 
 def clip_tokenizer():

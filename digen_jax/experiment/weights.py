@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.models import params_io
-from digen_jax.tasks.shapes import autoencoder as shapes_ae
 from digen_jax.models import streaming
 from digen_jax.models import vae as vae_lib
 from digen_jax.parallel import mesh as mesh_lib
@@ -249,30 +248,28 @@ def _cast(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x, tree)
 
 
+# Latent spaces that tasks provide (config.latent.space -> source(config) -> VAESource, e.g.
+# 'ae': a ShapesBench autoencoder, tasks/shapes/autoencoder.py), beside the pipelines' own 'vae'.
+_LATENT_SPACES: dict[str, Callable[[Any], VAESource]] = {}
+
+
+def register_latent_space(name: str, source: Callable[[Any], VAESource]) -> None:
+  """Makes config.latent.space=`name` decode with source(config) (a VAESource); registering a
+  name again replaces it (a module reload)."""
+  if name in ('pixel', 'vae'):
+    raise ValueError(f'latent space {name!r} is built in; register another name')
+  _LATENT_SPACES[name] = source
+
+
 def _vae_source(config, family) -> VAESource | None:
-  if config.latent.space == 'ae':
-    folder = config.latent.ae
-    if not folder:
+  if config.latent.space not in ('pixel', 'vae'):
+    if config.latent.space not in _LATENT_SPACES:
       raise ValueError(
-          "config.latent.space='ae' decodes with a ShapesBench autoencoder: set "
-          'config.latent.ae to a params folder made by python -m digen_jax.tasks.shapes.pretrain_ae'
+          f'config.latent.space={config.latent.space!r} names no registered latent space; '
+          f"registered: {sorted(_LATENT_SPACES)} besides 'pixel' and 'vae' (a task registers "
+          'its own when digen_jax.tasks is imported)'
       )
-    folder = repo_path(folder)
-    acfg = shapes_ae.read_vae_config(folder)
-    if acfg.latent_channels != config.latent.channels:
-      raise ValueError(
-          f'config.latent.channels={config.latent.channels} but the autoencoder in '
-          f'{folder} has {acfg.latent_channels}; set --config.latent.channels='
-          f'{acfg.latent_channels}'
-      )
-    graphdef, abstract = shapes_ae.abstract_vae(acfg)
-    return VAESource(
-        acfg,
-        shapes_ae,
-        graphdef,
-        abstract_of(abstract),
-        os.path.join(folder, params_io.WEIGHTS_FILE),
-    )
+    return _LATENT_SPACES[config.latent.space](config)
   if config.latent.space != 'vae':
     return None
   path = config.model.checkpoint

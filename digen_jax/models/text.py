@@ -14,6 +14,10 @@ word order is visible ("red circle left of blue square" != "blue square left of 
 The <bos> token makes every mask non-empty, so the empty prompt used for classifier-free
 guidance encodes to a valid (attendable) sequence. Nothing is trained.
 
+A word encoder's vocabulary comes from the task that owns its prompts: a task registers it by
+name (`register_vocabulary('word', words)`, tasks/shapes does for ShapesBench) and config.text.encoder
+names it ('word'); `vocabulary(name)` returns it, or raises naming the registered ones.
+
 `CachedEncoder` memoises any encoder per prompt string: frozen encoders are deterministic, so a
 prompt seen in an earlier step (prompt groups repeat a prompt G times; epochs repeat prompts)
 is encoded once.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import re
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -65,6 +69,33 @@ def sinusoidal_positions(length: int, dim: int) -> np.ndarray:
   out = np.empty((length, 2 * ang.shape[1]), np.float64)
   out[:, 0::2], out[:, 1::2] = np.sin(ang), np.cos(ang)
   return out[:, :dim].astype(np.float32)
+
+
+# Word vocabularies that tasks provide: name -> the words (a list, or a function giving it).
+_VOCABULARIES: dict[str, Sequence[str] | Callable[[], Sequence[str]]] = {}
+
+
+def register_vocabulary(name: str, words: Sequence[str] | Callable[[], Sequence[str]]) -> None:
+  """Makes `vocabulary(name)` the words (called on first use when a function). Registering a
+  name again replaces it (a module reload)."""
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"a vocabulary's name must be a non-empty str; got {name!r}")
+  _VOCABULARIES[name] = words
+
+
+def registered_vocabularies() -> list[str]:
+  return sorted(_VOCABULARIES)
+
+
+def vocabulary(name: str, field: str = "config.text.encoder") -> list[str]:
+  """The words registered as `name`; ValueError naming `field` and the registered names."""
+  if name not in _VOCABULARIES:
+    raise ValueError(
+        f"{field}={name!r} names no registered word vocabulary; registered: "
+        f"{registered_vocabularies()} (a task registers its own when digen_jax.tasks is imported)"
+    )
+  words = _VOCABULARIES[name]
+  return list(words() if callable(words) else words)
 
 
 class WordEncoder:

@@ -1,5 +1,7 @@
 """What every entry point (main, eval, pretrain) shares: the --config/--workdir flags, a flag parser
-that turns bad input into one clear line, quiet library logs, and the experiment build."""
+that turns bad input into one clear line, quiet library logs. The experiment build with bad input
+as one line is experiment/entry.py's (this module sits below the builder and knows nothing of it).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ CONFIG = config_flags.DEFINE_config_file(
 )
 WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (metrics, checkpoints, samples).')
 flags.mark_flags_as_required(['config', 'workdir'])
+# The checkout's root (digen_jax/process/cli.py is three levels down): relative --config paths.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def fail(message: str):
@@ -50,14 +54,12 @@ def repo_config_path(argv: list[str]) -> list[str]:
   """argv with a --config=PATH[:variant] whose relative PATH is not a file here but is one under
   the checkout's root (configs/qwenimage.py) made absolute, so entry points run from any
   directory; every other argument as it is."""
-  from digen_jax.experiment import weights  # pylint: disable=g-import-not-at-top
-
   out = []
   for arg in argv:
     if arg.startswith('--config='):
       path, colon, variant = arg[len('--config=') :].partition(':')
       if path and not os.path.isabs(path) and not os.path.isfile(path):
-        here = os.path.join(weights.REPO, path)
+        here = os.path.join(REPO, path)
         if os.path.isfile(here):
           arg = f'--config={here}{colon}{variant}'
     out.append(arg)
@@ -139,16 +141,3 @@ def setup():
   if n > jax.local_device_count():
     fail(f'config.runtime.num_devices={n} but only {jax.local_device_count()} local devices exist')
   return config, workdir, n
-
-
-def build_experiment(config, workdir: str, num_devices: int):
-  """experiment.build with bad input reported as one line before anything compiles or is written."""
-  from digen_jax.experiment import build as experiment  # pylint: disable=g-import-not-at-top
-  from digen_jax.experiment import folder_config  # pylint: disable=g-import-not-at-top
-
-  try:
-    return experiment.build(
-        config, workdir, num_devices, explicit=folder_config.explicit_fields(sys.argv[1:])
-    )
-  except (ValueError, FileNotFoundError) as e:
-    fail(str(e))

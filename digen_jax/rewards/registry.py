@@ -31,13 +31,14 @@ RewardFn = Callable[[np.ndarray, Sequence[str]], np.ndarray]
 _REGISTRY: dict[str, RewardFn] = {}
 _TAKES: dict[str, str] = {}  # name -> 'images' | 'videos' | 'any' (module docstring)
 TAKES = ("images", "videos", "any")
-# Modules whose import registers the built-in rewards (each defines its own with @register),
-# loaded on the first lookup: 'shapes', 'shapes_dense', 'shapes_strict', 'shapes_strict_atoms',
-# 'jpeg_compressibility', 'jpeg_incompressibility', 'temporal_consistency'.
+# Modules whose import registers the core's own rewards (each defines its own with @register),
+# loaded on the first lookup: 'jpeg_compressibility', 'jpeg_incompressibility',
+# 'temporal_consistency'. A task's rewards ('shapes', 'shapes_dense', ...) register when
+# digen_jax.tasks is imported; a reward worker imports the module that registered each reward
+# it serves (`defined_in`).
 BUILTIN_MODULES = (
     "digen_jax.rewards.jpeg",
     "digen_jax.rewards.video",
-    "digen_jax.tasks.shapes.checker",
 )
 _builtins_loaded = False
 
@@ -79,6 +80,19 @@ def register(name: str, *, takes: str = "images") -> Callable[[RewardFn], Reward
 
 def _ident(fn) -> str:
   return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def defined_in(names: Sequence[str]) -> list[str]:
+  """The modules whose import registers the rewards `names` (those registered with @register;
+  the user's callables and unknown names have none): what another process imports to find
+  them."""
+  _load_builtins()
+  out = []
+  for name in names:
+    module = getattr(_REGISTRY.get(name), "__module__", None)
+    if name in _REGISTRY and name not in _USER_TARGETS and module and module not in out:
+      out.append(module)
+  return out
 
 
 def registered_names() -> list[str]:

@@ -11,6 +11,7 @@ Serve any reward this package knows over that protocol (a learned one loads its 
 
     python -m digen_jax.rewards.remote --reward=ocr --port=8008 [--host=127.0.0.1]
     python -m digen_jax.rewards.remote --reward=mine --callables=mine=my_module:score
+    python -m digen_jax.rewards.remote --reward=shapes --modules=digen_jax.tasks  (a task's)
 
 --port=0 takes a free port; the first line on stdout names the URL.
 """
@@ -137,9 +138,18 @@ def main(argv: list[str]) -> int:
   ap.add_argument(
       '--callables', default='', help="a user's reward to serve: 'name=module.path:function'"
   )
+  ap.add_argument(
+      '--modules',
+      default='',
+      help="comma-separated modules whose import registers the reward (a task's: digen_jax.tasks)",
+  )
   a = ap.parse_args(argv)
   spec = {'models': {a.reward: a.model}, 'device': a.device, 'callables': a.callables}
-  serve(a.reward, a.host, a.port, spec)
+  spec['modules'] = [m.strip() for m in a.modules.split(',') if m.strip()]
+  try:
+    serve(a.reward, a.host, a.port, spec)
+  except (ValueError, ImportError) as e:  # an unknown reward or module: one line
+    sys.exit(f"digen_jax.rewards.remote: {e} (a task's reward: --modules=<its package>)")
   return 0
 
 

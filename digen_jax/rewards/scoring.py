@@ -222,6 +222,8 @@ class Rewards:
       devices = [d.strip() for d in (r.worker_devices or 'cpu').split(',') if d.strip()]
       spec = dict(
           rewards=in_workers,
+          # The modules that registered them here (a task's): the worker imports them.
+          modules=registry.defined_in(in_workers),
           callables=split_callables(r)[1],
           models=parse_pairs(r.models, 'config.reward.models'),
       )

@@ -16,6 +16,7 @@ fails the whole batch ('failed'): a bug, which the run's probe batch reports bef
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
@@ -34,7 +35,10 @@ def short(e: BaseException, limit: int = 300) -> str:
 
 def load(spec: dict) -> dict:
   """{name: fn(uint8 images, prompts) -> [b]} of spec['rewards'] (learned loaders, or registered
-  rewards and the user's callables in the registry's float contract)."""
+  rewards and the user's callables in the registry's float contract). spec['modules']: the
+  modules whose import registers the rewards (a task's, which the core does not import)."""
+  for module in spec.get('modules', ()):
+    importlib.import_module(module)
   if spec.get('callables'):
     registry.register_callables(spec['callables'])
   fns = {}

@@ -1,8 +1,9 @@
 """The costs cache: sim/costs.py's `Costs` of a config, stored as JSON and reused.
 
 Computing a real config's costs compiles its programs (Qwen-Image-20B: 20-30 minutes on two CPU
-cores), so python -m digen_jax.plan stores each computed `Costs` under benchmarks/costs/ and
-reads it back. An entry is keyed by what changes the compiled programs:
+cores), so python -m digen_jax.plan stores each computed `Costs` in the committed cache, this
+package's costs_data/ (package data: an installed package finds it too; every function here also
+takes another `directory`), and reads it back. An entry is keyed by what changes the compiled programs:
 
   config file and variant      'configs/qwenimage.py', 'full'
   overrides                    --config.k=v that reach the programs (schedule, runtime, data,
@@ -30,7 +31,8 @@ from typing import Any
 from digen_jax.sim import program_costs as costs_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COSTS_DIR = os.path.join(REPO, 'benchmarks', 'costs')
+# The committed cache: package data beside this module, not a folder of the checkout.
+COSTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'costs_data')
 # Overrides that do not change the rollout, grad or apply programs.
 IGNORED_OVERRIDES = (
     'schedule.',

@@ -122,6 +122,8 @@ def profile_child(
   from digen_jax.process import compile_cache  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import entry  # pylint: disable=g-import-not-at-top
+  import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
 
   info = distributed.maybe_initialize()
   compile_cache.enable()  # the runs it predicts then start from the same compiled programs
@@ -130,7 +132,7 @@ def profile_child(
     cluster = cluster_lib.colocated(jax.local_devices())
   else:
     cluster = cluster_lib.resolve(config)
-  exp = cli.build_experiment(config, workdir, max(cluster.rollout.size, cluster.trainer.size))
+  exp = entry.build_experiment(config, workdir, max(cluster.rollout.size, cluster.trainer.size))
   prof = _Profile(exp, cluster, workdir, repeats, info.num_processes > 1, info.process_id)
   plan = exp.plan
   one = dataclasses.replace(plan, num=1, unit='group')

@@ -32,6 +32,7 @@ from digen_jax.experiment import build as experiment
 from digen_jax.experiment import config as configlib
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.rl import objective
+import digen_jax.tasks  # noqa: F401  (registers the config's prompt set and reward)
 
 # The n-device program sums the K x B pairs in another order (and the model's matmuls see
 # another batch shape) than the one-device program: measured |dgrad| / max|grad| <= 7e-7, loss
