@@ -76,6 +76,7 @@ ALLOWED = {
 }
 # The DigenRL schedule is a pure state machine: no devices, threads, clocks or models in it.
 PURE = {'digen_jax.runtime.schedule', 'digen_jax.runtime.bts', 'digen_jax.experiment.fragments'}
+PURE |= {'digen_jax.runtime.roles'}  # the roles' handlers, as pure as the schedule
 PURE_ALLOWED_EXTERNAL = {'__future__', 'dataclasses', 'math', 'typing'}
 
 
