@@ -1,14 +1,15 @@
 """The one step loop of every mode: colocated, naive disaggregation, GAP, TSP, TAG/BTS, TCSS,
 in one process or two (DESIGN.md §3).
 
-Each role asks its runtime/schedule.Schedule for its next action and runs one small handler
-per action, with the real programs; the modes are the Schedule's parameters (M = 1 is one
-fragment: colocated or naive disaggregation; M > 1 is GAP; `tag`, `tcss_fraction`) plus the
-trainer's program choice (TSP). The trainer's handlers are here (`TrainerLoop`), the rollout's
-in runtime/rollout.py (`RolloutRole`). The roles meet through a runtime/links.Link: in one
-process the rollout runs in a thread (LocalLink: jax.device_put between the meshes), across two
-processes each process runs its role (ChannelLink: the transfer server). sim/engine.py drives
-the same Schedules on a virtual clock.
+Each role asks its runtime/schedule.Schedule for its next action and runs it through
+runtime/roles.py, the one set of handlers that orders the action's effects on the Schedule;
+the modes are the Schedule's parameters (M = 1 is one fragment: colocated or naive
+disaggregation; M > 1 is GAP; `tag`, `tcss_fraction`) plus the trainer's program choice (TSP).
+The trainer's executor, which runs the real programs for those handlers, is here
+(`TrainerLoop`), the rollout's in runtime/rollout.py (`RolloutRole`). The roles meet through a
+runtime/links.Link: in one process the rollout runs in a thread (LocalLink: jax.device_put
+between the meshes), across two processes each process runs its role (ChannelLink: the
+transfer server). sim/engine.py is the same handlers' executor on a virtual clock.
 
 Per logical batch (step s): the trainer publishes policy s, the rollout samples and scores
 the fragments it claims and streams them to the trainer; the trainer computes a fragment's
@@ -223,7 +224,8 @@ class _Applied:
 
 
 class TrainerLoop:
-  """The trainer role's side of the schedule: one handler per action."""
+  """The trainer role's side of the schedule: the executor of runtime/roles.py's trainer
+  handlers on the trainer mesh (each part runs, then its completion is called at once)."""
 
   def __init__(self, book: book_lib.Bookkeeping, trainer, tag_sampler, link: links.Link):
     self.book, self.trainer, self.tag_sampler, self.link = book, trainer, tag_sampler, link
@@ -245,6 +247,7 @@ class TrainerLoop:
     # trainer does (its publish, the previous step's bookkeeping) is left out of them.
     self.t_step, self.publish_s = time.time(), 0.0
     self.actions: list = []  # what runtime/roles.py took, in order (an action or ClaimLost)
+    self._evals, self._metrics = None, None  # of the step being applied (apply -> after_apply)
 
   def run(self) -> dict:
     while True:

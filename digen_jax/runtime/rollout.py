@@ -4,8 +4,8 @@
 copy, or (TAG) on the trainer mesh with the trainer's own params. `Evals` runs the periodic
 eval with the same program, every step Euler. `RolloutRole` is the rollout's loop: per step it
 draws the prompts (the data position has one owner), receives the policy, evaluates if due,
-then claims and samples the fragments its runtime/schedule.Schedule names, one handler per
-action; with TCSS it starts up to floor(phi*M) fragments of the next batch with the policy it
+then claims and samples the fragments its runtime/schedule.Schedule names: it is the executor of
+runtime/roles.py's rollout handlers on the rollout mesh; with TCSS it starts up to floor(phi*M) fragments of the next batch with the policy it
 holds while the next one is not published.
 """
 

@@ -1,12 +1,15 @@
 """Discrete-event simulation of a run: the real schedule (runtime/schedule.py) on a virtual clock.
 
 The same `Schedule` the runtime drives with real programs is driven here by modelled costs:
-each role (trainer, rollout) asks its own Schedule for its next action exactly as the one loop
-of runtime/loop.py and runtime/rollout.py do, the simulator charges the action's seconds
-(`StepCosts`) on the role's devices, and events (a fragment reaching the trainer, a publish
-ending, a policy pulled) go back into the Schedules. Claims are arbitrated first come, first
-served, as the runtime's links do. BTS (TAG) decides from the costs it profiles online from
-the simulated spans, as in a real run.
+each role (trainer, rollout) takes its turns through runtime/roles.py, the handlers the
+runtime's roles run, with this module as their executor (`_TrainerSide`, `_RolloutSide`): it
+charges each program's seconds (`StepCosts`) on the role's devices and calls the handler's
+completion when the program ends on the virtual clock, so events (a fragment reaching the
+trainer, a publish ending, a policy pulled) go back into the Schedules in the runtime's order.
+A role that waits blocks as the runtime's does: the trainer until the next fragment reaches
+it, the rollout until the policy it receives is published. Claims are arbitrated first come,
+first served, as the runtime's links do. BTS (TAG) decides from the costs it profiles online
+from the simulated spans, as in a real run. `Simulation.log` is what the handlers took.
 
 Devices and host cores. Each role's programs run on its devices; `Layout.shared` says whether
 the two roles' programs compete for the same compute (one process with both meshes on one
