@@ -72,6 +72,7 @@ ALLOWED = {**CORE_ALLOWED, **{t: CORE for t in TASKS}, **{p: CORE for p in PERF}
 PERF_COMMANDS_REGISTERING_TASKS = {'profile'}
 # The DigenRL schedule is a pure state machine: no devices, threads, clocks or models in it.
 PURE = {'digen_jax.runtime.schedule', 'digen_jax.runtime.bts', 'digen_jax.experiment.fragments'}
+PURE |= {'digen_jax.runtime.roles'}  # the roles' handlers, as pure as the schedule
 PURE_ALLOWED_EXTERNAL = {'__future__', 'dataclasses', 'math', 'typing'}
 
 

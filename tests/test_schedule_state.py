@@ -1,15 +1,16 @@
-"""The schedule state machine (runtime/schedule.py) driven by a virtual clock and synthetic
-costs: no devices, no threads, no compilation."""
+"""The schedule state machine (runtime/schedule.py) driven by the simulator's virtual clock
+(sim/engine.py, through runtime/roles.py's handlers) and synthetic costs: no devices, no
+threads, no compilation."""
 
-import heapq
-import itertools
 import math
 
 import pytest
 
 from digen_jax.runtime import bts
+from digen_jax.runtime import roles
 from digen_jax.experiment import fragments
 from digen_jax.runtime import schedule as sched
+from digen_jax.sim import engine
 
 COSTS = dict(
     roll=1.0,
@@ -24,105 +25,43 @@ COSTS = dict(
 )
 
 
-def _simulate(sm: sched.Schedule, **costs):
-  """Runs both roles of `sm` on a virtual clock: every action takes its cost in seconds.
-  Returns the log [(t, role, action)] of every non-Wait action as it started, and the end."""
+def _simulate(plan, steps, *, start=0, with_tag=False, phi=0.0, final_policy=False, **costs):
+  """Runs both roles on sim/engine.py's virtual clock (runtime/roles.py's handlers, each role
+  its own Schedule): every action takes its cost in seconds. Returns the log [(t, role,
+  action)] of what the roles took (actions, lost claims) and the Result (spans, makespan)."""
   c = dict(COSTS, **costs)
-  now = 0.0
-  events, seq = [], itertools.count()
-  busy = {sched.TRAINER: False, sched.ROLLOUT: False}
-  done = {sched.TRAINER: False, sched.ROLLOUT: False}
-  log = []
+  sim = engine.Simulation(
+      engine.StepCosts(
+          rollout=c['roll'],
+          grad=c['train'],
+          apply=c['apply'],
+          tag_rollout=c['switch'] + c['tag'],
+          publish=c['publish'],
+          pull=c['pull'],
+          deliver=c['deliver'],
+          gap=c['gap'],
+      ),
+      engine.Layout(),
+      engine.Modes(fragments=plan.num, unit=plan.unit, tag=with_tag, tcss_fraction=phi),
+      groups=plan.groups,
+      group_size=plan.group_size,
+      steps=steps,
+      start=start,
+      final_policy=final_policy,
+  )
+  result = sim.run()
+  return _taken(sim.log), result
 
-  def at(t, fn):
-    heapq.heappush(events, (t, next(seq), fn))
 
-  def free(role, fn=None):
-    def finish():
-      busy[role] = False
-      if fn is not None:
-        fn()
-
-    return finish
-
-  def run_trainer(a):
-    if isinstance(a, sched.Publish):
-      at(now + c['publish'], free(sched.TRAINER, lambda v=a.version: sm.published(v, now)))
-    elif isinstance(a, sched.TrainFragment):
-      at(now + c['train'], free(sched.TRAINER, lambda: sm.trained(a.step, a.index, c['train'])))
-    elif isinstance(a, sched.Apply):
-      at(now + c['apply'], free(sched.TRAINER, lambda: sm.applied(a.step)))
-    elif isinstance(a, sched.SampleFragment):
-      sm.claimed(a.step, a.index, sched.TRAINER, now)
-      t0 = now
-
-      def end():
-        sm.fragment_arrived(a.step, a.index, a.version, sched.TRAINER)
-        sm.sampled_by_trainer(c['tag'], now - t0)
-
-      at(now + c['switch'] + c['tag'], free(sched.TRAINER, end))
-    else:
-      raise AssertionError(a)
-
-  def run_rollout(a):
-    if isinstance(a, sched.ReceivePolicy):
-      at(now + c['pull'], free(sched.ROLLOUT, lambda: sm.policy_received(a.version)))
-    elif isinstance(a, sched.SampleFragment):
-      sm.claimed(a.step, a.index, sched.ROLLOUT, now)
-      t0, t1 = now, now + c['roll']
-      at(
-          t1 + c['deliver'],
-          lambda: sm.fragment_arrived(
-              a.step,
-              a.index,
-              a.version,
-              sched.ROLLOUT,
-              sample_s=c['roll'],
-              t_start=t0,
-              t_end=t1,
-              arrived=t1 + c['deliver'],
-          ),
-      )
-      at(t1 + c['gap'], free(sched.ROLLOUT))
-    elif isinstance(a, sched.EndRolloutStep):
-      sm.rollout_step_ended(a.step)
-      busy[sched.ROLLOUT] = False
-    else:
-      raise AssertionError(a)
-
-  def kick():
-    moved = True
-    while moved:
-      moved = False
-      for role in (sched.TRAINER, sched.ROLLOUT):
-        if busy[role] or done[role]:
-          continue
-        if role == sched.TRAINER:
-          a = sm.trainer_action(now)
-        else:
-          ready = sm.stale_window() and sm.rollout_step in sm.published_at
-          a = sm.rollout_action(next_policy_ready=ready)
-          if isinstance(a, sched.ReceivePolicy) and a.version not in sm.published_at:
-            continue  # waits for the publish
-        if isinstance(a, sched.Done):
-          done[role] = True
-          continue
-        if isinstance(a, sched.Wait):
-          log.append((now, role, a)) if a.decision else None
-          continue
-        log.append((now, role, a))
-        busy[role] = True
-        (run_trainer if role == sched.TRAINER else run_rollout)(a)
-        moved = True
-
-  while True:
-    kick()
-    if not events:
-      break
-    now, _, fn = heapq.heappop(events)
-    fn()
-  assert all(done.values()), f'deadlock at t={now}: {busy}, {done}'
-  return log, now
+def _taken(log):
+  """The log without the samples whose claim the other role had won (and their ClaimLost)."""
+  lost = {(r, a.step, a.index) for _, r, a in log if isinstance(a, roles.ClaimLost)}
+  return [
+      (t, r, a)
+      for t, r, a in log
+      if not isinstance(a, roles.ClaimLost)
+      and not (isinstance(a, sched.SampleFragment) and (r, a.step, a.index) in lost)
+  ]
 
 
 def _plan(groups=4, group_size=2, num=4, unit='sample'):
@@ -151,10 +90,9 @@ CASES = [
 )
 def test_every_fragment_is_sampled_once_and_trained_once(case):
   plan = _plan(num=case['num'], unit=case['unit'])
-  sm = sched.Schedule(
-      plan, start=0, total_steps=4, tag=case['tag'], tcss_fraction=case['phi'], final_policy=True
+  log, _ = _simulate(
+      plan, 4, with_tag=case['tag'], phi=case['phi'], final_policy=True, **case['costs']
   )
-  log, _ = _simulate(sm, **case['costs'])
   every = {(s, f) for s in range(4) for f in range(plan.num)}
   sampled = [(a.step, a.index) for a in _actions(log, sched.SampleFragment)]
   trained = [(a.step, a.index) for a in _actions(log, sched.TrainFragment)]
@@ -179,9 +117,8 @@ def test_every_fragment_is_sampled_once_and_trained_once(case):
 @pytest.mark.parametrize('start', [0, 2])
 def test_one_fragment_is_the_colocated_order(start):
   """M = 1, no TAG/TCSS: publish, sample the batch, train it, apply, publish the next."""
-  sm = sched.Schedule(_plan(num=1, unit='group'), start=start, total_steps=4)
-  log, _ = _simulate(sm)
-  trainer = [a for _, r, a in log if r == sched.TRAINER]
+  log, result = _simulate(_plan(num=1, unit='group'), 4, start=start)
+  trainer = [a for _, r, a in log if r == sched.TRAINER and not isinstance(a, sched.Wait)]
   rollout = [a for _, r, a in log if r == sched.ROLLOUT]
   expect_t, expect_r = [sched.Publish(start)], []
   for s in range(start, 4):
@@ -194,16 +131,19 @@ def test_one_fragment_is_the_colocated_order(start):
     ]
   assert trainer == expect_t and rollout == expect_r
   # Strictly sequential: nothing of a batch starts before the previous one's publish ended.
-  times = {a: t for t, _, a in log}
+  spans = {(x.program, x.version): x for x in result.spans}
   for s in range(start + 1, 4):
-    assert times[sched.ReceivePolicy(s)] >= times[sched.Publish(s)] + COSTS['publish']
+    assert (
+        spans[('rollout', s)].t0
+        >= spans[('publish', s)].t1
+        == (spans[('publish', s)].t0 + COSTS['publish'])
+    )
 
 
 def test_tag_inserts_only_when_bts_predicts_a_shorter_makespan():
   plan = _plan(num=8)
   slow_rollout = dict(roll=2.0, train=0.1, tag=0.5)
-  with_tag = sched.Schedule(plan, start=0, total_steps=3, tag=True)
-  log, end_tag = _simulate(with_tag, **slow_rollout)
+  log, with_tag = _simulate(plan, 3, with_tag=True, **slow_rollout)
   inserts = _actions(log, sched.SampleFragment, sched.TRAINER)
   assert inserts, 'a slow rollout leaves bubbles BTS fills'
   for a in inserts:
@@ -213,14 +153,12 @@ def test_tag_inserts_only_when_bts_predicts_a_shorter_makespan():
   waits = [a.decision for _, _, a in log if isinstance(a, sched.Wait) and a.decision]
   assert all(d['action'] == 'wait' for d in waits)
   assert all(d['makespan_insert'] >= d['makespan_wait'] for d in waits if 'makespan_wait' in d)
-  _, end_plain = _simulate(sched.Schedule(plan, start=0, total_steps=3), **slow_rollout)
-  assert end_tag < end_plain
+  _, plain = _simulate(plan, 3, **slow_rollout)
+  assert with_tag.makespan < plain.makespan
   # A trainer far slower at sampling than the rollout helps twice: before its sampling cost is
   # measured (BTS then estimates it from the rollout's), once more because a single measurement
   # may be a cold start, never after the second confirms it.
-  log, _ = _simulate(
-      sched.Schedule(plan, start=0, total_steps=3, tag=True), roll=0.5, train=0.1, tag=20.0
-  )
+  log, _ = _simulate(plan, 3, with_tag=True, roll=0.5, train=0.1, tag=20.0)
   inserts = _actions(log, sched.SampleFragment, sched.TRAINER)
   assert len(inserts) == 2, [a.decision for a in inserts]
   assert not any(a.decision['c_tag_measured'] for a in inserts)
@@ -258,9 +196,8 @@ def test_trainer_action_is_the_bts_rule_on_the_state():
 @pytest.mark.parametrize('phi, m', [(0.5, 4), (0.25, 8), (0.3, 8), (1.0, 4)])
 def test_tcss_stays_within_phi_and_one_version(phi, m):
   plan = _plan(num=m)
-  sm = sched.Schedule(plan, start=0, total_steps=5, tcss_fraction=phi)
   # A slow update: the rollout finishes its share long before the next publish.
-  log, _ = _simulate(sm, roll=0.1, train=0.5, apply=1.0)
+  log, _ = _simulate(plan, 5, phi=phi, roll=0.1, train=0.5, apply=1.0)
   stale = {}
   for a in _actions(log, sched.SampleFragment):
     assert a.step - a.version in (0, 1)
@@ -270,7 +207,7 @@ def test_tcss_stays_within_phi_and_one_version(phi, m):
   assert 0 not in stale  # nothing precedes the first batch
   assert all(len(v) <= math.floor(phi * m + 1e-9) for v in stale.values())
   # Without TCSS nothing is stale.
-  log, _ = _simulate(sched.Schedule(plan, start=0, total_steps=5), roll=0.1, train=0.5, apply=1.0)
+  log, _ = _simulate(plan, 5, roll=0.1, train=0.5, apply=1.0)
   assert all(a.version == a.step for a in _actions(log, sched.SampleFragment))
 
 

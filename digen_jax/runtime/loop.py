@@ -1,14 +1,15 @@
 """The one step loop of every mode: colocated, naive disaggregation, GAP, TSP, TAG/BTS, TCSS,
 in one process or two (docs/design.md#execution-modes).
 
-Each role asks its runtime/schedule.Schedule for its next action and runs one small handler
-per action, with the real programs; the modes are the Schedule's parameters (M = 1 is one
-fragment: colocated or naive disaggregation; M > 1 is GAP; `tag`, `tcss_fraction`) plus the
-trainer's program choice (TSP). The trainer's handlers are here (`TrainerLoop`), the rollout's
-in runtime/rollout.py (`RolloutRole`). The roles meet through a runtime/links.Link: in one
-process the rollout runs in a thread (LocalLink: jax.device_put between the meshes), across two
-processes each process runs its role (ChannelLink: the transfer server). sim/engine.py drives
-the same Schedules on a virtual clock.
+Each role asks its runtime/schedule.Schedule for its next action and runs it through
+runtime/roles.py, the one set of handlers that orders the action's effects on the Schedule;
+the modes are the Schedule's parameters (M = 1 is one fragment: colocated or naive
+disaggregation; M > 1 is GAP; `tag`, `tcss_fraction`) plus the trainer's program choice (TSP).
+The trainer's executor, which runs the real programs for those handlers, is here
+(`TrainerLoop`), the rollout's in runtime/rollout.py (`RolloutRole`). The roles meet through a
+runtime/links.Link: in one process the rollout runs in a thread (LocalLink: jax.device_put
+between the meshes), across two processes each process runs its role (ChannelLink: the
+transfer server). sim/engine.py is the same handlers' executor on a virtual clock.
 
 Per logical batch (step s): the trainer publishes policy s, the rollout samples and scores
 the fragments it claims and streams them to the trainer; the trainer computes a fragment's
@@ -45,6 +46,7 @@ from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import inputs
 from digen_jax.runtime import links
 from digen_jax.runtime import publish
+from digen_jax.runtime import roles
 from digen_jax.runtime import rollout as rollout_lib
 from digen_jax.runtime import schedule as sched_lib
 from digen_jax.runtime import trace as trace_lib
@@ -55,7 +57,8 @@ from digen_jax.runtime import transfer
 def train(exp, workdir: str, cluster) -> dict:
   """Runs config.total_steps optimizer steps of `exp` on `cluster` (runtime/cluster.py) for
   this process's role(s), resuming from <workdir>/checkpoints. Returns {'params', 'opt_state',
-  'step', 'decisions'} where this process trains, else {'step'}."""
+  'step', 'decisions', 'actions'} where this process trains, else {'step'}; actions: {role:
+  [what runtime/roles.py took, in order]} of the roles this process ran."""
   config = exp.config
   tracer = trace_lib.Tracer(config.schedule.trace)
   if cluster.multi_process:
@@ -80,7 +83,7 @@ def train(exp, workdir: str, cluster) -> dict:
     tag_sampler = rollout_lib.Sampler(
         exp, cluster.trainer.mesh, trainer.param_shardings, exp.plan, 'trainer', tracer, book.level
     )
-  link, rollout_thread = _connect(exp, workdir, cluster, tracer, trainer, book)
+  link, rollout_thread, role = _connect(exp, workdir, cluster, tracer, trainer, book)
   try:
     with book.stops_cleanly():
       out = TrainerLoop(book, trainer, tag_sampler, link).run()
@@ -98,12 +101,14 @@ def train(exp, workdir: str, cluster) -> dict:
     rollout_thread.join()
     if link.error is not None:
       raise RuntimeError('the rollout thread failed') from link.error
+    out['actions'][sched_lib.ROLLOUT] = role.actions
   return out
 
 
 def _connect(exp, workdir: str, cluster, tracer, trainer, book):
-  """(the trainer's link, the rollout thread or None): a ChannelLink to the rollout process,
-  or a LocalLink and the rollout role started in a thread of this process."""
+  """(the trainer's link, the rollout thread or None, its RolloutRole or None): a ChannelLink
+  to the rollout process, or a LocalLink and the rollout role started in a thread of this
+  process."""
   start = trainer.start
   if cluster.multi_process:
     position = {'step': start, 'data_position': trainer.data_position}
@@ -115,7 +120,7 @@ def _connect(exp, workdir: str, cluster, tracer, trainer, book):
         dtype=book.rollout_dtype,
         frag_abstract=rollout_lib.abstract_fragment(exp, exp.plan, trainer.traj_shardings),
     )
-    return link, None
+    return link, None, None
   if start:
     exp.prompts.restore(trainer.data_position)
   rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
@@ -137,7 +142,7 @@ def _connect(exp, workdir: str, cluster, tracer, trainer, book):
 
   thread = threading.Thread(target=run_rollout, name='rollout', daemon=True)
   thread.start()
-  return link, thread
+  return link, thread, role
 
 
 def _rollout_role(exp, workdir, cluster, tracer, link, start, writer=None):
@@ -219,7 +224,8 @@ class _Applied:
 
 
 class TrainerLoop:
-  """The trainer role's side of the schedule: one handler per action."""
+  """The trainer role's side of the schedule: the executor of runtime/roles.py's trainer
+  handlers on the trainer mesh (each part runs, then its completion is called at once)."""
 
   def __init__(self, book: book_lib.Bookkeeping, trainer, tag_sampler, link: links.Link):
     self.book, self.trainer, self.tag_sampler, self.link = book, trainer, tag_sampler, link
@@ -240,43 +246,49 @@ class TrainerLoop:
     # Step windows are contiguous: from one optimizer step's end to the next, so nothing the
     # trainer does (its publish, the previous step's bookkeeping) is left out of them.
     self.t_step, self.publish_s = time.time(), 0.0
+    self.actions: list = []  # what runtime/roles.py took, in order (an action or ClaimLost)
+    self._evals, self._metrics = None, None  # of the step being applied (apply -> after_apply)
 
   def run(self) -> dict:
-    handlers = {
-        sched_lib.Publish: self.publish,
-        sched_lib.TrainFragment: self.train_fragment,
-        sched_lib.Apply: self.apply,
-        sched_lib.SampleFragment: self.sample_fragment,
-        sched_lib.Wait: self.wait,
-    }
     while True:
       while self.link.poll():
         self.take()
-      s = self.sm.trainer_step
-      if self.sm.needs_claims():
-        claims = self.link.claims(s, self.plan.num)
-        self.sm.note_claims(s, {f: (c['who'], c['t']) for f, c in claims.items()})
-      action = self.sm.trainer_action(time.time())
-      if isinstance(action, sched_lib.Done):
+      if not roles.trainer_turn(self.sm, self):
         break
-      handlers[type(action)](action)
     self.end_step()  # the last step, when no publish followed it
     if self.book.final_eval:  # policy total_steps was published after the last step
       self.book.write_rows(self.link.get('final_evals'))
       self.link.weights_delivered()
-    return self.book.finish(_title(self.book.exp.config), decisions=self.book.tracer.decisions)
+    out = self.book.finish(_title(self.book.exp.config), decisions=self.book.tracer.decisions)
+    return {**out, 'actions': {sched_lib.TRAINER: self.actions}}
 
   def batch(self, step: int) -> _Batch:
     return self.batches.setdefault(step, _Batch(self.plan, step))
 
-  # ------------------------------------------------------------------ handlers
+  # ------------------------------------------------------------------ the executor
+  # runtime/roles.py calls these: each runs its part on the devices, then calls `done` at once.
 
-  def publish(self, action: sched_lib.Publish) -> None:
-    """Sends policy `version`, then writes the previous step's row (the rollout starts the
-    next batch meanwhile) and prepares the trainer for batch `version`."""
-    v = action.version
+  def now(self) -> float:
+    return time.time()
+
+  def took(self, action) -> None:
+    self.actions.append(action)
+
+  def claims(self, step: int) -> dict[int, tuple[str, float]]:
+    claims = self.link.claims(step, self.plan.num)
+    return {f: (c['who'], c['t']) for f, c in claims.items()}
+
+  def claim(self, step: int, f: int, role: str) -> bool:
+    return self.link.claim(step, f, role)
+
+  def publish(self, v: int, done) -> None:
+    """Sends policy `v` (done: with the time it was published)."""
     _, self.publish_s = self.book.publish(self.link.publish, v, self.trainer.devices)
-    self.sm.published(v, self.book.published_at[v])
+    done(self.book.published_at[v])
+
+  def after_publish(self, v: int) -> None:
+    """After publishing policy `v`: writes the previous step's row (the rollout starts the
+    next batch meanwhile) and prepares the trainer for batch `v`."""
     if self.applied is not None and self.book.exp.config.schedule.tcss_fraction == 0:
       # The rollout's first fragment waits for this pull, and the trainer has nothing to do
       # before that fragment arrives: let the pull run alone rather than beside the
@@ -316,8 +328,12 @@ class TrainerLoop:
         eval_s=frag.eval_s,
     )
 
-  def train_fragment(self, action: sched_lib.TrainFragment) -> None:
-    step, f = action.step, action.index
+  def wait_fragment(self) -> None:
+    """Nothing to train: wait for the rollout's next fragment."""
+    self.take()
+
+  def train(self, step: int, f: int, done) -> None:
+    """Accumulates fragment f's gradient (done: with its seconds)."""
     b = self.batch(step)
     if self.trainer.fused:  # its program steps the optimizer: the rollout must hold its copy
       self.link.weights_delivered()
@@ -334,35 +350,21 @@ class TrainerLoop:
       jax.block_until_ready(b.state)
     dt = time.perf_counter() - t0
     b.grad_s += dt
-    self.sm.trained(step, f, dt)
+    done(dt)
 
-  def sample_fragment(self, action: sched_lib.SampleFragment) -> None:
-    """TAG: BTS chose to sample an unclaimed fragment on the trainer mesh (if the rollout has
-    not claimed it meanwhile), with the trainer's current weights (the published ones: no
-    optimizer step happens inside a batch)."""
-    step, f, dec = action.step, action.index, action.decision
+  def tag_sample(self, step: int, f: int, done) -> None:
+    """TAG: samples fragment f on the trainer mesh with the trainer's current weights (the
+    published ones: no optimizer step happens inside a batch); done: (device, wall) seconds."""
     b = self.batch(step)
-    if self.link.claim(step, f, sched_lib.TRAINER):
-      self.sm.claimed(step, f, sched_lib.TRAINER, time.time())
-      dec['fragment'] = f
-      t0 = time.perf_counter()
-      frag = self.tag_sampler.sample(self.trainer.params, step, b.prompts, step, f)
-      dt = time.perf_counter() - t0
-      b.tag_s += dt
-      b.add(frag)
-      self.sm.fragment_arrived(step, f, step, sched_lib.TRAINER)
-      self.sm.sampled_by_trainer(frag.sample_s + frag.reward_s, dt)
-    else:
-      dec.update(action='wait', reason=f'fragment {f} was claimed by the rollout first')
-    self.record(b, dec)
-    if dec['action'] != 'insert':
-      self.take()
+    t0 = time.perf_counter()
+    frag = self.tag_sampler.sample(self.trainer.params, step, b.prompts, step, f)
+    dt = time.perf_counter() - t0
+    b.tag_s += dt
+    b.add(frag)
+    done(frag.sample_s + frag.reward_s, dt)
 
-  def wait(self, action: sched_lib.Wait) -> None:
-    """Nothing to train: wait for the rollout's next fragment."""
-    if action.decision is not None:
-      self.record(self.batch(self.sm.trainer_step), action.decision)
-    self.take()
+  def decided(self, dec: dict) -> None:
+    self.record(self.batch(self.sm.trainer_step), dec)
 
   def record(self, b: _Batch, dec: dict) -> None:
     """A BTS decision: logged, traced and counted in the step's row."""
@@ -375,20 +377,23 @@ class TrainerLoop:
     self.book.tracer.decision(dec)
     b.decisions.append(dec)
 
-  def apply(self, action: sched_lib.Apply) -> None:
+  def apply(self, step: int, done) -> None:
     """The batch's optimizer step (and further PPO epochs over it). Its row is written after
-    the next publish (Publish) or at the end."""
-    step = action.step
+    the next publish (`after_publish`) or at the end."""
     b = self.batch(step)
-    evals = self.link.get(f'evals/{step}')
-    self.book.write_rows(evals['rows'])
+    self._evals = self.link.get(f'evals/{step}')
+    self.book.write_rows(self._evals['rows'])
     self.link.weights_delivered()  # the rollout holds its copy: params may be donated
     t0 = time.perf_counter()
-    m = self._optimizer_steps(b)
+    self._metrics = self._optimizer_steps(b)
     b.grad_s += time.perf_counter() - t0
-    self.sm.applied(step)
+    done()
+
+  def after_apply(self, step: int) -> None:
     t_end = time.time()
-    self.applied = _Applied(b, m, evals, self.t_step, t_end, self.publish_s)
+    self.applied = _Applied(
+        self.batch(step), self._metrics, self._evals, self.t_step, t_end, self.publish_s
+    )
     self.t_step = t_end
 
   def _optimizer_steps(self, b: _Batch) -> dict:

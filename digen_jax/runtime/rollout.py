@@ -4,8 +4,8 @@
 copy, or (TAG) on the trainer mesh with the trainer's own params. `Evals` runs the periodic
 eval with the same program, every step Euler. `RolloutRole` is the rollout's loop: per step it
 draws the prompts (the data position has one owner), receives the policy, evaluates if due,
-then claims and samples the fragments its runtime/schedule.Schedule names, one handler per
-action; with TCSS it starts up to floor(phi*M) fragments of the next batch with the policy it
+then claims and samples the fragments its runtime/schedule.Schedule names: it is the executor of
+runtime/roles.py's rollout handlers on the rollout mesh; with TCSS it starts up to floor(phi*M) fragments of the next batch with the policy it
 holds while the next one is not published.
 """
 
@@ -30,6 +30,7 @@ from digen_jax.rewards import scoring as reward_scoring
 from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import inputs
 from digen_jax.runtime import links
+from digen_jax.runtime import roles
 from digen_jax.runtime import schedule as sched_lib
 from digen_jax.runtime import trace as trace_lib
 from digen_jax.runtime import transfer
@@ -199,26 +200,34 @@ class RolloutRole:
     self._drawn: set[int] = set()
     self._grid: dict[int, list[Fragment]] = {}  # this role's fragments per step, for samples/
     self._unsent: list[Fragment] = []  # sampled, their scores not all in yet
+    self._pull_s = 0.0
+    self.actions: list = []  # what runtime/roles.py took, in order (an action or ClaimLost)
 
   def run(self) -> None:
-    handlers = {
-        sched_lib.ReceivePolicy: self.receive_policy,
-        sched_lib.SampleFragment: self.sample_fragment,
-        sched_lib.EndRolloutStep: self.end_step,
-    }
     while True:
       interrupt.check('in the rollout')  # in-flight fragments are regenerated after a resume
-      ready = self.sm.stale_window() and self.link.policy_ready(self.sm.rollout_step)
-      action = self.sm.rollout_action(next_policy_ready=ready)
-      if isinstance(action, sched_lib.Done):
+      if not roles.rollout_turn(self.sm, self):
         break
-      if type(action) not in handlers:
-        raise AssertionError(f'the rollout cannot {action}')
-      if not isinstance(action, sched_lib.SampleFragment):
-        self.send_scored(wait=True)  # every fragment is in before the step ends or a policy
-      handlers[type(action)](action)
     self.send_scored(wait=True)
     self.link.finish_rollout()
+
+  # ------------------------------------------------------------------ the executor
+  # runtime/roles.py calls these: each runs its part on the devices, then calls `done` at once.
+
+  def now(self) -> float:
+    return time.time()
+
+  def took(self, action) -> None:
+    self.actions.append(action)
+
+  def policy_ready(self, step: int) -> bool:
+    return self.link.policy_ready(step)
+
+  def claim(self, step: int, f: int, role: str) -> bool:
+    return self.link.claim(step, f, role)
+
+  def flush(self) -> None:
+    self.send_scored(wait=True)  # every fragment is in before the step ends or a policy
 
   def prompts(self, step: int) -> list[str]:
     """Step `step`'s prompts, one per sample. Drawn before its policy is received (and before
@@ -232,29 +241,29 @@ class RolloutRole:
       self._drawn.add(step)
     return self.link.get(f'prompts/{step}')['batch_prompts']
 
-  def receive_policy(self, action: sched_lib.ReceivePolicy) -> None:
-    v = action.version
-    if v == self.total:  # the final policy: its eval only
-      self.policy, _ = self.link.wait_policy(v)
-      self.sm.policy_received(v)
+  def pull_policy(self, v: int, done) -> None:
+    """Waits for policy `v` and takes it (done: once it is held)."""
+    if v < self.total:
+      self.prompts(v)
+    self.policy, self._pull_s = self.link.wait_policy(v)
+    if v < self.total:
+      self.link.release_before(v)
+    done()
+
+  def after_receive(self, v: int) -> None:
+    """With policy `v` held: its eval if due (the final policy: its eval only)."""
+    if v == self.total:
       self.link.put('final_evals', [self.evals(self.policy)])
       return
-    self.prompts(v)
-    self.policy, pull_s = self.link.wait_policy(v)
-    self.link.release_before(v)
-    self.sm.policy_received(v)
     rows, t_eval = [], time.perf_counter()
     if self.evals.due(v, self.start):
       rows.append(self.evals(self.policy))
     self.eval_s = time.perf_counter() - t_eval
-    self.eval_info = {'rows': rows, 'eval_s': self.eval_s, 'pull_s': pull_s}
+    self.eval_info = {'rows': rows, 'eval_s': self.eval_s, 'pull_s': self._pull_s}
 
-  def sample_fragment(self, action: sched_lib.SampleFragment) -> None:
-    step, f = action.step, action.index
-    if not self.link.claim(step, f, sched_lib.ROLLOUT):  # the trainer took it (TAG)
-      self.sm.claimed(step, f, sched_lib.TRAINER, time.time())
-      return
-    self.sm.claimed(step, f, sched_lib.ROLLOUT, time.time())
+  def sample(self, step: int, f: int, version: int) -> None:
+    """Samples fragment f of `step` with the held policy (`version`); its scores come in
+    while the next one is sampled."""
     policy = self.policy
     frag = self.sampler.sample(
         policy.params, policy.version, self.prompts(step), step, f, wait=False
@@ -287,15 +296,13 @@ class RolloutRole:
         frag.reward_s,
     )
 
-  def end_step(self, action: sched_lib.EndRolloutStep) -> None:
-    step = action.step
+  def end_rollout_step(self, step: int) -> None:
     self.link.put(f'evals/{step}', self.eval_info)  # the trainer reads it after its last fragment
     if self._grid.get(step):
       frags = sorted(self._grid.pop(step), key=lambda x: x.index)
       grid = write_grid(self.workdir, step + 1, frags, self.prompts(step), self.plan)
       if self.writer is not None:
         self.writer.write_image('samples', grid, step + 1)
-    self.sm.rollout_step_ended(step)
 
 
 def write_grid(workdir: str, step: int, frags: list[Fragment], batch_prompts, plan):

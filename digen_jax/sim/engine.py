@@ -1,12 +1,15 @@
 """Discrete-event simulation of a run: the real schedule (runtime/schedule.py) on a virtual clock.
 
 The same `Schedule` the runtime drives with real programs is driven here by modelled costs:
-each role (trainer, rollout) asks its own Schedule for its next action exactly as the one loop
-of runtime/loop.py and runtime/rollout.py do, the simulator charges the action's seconds
-(`StepCosts`) on the role's devices, and events (a fragment reaching the trainer, a publish
-ending, a policy pulled) go back into the Schedules. Claims are arbitrated first come, first
-served, as the runtime's links do. BTS (TAG) decides from the costs it profiles online from
-the simulated spans, as in a real run.
+each role (trainer, rollout) takes its turns through runtime/roles.py, the handlers the
+runtime's roles run, with this module as their executor (`_TrainerSide`, `_RolloutSide`): it
+charges each program's seconds (`StepCosts`) on the role's devices and calls the handler's
+completion when the program ends on the virtual clock, so events (a fragment reaching the
+trainer, a publish ending, a policy pulled) go back into the Schedules in the runtime's order.
+A role that waits blocks as the runtime's does: the trainer until the next fragment reaches
+it, the rollout until the policy it receives is published. Claims are arbitrated first come,
+first served, as the runtime's links do. BTS (TAG) decides from the costs it profiles online
+from the simulated spans, as in a real run. `Simulation.log` is what the handlers took.
 
 Devices and host cores. Each role's programs run on its devices; `Layout.shared` says whether
 the two roles' programs compete for the same compute (one process with both meshes on one
@@ -37,6 +40,7 @@ import statistics
 from typing import Callable
 
 from digen_jax.runtime import bts as bts_lib
+from digen_jax.runtime import roles
 from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import schedule as sched_lib
 from digen_jax.runtime import trace as trace_lib
@@ -171,20 +175,40 @@ class Simulation:
       groups: int,
       group_size: int,
       steps: int,
+      start: int = 0,
+      final_policy: bool = False,
+      policy_ready: Callable[[int], bool] | None = None,
   ):
+    """Steps [start, steps) (start: a resumed run's first). final_policy: the trainer
+    publishes policy `steps` after the last step and the rollout receives it (a run's final
+    eval), as runtime/loop.py does. policy_ready(step): the rollout's answer, at a TCSS stale
+    window, to whether policy `step` is published (default: whether it is on the virtual
+    clock; a replay passes a run's own answers)."""
     if steps < 1:
       raise ValueError(f'steps={steps} must be >= 1')
+    if not 0 <= start < steps:
+      raise ValueError(f'start={start} must be in [0, steps={steps})')
     if schedule.tag and costs.tag_rollout is None:
       raise ValueError('schedule.tag needs StepCosts.tag_rollout (the trainer-side sampling)')
     self.costs, self.layout, self.schedule = costs, layout, schedule
     self.plan = frag_lib.FragmentPlan(groups, group_size, schedule.fragments, schedule.unit)
-    self.steps = steps
+    self.start, self.steps, self.final_policy = start, steps, final_policy
+    self.policy_ready = policy_ready
     # Each role drives its own Schedule, as in a run whose roles live in two processes.
     self.trainer_sm = sched_lib.Schedule(
-        self.plan, start=0, total_steps=steps, tag=schedule.tag, costs=bts_lib.Costs()
+        self.plan,
+        start=start,
+        total_steps=steps,
+        tag=schedule.tag,
+        final_policy=final_policy,
+        costs=bts_lib.Costs(),
     )
     self.rollout_sm = sched_lib.Schedule(
-        self.plan, start=0, total_steps=steps, tcss_fraction=schedule.tcss_fraction
+        self.plan,
+        start=start,
+        total_steps=steps,
+        tcss_fraction=schedule.tcss_fraction,
+        final_policy=final_policy,
     )
     self.now = 0.0
     self.jobs: list[_Job] = []
@@ -198,7 +222,14 @@ class Simulation:
     self.publish_start: dict[int, float] = {}
     self.busy = {TRAINER: False, ROLLOUT: False}  # a program or a latency in progress
     self.done = {TRAINER: False, ROLLOUT: False}
-    self.rollout_policy: int | None = None
+    # A role blocked until an event: (whether it came, what the role does then).
+    self.blocked: dict[str, tuple[Callable[[], bool], Callable[[], None]] | None] = {
+        TRAINER: None,
+        ROLLOUT: None,
+    }
+    self.arrived = 0  # fragments the trainer received (one wakes a trainer that waits)
+    self.log: list[tuple[float, str, object]] = []  # (t, role, what runtime/roles.py took)
+    self.sides = {TRAINER: _TrainerSide(self), ROLLOUT: _RolloutSide(self)}
 
   # ------------------------------------------------------------------------ the clock
 
@@ -294,13 +325,36 @@ class Simulation:
     return Result(self)
 
   def _poll(self) -> None:
-    """Lets every idle role take its next action (repeatedly: an action may free the other)."""
+    """Lets every idle role take its next action through runtime/roles.py (repeatedly: an
+    action may free the other), and wakes a blocked role whose event came."""
     progress = True
     while progress:
       progress = False
       for role in (TRAINER, ROLLOUT):
-        if not self.busy[role] and not self.done[role]:
-          progress |= self._trainer_next() if role == TRAINER else self._rollout_next()
+        if self.done[role]:
+          continue
+        if self.blocked[role] is not None:
+          progress |= self._wake(role)
+        elif not self.busy[role]:
+          turn = roles.trainer_turn if role == TRAINER else roles.rollout_turn
+          sm = self.trainer_sm if role == TRAINER else self.rollout_sm
+          self.done[role] = not turn(sm, self.sides[role])
+          progress = True
+
+  def _block(self, role: str, came: Callable[[], bool], then: Callable[[], None]) -> None:
+    """`role` waits (no device) until `came()`, then runs `then`."""
+    self.busy[role] = True
+    self.blocked[role] = (came, then)
+    self._wake(role)
+
+  def _wake(self, role: str) -> bool:
+    came, then = self.blocked[role]
+    if not came():
+      return False
+    self.blocked[role] = None
+    self.busy[role] = False
+    then()
+    return True
 
   def _hold(self, role: str, seconds: float, then: Callable[[], None] | None = None) -> None:
     """`role` is busy on its host (no device) for `seconds`, then runs `then`."""
@@ -321,129 +375,133 @@ class Simulation:
     self.claims[(step, f)] = (role, self.now)
     return True
 
-  # ------------------------------------------------------------------------ trainer
-
-  def _trainer_next(self) -> bool:
-    """Runs the trainer's next action (runtime/loop.py's TrainerLoop). True if it started one."""
-    sm, c = self.trainer_sm, self.costs
-    step = sm.trainer_step
-    if sm.needs_claims():
-      sm.note_claims(step, {f: who for (s, f), who in self.claims.items() if s == step})
-    action = sm.trainer_action(self.now)
-    if isinstance(action, sched_lib.Publish):
-      v = action.version
-
-      def published(t, _):
-        sm.published(v, t)
-        self.published[v] = t
-        if v > 0:  # the previous step's bookkeeping, after the publish (runtime/loop.py)
-          self._bookkeeping()
-
-      self.publish_start[v] = self.now
-      self._run(TRAINER, 'publish', c.publish, published, step=v, version=v)
-      return True
-    if isinstance(action, sched_lib.TrainFragment):
-      s, f = action.step, action.index
-      self._run(
-          TRAINER,
-          'update' if self.schedule.fused else 'grad',
-          c.grad,
-          lambda t, d: sm.trained(s, f, d),
-          step=s,
-          fragment=f,
-          version=s,
-      )
-      return True
-    if isinstance(action, sched_lib.Apply):
-      s = action.step
-      if c.apply > 0:
-        self._run(
-            TRAINER, 'apply', c.apply, lambda t, d: self._applied(s, t), step=s, version=s + 1
-        )
-      else:
-        self._applied(s, self.now)
-      return True
-    if isinstance(action, sched_lib.SampleFragment):
-      s, f = action.step, action.index
-      dec = action.decision
-      if self._claim(s, f, TRAINER):
-        sm.claimed(s, f, TRAINER, self.now)
-        dec['fragment'] = f
-        self.decisions.append(dec)
-
-        def sampled(t, d):
-          sm.fragment_arrived(s, f, s, TRAINER)
-          sm.sampled_by_trainer(d, d)
-
-        self._run(TRAINER, 'tag_rollout', c.tag_rollout, sampled, step=s, fragment=f, version=s)
-        return True
-      dec.update(action='wait', reason=f'fragment {f} was claimed by the rollout first')
-      self.decisions.append(dec)
-      return False
-    if isinstance(action, sched_lib.Wait):
-      if action.decision is not None and (
-          not self.decisions or self.decisions[-1] is not action.decision
-      ):
-        self.decisions.append(action.decision)
-      return False
-    if isinstance(action, sched_lib.Done):
-      self.done[TRAINER] = True
-      return True
-    raise AssertionError(f'the trainer cannot {action}')
-
-  def _applied(self, step: int, t: float) -> None:
-    self.trainer_sm.applied(step)
-    self.apply_end[step] = t
-    if step + 1 >= self.steps:  # the last step: no publish follows
-      self._bookkeeping()
-
   def _bookkeeping(self) -> None:
     """The trainer's host work that ends a step: metrics, encodes and the checkpoint save's
     blocking part hold it; the save's asynchronous rest runs beside its next programs."""
     self._hold(TRAINER, self.costs.trainer_host)
     self._background(TRAINER, 'checkpoint', self.costs.checkpoint)
 
-  # ------------------------------------------------------------------------ rollout
 
-  def _rollout_next(self) -> bool:
-    """Runs the rollout's next action (runtime/rollout.py's RolloutRole). True if it started one."""
-    sm, c = self.rollout_sm, self.costs
-    ready = sm.stale_window() and sm.rollout_step in self.published
-    action = sm.rollout_action(next_policy_ready=ready)
-    if isinstance(action, sched_lib.Done):
-      self.done[ROLLOUT] = True
-      return True
-    if isinstance(action, sched_lib.ReceivePolicy):
-      v = action.version
-      if v not in self.published:
-        return False  # waits for the publish
-      self._hold(
-          ROLLOUT, max(0.0, self.published[v] + c.pull - self.now), lambda: sm.policy_received(v)
+class _TrainerSide:
+  """The trainer's executor for runtime/roles.py (runtime/loop.py's TrainerLoop on devices):
+  each program takes its modelled seconds on the virtual clock, then its completion runs."""
+
+  def __init__(self, sim: Simulation):
+    self.sim, self.c = sim, sim.costs
+
+  def now(self) -> float:
+    return self.sim.now
+
+  def took(self, action) -> None:
+    self.sim.log.append((self.sim.now, TRAINER, action))
+
+  def claims(self, step: int) -> dict[int, tuple[str, float]]:
+    return {f: who for (s, f), who in self.sim.claims.items() if s == step}
+
+  def claim(self, step: int, f: int, role: str) -> bool:
+    return self.sim._claim(step, f, role)
+
+  def publish(self, v: int, done) -> None:
+    self.sim.publish_start[v] = self.sim.now
+    self.sim._run(TRAINER, 'publish', self.c.publish, lambda t, d: done(t), step=v, version=v)
+
+  def after_publish(self, v: int) -> None:
+    self.sim.published[v] = self.sim.now
+    if v > 0:  # the previous step's bookkeeping, after the publish (runtime/loop.py)
+      self.sim._bookkeeping()
+
+  def train(self, step: int, f: int, done) -> None:
+    program = 'update' if self.sim.schedule.fused else 'grad'
+    self.sim._run(
+        TRAINER, program, self.c.grad, lambda t, d: done(d), step=step, fragment=f, version=step
+    )
+
+  def apply(self, step: int, done) -> None:
+    if self.c.apply > 0:
+      self.sim._run(
+          TRAINER, 'apply', self.c.apply, lambda t, d: done(), step=step, version=step + 1
       )
-      return True
-    if isinstance(action, sched_lib.SampleFragment):
-      s, f, v = action.step, action.index, action.version
-      if not self._claim(s, f, ROLLOUT):  # the trainer took it (TAG)
-        sm.claimed(s, f, TRAINER, self.now)
-        return True
-      sm.claimed(s, f, ROLLOUT, self.now)
-      t_start = self.now
+    else:
+      done()
 
-      def sampled(t_end, d):
-        def arrive():
-          self.trainer_sm.fragment_arrived(
-              s, f, v, ROLLOUT, sample_s=d, t_start=t_start, t_end=t_end, arrived=self.now
-          )
+  def after_apply(self, step: int) -> None:
+    sim = self.sim
+    sim.apply_end[step] = sim.now
+    if step + 1 >= sim.steps and not sim.final_policy:  # the last step: no publish follows
+      sim._bookkeeping()
 
-        self._after(c.deliver, arrive)
-        self._hold(ROLLOUT, c.gap)
+  def tag_sample(self, step: int, f: int, done) -> None:
+    self.sim._run(
+        TRAINER,
+        'tag_rollout',
+        self.c.tag_rollout,
+        lambda t, d: done(d, d),
+        step=step,
+        fragment=f,
+        version=step,
+    )
 
-      self._run(ROLLOUT, 'rollout', c.rollout, sampled, step=s, fragment=f, version=v)
-      return True
-    if isinstance(action, sched_lib.EndRolloutStep):
-      sm.rollout_step_ended(action.step)
-      return True
-    raise AssertionError(f'the rollout cannot {action}')
+  def decided(self, dec: dict) -> None:
+    self.sim.decisions.append(dec)
+
+  def wait_fragment(self) -> None:
+    """Until the next fragment reaches the trainer, as runtime/loop.py's take() blocks."""
+    sim, n = self.sim, self.sim.arrived
+    sim._block(TRAINER, lambda: sim.arrived > n, lambda: None)
+
+
+class _RolloutSide:
+  """The rollout's executor for runtime/roles.py (runtime/rollout.py's RolloutRole)."""
+
+  def __init__(self, sim: Simulation):
+    self.sim, self.c = sim, sim.costs
+
+  def now(self) -> float:
+    return self.sim.now
+
+  def took(self, action) -> None:
+    self.sim.log.append((self.sim.now, ROLLOUT, action))
+
+  def policy_ready(self, step: int) -> bool:
+    if self.sim.policy_ready is not None:
+      return self.sim.policy_ready(step)
+    return step in self.sim.published
+
+  def claim(self, step: int, f: int, role: str) -> bool:
+    return self.sim._claim(step, f, role)
+
+  def flush(self) -> None:
+    pass  # a fragment is delivered once sampled (its scores are in `deliver`)
+
+  def pull_policy(self, v: int, done) -> None:
+    """Waits for the publish of `v`, then for its pull."""
+    sim = self.sim
+
+    def pull():
+      sim._hold(ROLLOUT, max(0.0, sim.published[v] + self.c.pull - sim.now), done)
+
+    sim._block(ROLLOUT, lambda: v in sim.published, pull)
+
+  def after_receive(self, v: int) -> None:
+    pass
+
+  def sample(self, s: int, f: int, v: int) -> None:
+    sim, t_start = self.sim, self.sim.now
+
+    def sampled(t_end, d):
+      def arrive():
+        sim.trainer_sm.fragment_arrived(
+            s, f, v, ROLLOUT, sample_s=d, t_start=t_start, t_end=t_end, arrived=sim.now
+        )
+        sim.arrived += 1
+
+      sim._after(self.c.deliver, arrive)
+      sim._hold(ROLLOUT, self.c.gap)
+
+    sim._run(ROLLOUT, 'rollout', self.c.rollout, sampled, step=s, fragment=f, version=v)
+
+  def end_rollout_step(self, step: int) -> None:
+    pass
 
 
 class Result:
@@ -453,10 +511,10 @@ class Result:
     self.spans, self.decisions = sim.spans, sim.decisions
     self.batch = sim.plan.batch
     self.num_devices = sim.layout.num_devices
-    ends = [sim.apply_end[s] for s in range(sim.steps)]
+    ends = [sim.apply_end[s] for s in range(sim.start, sim.steps)]
     starts = [0.0] + ends[:-1]  # contiguous: one optimizer step's end to the next
     self.rows = []
-    for s, (t0, t1) in enumerate(zip(starts, ends)):
+    for s, (t0, t1) in enumerate(zip(starts, ends), sim.start):
       wall = t1 - t0
       self.rows.append(
           {
@@ -491,7 +549,14 @@ def simulate(
     groups: int,
     group_size: int,
     steps: int,
+    final_policy: bool = False,
 ) -> Result:
   return Simulation(
-      costs, layout, schedule, groups=groups, group_size=group_size, steps=steps
+      costs,
+      layout,
+      schedule,
+      groups=groups,
+      group_size=group_size,
+      steps=steps,
+      final_policy=final_policy,
   ).run()
