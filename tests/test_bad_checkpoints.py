@@ -17,7 +17,6 @@ from tests.helpers.cli_cases import last_line, run_cases
 
 pytestmark = pytest.mark.slow  # about a minute: 9 runs of main, one folder built
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRANSFORMER = 'transformer/diffusion_pytorch_model.safetensors'
 VAE = 'vae/diffusion_pytorch_model.safetensors'
 

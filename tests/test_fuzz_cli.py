@@ -20,8 +20,8 @@ import shutil
 import pytest
 
 from tests.helpers.cli_cases import last_line, run_cases, written
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '--config=configs/qwenimage.py:tiny'
 DISAGG = (TINY, '--config.runtime.mode=disagg')
 EXPLICIT = DISAGG + ('--config.cluster.layout=explicit',)

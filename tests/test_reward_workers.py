@@ -31,8 +31,8 @@ from digen_jax.rl import advantages
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import loop
 from tests.helpers.cli_cases import last_line, run_cases, written
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = 'tests.reward_worker_fixtures'
 NAMES = (
     'brightness',
