@@ -12,6 +12,7 @@ import pytest
 from tests import run  # imports nothing from jax
 from tests import xla_env  # imports nothing from jax
 from tests.helpers import durations  # imports nothing from jax
+from tests.helpers import paths
 from tests.helpers.paths import REPO
 
 os.environ["XLA_FLAGS"] = " ".join(
@@ -68,6 +69,12 @@ def pytest_collection_modifyitems(items):
   built once. Also: tests/run.py's second phase collects only run.serial_files(); a serial test
   elsewhere would never run."""
   durations.order(items, durations.load())
+  loose = sorted({f for f in map(_folder_without_init, {i.path.parent for i in items}) if f})
+  if loose:
+    raise pytest.UsageError(
+        f"{loose}: add an __init__.py (the suite is one package, `tests`, so test files in "
+        "different folders may share a name)"
+    )
   scanned = {os.path.join(REPO, f) for f in run.serial_files()}
   missed = sorted({str(i.path) for i in items if i.get_closest_marker("serial")} - scanned)
   if missed:
@@ -75,6 +82,17 @@ def pytest_collection_modifyitems(items):
         f"serial tests in {missed}, but tests/run.py.serial_files() does not find them: mark "
         f"them with the text {run.SERIAL_MARK!r}"
     )
+
+
+def _folder_without_init(folder) -> str | None:
+  """The first folder from `folder` up to tests/ that lacks an __init__.py, repo-relative (None
+  when all have one, or for a folder outside tests/)."""
+  folder, top = os.path.realpath(folder), os.path.realpath(paths.TESTS)
+  if os.path.commonpath([folder, top]) != top:
+    return None
+  if not os.path.isfile(os.path.join(folder, "__init__.py")):
+    return os.path.relpath(folder, REPO)
+  return None if folder == top else _folder_without_init(os.path.dirname(folder))
 
 
 @pytest.fixture
