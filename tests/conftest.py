@@ -11,6 +11,9 @@ import pytest
 
 from tests import run  # imports nothing from jax
 from tests import xla_env  # imports nothing from jax
+from tests.helpers import durations  # imports nothing from jax
+from tests.helpers import paths
+from tests.helpers.paths import REPO
 
 os.environ["XLA_FLAGS"] = " ".join(
     [
@@ -45,67 +48,51 @@ if "DIGEN_DATA_DIR" not in os.environ:  # prompt datasets: one folder for the se
   atexit.register(shutil.rmtree, _data, ignore_errors=True)
   os.environ["DIGEN_DATA_DIR"] = _data
 
-# Seconds each slow test file took (setup + calls; `python -m pytest -n 2 --dist loadfile -m 'not
-# serial' --durations=0` on a 2-core Intel Xeon host, 2026-11-28). tests/run.py hands files to its
-# workers in collection order (--no-loadscope-reorder), so the longest go first and the many short
-# ones fill the end: with xdist's default order (most tests first) a long file could start last
-# and run on one worker while the other sat idle. Stale figures cost balance, never a test.
-FILE_SECONDS = {
-    "test_interrupt.py": 244,
-    "test_schedule_modes.py": 200,
-    "test_pretrain.py": 160,
-    "test_sim_costs.py": 155,
-    "test_qwenimage_pipeline.py": 145,
-    "test_sweep.py": 131,
-    "test_ratio_mmdit.py": 129,
-    "test_flux_pipeline.py": 120,
-    "test_ladder.py": 113,
-    "test_benchmarks.py": 110,
-    "test_shapes_rl.py": 97,
-    "test_disagg.py": 85,
-    "test_fuzz_cli.py": 70,
-    "test_peers.py": 45,
-    "test_memory_bench.py": 54,
-    "test_rl.py": 39,
-    "test_vae.py": 34,
-    "test_faults_numeric.py": 30,
-    "test_train.py": 29,
-    "test_workdir.py": 25,
-    "test_initialize.py": 29,
-    "test_checker_adversarial.py": 25,
-    "test_plan.py": 22,
-    "test_rewards.py": 22,
-    "test_streaming.py": 22,
-    "test_flux_vae.py": 20,
-    "test_checkpoint_faults.py": 18,
-    "test_programs.py": 17,
-    "test_encode_prompts.py": 16,
-    # New on 2026-11-29: estimates from single runs of each file on a loaded 2-core AMD host.
-    "test_ocr_pipeline.py": 260,
-    "test_wan_pipeline.py": 200,
-    "test_sequence_memory.py": 150,
-    "test_bad_checkpoints.py": 100,
-    "test_reward_workers.py": 90,
-    "test_metrics_rows.py": 70,
-    "test_sequence_parallel.py": 60,
-    "test_preference_rewards.py": 50,
-    "test_export.py": 45,
-}
+
+def pytest_addoption(parser):
+  parser.addoption(
+      durations.OPTION,
+      action="store_true",
+      help=f"merge this run's seconds per test file into {durations.file_key(durations.PATH)}",
+  )
+
+
+def pytest_configure(config):
+  # In xdist's controller only: the workers' reports reach it, and one process writes the file.
+  if config.getoption(durations.OPTION) and not hasattr(config, "workerinput"):
+    config.pluginmanager.register(durations.Recorder(), "digen_durations")
 
 
 def pytest_collection_modifyitems(items):
-  """Longest files first (FILE_SECONDS; unlisted files after, in their own order); a file's
-  tests keep their order, so its module fixtures are built once. Also: tests/run.py's second
-  phase collects only run.serial_files(); a serial test elsewhere would never run."""
-  weight = lambda item: -FILE_SECONDS.get(item.path.name, 0)
-  items.sort(key=weight)  # stable
-  scanned = {os.path.join(run.REPO, f) for f in run.serial_files()}
+  """Longest files first (tests/durations.json, pytest's own figures; a file it lacks after the
+  listed ones, in its own order); a file's tests keep their order, so its module fixtures are
+  built once. Also: tests/run.py's second phase collects only run.serial_files(); a serial test
+  elsewhere would never run."""
+  durations.order(items, durations.load())
+  loose = sorted({f for f in map(_folder_without_init, {i.path.parent for i in items}) if f})
+  if loose:
+    raise pytest.UsageError(
+        f"{loose}: add an __init__.py (the suite is one package, `tests`, so test files in "
+        "different folders may share a name)"
+    )
+  scanned = {os.path.join(REPO, f) for f in run.serial_files()}
   missed = sorted({str(i.path) for i in items if i.get_closest_marker("serial")} - scanned)
   if missed:
     raise pytest.UsageError(
         f"serial tests in {missed}, but tests/run.py.serial_files() does not find them: mark "
         f"them with the text {run.SERIAL_MARK!r}"
     )
+
+
+def _folder_without_init(folder) -> str | None:
+  """The first folder from `folder` up to tests/ that lacks an __init__.py, repo-relative (None
+  when all have one, or for a folder outside tests/)."""
+  folder, top = os.path.realpath(folder), os.path.realpath(paths.TESTS)
+  if os.path.commonpath([folder, top]) != top:
+    return None
+  if not os.path.isfile(os.path.join(folder, "__init__.py")):
+    return os.path.relpath(folder, REPO)
+  return None if folder == top else _folder_without_init(os.path.dirname(folder))
 
 
 @pytest.fixture

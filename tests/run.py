@@ -4,11 +4,12 @@
 
 1. every test not marked `serial`, on DIGEN_TEST_WORKERS pytest-xdist workers (default 2, one
    per core here; --dist loadfile, so a module's fixtures are built once; the files in
-   conftest's order, the longest first, so both workers finish together);
+   conftest's order, the longest first by tests/durations.json, so both workers finish
+   together; --write-durations updates that file from this run's figures);
 2. the `serial` tests alone on the machine: they measure throughput (tests/test_sim_validation.py
    compares the simulator with timed runs) and another test beside them would skew the timing.
    Unless the arguments name test paths, only the files that mark a test serial are collected
-   (serial_files: a text scan; collecting the whole suite imports torch and more, ~18 s here);
+   (serial_files: a text scan of tests/ and its subfolders; collecting the whole suite imports torch and more, ~18 s here);
    conftest checks in every full collection that the scan finds every serial test.
 
 Exit code: the first failing phase's; 5 (no tests collected) only when neither phase ran a test.
@@ -21,15 +22,17 @@ import os
 import subprocess
 import sys
 
+# The command is `python tests/run.py`: this file stays at the top of tests/, and as a script it
+# cannot import tests.helpers.paths before it knows the root.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERIAL_MARK = 'pytest.mark.serial'
 NO_TESTS = 5
 
 
 def serial_files() -> list[str]:
-  """The test files (repo-relative) whose text marks a test serial."""
+  """The test files (repo-relative, in tests/ at any depth) whose text marks a test serial."""
   found = []
-  for path in sorted(glob.glob(os.path.join(REPO, 'tests', 'test_*.py'))):
+  for path in sorted(glob.glob(os.path.join(REPO, 'tests', '**', 'test_*.py'), recursive=True)):
     with open(path) as f:
       if SERIAL_MARK in f.read():
         found.append(os.path.relpath(path, REPO))

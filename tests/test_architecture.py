@@ -12,7 +12,8 @@ import collections
 import os
 import re
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
+
 PACKAGE = os.path.join(REPO, 'digen_jax')
 
 # Entry points: the only modules in the package root (python -m digen_jax.<name>).

@@ -13,11 +13,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests import model_folders
-from tests.test_fuzz_cli import last_line, run_cases
+from tests.helpers.cli_cases import last_line, run_cases
 
 pytestmark = pytest.mark.slow  # about a minute: 9 runs of main, one folder built
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRANSFORMER = 'transformer/diffusion_pytorch_model.safetensors'
 VAE = 'vae/diffusion_pytorch_model.safetensors'
 

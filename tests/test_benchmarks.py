@@ -15,8 +15,8 @@ from flax import nnx
 
 from digen_jax.models import mmdit
 from digen_jax.models import rope
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import common as C  # noqa: E402
 

@@ -25,8 +25,8 @@ from digen_jax import programs
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.sim import abstract
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_NAMES = sorted(
     os.path.basename(p)[:-3]
     for p in glob.glob(os.path.join(REPO, 'configs', '*.py'))

@@ -20,8 +20,8 @@ import pytest
 from digen_jax.outputs import checkpoint as ckpt_lib
 from digen_jax.outputs import faults
 from tests import tb_events
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 W = np.random.RandomState(0).randn(128, 128).astype(np.float32)  # incompressible: ~64 KB
 
 

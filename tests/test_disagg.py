@@ -26,8 +26,7 @@ from digen_jax.runtime import links
 from digen_jax.runtime import rollout as rollout_lib
 from tests import xla_env
 from tests.mp_scripts import launcher_util as util
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 STEPS = 3
 

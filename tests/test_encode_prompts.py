@@ -22,8 +22,8 @@ from digen_jax import encode_prompts
 from digen_jax.experiment import tiny_pipeline
 from digen_jax.models import text_cache
 from digen_jax.models.text import TextEncoder
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [
     'two red circles on a white background',
     'a red circle left of a blue square on a black background',

@@ -17,8 +17,8 @@ import torch
 from digen_jax import export as export_lib
 from digen_jax.models import family as family_lib
 from tests import model_folders
-from tests.test_flux_parity import pipeline_image_ids
-from tests.test_fuzz_cli import last_line, run_cases
+from tests.helpers.cli_cases import last_line, run_cases
+from tests.helpers.parity import flux_pipeline_image_ids
 
 pytestmark = pytest.mark.slow  # three tiny training runs and their exports: a few minutes
 
@@ -141,7 +141,7 @@ def _flux_outputs(pipe, model, h=4, w=3):
         encoder_hidden_states=torch.from_numpy(text),
         pooled_projections=torch.from_numpy(pooled),
         timestep=torch.from_numpy(sigma),
-        img_ids=torch.from_numpy(pipeline_image_ids(h, w)).float(),
+        img_ids=torch.from_numpy(flux_pipeline_image_ids(h, w)).float(),
         txt_ids=torch.zeros((text.shape[1], 3)),
         guidance=torch.from_numpy(guidance),
         return_dict=False,

@@ -10,7 +10,7 @@ from digen_jax.models import flux
 from digen_jax.models.flux import FluxConfig
 from digen_jax.models.flux_convert import config_from_diffusers, flux_key_table, load_flux_from_diffusers
 from tests import diffusers_models
-from tests.test_mmdit_parity import _dot_flops
+from tests.helpers.parity import dot_flops, flux_pipeline_image_ids
 
 import torch  # noqa: E402  (a missing test dependency must fail, not skip)
 import diffusers  # noqa: E402
@@ -57,10 +57,6 @@ def torch_forward(tmodel, latents, sigma, text, pooled, guidance, img_ids, txt_i
   return out.numpy()
 
 
-def pipeline_image_ids(h, w):
-  return diffusers.FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32).numpy()
-
-
 @nnx.jit(static_argnames="img_shape")
 def jit_forward(model, latents, sigma, text, pooled, guidance, img_shape):
   return model(latents, sigma, text, pooled, guidance, img_shape=img_shape)
@@ -94,7 +90,7 @@ def test_forward_matches_diffusers(pair):
       text,
       pooled,
       guidance,
-      pipeline_image_ids(*GRID),
+      flux_pipeline_image_ids(*GRID),
       np.zeros((L, 3), np.float32),
   )
   args = [None if x is None else jnp.asarray(x) for x in (latents, sigma, text, pooled, guidance)]
@@ -117,7 +113,7 @@ def test_explicit_ids_match_diffusers(pair):
   latents, sigma, text, pooled, guidance = make_inputs(seed=2)
   if not model.config.guidance_embeds:
     guidance = None
-  img_ids = pipeline_image_ids(*GRID) + np.array([1.0, 2.0, -3.0], np.float32)
+  img_ids = flux_pipeline_image_ids(*GRID) + np.array([1.0, 2.0, -3.0], np.float32)
   txt_ids = np.random.default_rng(3).integers(0, 9, (L, 3)).astype(np.float32)
   ref = torch_forward(tmodel, latents, sigma, text, pooled, guidance, img_ids, txt_ids)
   out = nnx.jit(lambda m, *a: m(*a, img_ids=img_ids, txt_ids=txt_ids))(
@@ -193,7 +189,7 @@ def test_count_params_and_flops(pair):
   inputs = (latents, sigma, text, pooled, guidance if cfg.guidance_embeds else None)
   graphdef, state = nnx.split(model)
   jaxpr = jax.make_jaxpr(lambda s, *a: nnx.merge(graphdef, s)(*a, img_shape=GRID))(state, *inputs)
-  assert _dot_flops(jaxpr.jaxpr) == flux.flops_per_forward(cfg, B, GRID[0] * GRID[1], L)
+  assert dot_flops(jaxpr.jaxpr) == flux.flops_per_forward(cfg, B, GRID[0] * GRID[1], L)
 
 
 def test_full_size_param_counts():
@@ -207,13 +203,13 @@ def test_full_size_param_counts():
 
 def test_rope_tables_match_flux_pos_embed():
   # Large positions: the float64 angles of FluxPosEmbed matter there.
-  ids = np.concatenate([np.zeros((3, 3)), pipeline_image_ids(64, 96)[::37]], axis=0)
+  ids = np.concatenate([np.zeros((3, 3)), flux_pipeline_image_ids(64, 96)[::37]], axis=0)
   cos_ref, sin_ref = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56])(torch.from_numpy(ids).float())
   cos, sin = flux.rope_cos_sin(ids.astype(np.int64), (16, 56, 56))
   # diffusers repeats every entry for the two members of its pair.
   np.testing.assert_array_equal(np.repeat(cos, 2, axis=1), cos_ref.numpy())
   np.testing.assert_array_equal(np.repeat(sin, 2, axis=1), sin_ref.numpy())
-  np.testing.assert_array_equal(flux.image_ids(*GRID), pipeline_image_ids(*GRID))
+  np.testing.assert_array_equal(flux.image_ids(*GRID), flux_pipeline_image_ids(*GRID))
 
 
 def test_config_and_input_validation(pair):

@@ -28,8 +28,8 @@ from digen_jax.models import flux
 from digen_jax.models import flux_convert
 from digen_jax.models import lora
 from tests import diffusers_models
-from tests import test_qwenimage_pipeline as qwen_pipeline
-from tests.test_qwenimage_pipeline import REPO, _rows
+from tests.helpers import pipelines
+from tests.helpers.paths import REPO
 
 CONFIG = os.path.join(REPO, 'configs', 'flux.py')
 TINY = dict(
@@ -143,7 +143,7 @@ def test_diffusers_loads_our_flux_lora(tmp_path):
 
 
 def _main(folder, workdir, *extra, variant='tiny_pipeline'):
-  return qwen_pipeline._main(folder, workdir, *extra, variant=variant, config=CONFIG)
+  return pipelines.run_main(folder, workdir, *extra, variant=variant, config=CONFIG)
 
 
 @pytest.mark.slow
@@ -157,7 +157,7 @@ def test_tiny_pipeline_colocated_lora_runs_and_resumes(tmp_path):
   assert os.path.isfile(os.path.join(folder, 'model_index.json'))
   resumed = _main(folder, run)
   assert 'resumed from' in resumed.stderr
-  rows = _rows(run)
+  rows = pipelines.metrics_rows(run)
   train = [r for r in rows if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert all(np.isfinite(r['loss']) and r['nonfinite'] == 0 for r in train)
@@ -169,8 +169,8 @@ def test_tiny_pipeline_colocated_lora_runs_and_resumes(tmp_path):
 
   # Two processes (a restart of a two-process run is test_qwenimage_pipeline's).
   wd = tmp_path / 'mp'
-  qwen_pipeline._main_two_processes(folder, wd, '--config.total_steps=2', config=CONFIG)
-  train = [r for r in _rows(wd) if 'reward_mean' in r]
+  pipelines.run_main_two_processes(folder, wd, '--config.total_steps=2', config=CONFIG)
+  train = [r for r in pipelines.metrics_rows(wd) if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2]
   assert abs(train[0]['ratio_mean'] - 1.0) < 1e-5
   assert train[0]['publish_mb'] < 0.1  # only adapters travel

@@ -21,8 +21,8 @@ from digen_jax import encode_prompts
 from digen_jax.models import text_cache
 from digen_jax.models.text import PooledTextEncoder, TextEncoder
 from digen_jax.experiment import tiny_pipeline
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = 'a red circle and a blue square ' * 12  # past CLIP's 77 tokens and T5's length
 PROMPTS = [
     'two red circles on a white background',

@@ -16,14 +16,12 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests import xla_env
+from tests.helpers.cli_cases import last_line, run_cases, written
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '--config=configs/qwenimage.py:tiny'
 DISAGG = (TINY, '--config.runtime.mode=disagg')
 EXPLICIT = DISAGG + ('--config.cluster.layout=explicit',)
@@ -549,36 +547,6 @@ def _argv(entry, args, d, w):
   if entry.endswith('.py'):
     return [entry, *args]
   return ['-m', entry, f'--workdir={w}', *args]
-
-
-def run_cases(cases, env_extra=None, timeout_s=120):
-  """[(id, argv, workdir)] through tests/cli_zygote.py -> {id: result}."""
-  payload = [{'id': i, 'argv': argv, 'cwd': REPO, 'timeout_s': timeout_s} for i, argv, _ in cases]
-  env = xla_env.env_with_devices(4, JAX_PLATFORMS='cpu', **(env_extra or {}))
-  r = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'tests', 'cli_zygote.py')],
-      input=json.dumps(payload),
-      capture_output=True,
-      text=True,
-      cwd=REPO,
-      env=env,
-      timeout=60 + timeout_s * len(cases),
-  )
-  assert r.returncode == 0, r.stderr[-3000:]
-  return {x['id']: x for x in json.loads(r.stdout)}
-
-
-def last_line(stderr: str) -> str:
-  lines = [l for l in stderr.splitlines() if l.strip()]
-  return lines[-1] if lines else ''
-
-
-def written(workdir) -> list[str]:
-  """What a failed start left in its workdir that a run would read back (data/ is only the
-  prompt datasets, built and checked per content)."""
-  if not os.path.isdir(workdir):
-    return []
-  return sorted(n for n in os.listdir(workdir) if n != 'data')
 
 
 @pytest.fixture(scope='module')

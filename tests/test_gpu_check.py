@@ -2,13 +2,12 @@
 reports (so the GPU check cannot rot between the sessions that have a GPU)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 
 def test_requirements_install_the_package_editable():

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
+
 sys.path.insert(0, REPO)
 
 from benchmarks import interpolate_params  # noqa: E402

@@ -23,8 +23,7 @@ from digen_jax.process import interrupt
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import loop
 from tests.mp_scripts import launcher_util as util
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 STEPS = 3
 

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
+
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import ladder  # noqa: E402  (benchmarks/ is not a package; it imports launch/sweep.py)
 

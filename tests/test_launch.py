@@ -9,6 +9,7 @@ import time
 import pytest
 
 from digen_jax.runtime import distributed
+from tests.helpers.paths import TESTS
 
 
 def _load(name, path):
@@ -18,8 +19,7 @@ def _load(name, path):
   return mod
 
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-util = _load('launcher_util', os.path.join(_HERE, 'mp_scripts', 'launcher_util.py'))
+util = _load('launcher_util', os.path.join(TESTS, 'mp_scripts', 'launcher_util.py'))
 local = _load('launch_local', util.LAUNCHER)
 
 

@@ -11,7 +11,6 @@ import functools
 import json
 import math
 import os
-from pathlib import Path
 import subprocess
 import sys
 
@@ -30,6 +29,7 @@ import torch
 from digen_jax.models import convert
 from digen_jax.models import lora
 from tests import diffusers_models
+from tests.helpers.paths import REPO
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
 
 TINY = dict(
@@ -152,7 +152,7 @@ def test_module_does_not_import_torch():
       [sys.executable, '-c', code],
       check=True,
       env=os.environ | {'JAX_PLATFORMS': 'cpu'},
-      cwd=Path(__file__).resolve().parents[1],
+      cwd=REPO,
   )
 
 

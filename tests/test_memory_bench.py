@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from tests import xla_env
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, 'benchmarks', 'memory.py')
 CONFIG = os.path.join(REPO, 'configs', 'qwenimage.py')
 

@@ -2,7 +2,6 @@
 std beside the combined reward, and time figures that say what they cover."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -13,8 +12,7 @@ from digen_jax.outputs import metrics as metrics_lib
 from digen_jax.outputs import report
 from digen_jax.runtime import bookkeeping
 from tests import tb_events
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 
 def test_reward_part_metrics_of_several_rewards_and_none_for_one():

@@ -10,6 +10,7 @@ from flax import nnx
 
 from digen_jax.models.convert import config_from_diffusers, load_diffusers_state
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig, count_params, flops_per_forward, rope_positions
+from tests.helpers.parity import dot_flops, subjaxprs
 
 import torch  # noqa: E402  (a missing test dependency must fail, not skip)
 import diffusers  # noqa: E402
@@ -158,18 +159,9 @@ def _dot_dtypes(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-    for sub in _subjaxprs(eqn):
+    for sub in subjaxprs(eqn):
       found += _dot_dtypes(sub)
   return found
-
-
-def _subjaxprs(eqn):
-  for v in eqn.params.values():
-    for item in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(item, jax.extend.core.ClosedJaxpr):
-        yield item.jaxpr
-      elif isinstance(item, jax.extend.core.Jaxpr):
-        yield item
 
 
 def test_bf16_forward(pair):
@@ -202,21 +194,6 @@ def test_bf16_forward(pair):
   assert len(dtypes) > 20 and all(d == ("bfloat16", "bfloat16") for d in dtypes), dtypes
 
 
-def _dot_flops(jaxpr, mult=1):
-  total = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      (lc, _), (lb, _) = eqn.params["dimension_numbers"]
-      lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
-      rc, rb = eqn.params["dimension_numbers"][0][1], eqn.params["dimension_numbers"][1][1]
-      rhs_free = [d for i, d in enumerate(rhs) if i not in rc and i not in rb]
-      total += mult * 2 * int(np.prod(lhs)) * int(np.prod(rhs_free))
-    inner = mult * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
-    for sub in _subjaxprs(eqn):
-      total += _dot_flops(sub, inner)
-  return total
-
-
 def test_count_params_and_flops(pair):
   tmodel, model = pair
   cfg = model.config
@@ -232,7 +209,7 @@ def test_count_params_and_flops(pair):
       state, latents, sigma, text, mask
   )
   n_img = int(np.prod(IMG_SHAPE))
-  assert _dot_flops(jaxpr.jaxpr) == flops_per_forward(cfg, B, n_img, L)
+  assert dot_flops(jaxpr.jaxpr) == flops_per_forward(cfg, B, n_img, L)
 
 
 def test_rope_positions_follow_qwen_layout():

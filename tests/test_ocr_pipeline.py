@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 # digen_jax.main with the model code of the rewards and the text encoders unimportable here; the
 # tiny pipeline folder, the prompt cache and the reward workers are child processes.

@@ -15,8 +15,7 @@ import pytest
 
 from digen_jax.process import peers
 from tests.mp_scripts import launcher_util as util
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 # What the rollout process printed when the trainer (process 0) was killed (jax 0.10.2).
 ABORT_DUMP = """\

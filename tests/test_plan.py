@@ -21,8 +21,7 @@ from digen_jax.sim import roles
 from digen_jax.sim import runmodel as rm
 from digen_jax.sim import search
 from tests import xla_env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 
 def run_plan(*args, timeout=300):

@@ -33,6 +33,7 @@ from digen_jax.rewards import image_reward
 from digen_jax.rewards import learned
 from digen_jax.rewards import preference
 from digen_jax.rewards import registry
+from tests.helpers.paths import REPO
 
 PROMPTS = [
     'a red circle left of a blue square',
@@ -859,9 +860,8 @@ def test_declaring_them_imports_no_torch_in_the_training_process(tmp_path):
       "print([m for m in ('torch', 'transformers', 'digen_jax.rewards.preference',\n"
       "    'digen_jax.rewards.hps', 'digen_jax.rewards.image_reward') if m in sys.modules])\n"
   )
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run(
-      [sys.executable, '-c', code], cwd=repo, capture_output=True, text=True, timeout=120
+      [sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True, timeout=120
   )
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split('\n')[:2] == ["['workers']", '[]'], out.stdout

@@ -12,8 +12,6 @@ from digen_jax.data import prompts as P
 from digen_jax.tasks.shapes import grammar as G
 from digen_jax.tasks.shapes import prompts as SP
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):

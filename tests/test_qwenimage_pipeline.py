@@ -4,86 +4,14 @@ true CFG -> VAE decode -> JPEG + ShapesBench rewards -> GRPO with LoRA; colocate
 processes, and resumed after a restart. The training process must never import torch: a
 meta-path hook makes any torch import in it fail loudly."""
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from digen_jax.experiment import tiny_pipeline
-from tests.mp_scripts import launcher_util
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, 'configs', 'qwenimage.py')
-
-# Runs digen_jax.main with torch (and transformers) made unimportable in this process only: the
-# tiny pipeline is built and the prompts encoded in child processes, which are unaffected.
-_NO_TORCH_MAIN = r"""
-import sys
-class _Block:
-  def find_spec(self, name, path=None, target=None):
-    if name.split('.')[0] in ('torch', 'transformers'):
-      raise ImportError(f'{name} imported in the training process')
-    return None
-sys.meta_path.insert(0, _Block())
-import runpy
-sys.argv = ['digen_jax.main'] + sys.argv[1:]
-runpy.run_module('digen_jax.main', run_name='__main__')
-"""
-
-
-def _flags(folder, workdir, variant='tiny_pipeline', *extra, config=CONFIG):
-  return [
-      f'--config={config}:{variant}',
-      f'--workdir={workdir}',
-      f'--config.model.checkpoint={folder}',
-      f'--config.text.cache={folder}/text_cache',
-      f'--config.data.data_dir={folder}/data',
-      *extra,
-  ]
-
-
-def _main(folder, workdir, *extra, variant='tiny_pipeline', config=CONFIG):
-  """digen_jax.main of `config` (another family's file: test_wan_pipeline) with torch blocked."""
-  env = dict(os.environ, PYTHONPATH=REPO)
-  r = subprocess.run(
-      [
-          sys.executable,
-          '-c',
-          _NO_TORCH_MAIN,
-          *_flags(folder, workdir, variant, *extra, config=config),
-      ],
-      cwd=REPO,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=900,
-  )
-  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-  return r
-
-
-def _main_two_processes(folder, workdir, *extra, variant='tiny_pipeline,disagg', config=CONFIG):
-  """_main over two processes (launch/local.py, jax.distributed on 127.0.0.1)."""
-  code, out = launcher_util.run(
-      ['--num_processes=2'],
-      [
-          sys.executable,
-          '-c',
-          _NO_TORCH_MAIN,
-          *_flags(folder, workdir, variant, *extra, config=config),
-      ],
-      timeout_s=900,
-  )
-  assert code == 0, out[-5000:]
-  return out
-
-
-def _rows(workdir):
-  return [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+from tests.helpers.pipelines import metrics_rows, run_main, run_main_two_processes
 
 
 @pytest.fixture(scope='module')
@@ -127,9 +55,9 @@ def test_lora_publishes_only_adapters(folder, tmp_path):
 def test_colocated_lora_runs_and_resumes(folder, tmp_path):
   """3 steps straight vs 2 steps + restart + 1 step: same adapters, bit for bit."""
   straight = tmp_path / 'straight'
-  _main(folder, straight)  # also encodes the prompts into the cache (a child process)
+  run_main(folder, straight)  # also encodes the prompts into the cache (a child process)
   assert os.path.isfile(os.path.join(folder, 'model_index.json'))
-  rows = _rows(straight)
+  rows = metrics_rows(straight)
   train = [r for r in rows if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert all(np.isfinite(r['loss']) and r['nonfinite'] == 0 for r in train)
@@ -142,10 +70,10 @@ def test_colocated_lora_runs_and_resumes(folder, tmp_path):
   assert any('lora_B' in k and np.abs(v).max() > 0 for k, v in adapters.items())  # it trained
 
   resumed = tmp_path / 'resumed'
-  _main(folder, resumed, '--config.total_steps=2')
-  r = _main(folder, resumed)
+  run_main(folder, resumed, '--config.total_steps=2')
+  r = run_main(folder, resumed)
   assert 'resumed from' in r.stderr
-  assert [x['step'] for x in _rows(resumed) if 'reward_mean' in x] == [1, 2, 3]
+  assert [x['step'] for x in metrics_rows(resumed) if 'reward_mean' in x] == [1, 2, 3]
   again = load_file(str(resumed / 'lora' / 'pytorch_lora_weights.safetensors'))
   assert sorted(again) == sorted(adapters)
   for k in adapters:
@@ -156,8 +84,8 @@ def test_colocated_lora_runs_and_resumes(folder, tmp_path):
 def test_two_processes_lora_with_resume(folder, tmp_path):
   wd = tmp_path / 'mp'
   for steps in (2, 3):  # a restart in the middle resumes
-    _main_two_processes(folder, wd, f'--config.total_steps={steps}')
-  train = [r for r in _rows(wd) if 'reward_mean' in r]
+    run_main_two_processes(folder, wd, f'--config.total_steps={steps}')
+  train = [r for r in metrics_rows(wd) if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert abs(train[0]['ratio_mean'] - 1.0) < 1e-5
   # Only adapters travel: the publish is the adapters' size, not the model's.

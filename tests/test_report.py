@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 from digen_jax.outputs import eval_report
+from tests.helpers.paths import REPO
 from digen_jax.outputs import figures
 from digen_jax.outputs import metrics as metrics_lib
 from digen_jax.outputs import report
@@ -90,7 +91,7 @@ def test_digen_plots_0_skips_the_figures_and_a_bad_value_is_one_line(tmp_path, m
           '--config=configs/qwenimage.py:tiny',
           f'--workdir={wd}',
       ],
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      cwd=REPO,
       capture_output=True,
       text=True,
       timeout=120,

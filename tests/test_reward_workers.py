@@ -30,11 +30,9 @@ from digen_jax.rewards import workers
 from digen_jax.rl import advantages
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import loop
-from tests.test_fuzz_cli import last_line
-from tests.test_fuzz_cli import run_cases
-from tests.test_fuzz_cli import written
+from tests.helpers.cli_cases import last_line, run_cases, written
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = 'tests.reward_worker_fixtures'
 NAMES = (
     'brightness',

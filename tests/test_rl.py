@@ -13,7 +13,7 @@ from digen_jax.diffusion import sampler, sde
 from digen_jax.diffusion import sigmas as sigmas_lib
 from digen_jax.rl import advantages, loss, objective, timesteps
 
-from toy_model import B, C, D_COND, HID, N, T, toy_cond, toy_params, toy_velocity  # noqa: F401
+from tests.toy_model import B, C, D_COND, HID, N, T, toy_cond, toy_params, toy_velocity  # noqa: F401
 
 SIGMAS = sigmas_lib.sigmas(sigmas_lib.qwenimage_scheduler_config(), T, image_seq_len=N)
 

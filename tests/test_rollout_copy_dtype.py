@@ -3,7 +3,6 @@ fine-tuning under bf16 compute samples with a bf16 copy colocated as well as dis
 planner costs that copy, and LoRA keeps float32 adapters everywhere."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,8 +13,7 @@ from configs import qwenimage
 from digen_jax.experiment import config as configlib
 from digen_jax.experiment import validation
 from tests import xla_env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 
 @pytest.mark.parametrize('module', [qwenimage, flux])

@@ -11,7 +11,7 @@ import pytest
 from digen_jax.diffusion import sampler, sde
 from digen_jax.diffusion import sigmas as sigmas_lib
 
-from toy_model import B, C, D_COND, HID, N, T, toy_cond, toy_params, toy_velocity  # noqa: F401
+from tests.toy_model import B, C, D_COND, HID, N, T, toy_cond, toy_params, toy_velocity  # noqa: F401
 
 SIGMAS = sigmas_lib.sigmas(sigmas_lib.flux_scheduler_config(), T, image_seq_len=N)
 

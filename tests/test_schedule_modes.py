@@ -24,8 +24,6 @@ from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import inputs
 from tests.mp_scripts import launcher_util as util
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 STEPS = 3
 # The schedules change how the batch is cut and where it is sampled, so reductions round in a
 # different order than colocated's one-batch programs: parameters agree to ~1e-6 after 3 Adam

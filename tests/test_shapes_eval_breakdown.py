@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
+
 sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 
 import shapes_eval_breakdown  # noqa: E402

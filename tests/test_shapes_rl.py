@@ -9,8 +9,7 @@ import pytest
 
 from configs import shapes
 from digen_jax.experiment import config as configlib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 
 def test_shapes_config_uses_the_shipped_base_model():

@@ -2,13 +2,12 @@
 predicts the ladder (it used to require --profile and had no --config)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
 
 
 def _sim(*args, timeout=900):

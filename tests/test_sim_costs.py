@@ -3,7 +3,6 @@ MMDiT / FLUX FLOP counts on toy sizes, per-device memory under FSDP, the acceler
 cluster specs, and the roofline time model."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -19,8 +18,8 @@ from digen_jax.sim import abstract
 from digen_jax.sim import hardware
 from digen_jax.sim import timing
 from tests import xla_env
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # XLA counts elementwise ops (norms, softmax, RoPE, SDE step) besides the matmuls the analytic
 # count holds, and CSEs the step-invariant text projection: a few percent either way at toy
 # widths. Forgetting a trip count is off by a factor of T or L (>= 2 here).

@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), 'benchmarks'))
+from tests.helpers.paths import REPO
+
+sys.path.insert(0, os.path.join(REPO, 'benchmarks'))
 import sim_validation  # noqa: E402
 
 from tests import xla_env  # noqa: E402

@@ -9,7 +9,6 @@ than about one tensor (measured in a fresh process).
 import copy
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -33,8 +32,8 @@ from digen_jax.models import tensor_source
 from digen_jax.models.mmdit import MMDiT, MMDiTConfig
 from digen_jax.models.tensor_source import TensorSource
 from digen_jax.parallel import mesh as mesh_lib
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(
     patch_size=2,
     in_channels=16,

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import REPO
+
 FOLDERS = ['digen_jax', 'tests', 'benchmarks', 'launch', 'configs']
 TOOLS = ['pyink', 'ruff']
 

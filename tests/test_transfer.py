@@ -10,10 +10,10 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from digen_jax.runtime import transfer
+from tests.helpers.paths import TESTS
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location(
-    'launcher_util', os.path.join(_HERE, 'mp_scripts', 'launcher_util.py')
+    'launcher_util', os.path.join(TESTS, 'mp_scripts', 'launcher_util.py')
 )
 util = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(util)

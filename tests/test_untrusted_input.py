@@ -13,8 +13,8 @@ import pytest
 
 from digen_jax.experiment import config as configlib
 from digen_jax.runtime import transfer
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCANNED = ('digen_jax', 'launch', 'benchmarks', 'configs')
 _PICKLING_MODULES = {
     'pickle',

@@ -19,7 +19,8 @@ from digen_jax.models import wan_convert
 from digen_jax.models.wan import WanConfig
 from digen_jax.parallel import mesh as mesh_lib
 from tests import diffusers_models
-from tests.test_mmdit_parity import _dot_flops
+from tests.helpers.parity import dot_flops, rel_err
+from tests.helpers.wan_forward import FRAMES, H, IMG_SHAPE, W, jit_forward, ours_forward, torch_forward
 
 import torch  # noqa: E402  (a missing test dependency must fail, not skip)
 import diffusers  # noqa: E402
@@ -40,8 +41,6 @@ TINY = dict(
     eps=1e-6,
     rope_max_seq_len=32,
 )
-FRAMES, H, W = 3, 10, 14  # latent grid: odd frame count, odd token grid (3 x 5 x 7)
-IMG_SHAPE = (FRAMES, H // 2, W // 2)
 B, L = 2, 9
 LENGTHS = (4, 9)  # prompt lengths: WanPipeline zeroes the embeddings past them
 
@@ -55,33 +54,6 @@ def make_inputs(seed: int = 1):
   for i, n in enumerate(LENGTHS):
     text[i, n:] = 0.0
   return latents, sigma, text
-
-
-def torch_forward(tmodel, latents, sigma, text):
-  """As WanPipeline calls the transformer: [B, C, F, H, W] latents, timestep = 1000 sigma."""
-  with torch.no_grad():
-    out = tmodel(
-        hidden_states=torch.from_numpy(latents).permute(0, 4, 1, 2, 3),
-        timestep=torch.from_numpy(np.float32(1000.0) * sigma),
-        encoder_hidden_states=torch.from_numpy(text),
-        return_dict=False,
-    )[0]
-  return out.permute(0, 2, 3, 4, 1).numpy()  # back to [B, F, H, W, C]
-
-
-@nnx.jit(static_argnames='img_shape')
-def jit_forward(model, tokens, sigma, text, img_shape):
-  return model(tokens, sigma, text, img_shape=img_shape)
-
-
-def ours_forward(model, latents, sigma, text, dtype=jnp.float32):
-  tokens = latents_lib.pack_frames(jnp.asarray(latents, dtype), 2)
-  out = jit_forward(model, tokens, jnp.asarray(sigma), jnp.asarray(text, dtype), IMG_SHAPE)
-  return np.asarray(latents_lib.unpack_frames(out, FRAMES, H, W, 2))
-
-
-def rel_err(a, b):
-  return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
 
 @pytest.fixture(scope='module')
@@ -254,7 +226,7 @@ def test_flops_and_full_size_counts(model):
       state, tokens, sigma, text
   )
   n_img = int(np.prod(IMG_SHAPE))
-  assert _dot_flops(jaxpr.jaxpr) == wan.flops_per_forward(cfg, B, n_img, L)
+  assert dot_flops(jaxpr.jaxpr) == wan.flops_per_forward(cfg, B, n_img, L)
   # The released sizes: Wan2.1 1.3B and 14B.
   small = WanConfig(num_layers=30, num_attention_heads=12, ffn_dim=8960)
   assert 1.40e9 < wan.count_params(small) < 1.45e9

@@ -29,7 +29,8 @@ from digen_jax.experiment import tiny_pipeline
 from digen_jax.models import latents as latents_lib
 from digen_jax.models import wan
 from digen_jax.parallel import mesh as mesh_lib
-from tests.test_qwenimage_pipeline import REPO, _main, _main_two_processes, _rows
+from tests.helpers.paths import REPO
+from tests.helpers.pipelines import metrics_rows, run_main, run_main_two_processes
 
 CONFIG = os.path.join(REPO, 'configs', 'wan21.py')
 
@@ -132,7 +133,7 @@ def folder(tmp_path_factory):
 def straight(folder, tmp_path_factory):
   """3 colocated LoRA steps in one run (also encodes the prompts: a child process)."""
   wd = tmp_path_factory.mktemp('wan_straight')
-  _main(folder, wd, config=CONFIG)
+  run_main(folder, wd, config=CONFIG)
   return wd
 
 
@@ -142,7 +143,7 @@ def _adapters(workdir):
 
 @pytest.mark.slow
 def test_colocated_lora_runs_and_resumes_bit_for_bit(folder, straight, tmp_path):
-  rows = _rows(straight)
+  rows = metrics_rows(straight)
   train = [r for r in rows if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert all(np.isfinite(r['loss']) and r['nonfinite'] == 0 for r in train)
@@ -154,9 +155,9 @@ def test_colocated_lora_runs_and_resumes_bit_for_bit(folder, straight, tmp_path)
   assert any('lora_B' in k and np.abs(v).max() > 0 for k, v in adapters.items())  # it trained
 
   resumed = tmp_path / 'resumed'
-  _main(folder, resumed, '--config.total_steps=2', config=CONFIG)
-  assert 'resumed from' in _main(folder, resumed, config=CONFIG).stderr
-  assert [x['step'] for x in _rows(resumed) if 'reward_mean' in x] == [1, 2, 3]
+  run_main(folder, resumed, '--config.total_steps=2', config=CONFIG)
+  assert 'resumed from' in run_main(folder, resumed, config=CONFIG).stderr
+  assert [x['step'] for x in metrics_rows(resumed) if 'reward_mean' in x] == [1, 2, 3]
   again = _adapters(resumed)
   assert sorted(again) == sorted(adapters)
   for k in adapters:
@@ -174,14 +175,14 @@ def test_two_processes_with_gap_equal_colocated(folder, straight, tmp_path):
   adapters by far more than rounding), while a mean over pixels moves by the flip alone."""
   smooth = '--config.reward.weights=temporal_consistency:1'
   ref_wd = tmp_path / 'colocated'
-  _main(folder, ref_wd, smooth, config=CONFIG)
+  run_main(folder, ref_wd, smooth, config=CONFIG)
   wd = tmp_path / 'gap'
   extra = ('--config.schedule.fragments=2', '--config.schedule.fragment_unit=sample', smooth)
-  _main_two_processes(folder, wd, *extra, config=CONFIG)
-  train = [r for r in _rows(wd) if 'reward_mean' in r]
+  run_main_two_processes(folder, wd, *extra, config=CONFIG)
+  train = [r for r in metrics_rows(wd) if 'reward_mean' in r]
   assert [r['step'] for r in train] == [1, 2, 3]
   assert train[0]['publish_mb'] < 0.1  # only adapters travel
-  ref = [r for r in _rows(ref_wd) if 'reward_mean' in r]
+  ref = [r for r in metrics_rows(ref_wd) if 'reward_mean' in r]
   for a, b in zip(train, ref):
     assert a['reward_mean'] == pytest.approx(b['reward_mean'], rel=1e-4, abs=1e-6)
   gap, colocated = _adapters(wd), _adapters(ref_wd)
@@ -201,7 +202,8 @@ def test_diffusers_loads_the_runs_adapters(folder, straight):
   from flax import nnx
   from digen_jax.models import lora
   from digen_jax.models import wan_convert
-  from tests.test_wan_parity import FRAMES, H, W, ours_forward, rel_err, torch_forward
+  from tests.helpers.parity import rel_err
+  from tests.helpers.wan_forward import FRAMES, H, W, ours_forward, torch_forward
 
   model = wan_convert.load_wan_folder(folder)
   table = wan_convert.wan_key_table(model.config)

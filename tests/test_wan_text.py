@@ -22,8 +22,8 @@ from digen_jax.models import family as family_lib
 from digen_jax.models import text_cache
 from digen_jax.models import wan_vae
 from digen_jax.models.text import TextEncoder
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = 'a red circle and a blue square ' * 8  # past the test's umT5 length
 PROMPTS = [
     'two red circles on a white background',

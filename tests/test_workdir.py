@@ -16,8 +16,8 @@ import pytest
 from digen_jax.process import workdir as workdir_lib
 from tests import xla_env
 from tests.mp_scripts import launcher_util as util
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = '--config=configs/qwenimage.py:tiny'
 LOG_LINE = ('I1', 'W1', 'E1')  # absl's INFO/WARNING/ERROR lines (the month of the date follows)
 

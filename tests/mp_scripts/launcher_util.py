@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers.paths import REPO
+
 LAUNCHER = os.path.join(REPO, 'launch', 'local.py')
 SCRIPTS = os.path.join(REPO, 'tests', 'mp_scripts')
 
