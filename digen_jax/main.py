@@ -156,6 +156,7 @@ def _train(info, config, workdir: str, n: int):
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top  (after absl parsed flags such as --jax_*)
   from digen_jax.outputs import report  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import run as run_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import loop  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
@@ -175,13 +176,13 @@ def _train(info, config, workdir: str, n: int):
     logging.info(
         'workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n, exp.batch_size
     )
-    cluster = cluster_lib.colocated(jax.local_devices()[:n], config.cluster.rollout.param_dtype)
+    cluster = cluster_lib.colocated(jax.local_devices()[:n], exp.publish.param_dtype)
     loop.train(exp, workdir, cluster)
     report.finish(workdir)
     return
 
   try:
-    cluster = cluster_lib.resolve(config)
+    cluster = cluster_lib.resolve(run_lib.cluster_spec(config))
   except ValueError as e:
     cli.fail(str(e))
   writer = info.process_id == cluster.writer_process
