@@ -295,11 +295,11 @@ def build(
   `num_devices` (before anything compiles) and builds the run's parts.
 
   abstract=True: the same Run, every weight a ShapeDtypeStruct (abstract_weights; the VAE's
-  configuration as `vae` chooses it) and no text encoder, prompts or reward; nothing is read but
-  the folders' configurations and nothing validated against devices (the simulator's configs
-  name hardware this process does not have)."""
+  configuration as `vae` chooses it) and no text encoder, prompts or reward, its fragment plan
+  for `num_devices` (default 1); nothing is read but the folders' configurations and nothing
+  validated against devices (the simulator's configs name hardware this process lacks)."""
   if abstract:
-    return _abstract_run(config, vae)
+    return _abstract_run(config, vae, num_devices or 1)
   folder_config.resolve(config, explicit)
   plan = configlib.validate(config, num_devices)
   logging.info(
@@ -341,7 +341,7 @@ def _common(config, num_tokens: int) -> dict:
   )
 
 
-def _abstract_run(config, vae: str) -> run_lib.Run:
+def _abstract_run(config, vae: str, num_devices: int) -> run_lib.Run:
   img_shape, num_tokens = _shapes(config)
   mcfg = model_config_from(config)
   path = config.model.checkpoint
@@ -353,7 +353,7 @@ def _abstract_run(config, vae: str) -> run_lib.Run:
       prompts=None,
       reward_fn=None,
       img_shape=img_shape,
-      plan=fragments.plan_of(config),
+      plan=fragments.plan_of(config, num_devices),
       **_common(config, num_tokens),
       **run_lib.specs_of(config, checkpoint),
   )
