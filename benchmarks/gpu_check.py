@@ -394,7 +394,7 @@ def project_programs(size: str, reps: int) -> dict:
   if size == 'tiny':
     config.latent.channels, config.model.in_channels, config.model.out_channels = 4, 16, 4
     config.sampler.num_steps = 3
-  exp, vae_what = abstract.abstract_experiment(config, 'auto' if size == 'real' else 'tiny')
+  exp, vae_what = abstract.abstract_run(config, 'auto' if size == 'real' else 'tiny')
   mesh = mesh_lib.make_mesh(jax.devices()[:1])
   prompts = 8 if size == 'real' else 2
   grad_name = 'grad_tsp' if config.schedule.tsp else 'grad'

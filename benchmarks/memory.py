@@ -71,7 +71,6 @@ import numpy as np
 
 import common
 from digen_jax import programs
-from digen_jax.models import family as family_lib
 from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.sim import abstract as abstract_lib
@@ -190,11 +189,11 @@ def run_config():
   return config
 
 
-def abstract_experiment(config):
-  """(Experiment, description) with every weight a ShapeDtypeStruct and --vae's VAE
+def abstract_run(config):
+  """(Run, description) with every weight a ShapeDtypeStruct and --vae's VAE
   (digen_jax/sim/abstract.py)."""
   try:
-    return abstract_lib.abstract_experiment(config, VAE.value)
+    return abstract_lib.abstract_run(config, VAE.value)
   except ValueError as e:
     raise app.UsageError(f'--vae: {e}') from e
 
@@ -266,14 +265,13 @@ def measure(bound, args: dict, shared: tuple[str, ...] = ()) -> dict:
 
 
 def mmdit_forward_flops(exp, batch: int) -> float:
-  return family_lib.of(exp.config).flops_per_forward(
-      exp.model_config, batch, exp.latent_shape[0], exp.config.text.max_length
+  return exp.family.flops_per_forward(
+      exp.model_config, batch, exp.latent_shape[0], exp.model.text_max_length
   )
 
 
 def update_program(exp, mesh, batch: int) -> dict:
   """The trainer's fused GRPO update (one fragment) as runtime/trainer.py compiles it, measured."""
-  c = exp.config
   rep = mesh_lib.replicated(mesh)
   param_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
   params = laid_out(exp.params, param_sh, jnp.float32)
@@ -282,7 +280,7 @@ def update_program(exp, mesh, batch: int) -> dict:
   opt_state = laid_out(opt_shapes, opt_sh)
   data = mesh_lib.batch_sharding(mesh, 1)
   batch_sh = {'traj': programs.trajectory_shardings(mesh), 'adv': data, 'valid': data}
-  frozen = frozen_tree(exp, mesh, base='fsdp', decode=bool(c.schedule.tag))
+  frozen = frozen_tree(exp, mesh, base='fsdp', decode=bool(exp.schedule.tag))
   bound = programs.make_update(
       exp, mesh, param_sh, opt_sh, traj_shardings=batch_sh['traj'], frozen=frozen
   )
@@ -305,12 +303,12 @@ def update_program(exp, mesh, batch: int) -> dict:
   out = measure(bound, args, shared=() if cfg else ('uncond',))
   k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
   # forward + remat recompute + backward (~2 forwards; LoRA skips most weight gradients).
-  passes = (4 if exp.model_config.remat else 3) * c.rl.inner_epochs
+  passes = (4 if exp.model_config.remat else 3) * exp.rl.inner_epochs
   out.update(
       batch=batch,
       trained_steps=k,
       cfg_branches=2 if cfg else 1,
-      step_loop=programs.step_loop_for(c.rl.step_loop, mesh),
+      step_loop=programs.step_loop_for(exp.rl.step_loop, mesh),
       analytic_mmdit_flops=(
           passes * k * (2 if cfg else 1) * mmdit_forward_flops(exp, batch) / mesh.devices.size
       ),
@@ -329,7 +327,7 @@ def rollout_base_layout(exp, layout: str) -> str | None:
   if ROLLOUT_BASE.value == 'layout':
     return layout
   if ROLLOUT_BASE.value == 'runtime':
-    return 'fsdp' if exp.config.runtime.mode == 'colocated' else 'replicated'
+    return 'fsdp' if exp.runtime.mode == 'colocated' else 'replicated'
   return ROLLOUT_BASE.value
 
 
@@ -338,9 +336,7 @@ def rollout_param_dtype(exp):
     return jnp.float32  # LoRA publishes float32 adapters (configlib enforces it)
   name = ROLLOUT_PARAM_DTYPE.value
   if name == 'runtime':
-    name = (
-        exp.config.cluster.rollout.param_dtype if exp.config.runtime.mode == 'disagg' else 'float32'
-    )
+    name = exp.publish.param_dtype if exp.runtime.mode == 'disagg' else 'float32'
   return jnp.bfloat16 if name == 'bfloat16' else jnp.float32
 
 
@@ -393,7 +389,7 @@ def analytic(exp, mesh) -> dict:
   opt = laid_out(opt, mesh_lib.fsdp_shardings(opt, mesh))
   base = w.base_abstract if w.lora is not None else None
   out = {
-      'mmdit_params': family_lib.of(exp.config).count_params(exp.model_config),
+      'mmdit_params': exp.family.count_params(exp.model_config),
       'trainable': 'lora' if w.lora is not None else 'full',
       'trainable_params': count(exp.params),
       'trainable_bytes_f32': whole_bytes(params32),
@@ -423,7 +419,7 @@ def colocated_estimate(u: dict, r: dict, base_sharding: str | None, a: dict, exp
   if exp.weights.lora is not None and base_sharding != 'fsdp':
     trainer_state += a['frozen_base_fsdp_per_device_bytes']  # not the rollout's base copy
   during_rollout = r['held_total_bytes'] + trainer_state
-  vae = a.get('vae_bytes', 0) if not exp.config.schedule.tag else 0
+  vae = a.get('vae_bytes', 0) if not exp.schedule.tag else 0
   during_update = u['held_total_bytes'] + vae
   peak = max(during_rollout, during_update)
   return {
@@ -434,8 +430,8 @@ def colocated_estimate(u: dict, r: dict, base_sharding: str | None, a: dict, exp
   }
 
 
-def describe(exp, vae_what: str, n: int, batch: int) -> dict:
-  c = exp.config
+def describe(c, exp, vae_what: str, n: int, batch: int) -> dict:
+  """The settings of the run `exp` of config `c` as the report lists them."""
   return {
       'devices': n,
       'mesh': f'1-D, {n} fake CPU devices',
@@ -520,7 +516,7 @@ def main(argv):
     )
   t_start = time.perf_counter()
   config = run_config()
-  exp, vae_what = abstract_experiment(config)
+  exp, vae_what = abstract_run(config)
   batch = PER_DEVICE_BATCH.value * n if PER_DEVICE_BATCH.value else exp.batch_size
   if batch % n:
     raise app.UsageError(
@@ -532,7 +528,7 @@ def main(argv):
   result = {
       'machine': common.machine_info(),
       'command': shlex.join(['python'] + sys.argv),
-      'settings': describe(exp, vae_what, n, batch),
+      'settings': describe(config, exp, vae_what, n, batch),
       'analytic': analytic(exp, mesh),
       'xla_flags': os.environ.get('XLA_FLAGS', ''),
       'notes': NOTES,

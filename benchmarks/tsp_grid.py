@@ -27,7 +27,6 @@ time follows the total work more than the per-device work.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import platform
@@ -125,7 +124,7 @@ def build(base, K: int, B: int, layout: str, devices, workdir: str) -> dict:
   mesh = mesh_lib.make_mesh(devices)
   config = case_config(base, K, B, layout, n)
   exp = experiment.build(case_config(base, K, B, 'no_tsp', n), workdir, 1)
-  exp = dataclasses.replace(exp, config=config)
+  exp = experiment.respec(exp, config)
   psh = mesh_lib.fsdp_shardings(exp.params, mesh)
   params = jax.device_put(exp.params, psh)
   traj, cond, adv, valid = fragment(exp, mesh, B)

@@ -158,6 +158,7 @@ def _train(info, config, workdir: str, n: int):
   import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
   from digen_jax.experiment import entry  # pylint: disable=g-import-not-at-top
   from digen_jax.outputs import report  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import run as run_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import loop  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
@@ -177,13 +178,13 @@ def _train(info, config, workdir: str, n: int):
     logging.info(
         'workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n, exp.batch_size
     )
-    cluster = cluster_lib.colocated(jax.local_devices()[:n], config.cluster.rollout.param_dtype)
+    cluster = cluster_lib.colocated(jax.local_devices()[:n], exp.publish.param_dtype)
     loop.train(exp, workdir, cluster)
     report.finish(workdir)
     return
 
   try:
-    cluster = cluster_lib.resolve(config)
+    cluster = cluster_lib.resolve(run_lib.cluster_spec(config))
   except ValueError as e:
     cli.fail(str(e))
   writer = info.process_id == cluster.writer_process

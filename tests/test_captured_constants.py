@@ -74,7 +74,7 @@ def test_the_check_finds_a_captured_array():
 @pytest.mark.parametrize('spec', _specs(pretraining=False))
 def test_rl_programs_capture_no_device_array(spec):
   config = _config(spec)
-  exp, _ = abstract.abstract_experiment(config)
+  exp, _ = abstract.abstract_run(config)
   mesh = mesh_lib.make_mesh(jax.devices()[:4])
   layout = config.cluster.rollout.param_sharding
   found = {}

@@ -24,6 +24,7 @@ from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import publish
 from digen_jax.runtime import links
 from digen_jax.runtime import rollout as rollout_lib
+from digen_jax.experiment import run as run_lib
 from tests import xla_env
 from tests.mp_scripts import launcher_util as util
 from tests.helpers.paths import REPO
@@ -74,14 +75,14 @@ def test_set_disagg_fills_the_cluster_block():
 
 def test_resolve_layouts_and_meshes():
   devs = jax.devices()
-  auto = cluster_lib.resolve(configlib.set_disagg(_tiny()))
+  auto = cluster_lib.resolve(run_lib.cluster_spec(configlib.set_disagg(_tiny())))
   assert auto.trainer.devices == tuple(devs[:2]) and auto.rollout.devices == tuple(devs[2:])
   assert not auto.multi_process and not auto.is_colocated and auto.num_devices == 4
   c = configlib.set_disagg(_tiny(), trainer=(3,), rollout=(0, 1))
   c.cluster.rollout.mesh_shape = (1, 2)
   c.cluster.rollout.axis_names = ('replica,data',)  # as --config...axis_names=replica,data
   c.cluster.rollout.speed = 2.5
-  cl = cluster_lib.resolve(c)
+  cl = cluster_lib.resolve(run_lib.cluster_spec(c))
   assert cl.trainer.devices == (devs[3],) and cl.rollout.size == 2
   assert dict(cl.rollout.mesh.shape) == {'replica': 1, 'data': 2} and cl.rollout.speed == 2.5
   # A batch over a 2-D mesh is split over both axes.
@@ -129,15 +130,17 @@ def test_resolve_rejects_bad_specs_naming_the_field(roles, extra, message):
   c.cluster.layout = extra.get('cluster.layout', 'explicit')
   c.cluster.trainer.devices, c.cluster.rollout.devices = roles
   with pytest.raises(ValueError, match=message):
-    cluster_lib.resolve(c)
+    cluster_lib.resolve(run_lib.cluster_spec(c))
 
 
 def test_resolve_rejects_unknown_process_and_odd_auto_split():
   c = configlib.set_disagg(_tiny(), trainer=(0,), rollout=(1,), by='processes')
   with pytest.raises(ValueError, match=r'config.cluster.rollout.processes=\(1,\) names process 1'):
-    cluster_lib.resolve(c)
+    cluster_lib.resolve(run_lib.cluster_spec(c))
   with pytest.raises(ValueError, match=r"layout='auto' splits this process's devices in half"):
-    cluster_lib.resolve(configlib.set_disagg(_tiny()), devices=jax.devices()[:3])
+    cluster_lib.resolve(
+        run_lib.cluster_spec(configlib.set_disagg(_tiny())), devices=jax.devices()[:3]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +163,7 @@ def test_resolve_multi_process_rules(trainer, rollout, message):
   devs = [_FakeDevice(0, 0), _FakeDevice(1, 0), _FakeDevice(2048, 1), _FakeDevice(2049, 1)]
   c = configlib.set_disagg(_tiny(), trainer=trainer, rollout=rollout)
   with pytest.raises(ValueError, match=message):
-    cluster_lib.resolve(c, devices=devs)
+    cluster_lib.resolve(run_lib.cluster_spec(c), devices=devs)
 
 
 # ------------------------------------------------------------------------ publish / batch moves
@@ -171,7 +174,7 @@ def test_publish_and_fragment_hand_over_stay_on_device(tmp_path):
   version (LocalLink.publish / wait_policy: the one publish path); a fragment onto the
   trainer's layout (send_fragment / receive_fragment); all under transfer_guard('disallow')."""
   c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=(2, 3), rollout_param_dtype='bfloat16')
-  cl = cluster_lib.resolve(c)
+  cl = cluster_lib.resolve(run_lib.cluster_spec(c))
   exp = experiment.build(c, str(tmp_path), 2)
   params = exp.params
   trainer_params = jax.device_put(params, mesh_lib.fsdp_shardings(params, cl.trainer.mesh))
@@ -245,10 +248,10 @@ def test_trainer_compile_leaves_nothing_for_the_first_fragment(tmp_path, fragmen
   c = configlib.set_disagg(
       _tiny(**{'optim.lr': lr, 'schedule.fragments': fragments}), trainer=(0, 1), rollout=(2, 3)
   )
-  cl = cluster_lib.resolve(c)
+  cl = cluster_lib.resolve(run_lib.cluster_spec(c))
   exp = experiment.build(c, str(tmp_path), 2)
   tracer = trace_lib.Tracer(False)
-  ckpt = bookkeeping.checkpointer(c, str(tmp_path), False)
+  ckpt = bookkeeping.checkpointer(exp.output, str(tmp_path), False)
   trainer = trainer_lib.Trainer(exp, cl.trainer.mesh, ckpt, exp.plan, tag=False)
   assert trainer.fused == (fragments == 1)
   sh = publish.rollout_param_shardings(cl, exp.params)
@@ -303,7 +306,7 @@ def disagg_one_process(tmp_path_factory):
   """Naive disagg in one process: trainer on devices 0-1, rollout on devices 2-3."""
   wd = str(tmp_path_factory.mktemp('disagg1p'))
   c = configlib.set_disagg(_tiny(), trainer=(0, 1), rollout=(2, 3))
-  cl = cluster_lib.resolve(c)
+  cl = cluster_lib.resolve(run_lib.cluster_spec(c))
   out = loop.train(experiment.build(c, wd, 2), wd, cl)
   return out, wd
 

@@ -67,7 +67,7 @@ def test_one_gather_per_step_gives_the_same_update_with_fewer_collectives(tmp_pa
   for per_step in (False, True):
     wd = str(tmp_path / str(per_step))
     exp = experiment.build(_tiny(**{'schedule.frozen_once_per_step': per_step}), wd, 2)
-    ckpt = bookkeeping.checkpointer(exp.config, os.path.join(wd, 'ckpt'), False)
+    ckpt = bookkeeping.checkpointer(exp.output, os.path.join(wd, 'ckpt'), False)
     trainer = trainer_lib.Trainer(exp, mesh, ckpt, exp.plan, tag=True)
     plan = exp.plan
     prompts = [p for p in exp.prompts.next_batch() for _ in range(plan.group_size)]

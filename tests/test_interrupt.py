@@ -2,6 +2,7 @@
 last completed step; a restart resumes it exactly in every mode; a process killed with -9 stops
 the others and a relaunch resumes."""
 
+import dataclasses
 import json
 import os
 import random
@@ -22,6 +23,7 @@ from digen_jax.experiment import build as experiment
 from digen_jax.process import interrupt
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import loop
+from digen_jax.experiment import run as run_lib
 from tests.mp_scripts import launcher_util as util
 from tests.helpers.paths import REPO
 
@@ -140,10 +142,10 @@ def _train(mode, workdir, signal_after_rewards=None, steps=STEPS):
         os.kill(os.getpid(), signal.SIGTERM)
       return out
 
-    exp.reward_fn = reward
+    exp = dataclasses.replace(exp, reward_fn=reward)
   if mode == 'colocated':
     return loop.train(exp, workdir, cluster_lib.colocated(jax.devices()[:2]))
-  return loop.train(exp, workdir, cluster_lib.resolve(c))
+  return loop.train(exp, workdir, cluster_lib.resolve(run_lib.cluster_spec(c)))
 
 
 def _rows(workdir):
@@ -356,7 +358,9 @@ def test_two_processes_sigterm_kill9_and_relaunch(tmp_path):
       trainer=(0, 1),
       rollout=(2, 3),
   )
-  ref = loop.train(experiment.build(c, ref_wd, 2), ref_wd, cluster_lib.resolve(c))
+  ref = loop.train(
+      experiment.build(c, ref_wd, 2), ref_wd, cluster_lib.resolve(run_lib.cluster_spec(c))
+  )
   from digen_jax.outputs import checkpoint as ckpt_lib
 
   ck = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))

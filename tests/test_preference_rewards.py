@@ -822,7 +822,7 @@ def test_all_five_in_a_reward_worker_as_a_config_declares_them(tmp_path, images)
   r.models = ','.join(f'{n}={f}' for n, f in folders.items())
   r.start_timeout_s = 300.0
   assert set(scoring.where_each(r, registry.parse_weights(r.weights)).values()) == {'workers'}
-  rewards = scoring.build(r)
+  rewards = scoring.build(r, registry.parse_weights(r.weights))
   try:
     scores = rewards.submit(images, PROMPTS).result()
   finally:

@@ -26,7 +26,7 @@ def first(tmp_path_factory):
 def test_the_same_config_gets_the_same_programs(first, tmp_path):
   mesh = mesh_lib.make_mesh(jax.devices()[:2])
   again = _exp(tmp_path, 'again')  # another workdir and prompt folder: no program reads them
-  assert programs.program_key(again.config) == programs.program_key(first.config)
+  assert again.program_key == first.program_key
   a, b = programs.make_rollout(first, mesh), programs.make_rollout(again, mesh)
   assert a.program is b.program
   assert programs.make_select(first, mesh) is programs.make_select(again, mesh)
@@ -49,6 +49,6 @@ def test_the_same_config_gets_the_same_programs(first, tmp_path):
 )
 def test_a_program_field_changes_the_key(first, tmp_path, override):
   other = _exp(tmp_path, 'other', **override)
-  assert programs.program_key(other.config) != programs.program_key(first.config)
+  assert other.program_key != first.program_key
   mesh = mesh_lib.make_mesh(jax.devices()[:2])
   assert programs.make_select(other, mesh) is not programs.make_select(first, mesh)

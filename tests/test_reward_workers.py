@@ -81,7 +81,7 @@ def built():
   made = []
 
   def build(r):
-    made.append(scoring.build(r))
+    made.append(scoring.build(r, registry.parse_weights(r.weights)))
     return made[-1]
 
   yield build
@@ -324,7 +324,7 @@ def test_a_remote_scorer_that_does_not_answer_is_one_line_at_start():
   r = configlib.base_config().reward
   r.weights, r.remote = 'mine', 'mine=http://127.0.0.1:9/score'  # the discard port: refused
   with pytest.raises(ValueError) as e:
-    scoring.build(r)
+    scoring.build(r, registry.parse_weights(r.weights))
   assert "remote scorer 'mine' at http://127.0.0.1:9/score" in str(e.value)
   assert 'does not answer' in str(e.value) and '\n' not in str(e.value)
 
@@ -352,7 +352,7 @@ def test_combine_advantages_normalises_each_reward_in_the_trainer(tmp_path):
         {'reward.weights': 'jpeg_compressibility:1,shapes:0.5', 'reward.combine': combine},
     )
     exp = experiment.build(c, str(tmp_path), 1)
-    ckpt = bookkeeping.checkpointer(c, str(tmp_path / combine), False)
+    ckpt = bookkeeping.checkpointer(exp.output, str(tmp_path / combine), False)
     tr = trainer_lib.Trainer(exp, mesh, ckpt, exp.plan, tag=False)
     adv, _ = tr.advantages(0, total, parts)
     tr.close()

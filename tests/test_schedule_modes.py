@@ -2,6 +2,7 @@
 serial, and exactness of GAP + TSP + TAG against colocated in one process and in two; TCSS
 staleness bookkeeping."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import loop
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import inputs
+from digen_jax.experiment import run as run_lib
 from tests.mp_scripts import launcher_util as util
 
 STEPS = 3
@@ -108,7 +110,7 @@ def test_schedule_defaults_are_one_fragment_trained_by_the_fused_update(tmp_path
       ({'schedule.tsp': True}, False),
   ):
     exp = experiment.build(_tiny(**overrides), str(tmp_path), 2)
-    ckpt = bookkeeping.checkpointer(exp.config, str(tmp_path / 'ckpt'), False)
+    ckpt = bookkeeping.checkpointer(exp.output, str(tmp_path / 'ckpt'), False)
     trainer = trainer_lib.Trainer(exp, mesh, ckpt, exp.plan, tag=False)
     assert trainer.fused == fused, overrides
     trainer.close()
@@ -192,8 +194,7 @@ def _slow_reward(exp, seconds):
     time.sleep(seconds)
     return fn(images, prompts)
 
-  exp.reward_fn = slow
-  return exp
+  return dataclasses.replace(exp, reward_fn=slow)
 
 
 @pytest.mark.slow
@@ -215,7 +216,7 @@ def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit,
       rollout=(2, 3),
   )
   exp = _slow_reward(experiment.build(c, wd, 2), 0.4)
-  out = loop.train(exp, wd, cluster_lib.resolve(c))
+  out = loop.train(exp, wd, cluster_lib.resolve(run_lib.cluster_spec(c)))
   rows = _rows(wd)
   print(
       f'GAP({unit}, M={m})+TSP+TAG vs colocated: max |dparams| = '
@@ -299,7 +300,7 @@ def test_tcss_mixes_at_most_one_version_of_staleness(tmp_path):
       trainer=(0, 1),
       rollout=(2, 3),
   )
-  out = loop.train(experiment.build(c, wd, 2), wd, cluster_lib.resolve(c))
+  out = loop.train(experiment.build(c, wd, 2), wd, cluster_lib.resolve(run_lib.cluster_spec(c)))
   rows = _rows(wd)
   assert [r['step'] for r in rows] == [1, 2, 3]
   for r in rows:

@@ -26,6 +26,7 @@ from digen_jax.models import wan
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.parallel import sequence
 from digen_jax.runtime import cluster as cluster_lib
+from digen_jax.experiment import run as run_lib
 
 TOL = 1e-5
 
@@ -186,7 +187,7 @@ def test_programs_with_the_split_equal_them_without(tmp_path):
   exp = experiment.build(config, str(tmp_path), 4)
   split_config = configlib.apply_overrides(copy.deepcopy(config), {'parallel.sequence': 2})
   configlib.validate(split_config, 4)
-  exp_split = dataclasses.replace(exp, config=split_config)
+  exp_split = experiment.respec(exp, split_config)
   mesh = mesh_lib.make_mesh(jax.devices()[:4])
   assert programs.row_unit(exp, mesh) == 4 and programs.row_unit(exp_split, mesh) == 2
   prompts = [p for p in exp.prompts.next_batch() for _ in range(2)]
@@ -254,6 +255,6 @@ def test_disagg_checks_the_split_against_each_role():
   )
   configlib.validate(config, 4)  # 4 devices in all: each role has 2
   with pytest.raises(ValueError, match="must divide the trainer role's 2 devices: one of 1, 2"):
-    cluster_lib.resolve(config, jax.devices()[:4])
+    cluster_lib.resolve(run_lib.cluster_spec(config), jax.devices()[:4])
   config.parallel.sequence = 2
-  cluster_lib.resolve(config, jax.devices()[:4])
+  cluster_lib.resolve(run_lib.cluster_spec(config), jax.devices()[:4])

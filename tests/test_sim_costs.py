@@ -55,7 +55,7 @@ def test_rollout_flops_count_every_step_and_layer():
   unrolled, _ = costs.count_unrolled('rollout', config, mesh, batch, 'replicated', 'auto')
   assert rel(fitted[0], unrolled[0]) < 1e-3, (fitted, unrolled)
   assert rel(fitted[1], unrolled[1]) < 0.02, (fitted, unrolled)  # bytes: fusion may differ
-  exp, _ = abstract.abstract_experiment(config)
+  exp, _ = abstract.abstract_run(config)
   analytic = costs.analytic_flops('rollout', exp, mesh, batch)
   assert rel(fitted[0], analytic) < ANALYTIC_RTOL, (fitted[0], analytic)
   # Per step per layer: one block forward on B x 2 (CFG) rows, on each of 4 devices.
@@ -96,7 +96,7 @@ def test_grad_lora_backward_counts():
   with full fine-tuning's (every weight gradient)."""
   config, mesh, batch = qwen_toy(cfg=False, lora=4), mesh_of(2), 4
   fitted, fit, _ = costs.fit_counts('grad', config, mesh, batch, 'replicated', 'auto')
-  exp, _ = abstract.abstract_experiment(config)
+  exp, _ = abstract.abstract_run(config)
   rows, layers = batch // 2, config.model.num_layers  # per device, no CFG
   s, d = exp.latent_shape[0] + config.text.max_length, exp.model_config.inner_dim
   forward = 2 * rows * mmdit.block_macs(d, s)
@@ -119,7 +119,7 @@ def test_flux_rollout_counts_both_block_kinds():
   c.model.axes_dims_rope = (8, 12, 12)
   mesh, batch = mesh_of(2), 4
   fitted, fit, _ = costs.fit_counts('rollout', c, mesh, batch, 'replicated', 'auto')
-  exp, _ = abstract.abstract_experiment(c)
+  exp, _ = abstract.abstract_run(c)
   assert set(fit) == {
       'a',
       'b',

@@ -13,6 +13,7 @@ from configs import qwenimage
 from digen_jax.experiment import config as configlib
 from digen_jax.parallel import tsp_grid
 from digen_jax.runtime import cluster as cluster_lib
+from digen_jax.experiment import run as run_lib
 from tests import xla_env
 from tests.mp_scripts import launcher_util as util
 from tests.mp_scripts import fragment_exactness as exactness
@@ -87,8 +88,11 @@ def test_disagg_checks_the_steps_axis_against_the_trainer_role():
   c = _tiny(**{'runtime.mode': 'disagg', 'schedule.tsp': True, 'schedule.tsp_steps_axis': 4})
   configlib.validate(c, 4)  # 4 devices in all; the trainer has 2 of them
   with pytest.raises(ValueError, match='divisor of the 2 trainer devices'):
-    cluster_lib.resolve(c, jax.devices()[:4])
-  cluster_lib.resolve(_tiny(**{'runtime.mode': 'disagg', 'schedule.tsp': True}), jax.devices()[:4])
+    cluster_lib.resolve(run_lib.cluster_spec(c), jax.devices()[:4])
+  cluster_lib.resolve(
+      run_lib.cluster_spec(_tiny(**{'runtime.mode': 'disagg', 'schedule.tsp': True})),
+      jax.devices()[:4],
+  )
 
 
 # ------------------------------------------------------------------------------ exactness

@@ -17,6 +17,7 @@ from digen_jax.experiment import config as configlib
 from digen_jax.experiment import fragments
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import loop
+from digen_jax.experiment import run as run_lib
 from tests.mp_scripts import fragment_exactness as exactness
 
 STEPS = 2
@@ -44,7 +45,7 @@ def test_a_batch_the_devices_do_not_divide_is_valid_and_padded():
   plan = configlib.validate(_tiny(), 4)  # 2 prompts x 3 samples on 4 devices
   assert (plan.size, plan.rows, plan.devices) == (6, 8, 4)
   c = configlib.set_disagg(_tiny(), trainer=(0, 1, 2), rollout=(3,))
-  cluster = cluster_lib.resolve(c, jax.devices()[:4])
+  cluster = cluster_lib.resolve(run_lib.cluster_spec(c), jax.devices()[:4])
   assert (cluster.trainer.size, cluster.rollout.size) == (3, 1)
 
 
@@ -116,7 +117,7 @@ def test_gap_on_two_meshes_with_padded_fragments_equals_one_device(one_device, t
   c = configlib.set_disagg(
       _tiny(**{'schedule.fragments': 2}), trainer=(0, 1), rollout=(2, 3)
   )  # fmt: skip
-  out = _run(c, str(tmp_path), cluster_lib.resolve(c, jax.devices()[:4]), 2)
+  out = _run(c, str(tmp_path), cluster_lib.resolve(run_lib.cluster_spec(c), jax.devices()[:4]), 2)
   _assert_same_run(out, one_device)
   assert all(r['fragments'] == 2 for r in out['rows'])
 
@@ -131,6 +132,6 @@ def test_uneven_split_with_tsp_equals_one_device(one_device, tmp_path):
       trainer=(0, 1, 2),
       rollout=(3,),
   )
-  cluster = cluster_lib.resolve(c, jax.devices()[:4])
+  cluster = cluster_lib.resolve(run_lib.cluster_spec(c), jax.devices()[:4])
   out = _run(c, str(tmp_path), cluster, 3)
   _assert_same_run(out, one_device)

@@ -10,6 +10,7 @@ from digen_jax.experiment import build as experiment
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import publish
+from digen_jax.experiment import run as run_lib
 
 
 def _lora_weights():
@@ -36,9 +37,9 @@ def test_rollout_frozen_layout_follows_the_cluster():
   c, _ = _lora_weights()
   assert publish.rollout_frozen_fsdp(cluster_lib.colocated(jax.devices()[:2]))
   configlib.set_disagg(c)
-  assert not publish.rollout_frozen_fsdp(cluster_lib.resolve(c))
+  assert not publish.rollout_frozen_fsdp(cluster_lib.resolve(run_lib.cluster_spec(c)))
   c.cluster.rollout.param_sharding = 'fsdp'
-  assert publish.rollout_frozen_fsdp(cluster_lib.resolve(c))
+  assert publish.rollout_frozen_fsdp(cluster_lib.resolve(run_lib.cluster_spec(c)))
 
 
 def test_lora_kl_reference_is_the_base(tmp_path):

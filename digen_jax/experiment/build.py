@@ -7,20 +7,21 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from absl import logging
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
+from digen_jax.experiment import abstract_weights
 from digen_jax.experiment import config as configlib
 from digen_jax.data import prompts as prompt_data
 from digen_jax.diffusion import sigmas as sigmas_lib
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.experiment import folder_config
+from digen_jax.experiment import run as run_lib
 from digen_jax.experiment import fragments
 from digen_jax.experiment import weights as weights_lib
 from digen_jax.models import attention as attention_lib
@@ -30,72 +31,6 @@ from digen_jax.models import text as text_lib
 from digen_jax.models import text_cache
 from digen_jax.rewards import scoring as reward_scoring
 from digen_jax.rl import timesteps as timesteps_lib
-
-
-@dataclasses.dataclass
-class Experiment:
-  config: ml_collections.ConfigDict
-  model_config: Any  # the family's architecture config (MMDiTConfig, FluxConfig)
-  weights: weights_lib.Weights  # trainable params (full or LoRA), frozen weights, decode
-  text_encoder: Any  # prompts -> (emb [B, L, D], mask [B, L])
-  prompts: Any  # PromptIterator: next_batch(), position, restore()
-  reward_fn: Callable[[np.ndarray, list[str]], np.ndarray]
-  sigmas: np.ndarray  # [T+1]
-  sde_cfg: sde_lib.SDEConfig
-  selection: timesteps_lib.TimestepSelection
-  optimizer: optax.GradientTransformation
-  img_shape: tuple[int, int, int]  # (frames, h_tokens, w_tokens)
-  latent_shape: tuple[int, int]  # (tokens, packed channels)
-  # How a logical batch is cut into fragments (config.schedule), built once here and handed
-  # to the schedule, the roles and their programs.
-  plan: fragments.FragmentPlan
-
-  @property
-  def compute_dtype(self):
-    return jnp.bfloat16 if self.config.optim.compute_dtype == 'bfloat16' else jnp.float32
-
-  @property
-  def batch_size(self) -> int:
-    return self.config.rl.prompts_per_step * self.config.rl.group_size
-
-  @property
-  def graphdef(self):
-    """The MMDiT graphdef (the forward's structure)."""
-    return self.weights.graphdef
-
-  @property
-  def params(self):
-    """The initial trainable params (MMDiT state, or LoRA adapters): concrete, or their
-    ShapeDtypeStructs when they stream from a large checkpoint (weights.init_params)."""
-    return self.weights.params
-
-  @property
-  def family(self) -> family_lib.Family:
-    return family_lib.of(self.config)
-
-  def conditioning(self, prompts: list[str]) -> dict[str, np.ndarray]:
-    """The forward's conditioning for `prompts` (host arrays, batch-leading): 'text' [B, L, D]
-    float32, 'text_mask' [B, L] int32, and 'pooled' [B, P] float32 for families that read it."""
-    emb, mask = self.text_encoder.encode(prompts)
-    cond = {'text': np.asarray(emb, np.float32), 'text_mask': np.asarray(mask, np.int32)}
-    if 'pooled' in self.family.cond_keys:
-      cond['pooled'] = np.asarray(self.text_encoder.encode_pooled(prompts), np.float32)
-    return cond
-
-  def cond_abstract(self, batch: int, sharding_fn: Callable[[int], Any] | None = None) -> dict:
-    """ShapeDtypeStructs of `conditioning` for `batch` prompts; sharding_fn(ndim) places each."""
-    c = self.config
-    shapes = {
-        'text': ((batch, c.text.max_length, c.model.joint_attention_dim), jnp.float32),
-        'text_mask': ((batch, c.text.max_length), jnp.int32),
-        'pooled': ((batch, c.model.pooled_projection_dim), jnp.float32),
-    }
-    return {
-        k: jax.ShapeDtypeStruct(
-            *shapes[k], sharding=sharding_fn(len(shapes[k][0])) if sharding_fn else None
-        )
-        for k in self.family.cond_keys
-    }
 
 
 def model_config_from(config):
@@ -175,12 +110,21 @@ def selection_of(config) -> timesteps_lib.TimestepSelection:
   )
 
 
+def resolved_checkpoint(config) -> str:
+  """config.model.checkpoint as the folder the run reads ('' unchanged for a random init, whose
+  checkpoint field is unused)."""
+  if config.model.init == 'random':
+    return config.model.checkpoint
+  return checkpoint_folder(config.model.checkpoint)
+
+
 def build_weights(config) -> tuple[Any, weights_lib.Weights]:
   """(model config, the run's Weights): checkpoints are opened and checked, not read whole."""
   mcfg = model_config_from(config)
-  if config.model.init != 'random':
-    config.model.checkpoint = checkpoint_folder(config.model.checkpoint)
-  return mcfg, weights_lib.build(config, family_lib.of(config), mcfg, same_architecture)
+  family = family_lib.of(config)
+  return mcfg, weights_lib.build(
+      config, family, mcfg, same_architecture, checkpoint=resolved_checkpoint(config)
+  )
 
 
 def build_model(config) -> tuple[Any, Any, Any]:
@@ -336,31 +280,91 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
   return seq, texts
 
 
-def build(config, workdir: str, num_devices: int, explicit=frozenset()) -> Experiment:
-  """Reads the architecture from the model folder (folder_config.resolve: `explicit`, the fields
-  the command line set, must agree with it), validates the config (before anything compiles)
-  and builds the run's parts."""
+def build(
+    config,
+    workdir: str = '',
+    num_devices: int | None = None,
+    explicit=frozenset(),
+    *,
+    abstract: bool = False,
+    vae: str = 'auto',
+) -> run_lib.Run:
+  """The Run of `config`: reads the architecture from the model folder (folder_config.resolve:
+  `explicit`, the fields the command line set, must agree with it), validates the config on
+  `num_devices` (before anything compiles) and builds the run's parts.
+
+  abstract=True: the same Run, every weight a ShapeDtypeStruct (abstract_weights; the VAE's
+  configuration as `vae` chooses it) and no text encoder, prompts or reward, its fragment plan
+  for `num_devices` (default 1); nothing is read but the folders' configurations and nothing
+  validated against devices (the simulator's configs name hardware this process lacks)."""
+  if abstract:
+    return _abstract_run(config, vae, num_devices or 1)
   folder_config.resolve(config, explicit)
   plan = configlib.validate(config, num_devices)
   logging.info(
       'attention: %s (config.model.attention=%r)', attention_choice(config), config.model.attention
   )
-  lat = config.latent
-  p = config.model.patch_size
-  img_shape = (lat.frames, lat.height // p, lat.width // p)
-  num_tokens = int(np.prod(img_shape))
+  img_shape, num_tokens = _shapes(config)
   # Cheap parts first so their errors come before the (possibly large) model build; the reward
   # workers load now (a model that cannot load is one line), and score a probe batch once the
   # prompts are read.
-  reward_fn = reward_scoring.build(config.reward)
+  specs = run_lib.specs_of(config, resolved_checkpoint(config))
+  reward_fn = reward_scoring.build(config.reward, specs['reward'].weight_map)
   try:
-    return _build_parts(config, workdir, plan, reward_fn, img_shape, num_tokens)
+    return _build_parts(config, workdir, plan, reward_fn, img_shape, num_tokens, specs)
   except BaseException:
     reward_fn.close()
     raise
 
 
-def _build_parts(config, workdir, plan, reward_fn, img_shape, num_tokens) -> Experiment:
+def _shapes(config) -> tuple[tuple[int, int, int], int]:
+  """((frames, h_tokens, w_tokens), tokens) of config.latent."""
+  lat = config.latent
+  p = config.model.patch_size
+  img_shape = (lat.frames, lat.height // p, lat.width // p)
+  return img_shape, int(np.prod(img_shape))
+
+
+def _common(config, num_tokens: int) -> dict:
+  """The Run's fields both builds derive from the config alone."""
+  return dict(
+      sigmas=build_schedule(config, num_tokens),
+      sde_cfg=sde_lib.SDEConfig(
+          kind=config.sampler.sde,
+          noise_level=config.sampler.noise_level,
+          logprob_reduce=config.sampler.logprob_reduce,
+      ),
+      selection=selection_of(config),
+      optimizer=build_optimizer(config),
+      latent_shape=(num_tokens, config.model.in_channels),
+  )
+
+
+def _abstract_run(config, vae: str, num_devices: int) -> run_lib.Run:
+  img_shape, num_tokens = _shapes(config)
+  mcfg = model_config_from(config)
+  path = config.model.checkpoint
+  checkpoint = weights_lib.repo_path(path) if path and config.model.init != 'random' else path
+  return run_lib.Run(
+      model_config=mcfg,
+      weights=abstract_weights.abstract_weights(config, family_lib.of(config), mcfg, vae),
+      text_encoder=None,
+      prompts=None,
+      reward_fn=None,
+      img_shape=img_shape,
+      plan=fragments.plan_of(config, num_devices),
+      **_common(config, num_tokens),
+      **run_lib.specs_of(config, checkpoint),
+  )
+
+
+def respec(run: run_lib.Run, config) -> run_lib.Run:
+  """`run` with the specs of `config` (its weights, parts, sigmas and plan kept): a program of
+  another field value (a TSP steps axis, a sequence split) over the same built model."""
+  return dataclasses.replace(run, **run_lib.specs_of(config, run.model.checkpoint))
+
+
+def _build_parts(config, workdir, plan, reward_fn, img_shape, num_tokens, specs) -> run_lib.Run:
   """build's parts after the rewards: text, prompts (the rewards' probe), schedule, model."""
   text_encoder = build_text_encoder(config)
   check_text_encoder(config, text_encoder)
@@ -374,26 +378,15 @@ def _build_parts(config, workdir, plan, reward_fn, img_shape, num_tokens) -> Exp
   check_prompt_cache(config, text_encoder, [texts, eval_texts])
   reward_fn.probe(texts[:2])
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
-  sigmas = build_schedule(config, num_tokens)
-  sde_cfg = sde_lib.SDEConfig(
-      kind=config.sampler.sde,
-      noise_level=config.sampler.noise_level,
-      logprob_reduce=config.sampler.logprob_reduce,
-  )
-  selection = selection_of(config)
   mcfg, weights = build_weights(config)
-  return Experiment(
-      config=config,
+  return run_lib.Run(
       model_config=mcfg,
       weights=weights,
       text_encoder=text_encoder,
       prompts=prompts,
       reward_fn=reward_fn,
-      sigmas=sigmas,
-      sde_cfg=sde_cfg,
-      selection=selection,
-      optimizer=build_optimizer(config),
       img_shape=img_shape,
-      latent_shape=(num_tokens, config.model.in_channels),
       plan=plan,
+      **_common(config, num_tokens),
+      **specs,
   )

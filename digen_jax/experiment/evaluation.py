@@ -19,10 +19,10 @@ from digen_jax.parallel import mesh as mesh_lib
 
 def eval_prompts(exp, workdir: str) -> list[str]:
   """The eval split's prompts (all of them, or the first eval.num_prompts)."""
-  c = exp.config
-  data_dir = prompt_data.resolve_data_dir(c.data.data_dir, workdir)
-  source = prompt_data.load_prompts(c.data.prompts, c.eval.split, data_dir)
-  n = len(source) if c.eval.num_prompts <= 0 else min(c.eval.num_prompts, len(source))
+  e = exp.eval
+  data_dir = prompt_data.resolve_data_dir(e.data_dir, workdir)
+  source = prompt_data.load_prompts(e.prompts, e.split, data_dir)
+  n = len(source) if e.num_prompts <= 0 else min(e.num_prompts, len(source))
   return list(source[:n])
 
 
@@ -32,10 +32,9 @@ class Evaluator:
   def __init__(self, exp, mesh, prompts: list[str], *, frozen_fsdp: bool = False):
     """frozen_fsdp: the layout of the frozen weights on `mesh` (the rollout's, which it shares)."""
     self.exp, self.mesh, self.prompts = exp, mesh, prompts
-    c = exp.config
-    self.n_per = c.eval.samples_per_prompt
+    self.n_per = exp.eval.samples_per_prompt
     n_dev = mesh.devices.size
-    self.batch = max(n_dev, (c.eval.batch_size // n_dev) * n_dev)
+    self.batch = max(n_dev, (exp.eval.batch_size // n_dev) * n_dev)
     # The rollout program itself, every step Euler: eval samples exactly as the rollout would
     # with the SDE off (same noise keys per sample: fold_in(eval key, sample index)).
     rep = mesh_lib.replicated(mesh)
@@ -50,7 +49,7 @@ class Evaluator:
     )
     self._rep = rep
     self.task_metrics = eval_metrics.for_prompts(prompts)
-    self._uncond = self._encode([c.sampler.negative_prompt] * self.batch)
+    self._uncond = self._encode([exp.sampler.negative_prompt] * self.batch)
 
   def _encode(self, prompts):
     cond = self.exp.conditioning(prompts)

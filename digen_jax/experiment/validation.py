@@ -17,6 +17,7 @@ import math
 import ml_collections
 
 from digen_jax.experiment import fragments
+from digen_jax.experiment import run as run_lib
 from digen_jax.parallel import sequence
 from digen_jax.parallel import tsp_grid
 from digen_jax.rewards import registry as reward_registry
@@ -370,10 +371,7 @@ def _check_reward(config: ml_collections.ConfigDict) -> None:
   """The user's reward callables import and reward.weights names registered rewards."""
   # The in-process callables (errors name the field); the workers' are imported there only.
   reward_registry.register_callables(reward_scoring.split_callables(config.reward)[0])
-  try:
-    weights = reward_registry.parse_weights(config.reward.weights)
-  except ValueError as e:
-    raise ValueError(f'config.reward.weights: {e}') from None
+  weights = run_lib.reward_weights(config.reward)
   # Names, weights and the worker/remote fields (rewards/scoring.py; errors name the field).
   where = reward_scoring.where_each(config.reward, weights)
   videos = [n for n in weights if where[n] == 'host' and reward_registry.takes(n) == 'videos']

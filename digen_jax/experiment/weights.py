@@ -190,13 +190,14 @@ def to_uint8(x):
 # --------------------------------------------------------------------------- building
 
 
-def _transformer_source(config, family, mcfg, same_architecture):
-  """(graphdef, initial params or their abstract, loader or None)."""
+def _transformer_source(config, family, mcfg, same_architecture, checkpoint: str):
+  """(graphdef, initial params or their abstract, loader or None) of the model in folder
+  `checkpoint` (config.model.checkpoint resolved)."""
   m = config.model
   if m.init == 'random':
     graphdef, params = nnx.split(family.new(mcfg, config.seed))
     return graphdef, params, None
-  path = m.checkpoint
+  path = checkpoint
   if os.path.exists(os.path.join(path, params_io.WEIGHTS_FILE)):
     if family.name != 'qwenimage':
       raise ValueError(
@@ -261,7 +262,7 @@ def register_latent_space(name: str, source: Callable[[Any], VAESource]) -> None
   _LATENT_SPACES[name] = source
 
 
-def _vae_source(config, family) -> VAESource | None:
+def _vae_source(config, family, checkpoint: str) -> VAESource | None:
   if config.latent.space not in ('pixel', 'vae'):
     if config.latent.space not in _LATENT_SPACES:
       raise ValueError(
@@ -272,7 +273,7 @@ def _vae_source(config, family) -> VAESource | None:
     return _LATENT_SPACES[config.latent.space](config)
   if config.latent.space != 'vae':
     return None
-  path = config.model.checkpoint
+  path = checkpoint
   folder = os.path.join(path, 'vae') if path else ''
   if not (
       path and is_pipeline_folder(path) and os.path.isfile(os.path.join(folder, 'config.json'))
@@ -304,10 +305,13 @@ def _vae_source(config, family) -> VAESource | None:
   return VAESource(vcfg, family.vae, graphdef, abstract, folder)
 
 
-def build(config, family, mcfg, same_architecture) -> Weights:
+def build(config, family, mcfg, same_architecture, *, checkpoint: str) -> Weights:
   """The run's Weights from config.model / config.latent (files are opened, not read whole);
-  `family` is models/family.py's entry for config.model.family, `mcfg` its architecture config."""
-  graphdef, params, loader = _transformer_source(config, family, mcfg, same_architecture)
+  `family` is models/family.py's entry for config.model.family, `mcfg` its architecture config,
+  `checkpoint` the model folder (config.model.checkpoint resolved)."""
+  graphdef, params, loader = _transformer_source(
+      config, family, mcfg, same_architecture, checkpoint
+  )
   lo = config.model.lora
   lora_cfg, base_abstract = None, None
   if lo.rank > 0:
@@ -328,7 +332,7 @@ def build(config, family, mcfg, same_architecture) -> Weights:
       lora=lora_cfg,
       load_transformer=loader,
       base_abstract=base_abstract,
-      vae=_vae_source(config, family),
+      vae=_vae_source(config, family, checkpoint),
       latent_hw=(lat.height, lat.width),
       frames=int(lat.frames),
       video=family.name == 'wan',

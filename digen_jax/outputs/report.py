@@ -15,13 +15,14 @@ from digen_jax.outputs import metrics as metrics_lib
 ACC = 'eval/strict_accuracy'
 
 
-def write_config(config, workdir: str) -> None:
-  """<workdir>/config.json: the resolved config of the run writing this workdir (the trainer
-  writes it once its checkpoint restored: a run refused at its start leaves the previous one's)."""
+def write_config(config_json: str, workdir: str) -> None:
+  """<workdir>/config.json: the resolved config (JSON text) of the run writing this workdir (the
+  trainer writes it once its checkpoint restored: a run refused at its start leaves the previous
+  one's)."""
   os.makedirs(workdir, exist_ok=True)
   tmp = os.path.join(workdir, 'config.json.tmp')
   with open(tmp, 'w') as f:
-    f.write(config.to_json_best_effort(indent=2))
+    f.write(config_json)
   os.replace(tmp, os.path.join(workdir, 'config.json'))
 
 

@@ -1,11 +1,10 @@
 """What every program shares: the model's velocity function, argument layouts, one memo of
-jitted programs per (config, mesh, layouts), programs with their frozen weights bound, the
+jitted programs per (run, mesh, layouts), programs with their frozen weights bound, the
 finiteness guards, and the captured-constant check."""
 
 from __future__ import annotations
 
 import collections
-import json
 
 from flax import nnx
 import jax
@@ -23,7 +22,7 @@ def make_velocity_fn(
 ):
   """velocity_fn(params, latents [B,N,C], sigma [B], cond) -> v [B,N,C] float32: the family's
   forward (models/family.py; default the MMDiT's) on a conditioning dict
-  (Experiment.conditioning). guidance: FLUX.1-dev's distilled guidance input. With a bf16 compute
+  (Run.conditioning). guidance: FLUX.1-dev's distilled guidance input. With a bf16 compute
   dtype the float32 master params are cast inside the jitted program, so gradients flow back to
   float32. token_mesh: a (samples, tokens) view of the program's mesh (parallel/sequence.py)
   over which each sample's tokens are split (models/sequence_parallel.py); None: no split."""
@@ -42,14 +41,14 @@ def make_velocity_fn(
 
 
 def velocity_fn_of(exp, mesh=None):
-  """make_velocity_fn for an Experiment's model, family and sampler settings, each sample's
+  """make_velocity_fn for a Run's model, family and sampler settings, each sample's
   tokens split over config.parallel.sequence devices of `mesh` (None: no split)."""
   return make_velocity_fn(
       exp.graphdef,
       exp.img_shape,
       exp.compute_dtype,
       exp.family,
-      float(exp.config.sampler.distilled_guidance),
+      float(exp.sampler.distilled_guidance),
       token_mesh=token_mesh_of(exp, mesh),
   )
 
@@ -59,7 +58,7 @@ def token_mesh_of(exp, mesh):
   no mesh)."""
   if mesh is None:
     return None
-  return sequence_lib.token_mesh(mesh, int(exp.config.parallel.sequence))
+  return sequence_lib.token_mesh(mesh, int(exp.parallel.sequence))
 
 
 def row_unit(exp, mesh) -> int:
@@ -118,34 +117,21 @@ def take_rows(batch, rows: int, sharding_of=None):
 
 def guidance_of(exp):
   """(guidance_scale or None, norm_rescale) as the sampler and objective take them."""
-  s = exp.config.sampler
+  s = exp.sampler
   return (s.guidance_scale, s.norm_rescale) if s.guidance_scale > 1.0 else (None, False)
 
 
 # ---------------------------------------------------------------------------------------------
-# One program per (config, mesh, layouts) in a process. Each make_* below closes over the
-# Experiment, so every experiment.build used to trace, lower and (from the compilation cache)
-# load its programs again. A program is a pure function of the config's program fields, the
-# mesh and the argument layouts, so a second build of the same config (a resumed run in the
+# One program per (run, mesh, layouts) in a process. Each make_* below closes over the
+# Run, so every experiment.build used to trace, lower and (from the compilation cache)
+# load its programs again. A program is a pure function of the run's program fields (its
+# program_key: the config without the fields no program reads), the mesh and the argument
+# layouts, so a second build of the same config (a resumed run in the
 # same process, a sweep's in-process repeat, a test's straight and interrupted runs) gets the
 # jitted program the first made, with its traces and executables.
 
-# Fields that locate inputs and never reach a program (the prompt files' folder).
-_NOT_IN_PROGRAMS = ('data.data_dir',)
-_MEMO_SIZE = 16  # programs kept; each holds its Experiment (and so its initial params)
+_MEMO_SIZE = 16  # programs kept; each holds its Run (and so its initial params)
 _memo: collections.OrderedDict = collections.OrderedDict()
-
-
-def program_key(config) -> str:
-  """The config as the programs see it: JSON, without the fields no program reads."""
-  d = config.to_dict()
-  for dotted in _NOT_IN_PROGRAMS:
-    *path, last = dotted.split('.')
-    node = d
-    for k in path:
-      node = node.get(k, {})
-    node.pop(last, None)
-  return json.dumps(d, sort_keys=True, default=repr)
 
 
 def layout_key(tree):
@@ -155,8 +141,8 @@ def layout_key(tree):
 
 
 def memoized(kind: str, exp, parts: tuple, make):
-  """make() once per (kind, program_key(exp.config), parts); the last _MEMO_SIZE kept."""
-  key = (kind, program_key(exp.config), parts)
+  """make() once per (kind, exp.program_key, parts); the last _MEMO_SIZE kept."""
+  key = (kind, exp.program_key, parts)
   if key in _memo:
     _memo.move_to_end(key)
     return _memo[key]
@@ -232,7 +218,7 @@ def frozen_shardings(frozen):
 
 def behaviour_of(exp) -> str:
   """grpo_objective's `behaviour` for config.rl.behaviour_logprobs ('trainer' -> 'self')."""
-  return 'self' if exp.config.rl.behaviour_logprobs == 'trainer' else 'stored'
+  return 'self' if exp.rl.behaviour_logprobs == 'trainer' else 'stored'
 
 
 def step_loop_for(step_loop: str, mesh) -> str:
@@ -269,4 +255,4 @@ def keep_if(finite: jax.Array, new, old):
 def ref_shardings(exp, param_shardings):
   """Where the KL reference params live: none without KL, or with LoRA (the reference is the
   frozen base with adapters off), else like the trainable params."""
-  return param_shardings if exp.config.rl.kl_beta > 0 and exp.weights.lora is None else None
+  return param_shardings if exp.rl.kl_beta > 0 and exp.weights.lora is None else None

@@ -29,7 +29,7 @@ def layout(exp, mesh, samples: int | None = None) -> Layout:
   K = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
   n = mesh.devices.size
   samples = exp.plan.size if samples is None else samples
-  return tsp_grid.choose(K, n, samples, int(exp.config.schedule.tsp_steps_axis))
+  return tsp_grid.choose(K, n, samples, int(exp.schedule.tsp_steps_axis))
 
 
 def grid(mesh, lay: Layout) -> Mesh:

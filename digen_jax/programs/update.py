@@ -32,7 +32,7 @@ def grpo_loss(exp, velocity_fn, frozen, batch, ref_params, indices, **options):
   valid) over the trained step `indices` with the config's clip range, KL, CFG and behaviour
   log-probs; `options` are grpo_objective's execution options (step_loop, denominator,
   step_weights, step_constraint). The one loss of every update program."""
-  r = exp.config.rl
+  r = exp.rl
   guidance, norm_rescale = common.guidance_of(exp)
   traj, cond, uncond, adv, valid = batch
 
@@ -129,7 +129,7 @@ def make_update(
   if frozen is None:
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = common.velocity_fn_of(exp, mesh)
-  r = exp.config.rl
+  r = exp.rl
   T = len(exp.sigmas) - 1
 
   def update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params, frozen):
@@ -263,7 +263,7 @@ def make_fragment_grad(
       indices, batch, options = tsp_lib.prepare(mesh, lay, indices, batch)
     else:
       batch = _real_rows(exp, batch, mesh, samples)
-      options = dict(step_loop=common.step_loop_for(exp.config.rl.step_loop, mesh))
+      options = dict(step_loop=common.step_loop_for(exp.rl.step_loop, mesh))
     loss_fn = grpo_loss(
         exp,
         velocity_fn,

@@ -125,16 +125,16 @@ def where_each(r, weights) -> dict[str, str]:
   for field in ('retries', 'max_restarts'):
     if int(r[field]) < 0:
       raise ValueError(f'config.reward.{field}={r[field]} must be >= 0')
-  return placement(r)
+  return placement(r, weights)
 
 
-def placement(r) -> dict[str, str]:
-  """{name: 'host' | 'workers' | 'remote'} of config.reward.weights' names, unchecked (the
-  planner's view; where_each checks the names first)."""
+def placement(r, weights) -> dict[str, str]:
+  """{name: 'host' | 'workers' | 'remote'} of the names of `weights` (config.reward.weights
+  parsed), unchecked (the planner's view; where_each checks the names first)."""
   remote_urls = parse_pairs(r.remote, 'config.reward.remote')
   in_workers = names_in(r.in_workers)
   out = {}
-  for n in registry.parse_weights(r.weights):
+  for n in weights:
     if n in remote_urls:
       out[n] = 'remote'
     elif learned.is_learned(n) or n in in_workers:
@@ -193,11 +193,12 @@ class PendingScores:
 class Rewards:
   """The run's rewards (module docstring): start() the workers, submit() batches, close()."""
 
-  def __init__(self, r):
-    """r: config.reward (checked by where_each; the registry holds the user's callables)."""
+  def __init__(self, r, weights):
+    """r: config.reward, weights: its weights parsed ({name: weight}; both checked by
+    where_each; the registry holds the user's callables)."""
     self.config = r
     registry.register_callables(split_callables(r)[0])  # idempotent (validation did)
-    self.weights = registry.parse_weights(r.weights)
+    self.weights = dict(weights)
     self.names = list(self.weights)
     self.where = where_each(r, self.weights)
     self.failed_mode = r.failed
@@ -289,9 +290,10 @@ class Rewards:
       pool.close()
 
 
-def build(r) -> Rewards:
-  """The run's Rewards from config.reward, its workers started (LoadError -> ValueError)."""
-  rewards = Rewards(r)
+def build(r, weights) -> Rewards:
+  """The run's Rewards from config.reward and its parsed weights ({name: weight}), its workers
+  started (LoadError -> ValueError)."""
+  rewards = Rewards(r, weights)
   try:
     rewards.start()
   except workers.LoadError as e:

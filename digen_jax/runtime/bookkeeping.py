@@ -40,13 +40,14 @@ def _skip_reason(rewards, prompts: list[str] | None) -> str:
   return what + " (the reward's error is in the log of the process that scored them)"
 
 
-def checkpointer(config, workdir: str, multi_process: bool) -> ckpt_lib.Checkpointer:
-  """<workdir>/checkpoints; a multi-process job saves from this (the trainer) process only."""
+def checkpointer(output, workdir: str, multi_process: bool) -> ckpt_lib.Checkpointer:
+  """<workdir>/checkpoints, saved and kept as `output` (the Run's OutputSpec) says; a
+  multi-process job saves from this (the trainer) process only."""
   cls = ckpt_lib.ProcessCheckpointer if multi_process else ckpt_lib.Checkpointer
   return cls(
       os.path.join(workdir, 'checkpoints'),
-      max_to_keep=config.keep_checkpoints,
-      save_every=config.checkpoint_every,
+      max_to_keep=output.keep_checkpoints,
+      save_every=output.checkpoint_every,
   )
 
 
@@ -54,23 +55,22 @@ class Bookkeeping:
   """The trainer's bookkeeping over steps [trainer.start, total_steps)."""
 
   def __init__(self, exp, workdir: str, cluster, tracer: trace_lib.Tracer, trainer):
-    config = exp.config
     self.exp, self.workdir, self.cluster, self.tracer = exp, workdir, cluster, tracer
-    self.level = config.runtime.transfer_guard
+    self.level = exp.runtime.transfer_guard
     self.trainer = trainer
-    self.start, self.total = self.trainer.start, config.total_steps
+    self.start, self.total = self.trainer.start, exp.total_steps
     self.rollout_dtype = publish.rollout_param_dtype(cluster)
     self.publish_mb = publish.publish_megabytes(exp.params, self.rollout_dtype)
     # A run that trains evaluates once more at its end, with the policy after the last step.
-    self.final_eval = config.eval.every > 0 and self.start < self.total
+    self.final_eval = exp.eval.every > 0 and self.start < self.total
     # After the checkpoint restored: a run that stops there (a changed model) keeps the
     # config.json of the run that wrote the checkpoints.
-    report.write_config(config, workdir)
+    report.write_config(exp.output.config_json, workdir)
     # Rows after the restored step (a fallback to an older checkpoint, a lost save) are redone.
     self.writer = metrics_lib.MetricsWriter(workdir, resume_step=self.start)
     self.progress = metrics_lib.Progress(self.start, self.total)
     self.published_at: dict[int, float] = {}  # policy version -> wall clock after its publish
-    self.max_skips = config.runtime.max_consecutive_skips
+    self.max_skips = exp.runtime.max_consecutive_skips
     self.skips: list[str] = []  # why each update of the current run of skips was
     self.ended = (self.start, self.trainer.data_position)  # last step with its row written
     self._at_step_end = False  # an interrupt stopped the run between two steps
@@ -163,7 +163,7 @@ class Bookkeeping:
     # failed save stops the run here, with its step's row the last one, not some steps later.
     self._storage(self.trainer.checkpointer.wait)
     self.writer.write(row)
-    if (step + 1) % self.exp.config.log_every == 0 or step + 1 == self.total:
+    if (step + 1) % self.exp.output.log_every == 0 or step + 1 == self.total:
       self.progress.log(step + 1, row)
     if len(self.skips) >= self.max_skips:
       self.trainer.checkpointer.wait()

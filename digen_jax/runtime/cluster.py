@@ -2,7 +2,8 @@
 
 A `Cluster` holds two `Role`s, trainer and rollout, each with its devices, its mesh and a speed
 label. Colocated runs use one mesh for both roles (`colocated(devices)`); disaggregated runs
-resolve `config.cluster` against the real devices (`resolve(config)`), before anything compiles.
+resolve the run's cluster spec (config.cluster, parsed by experiment/build.py) against the real
+devices (`resolve(spec)`), before anything compiles.
 Every mistake is a ValueError naming the config field and the fix.
 
 Layouts (config.cluster.layout):
@@ -114,20 +115,12 @@ def colocated(devices: Sequence[jax.Device], rollout_param_dtype: str = 'float32
   )
 
 
-def _axis_names(names) -> tuple[str, ...]:
-  """('data',) / ('data,fsdp',) (as a command line gives it) / ('data', 'fsdp') -> names."""
-  if isinstance(names, str):
-    names = (names,)
-  return tuple(n.strip() for s in names for n in str(s).split(',') if n.strip())
-
-
-def _auto_layout(config, devices: list) -> dict[str, list]:
-  cl = config.cluster
+def _auto_layout(spec, devices: list) -> dict[str, list]:
   for role in ROLES:
     for field in ('devices', 'processes'):
-      if tuple(cl[role][field]):
+      if getattr(spec.role(role), field):
         raise ValueError(
-            f'config.cluster.{role}.{field}={tuple(cl[role][field])} is set but '
+            f'config.cluster.{role}.{field}={getattr(spec.role(role), field)} is set but '
             "config.cluster.layout='auto' ignores it; add "
             '--config.cluster.layout=explicit'
         )
@@ -154,14 +147,12 @@ def _auto_layout(config, devices: list) -> dict[str, list]:
   )
 
 
-def _explicit_layout(config, devices: list) -> dict[str, list]:
-  cl = config.cluster
+def _explicit_layout(spec, devices: list) -> dict[str, list]:
   n = len(devices)
   procs = sorted({d.process_index for d in devices})
   chosen = {}
   for role in ROLES:
-    spec = cl[role]
-    ids, pids = tuple(spec.devices), tuple(spec.processes)
+    ids, pids = spec.role(role).devices, spec.role(role).processes
     if ids and pids:
       raise ValueError(
           f'config.cluster.{role}: give devices or processes, not both '
@@ -230,10 +221,10 @@ def _check_processes(chosen: dict[str, list], devices: list) -> None:
     )
 
 
-def _role(config, name: str, devices: list) -> Role:
-  spec = config.cluster[name]
+def _role(spec, name: str, devices: list) -> Role:
+  spec = spec.role(name)
   shape = tuple(int(s) for s in spec.mesh_shape) or (len(devices),)
-  names = _axis_names(spec.axis_names)
+  names = spec.axis_names
   if any(s < 1 for s in shape) or math.prod(shape) != len(devices):
     raise ValueError(
         f'config.cluster.{name}.mesh_shape={tuple(spec.mesh_shape)} holds '
@@ -253,29 +244,30 @@ def _role(config, name: str, devices: list) -> Role:
   )
 
 
-def resolve(config, devices: Sequence[jax.Device] | None = None) -> Cluster:
-  """The cluster of a runtime.mode='disagg' config on `devices` (default: jax.devices(), every
-  process's). Raises ValueError naming the field for overlapping or empty roles, devices or
-  processes that do not exist, bad mesh shapes, and a TSP steps axis the trainer cannot hold."""
+def resolve(spec, devices: Sequence[jax.Device] | None = None) -> Cluster:
+  """The cluster of a runtime.mode='disagg' run on `devices` (default: jax.devices(), every
+  process's) from its cluster spec (experiment/run.py ClusterSpec: config.cluster, the TSP steps
+  axis, the sequence split). Raises ValueError naming the field for overlapping or empty roles,
+  devices or processes that do not exist, bad mesh shapes, and a TSP steps axis the trainer
+  cannot hold."""
   devices = list(jax.devices() if devices is None else devices)
-  cl = config.cluster
-  if cl.layout not in ('auto', 'explicit'):
-    raise ValueError(f"config.cluster.layout={cl.layout!r} is not one of ('auto', 'explicit')")
-  chosen = (_auto_layout if cl.layout == 'auto' else _explicit_layout)(config, devices)
+  if spec.layout not in ('auto', 'explicit'):
+    raise ValueError(f"config.cluster.layout={spec.layout!r} is not one of ('auto', 'explicit')")
+  chosen = (_auto_layout if spec.layout == 'auto' else _explicit_layout)(spec, devices)
   _check_processes(chosen, devices)
-  roles = {r: _role(config, r, chosen[r]) for r in ROLES}
+  roles = {r: _role(spec, r, chosen[r]) for r in ROLES}
   # A batch or fragment that a role's devices do not divide is padded with weight-0 rows
   # (experiment/fragments.py: FragmentPlan.rows, over the lcm of the roles' device counts).
-  if config.schedule.tsp:
-    tsp_grid.check_steps_axis(config.schedule.tsp_steps_axis, roles['trainer'].size)
+  if spec.tsp:
+    tsp_grid.check_steps_axis(spec.tsp_steps_axis, roles['trainer'].size)
   for role in ROLES:
     sequence.check(
-        config.parallel.sequence,
+        spec.sequence,
         roles[role].size,
-        config.model.num_attention_heads,
+        spec.num_attention_heads,
         f"the {role} role's",
     )
-  dtype, sharding = cl.rollout.param_dtype, cl.rollout.param_sharding
+  dtype, sharding = spec.publish.param_dtype, spec.publish.param_sharding
   if dtype not in ('float32', 'bfloat16'):
     raise ValueError(
         f'config.cluster.rollout.param_dtype={dtype!r} is not one of ' "('float32', 'bfloat16')"

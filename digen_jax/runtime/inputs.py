@@ -28,10 +28,9 @@ def encode(exp, prompts: list[str], mesh):
 def uncond(exp, batch: int, mesh):
   """CFG's unconditional branch (config.sampler.negative_prompt) for `batch` samples on `mesh`,
   or None without CFG."""
-  c = exp.config
-  if c.sampler.guidance_scale <= 1.0:
+  if exp.sampler.guidance_scale <= 1.0:
     return None
-  return encode(exp, [c.sampler.negative_prompt] * batch, mesh)
+  return encode(exp, [exp.sampler.negative_prompt] * batch, mesh)
 
 
 def guard(level: str):

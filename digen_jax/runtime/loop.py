@@ -20,7 +20,7 @@ writes step s's metrics row and checkpoint while the rollout starts the next bat
 
 Following `schedule.fragments` from the config to the programs, three files:
   experiment/fragments.py  plan_of reads it into a FragmentPlan (its checks run once, when the
-                           config is validated; experiment/build.py keeps it as Experiment.plan)
+                           config is validated; experiment/build.py keeps it as Run.plan)
   runtime/loop.py          hands exp.plan to both roles' Schedules, the Trainer and the Samplers
   runtime/trainer.py       compiles the update for plan.size samples (one fragment: the fused
   (rollout.py)             program), the Sampler its rollout program for plan.size samples
@@ -55,22 +55,21 @@ from digen_jax.runtime import transfer
 
 
 def train(exp, workdir: str, cluster) -> dict:
-  """Runs config.total_steps optimizer steps of `exp` on `cluster` (runtime/cluster.py) for
+  """Runs exp.total_steps optimizer steps of `exp` on `cluster` (runtime/cluster.py) for
   this process's role(s), resuming from <workdir>/checkpoints. Returns {'params', 'opt_state',
   'step', 'decisions', 'actions'} where this process trains, else {'step'}; actions: {role:
   [what runtime/roles.py took, in order]} of the roles this process ran."""
-  config = exp.config
-  tracer = trace_lib.Tracer(config.schedule.trace)
+  tracer = trace_lib.Tracer(exp.schedule.trace)
   if cluster.multi_process:
     me = distributed.process_info().process_id
     if cluster.role_of(me) == 'rollout':
       return _rollout_process(exp, workdir, cluster, tracer)
-    if not config.schedule.tag and hasattr(exp.reward_fn, 'close'):
+    if not exp.schedule.tag and hasattr(exp.reward_fn, 'close'):
       exp.reward_fn.close()  # the rollout process scores; this one never does (no TAG)
-  checkpointer = book_lib.checkpointer(config, workdir, cluster.multi_process)
+  checkpointer = book_lib.checkpointer(exp.output, workdir, cluster.multi_process)
   try:
     trainer = trainer_lib.Trainer(
-        exp, cluster.trainer.mesh, checkpointer, exp.plan, tag=bool(config.schedule.tag)
+        exp, cluster.trainer.mesh, checkpointer, exp.plan, tag=bool(exp.schedule.tag)
     )
   except BaseException:
     # E.g. a checkpoint that does not fit this run: orbax's threads and event loop shut down
@@ -79,7 +78,7 @@ def train(exp, workdir: str, cluster) -> dict:
     raise
   book = book_lib.Bookkeeping(exp, workdir, cluster, tracer, trainer)
   tag_sampler = None
-  if config.schedule.tag:
+  if exp.schedule.tag:
     tag_sampler = rollout_lib.Sampler(
         exp, cluster.trainer.mesh, trainer.param_shardings, exp.plan, 'trainer', tracer, book.level
     )
@@ -155,7 +154,7 @@ def _rollout_role(exp, workdir, cluster, tracer, link, start, writer=None):
       exp.plan,
       'rollout',
       tracer,
-      exp.config.runtime.transfer_guard,
+      exp.runtime.transfer_guard,
       publish.rollout_param_dtype(cluster),
       frozen_fsdp=frozen_fsdp,
   )
@@ -165,7 +164,6 @@ def _rollout_role(exp, workdir, cluster, tracer, link, start, writer=None):
 
 def _rollout_process(exp, workdir: str, cluster, tracer) -> dict:
   """The rollout process of a two-process run: starts where the trainer's checkpoint does."""
-  config = exp.config
   start_info = json.loads(distributed.kv_get(f'{links.KV}/start', links.PEER_TIMEOUT_S))
   start = int(start_info['step'])
   exp.prompts.restore(int(start_info['data_position']))
@@ -177,11 +175,11 @@ def _rollout_process(exp, workdir: str, cluster, tracer) -> dict:
       weights_abstract=transfer.abstract(
           exp.params, rollout_sh, publish.rollout_param_dtype(cluster)
       ),
-      wait_for_pull=config.schedule.wait_for_pull,
-      shared_claims=config.schedule.tag,
+      wait_for_pull=exp.schedule.wait_for_pull,
+      shared_claims=exp.schedule.tag,
   )
   _rollout_role(exp, workdir, cluster, tracer, link, start).run()
-  return {'step': config.total_steps}
+  return {'step': exp.total_steps}
 
 
 class _Batch:
@@ -236,7 +234,7 @@ class TrainerLoop:
         start=book.start,
         total_steps=book.total,
         tag=tag_sampler is not None,
-        tcss_fraction=exp.config.schedule.tcss_fraction,
+        tcss_fraction=exp.schedule.tcss_fraction,
         final_policy=book.final_eval,
         trainer_speed=cluster.trainer.speed,
         rollout_speed=cluster.rollout.speed,
@@ -259,7 +257,7 @@ class TrainerLoop:
     if self.book.final_eval:  # policy total_steps was published after the last step
       self.book.write_rows(self.link.get('final_evals'))
       self.link.weights_delivered()
-    out = self.book.finish(_title(self.book.exp.config), decisions=self.book.tracer.decisions)
+    out = self.book.finish(_title(self.book.exp), decisions=self.book.tracer.decisions)
     return {**out, 'actions': {sched_lib.TRAINER: self.actions}}
 
   def batch(self, step: int) -> _Batch:
@@ -289,7 +287,7 @@ class TrainerLoop:
   def after_publish(self, v: int) -> None:
     """After publishing policy `v`: writes the previous step's row (the rollout starts the
     next batch meanwhile) and prepares the trainer for batch `v`."""
-    if self.applied is not None and self.book.exp.config.schedule.tcss_fraction == 0:
+    if self.applied is not None and self.book.exp.schedule.tcss_fraction == 0:
       # The rollout's first fragment waits for this pull, and the trainer has nothing to do
       # before that fragment arrives: let the pull run alone rather than beside the
       # bookkeeping below (on a shared host the two compete).
@@ -403,7 +401,7 @@ class TrainerLoop:
     with inputs.guard(self.book.level):
       with tracer.span(tr.devices, 'trainer', 'apply', step=b.step, version=b.step + 1):
         m = jax.device_get(tr.apply(b.state))
-      epochs = 1 if tr.fused else self.book.exp.config.rl.inner_epochs  # fused: all inside
+      epochs = 1 if tr.fused else self.book.exp.rl.inner_epochs  # fused: all inside
       for _ in range(1, epochs):
         state = tr.begin(b.step)
         with tracer.span(tr.devices, 'trainer', 'grad', step=b.step, version=b.step + 1):
@@ -435,7 +433,7 @@ class TrainerLoop:
         **reward_metrics(frags, plan.batch),
         **book_lib.reward_part_metrics(_reward_names(book.exp, b.parts), b.parts),
     )
-    if book.exp.config.schedule.tcss_fraction > 0:
+    if book.exp.schedule.tcss_fraction > 0:
       lags = b.step - versions
       extra['staleness_mix'] = {str(k): float(np.mean(lags == k)) for k in range(2)}
     book.end_step(
@@ -481,9 +479,9 @@ def reward_metrics(frags: list, samples: int) -> dict:
   }
 
 
-def _title(config) -> str:
-  s = config.schedule
-  parts = [config.runtime.mode, f'M={s.fragments} ({s.fragment_unit})']
+def _title(exp) -> str:
+  s = exp.schedule
+  parts = [exp.runtime.mode, f'M={s.fragments} ({s.fragment_unit})']
   parts += [n for n, on in (('TSP', s.tsp), ('TAG/BTS', s.tag)) if on]
   if s.tcss_fraction > 0:
     parts.append(f'TCSS phi={s.tcss_fraction}')

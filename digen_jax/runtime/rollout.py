@@ -87,7 +87,7 @@ class Sampler:
         )
         .compile()
     )
-    self._base_key = jax.device_put(jax.random.key(exp.config.seed), rep)
+    self._base_key = jax.device_put(jax.random.key(exp.seed), rep)
     self._uncond = inputs.uncond(exp, plan.rows, mesh)
     self.devices = list(mesh.devices.flat)
 
@@ -143,7 +143,7 @@ class Evals:
 
   def __init__(self, exp, mesh, workdir: str, *, frozen_fsdp: bool = False):
     self.exp, self.workdir = exp, workdir
-    self.every = exp.config.eval.every
+    self.every = exp.eval.every
     self.evaluator = None
     if self.every > 0:
       prompts = evaluation.eval_prompts(exp, workdir)
@@ -162,7 +162,7 @@ class Evals:
     return (version == 0 and start == 0) or (version > start and version % self.every == 0)
 
   def __call__(self, policy) -> dict:
-    result = self.evaluator(policy.params, seed=self.exp.config.eval.seed)
+    result = self.evaluator(policy.params, seed=self.exp.eval.seed)
     grid = eval_report.write_report(result, os.path.join(self.workdir, 'eval'), policy.version)
     logging.info('eval at step %d: %s (%s)', policy.version, result['metrics'], grid)
     return {'step': policy.version, **result['metrics']}
@@ -187,13 +187,12 @@ class RolloutRole:
     """writer: a metrics writer that also takes the sample grids (TensorBoard), or None."""
     self.exp, self.workdir, self.link, self.sampler, self.evals = exp, workdir, link, sampler, evals
     self.writer = writer
-    c = exp.config
-    self.plan, self.start, self.total = sampler.plan, start, c.total_steps
+    self.plan, self.start, self.total = sampler.plan, start, exp.total_steps
     self.sm = sched_lib.Schedule(
         self.plan,
         start=start,
         total_steps=self.total,
-        tcss_fraction=c.schedule.tcss_fraction,
+        tcss_fraction=exp.schedule.tcss_fraction,
         final_policy=evals.enabled and start < self.total,
     )
     self.policy, self.eval_info, self.eval_s = None, None, 0.0
@@ -283,7 +282,7 @@ class RolloutRole:
   def _send(self, frag: Fragment) -> None:
     step, f = frag.step, frag.index
     self.link.send_fragment(frag, self.sampler.tracer.take_new())
-    every = self.exp.config.sample_grid_every
+    every = self.exp.output.sample_grid_every
     if every and (step + 1) % every == 0:
       self._grid.setdefault(step, []).append(dataclasses.replace(frag, traj=None))
     logging.info(

@@ -22,11 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from digen_jax import programs
-from digen_jax.models import family as family_lib
 from digen_jax.models import lora as lora_lib
 from digen_jax.outputs import checkpoint as ckpt_lib
 from digen_jax.parallel import mesh as mesh_lib
-from digen_jax.rewards import registry as reward_registry
 from digen_jax.rl import advantages as adv_lib
 from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import inputs
@@ -46,9 +44,8 @@ class Trainer:
       tsp: bool | None = None,
   ):
     """tag: the frozen weights include the decoder (the trainer samples too); tsp: the
-    fragment gradient's TSP form (default config.schedule.tsp)."""
+    fragment gradient's TSP form (default exp.schedule.tsp)."""
     self.exp, self.mesh, self.checkpointer, self.plan = exp, mesh, checkpointer, plan
-    c = exp.config
     inputs.check_rows(plan, mesh, 'trainer')
     self.devices = list(mesh.devices.flat)
     layout = mesh_lib.fsdp_layout(exp.params, mesh)
@@ -64,26 +61,26 @@ class Trainer:
     # adapters off, with no second copy).
     self.ref_params = (
         jax.tree.map(jnp.copy, self.params)
-        if c.rl.kl_beta > 0 and exp.weights.lora is None
+        if exp.rl.kl_beta > 0 and exp.weights.lora is None
         else None
     )
-    self._restore(jax.random.key(c.seed))
+    self._restore(jax.random.key(exp.seed))
     self._rep = mesh_lib.replicated(mesh)
     self.traj_shardings = programs.trajectory_shardings(mesh)
     self._uncond = inputs.uncond(exp, plan.rows, mesh)
-    self._build_programs(tsp=bool(c.schedule.tsp if tsp is None else tsp))
+    self._build_programs(tsp=bool(exp.schedule.tsp if tsp is None else tsp))
     self._advs: dict[tuple[int, int], Any] = {}
     # A failed reward (NaN) is masked out of its group, or skips the update (config.reward.failed);
     # several rewards combine as config.reward.combine says (rl/advantages.reward_advantages).
     adv_kw = dict(
-        group_size=c.rl.group_size,
-        std_mode=c.rl.adv_std,
-        eps=c.rl.adv_eps,
-        clip=c.rl.adv_clip,
-        mask_failed=c.reward.failed == 'mask',
+        group_size=exp.rl.group_size,
+        std_mode=exp.rl.adv_std,
+        eps=exp.rl.adv_eps,
+        clip=exp.rl.adv_clip,
+        mask_failed=exp.reward.failed == 'mask',
     )
-    self.combine = c.reward.combine
-    reward_w = list(reward_registry.parse_weights(c.reward.weights).values())
+    self.combine = exp.reward.combine
+    reward_w = [w for _, w in exp.reward.weights]
     self._adv_fn = lambda r: (
         adv_lib.grpo_advantages(r, **adv_kw)
         if r.ndim == 1
@@ -132,7 +129,7 @@ class Trainer:
     self._zero = programs.make_zero_acc(ps, mesh)
     self._gather_base = None
     frozen = self.frozen
-    if exp.config.schedule.frozen_once_per_step and exp.weights.lora is not None:
+    if exp.schedule.frozen_once_per_step and exp.weights.lora is not None:
       # The fragment gradient reads the LoRA base replicated; begin() gathers it once per
       # optimizer step (one all-gather per step instead of one per fragment, a whole base per
       # device held until apply).
@@ -291,7 +288,7 @@ class Trainer:
           folder,
           jax.device_get(self.params),
           self.exp.weights.lora,
-          family_lib.of(self.exp.config).key_table(self.exp.model_config),
+          self.exp.family.key_table(self.exp.model_config),
       )
 
   def close(self):

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import transfer as jax_transfer
 from jax.sharding import Sharding, SingleDeviceSharding
 
-from digen_jax.experiment import config as configlib
+from digen_jax.experiment import validation
 from digen_jax.runtime import distributed
 
 _KV_PREFIX = 'digen/xfer'
@@ -119,7 +119,7 @@ _host = DEFAULT_HOST  # config.cluster.transfer_host (set_host)
 def set_host(host: str) -> None:
   """The interface this process's transfer server binds (before it starts: the first Channel)."""
   global _host
-  _host = configlib.check_transfer_host(host)
+  _host = validation.check_transfer_host(host)
 
 
 def _transfer_host() -> str:

@@ -2,169 +2,29 @@
 
 Shared by benchmarks/memory.py and digen_jax/sim/costs.py: both lower the real rollout and update
 programs (digen_jax/programs.py) ahead of time on fake devices, so nothing here reads a weight or
-allocates one. `abstract_experiment` builds the Experiment as experiment.build does, with every
-weight a ShapeDtypeStruct (the MMDiT under nnx.eval_shape, LoRA adapters under jax.eval_shape of
-lora.init_adapters, the VAE via the family's abstract_vae) and no text encoder, prompts or reward
-(the compiled programs do not take them).
+allocates one. The Run comes from experiment.build(config, abstract=True): every weight a
+ShapeDtypeStruct and no text encoder, prompts or reward (the compiled programs do not take
+them).
 """
 
 from __future__ import annotations
 
-import json
-import os
-
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.experiment import build as experiment
 from digen_jax import programs
-from digen_jax.experiment import fragments
-from digen_jax.experiment import tiny_pipeline
-from digen_jax.experiment import weights as weights_lib
-from digen_jax.diffusion import sde as sde_lib
-from digen_jax.models import family as family_lib
-from digen_jax.models import flux_vae
-from digen_jax.models import lora as lora_lib
-from digen_jax.models import vae as vae_lib
+from digen_jax.experiment import abstract_weights
+from digen_jax.experiment import build as experiment
 from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.parallel import mesh as mesh_lib
 
 
-def vae_config(config, spec: str):
-  """(VAE config, description), or (None, 'none ...') in pixel space. The VAE is the config's
-  family's (models/family.py: Qwen-Image's or FLUX's AutoencoderKL). `spec`: 'auto' reads
-  vae/config.json from config.model.checkpoint when it is a pipeline folder (configuration only),
-  else the real VAE when config.latent.channels matches it and the toy VAE of
-  digen_jax/experiment/tiny_pipeline.py otherwise; 'real'; 'tiny'; or a vae/config.json or pipeline folder.
-  """
-  if config.latent.space != 'vae':
-    return None, 'none (pixel space: identity decoder)'
-  z = int(config.latent.channels)
-  family = family_lib.of(config)
-  lib = family.vae
-
-  def from_file(path):
-    if os.path.isdir(path):
-      path = (
-          os.path.join(path, 'vae', 'config.json')
-          if os.path.isdir(os.path.join(path, 'vae'))
-          else os.path.join(path, 'config.json')
-      )
-    with open(path) as f:
-      return lib.config_from_diffusers(json.load(f)), f'config of {path}'
-
-  def real():
-    if family.name == 'flux':
-      return flux_vae.FluxVAEConfig(), 'real FLUX.1 VAE (FluxVAEConfig defaults)'
-    if family.name == 'wan':  # Wan2.1's AutoencoderKLWan: the causal VAE's defaults
-      return vae_lib.VAEConfig(), 'real Wan2.1 VAE (VAEConfig defaults)'
-    return vae_lib.VAEConfig(), 'real Qwen-Image VAE (VAEConfig defaults)'
-
-  def tiny():
-    if family.name == 'flux':
-      kw = dict(tiny_pipeline.FLUX_VAE, latent_channels=z)
-      return flux_vae.config_from_diffusers(kw), f'tiny (tiny_pipeline.FLUX_VAE, {z} channels)'
-    if family.name == 'wan':
-      kw = dict(tiny_pipeline.WAN_VAE)
-      if kw['z_dim'] != z:
-        kw.update(z_dim=z, latents_mean=[0.0] * z, latents_std=[1.0] * z)
-      return vae_lib.VAEConfig(**kw), f'tiny (tiny_pipeline.WAN_VAE, z_dim {z})'
-    kw = dict(tiny_pipeline.VAE)
-    if kw['z_dim'] != z:
-      kw.update(z_dim=z, latents_mean=[0.0] * z, latents_std=[1.0] * z)
-    return vae_lib.VAEConfig(**kw), f'tiny (digen_jax/experiment/tiny_pipeline.py VAE, z_dim {z})'
-
-  if spec == 'real':
-    cfg, what = real()
-  elif spec == 'tiny':
-    cfg, what = tiny()
-  elif spec == 'auto':
-    ckpt = config.model.checkpoint
-    if ckpt and os.path.isfile(os.path.join(ckpt, 'vae', 'config.json')):
-      cfg, what = from_file(ckpt)
-    elif z == real()[0].latent_channels:
-      cfg, what = real()
-    else:
-      cfg, what = tiny()
-  else:
-    cfg, what = from_file(spec)
-  if cfg.latent_channels != z:
-    raise ValueError(
-        f'vae={spec!r}: the VAE has {cfg.latent_channels} latent channels but '
-        f'config.latent.channels={z}'
-    )
-  return cfg, what
-
-
-def abstract_experiment(config, vae: str = 'auto'):
-  """(Experiment, description): the run's parts as experiment.build makes them, with every
-  weight a ShapeDtypeStruct (nothing read, nothing allocated) and no text encoder, prompts or
-  reward (the compiled programs do not take them)."""
-
-  lat = config.latent
-  p = config.model.patch_size
-  img_shape = (lat.frames, lat.height // p, lat.width // p)
-  num_tokens = int(np.prod(img_shape))
-  mcfg = experiment.model_config_from(config)
-  family = family_lib.of(config)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: family.new(mcfg, 0)))
-  params = weights_lib.abstract_of(state)
-  lo = config.model.lora
-  lora_cfg, base_abstract = None, None
-  if lo.rank > 0:
-    lora_cfg = lora_lib.LoraConfig(
-        rank=int(lo.rank), alpha=float(lo.alpha or lo.rank), targets=lo.targets
-    )
-    base_abstract = params
-    paths = lora_lib.target_paths(base_abstract, family.key_table(mcfg), lora_cfg)
-    params = jax.eval_shape(
-        lambda key: lora_lib.init_adapters(base_abstract, paths, lora_cfg, key),
-        jax.random.key(config.seed + 1),
-    )
-  vcfg, vae_what = vae_config(config, vae)
-  vae = None
-  if vcfg is not None:
-    vgraph, vstate = family.vae.abstract_vae(vcfg, jnp.float32)
-    vae = weights_lib.VAESource(
-        vcfg, family.vae, vgraph, weights_lib.abstract_of(vstate), folder=''
-    )
-  frozen_dtype = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}[config.model.frozen_dtype]
-  weights = weights_lib.Weights(
-      graphdef=graphdef,
-      params=params,
-      frozen_dtype=frozen_dtype,
-      lora=lora_cfg,
-      base_abstract=base_abstract,
-      vae=vae,
-      latent_hw=(lat.height, lat.width),
-      frames=int(lat.frames),
-      video=family.name == 'wan',
-      patch=p,
-      vae_batch_chunk=int(lat.vae_batch_chunk),
-      vae_tile=int(lat.vae_tile),
-  )
-  exp = experiment.Experiment(
-      config=config,
-      model_config=mcfg,
-      weights=weights,
-      text_encoder=None,
-      prompts=None,
-      reward_fn=None,
-      sigmas=experiment.build_schedule(config, num_tokens),
-      sde_cfg=sde_lib.SDEConfig(
-          kind=config.sampler.sde,
-          noise_level=config.sampler.noise_level,
-          logprob_reduce=config.sampler.logprob_reduce,
-      ),
-      selection=experiment.selection_of(config),
-      optimizer=experiment.build_optimizer(config),
-      img_shape=img_shape,
-      latent_shape=(num_tokens, config.model.in_channels),
-      plan=fragments.plan_of(config),
-  )
-  return exp, vae_what
+def abstract_run(config, vae: str = 'auto'):
+  """(Run, description of its VAE): experiment.build(config, abstract=True, vae=vae), the VAE's
+  configuration chosen as abstract_weights.vae_config describes."""
+  run = experiment.build(config, abstract=True, vae=vae)
+  return run, abstract_weights.vae_config(config, vae)[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +60,7 @@ def per_device_bytes(tree) -> int:
 
 
 def abstract_cond(exp, batch: int, mesh):
-  """The conditioning dict (Experiment.cond_abstract), batch-sharded on `mesh`."""
+  """The conditioning dict (Run.cond_abstract), batch-sharded on `mesh`."""
   return exp.cond_abstract(batch, lambda nd: mesh_lib.batch_sharding(mesh, nd))
 
 
@@ -232,8 +92,7 @@ def _key(mesh):
 
 def rollout_param_dtype(exp):
   """The rollout copy's dtype as the runtime publishes it (LoRA: float32 adapters)."""
-  c = exp.config
-  if exp.weights.lora is None and c.cluster.rollout.param_dtype == 'bfloat16':
+  if exp.weights.lora is None and exp.publish.param_dtype == 'bfloat16':
     return jnp.bfloat16
   return jnp.float32
 
@@ -347,7 +206,7 @@ class _RunPrograms:
 
   def _grad(self, tsp: bool):
     exp = self.exp
-    frozen = self._frozen(bool(exp.config.schedule.tag))
+    frozen = self._frozen(bool(exp.schedule.tag))
     program = programs.make_fragment_grad(
         exp, self.mesh, self.fsdp_sh, self.traj_sh, tsp=tsp, frozen=frozen, samples=self.samples
     )

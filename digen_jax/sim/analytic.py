@@ -226,7 +226,7 @@ def run_model_of(config, name: str) -> rm.RunModel:
   data gradients and the adapted kernels' weight gradients) and remat recompute, as
   program_costs.analytic_flops counts the compiled programs; the weights' bytes as the programs
   hold them. Nothing is compiled; the VAE decode is left out."""
-  exp, _ = abstract.abstract_experiment(config)
+  exp, _ = abstract.abstract_run(config)
   rows = program_costs.cfg_branches(exp)
   fwd = program_costs.forward_flops(exp, rows)
   attn = program_costs.attention_flops(exp, rows)

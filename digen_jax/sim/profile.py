@@ -119,6 +119,7 @@ def profile_child(
   `fragment_grads` (see the flag) and TAG's trainer-side rollout. `workdir` takes the
   checkpoints."""
   import jax  # pylint: disable=g-import-not-at-top
+  from digen_jax.experiment import run as run_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.process import compile_cache  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.runtime import distributed  # pylint: disable=g-import-not-at-top
@@ -131,7 +132,7 @@ def profile_child(
   if layout == 'colocated':
     cluster = cluster_lib.colocated(jax.local_devices())
   else:
-    cluster = cluster_lib.resolve(config)
+    cluster = cluster_lib.resolve(run_lib.cluster_spec(config))
   exp = entry.build_experiment(config, workdir, max(cluster.rollout.size, cluster.trainer.size))
   prof = _Profile(exp, cluster, workdir, repeats, info.num_processes > 1, info.process_id)
   plan = exp.plan
@@ -175,7 +176,7 @@ class _Profile:
     self.tracer = trace_lib.Tracer(False)
     self.checkpointer = None  # the trainer's (the ProcessCheckpointer lives in process 0)
     if self.is_trainer:
-      self.checkpointer = bookkeeping.checkpointer(exp.config, workdir, multi)
+      self.checkpointer = bookkeeping.checkpointer(exp.output, workdir, multi)
     self.rollout_sh = publish.rollout_param_shardings(cluster, exp.params)
     self.dtype = publish.rollout_param_dtype(cluster)
     self.frozen_fsdp = publish.rollout_frozen_fsdp(cluster)
@@ -360,7 +361,7 @@ class _Profile:
     """The checkpoint each step ends with (config.checkpoint_every): what the save call
     blocks, then the asynchronous rest (serialization, compression, commit, digest) on this
     core, which in a run competes with the next step's programs."""
-    every, blocks, rests = self.exp.config.checkpoint_every, [], []
+    every, blocks, rests = self.exp.output.checkpoint_every, [], []
     for k in range(1, self.repeats + 2):
       t0 = time.perf_counter()
       trainer.save(k * every, 0)

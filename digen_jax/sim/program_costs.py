@@ -155,9 +155,9 @@ def unrolled_loops():
     jax.lax.scan, loops.scan = original_public, original_internal
 
 
-def layer_kinds(config) -> tuple[str, ...]:
-  """config.model fields that count the model's stacked blocks (FLUX has two kinds)."""
-  return ('num_layers', 'num_single_layers') if config.model.family == 'flux' else ('num_layers',)
+def layer_kinds(family: str) -> tuple[str, ...]:
+  """config.model fields that count the `family`'s stacked blocks (FLUX has two kinds)."""
+  return ('num_layers', 'num_single_layers') if family == 'flux' else ('num_layers',)
 
 
 def variant_config(config, *, steps: int, layers: dict[str, int]):
@@ -202,7 +202,7 @@ def build_grad(exp, mesh, batch: int, samples=None):
   """lower() of the GAP fragment gradient (forward + backward over the K trained steps) as the
   trainer compiles it: FSDP float32 params and accumulator, TSP when config.schedule.tsp;
   `samples` real samples of its `batch` rows (None: all)."""
-  name = 'grad_tsp' if exp.config.schedule.tsp else 'grad'
+  name = 'grad_tsp' if exp.schedule.tsp else 'grad'
   return _lower(name, exp, mesh, batch, samples=samples)
 
 
@@ -218,15 +218,15 @@ def build_apply(exp, mesh, batch: int):
 def attention_flops(exp, batch: int) -> float:
   """The attention matmuls (QK^T and PV, all heads) of one forward on `batch` samples: the part
   of family.flops_per_forward whose backward is two matmuls even when the weights are frozen."""
-  m = exp.config.model
-  s = exp.latent_shape[0] + exp.config.text.max_length
+  m = exp.model
+  s = exp.latent_shape[0] + m.text_max_length
   blocks = m.num_layers + (m.num_single_layers if m.family == 'flux' else 0)
   return 2.0 * batch * blocks * 2 * s * s * exp.model_config.inner_dim
 
 
 def forward_flops(exp, batch: int) -> float:
   return exp.family.flops_per_forward(
-      exp.model_config, batch, exp.latent_shape[0], exp.config.text.max_length
+      exp.model_config, batch, exp.latent_shape[0], exp.model.text_max_length
   )
 
 
@@ -248,7 +248,7 @@ def lora_weight_grad_flops(exp, rows: int) -> float:
   (text for add_* / to_add_out, all of them in FLUX's single-stream blocks, else image)."""
   if exp.weights.lora is None:
     return 0.0
-  n_img, n_txt = exp.latent_shape[0], exp.config.text.max_length
+  n_img, n_txt = exp.latent_shape[0], exp.model.text_max_length
   total = 0.0
   for path, entry in exp.params.items():
     a, b = entry['a'], entry['b']  # [..., in, r], [..., r, out]
@@ -269,7 +269,7 @@ def cfg_branches(exp) -> int:
 def trained_steps(exp, mesh) -> int:
   """Steps a fragment's forward/backward runs: K, or K padded to the mesh under TSP."""
   k, k_pad = programs.tsp_steps(exp, mesh)
-  return k_pad if exp.config.schedule.tsp else k
+  return k_pad if exp.schedule.tsp else k
 
 
 def analytic_flops(name: str, exp, mesh, batch: int) -> float:
@@ -345,7 +345,7 @@ BUILDERS = {'rollout': build_rollout, 'grad': build_grad, 'apply': build_apply}
 
 
 def _build(name, config, mesh, batch, layout, vae, samples=None):
-  exp, _ = abstract.abstract_experiment(config, vae)
+  exp, _ = abstract.abstract_run(config, vae)
   if name == 'rollout':
     return exp, build_rollout(exp, mesh, batch, layout)
   if name == 'grad':
@@ -362,7 +362,7 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str, sampl
   """Counts every loop iteration by extrapolating loop-free variants (module docstring).
   Returns (cost vector [flops, bytes accessed, transcendentals] at the real trip counts, the FLOP
   coefficients a, b, c_k, d_k, compile seconds of the variants)."""
-  kinds = layer_kinds(config)
+  kinds = layer_kinds(config.model.family)
   base = {k: 1 for k in kinds}
   if name == 'rollout':
     ts, steps_of = (2, 3), (lambda t: t)  # T sampler steps
@@ -389,7 +389,7 @@ def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str, sampl
   slope = (cost[t2, None] - cost[t1, None]) / (t2 - t1)
   b = slope - sum(c.values())
   a = cost[t1, None] - t1 * slope - sum(d.values())
-  exp, _ = abstract.abstract_experiment(config, vae)
+  exp, _ = abstract.abstract_run(config, vae)
   t_real = outer_trip(name, exp, mesh)
   real_layers = {k: int(config.model[k]) for k in kinds}
   total = (
@@ -417,8 +417,7 @@ def count_unrolled(name: str, config, mesh, batch: int, layout: str, vae: str, s
 
 
 def trip_counts(name: str, exp, mesh) -> dict[str, int]:
-  m = exp.config.model
-  out = {k: int(m[k]) for k in layer_kinds(exp.config)}
+  out = {k: int(getattr(exp.model, k)) for k in layer_kinds(exp.model.family)}
   if name == 'apply':
     return {}
   out['steps'] = outer_trip(name, exp, mesh)
@@ -548,7 +547,7 @@ def run_costs(
   mesh = mesh_lib.make_mesh(jax.devices()[:devices])
   whole, fragment = default_batches(config, devices)
   batches = {'rollout': rollout_batch or whole, 'grad': fragment_batch or fragment, 'apply': 0}
-  exp, vae_what = abstract.abstract_experiment(config, vae)
+  exp, vae_what = abstract.abstract_run(config, vae)
   lora = exp.weights.lora is not None
   compute = exp.compute_dtype
   layout = rollout_layout or config.cluster.rollout.param_sharding

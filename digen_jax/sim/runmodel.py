@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from digen_jax.experiment import run as run_lib
 from digen_jax.parallel import tsp_grid
 from digen_jax.rewards import scoring as reward_scoring
 from digen_jax.sim import hardware
@@ -533,7 +534,7 @@ def reward_terms(config) -> dict:
   # Learned rewards and reward.in_workers run in reward.workers processes; on accelerators
   # (worker_devices 'cuda:...') those are devices of their own, of cost_accelerator's kind; a
   # remote scorer (reward.remote) is the user's devices, reward.workers requests at a time.
-  where = set(reward_scoring.placement(r).values())
+  where = set(reward_scoring.placement(r, run_lib.reward_weights(r)).values())
   on_devices = any(d.strip() != 'cpu' for d in (r.worker_devices or 'cpu').split(','))
   elsewhere = 'remote' in where or ('workers' in where and on_devices)
   return {

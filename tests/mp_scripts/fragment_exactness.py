@@ -19,7 +19,6 @@ runtime pads a fragment (experiment/fragments.py).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -114,7 +113,7 @@ def _reference(exp, traj, cond, adv, valid, key, step):
         valid,
         indices,
         sde_cfg=exp.sde_cfg,
-        clip_range=exp.config.rl.clip_range,
+        clip_range=exp.rl.clip_range,
         step_loop='scan',
         denominator=1.0,
     )
@@ -168,10 +167,10 @@ def run_case(case: dict, devices) -> dict:
   # Built (and validated) for one device; the forced steps axis is checked against n by
   # tsp.layout, as the runtime's cluster check does before it.
   exp = experiment.build(_config(K, B, 0), case.get('workdir', '/tmp/fragment_exactness'), 1)
-  exp = dataclasses.replace(exp, config=_config(K, B, t))
+  exp = experiment.respec(exp, _config(K, B, t))
   mesh1 = mesh_lib.make_mesh(jax.devices()[:1])
   init = _leaves(exp.params)
-  prompts = [p for p in exp.prompts.next_batch() for _ in range(exp.config.rl.group_size)]
+  prompts = [p for p in exp.prompts.next_batch() for _ in range(exp.rl.group_size)]
   cond = exp.conditioning(prompts)
   key, step = jax.random.key(11), np.int32(0)
   traj, _ = programs.make_rollout(exp, mesh1)(exp.params, cond, cond, key, step)
