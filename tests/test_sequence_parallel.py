@@ -8,7 +8,6 @@ equals it without. The 14B's
 memory with and without the split is tests/test_sequence_memory.py's (slow)."""
 
 import copy
-import dataclasses
 
 import jax
 import jax.numpy as jnp
