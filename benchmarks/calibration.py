@@ -1,10 +1,10 @@
-"""The colocated baseline (sim/baseline.py) against veRL-Omni's published Qwen-Image OCR runs
+"""The colocated baseline (perf/baseline.py) against veRL-Omni's published Qwen-Image OCR runs
 (configs/verl_omni_ocr.py): predicted images/GPU/s with every term, then each term switched off
 alone and all of them off; and what the 64-GPU run's unexplained time would take.
 
     python benchmarks/calibration.py [--md=OUT.md] [--json=OUT.json]
 
-Nothing here is fitted: the efficiencies are sim/hardware.py's measurements, the reward cost and
+Nothing here is fitted: the efficiencies are perf/hardware.py's measurements, the reward cost and
 the recipe's settings are configs/verl_omni_ocr.py's, with their sources. The last column solves
 for the one figure the 64xH100 run does not publish, its inter-node bandwidth per GPU, that
 would make the model's step as long as the published one (a diagnosis, not a calibration).
@@ -23,11 +23,11 @@ sys.path.insert(0, REPO)
 
 # pylint: disable=wrong-import-position
 from configs import verl_omni_ocr
-from digen_jax.sim import analytic
-from digen_jax.sim import baseline
-from digen_jax.sim import hardware
-from digen_jax.sim import roles
-from digen_jax.sim import runmodel as rm
+from digen_jax.perf import analytic
+from digen_jax.perf import baseline
+from digen_jax.perf import hardware
+from digen_jax.perf import roles
+from digen_jax.perf import runmodel as rm
 
 # pylint: enable=wrong-import-position
 

@@ -141,11 +141,11 @@ def make_torch_model(size: BenchSize, seed: int = 0):
 
 
 def ours_from_torch(tmodel, **config_overrides):
-  """Our MMDiT with the diffusers model's weights (digen_jax.models.convert)."""
+  """Our MMDiT with the diffusers model's weights (digen_jax.models.io.convert)."""
   import jax.numpy as jnp
   from flax import nnx
-  from digen_jax.models.convert import config_from_diffusers, load_diffusers_state
-  from digen_jax.models.mmdit import MMDiT
+  from digen_jax.models.io.convert import config_from_diffusers, load_diffusers_state
+  from digen_jax.models.transformers.mmdit import MMDiT
 
   cfg = config_from_diffusers(dict(tmodel.config), **config_overrides)
   model = nnx.eval_shape(lambda: MMDiT(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32))
@@ -414,7 +414,7 @@ def measure_peak_rss(step: Callable[[], Any]) -> dict[str, float]:
 
 def run_child(script: str, args: list[str], timeout: int = 1800) -> dict:
   """Run `python script args...` and parse the last stdout line as JSON (memory probes)."""
-  from digen_jax.sim import devices  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import devices  # pylint: disable=g-import-not-at-top
 
   env = dict(os.environ)
   # No fake multi-device CPU in a single-device benchmark; the caller's other XLA flags stay.

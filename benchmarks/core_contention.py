@@ -2,7 +2,7 @@
 
   python benchmarks/core_contention.py [--seconds=20] [--json OUT.json]
 
-The simulator (sim/engine.py) times each program alone, on its pinned core, and assumes a program
+The simulator (perf/engine.py) times each program alone, on its pinned core, and assumes a program
 runs as fast when the other role's core is busy. Where that is false (shared L3, memory bandwidth,
 a hypervisor's sibling threads) the pipelined rungs, which keep both cores busy, are predicted too
 fast: the balanced scenario's +15-20 % on TSP/TAG/TCSS (benchmarks/RESULTS.md). This measures it

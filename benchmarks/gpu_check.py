@@ -20,7 +20,7 @@ memory is its own programs', and JAX and PyTorch never share a device's memory):
   programs      the project's own programs at real size for configs/qwenimage.py (LoRA, as
                 users train): the rollout (sampler scan with CFG + VAE decode, a rollout batch)
                 and one fragment's update (gradient + optimizer step, a fragment batch), built
-                exactly as the runtime builds them (digen_jax/sim/abstract.run_programs).
+                exactly as the runtime builds them (digen_jax/perf/abstract.run_programs).
 
 Targets (benchmark figures, not pass/fail): forward >= 1.25x diffusers, forward + backward
 >= 2x torch, our gradient program's peak <= 1.1x torch's at the same batch and checkpointing,
@@ -388,7 +388,7 @@ def project_programs(size: str, reps: int) -> dict:
   optimizer step) of configs/qwenimage.py as the runtime builds them, on one device."""
   import jax  # pylint: disable=g-import-not-at-top
   from digen_jax.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import abstract  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import abstract  # pylint: disable=g-import-not-at-top
 
   config = family_config('qwenimage', size)
   if size == 'tiny':

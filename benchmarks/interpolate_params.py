@@ -21,7 +21,7 @@ sys.path.insert(0, REPO)
 
 import jax  # noqa: E402
 
-from digen_jax.models import params_io  # noqa: E402
+from digen_jax.models.io import params_io  # noqa: E402
 
 
 def interpolate(a: str, b: str, alpha: float, out: str) -> str:

@@ -56,7 +56,7 @@ if REPO not in sys.path:
   sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from digen_jax.sim import devices as devices_lib  # pylint: disable=g-import-not-at-top  (no jax)
+from digen_jax.perf import devices as devices_lib  # pylint: disable=g-import-not-at-top  (no jax)
 
 if __name__ == '__main__':
   devices_lib.force_host_devices(sys.argv[1:])  # before anything imports jax
@@ -73,12 +73,12 @@ import common
 from digen_jax import programs
 from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.parallel import mesh as mesh_lib
-from digen_jax.sim import abstract as abstract_lib
-from digen_jax.sim.abstract import abstract_cond
-from digen_jax.sim.abstract import frozen_tree
-from digen_jax.sim.abstract import laid_out
-from digen_jax.sim.abstract import per_device_bytes
-from digen_jax.sim.abstract import whole_bytes
+from digen_jax.perf import abstract as abstract_lib
+from digen_jax.perf.abstract import abstract_cond
+from digen_jax.perf.abstract import frozen_tree
+from digen_jax.perf.abstract import laid_out
+from digen_jax.perf.abstract import per_device_bytes
+from digen_jax.perf.abstract import whole_bytes
 
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -191,7 +191,7 @@ def run_config():
 
 def abstract_run(config):
   """(Run, description) with every weight a ShapeDtypeStruct and --vae's VAE
-  (digen_jax/sim/abstract.py)."""
+  (digen_jax/perf/abstract.py)."""
   try:
     return abstract_lib.abstract_run(config, VAE.value)
   except ValueError as e:

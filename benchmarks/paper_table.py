@@ -6,19 +6,19 @@ calibrated colocated baseline and over naive disaggregation, for four model fami
         --png=benchmarks/sim_scaling.png
 
 Families: Qwen-Image-20B and FLUX.1-dev-12B from configs/qwenimage.py and configs/flux.py with
-their XLA costs from the cache (digen_jax/sim/costs_data/; full fine-tuning where cached, else the
+their XLA costs from the cache (digen_jax/perf/costs_data/; full fine-tuning where cached, else the
 config's LoRA); Wan2.1-T2V-14B from configs/wan21.py (LoRA rank 32) with its XLA costs too:
 XLA:CPU's memory analysis puts the fragment gradient of one 32,760-token video at 1,259 GB a
 device unsplit, so the planner tries the sequence splits (config.parallel.sequence) whose
 compiled programs the cache holds, smallest first, and plans at the first under which a mode
-fits (each plan's 'sequence'). HunyuanVideo-13B from its published sizes (sim/analytic.py, no
+fits (each plan's 'sequence'). HunyuanVideo-13B from its published sizes (perf/analytic.py, no
 model code here). Batches scale with the cluster (weak scaling): the configs' batch at 16 GPUs
 (images: 8 prompts x 16; videos: 4 prompts x 8), twice the prompts at 32, and so on. Every mode
-is the planner's (digen_jax/sim/search.py): the best split and fragment count it finds,
-simulated by sim/engine.py, at the calibrated efficiencies of sim/hardware.py. Splits whose
+is the planner's (digen_jax/perf/search.py): the best split and fragment count it finds,
+simulated by perf/engine.py, at the calibrated efficiencies of perf/hardware.py. Splits whose
 device counts do not divide a fragment are costed as the runtime pads them.
 
-The baseline is sim/baseline.py's colocated system (config.baseline: veRL-Omni's recipe, its
+The baseline is perf/baseline.py's colocated system (config.baseline: veRL-Omni's recipe, its
 engine's calibrated efficiencies, reward, behaviour pass, offload, engine sleep, layer-by-layer
 sync), priced with every term on and with every term off (then it runs our own calibrated
 programs, nothing else: our own colocated mode without its FSDP layout); on a mixed cluster also
@@ -42,14 +42,14 @@ sys.path.insert(0, REPO)
 from configs import flux as flux_config
 from configs import qwenimage
 from configs import wan21
-from digen_jax.sim import analytic
-from digen_jax.sim import baseline
-from digen_jax.sim import cache
-from digen_jax.sim import cached_run
-from digen_jax.sim import hardware
-from digen_jax.sim import planner as planning
-from digen_jax.sim import runmodel as rm
-from digen_jax.sim import search
+from digen_jax.perf import analytic
+from digen_jax.perf import baseline
+from digen_jax.perf import cache
+from digen_jax.perf import cached_run
+from digen_jax.perf import hardware
+from digen_jax.perf import planner as planning
+from digen_jax.perf import runmodel as rm
+from digen_jax.perf import search
 
 # pylint: enable=wrong-import-position
 

@@ -148,7 +148,7 @@ def check_parity(size: C.BenchSize, b: dict) -> dict:
 
 def run(size: C.BenchSize, repeats: int, warmup: int = 1, compile_report: bool = True) -> dict:
   import jax
-  from digen_jax.models.mmdit import flops_per_forward
+  from digen_jax.models.transformers.mmdit import flops_per_forward
 
   b = build(size)
   result = {"size": size.name, "machine": C.machine_info(), "repeats": repeats}

@@ -36,7 +36,7 @@ from digen_jax.experiment import config as configlib  # noqa: E402
 from digen_jax.outputs import visualize  # noqa: E402
 from digen_jax.tasks.shapes import pretrain  # noqa: E402
 from digen_jax.tasks.shapes import render  # noqa: E402
-from digen_jax.models import params_io  # noqa: E402
+from digen_jax.models.io import params_io  # noqa: E402
 from digen_jax.tasks.shapes import checker as shapes_checker  # noqa: E402
 
 COLORS = ('red', 'blue')

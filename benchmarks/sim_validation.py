@@ -1,6 +1,6 @@
 """The simulator against measured runs: per scenario, profile this machine's
-programs (python -m digen_jax.sim.profile), run the real ladder (benchmarks/ladder.py), predict
-the same rungs with the simulator (python -m digen_jax.sim) and compare samples/s and
+programs (python -m digen_jax.perf.profile), run the real ladder (benchmarks/ladder.py), predict
+the same rungs with the simulator (python -m digen_jax.perf) and compare samples/s and
 utilization line by line. Nothing is fitted to the ladder's figures: the simulator sees only
 the profile.
 
@@ -27,7 +27,7 @@ Output: OUT/<scenario>/{profile_before.json, profile_after.json, profile.json (t
 ladder.json, sim.json} and OUT/validation.json with every line, the mean absolute and largest
 relative error of samples/s per scenario and overall.
 Each rung whose roles do not share cores is also simulated at its measured spans (the programs'
-mean times in the run's trace instead of the profile's, python -m digen_jax.sim --measured):
+mean times in the run's trace instead of the profile's, python -m digen_jax.perf --measured):
 what is left of the error then is the schedule's and the host work's, not the programs' times.
 """
 
@@ -45,7 +45,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from digen_jax.sim import predict  # noqa: E402
+from digen_jax.perf import predict  # noqa: E402
 
 CONFIG = 'configs/shapes.py:pixel,disagg'
 
@@ -139,7 +139,7 @@ def layouts_of(s: Scenario) -> list[str]:
 
 
 def fragment_grads_of(s: Scenario) -> list[str]:
-  """The fragment gradients the scenario's rungs train with (sim/profile.py --fragment_grads):
+  """The fragment gradients the scenario's rungs train with (perf/profile.py --fragment_grads):
   plain for gap, TSP's for the rungs above it; TSP's alone when no rung trains fragments (the
   flag takes at least one)."""
   levels = {predict.RUNGS.index(r) for r in s.rungs}
@@ -217,7 +217,7 @@ def _profile_command(s: Scenario, d: str, python: str, when: str) -> list[str]:
   return [
       python,
       '-m',
-      'digen_jax.sim.profile',
+      'digen_jax.perf.profile',
       f'--config={CONFIG}',
       *s.sets,
       # The runs' step count: the learning-rate schedule is part of the update and apply
@@ -232,7 +232,7 @@ def _profile_command(s: Scenario, d: str, python: str, when: str) -> list[str]:
 
 
 def mean_profile(before: dict, after: dict) -> dict:
-  """One profile (sim/profile.py's JSON) from two of the same programs: each key's mean
+  """One profile (perf/profile.py's JSON) from two of the same programs: each key's mean
   seconds; `after`'s machine as machine_after."""
   if before['layouts'].keys() != after['layouts'].keys():
     raise ValueError(
@@ -264,7 +264,7 @@ def _predict(s: Scenario, d: str, python: str, t_profile: float, t_ladder: float
       [
           python,
           '-m',
-          'digen_jax.sim',
+          'digen_jax.perf',
           f'--profile={d}/profile.json',
           f'--json={d}/sim.json',
           '--steps',

@@ -40,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
-from digen_jax.sim import devices as devices_lib  # pylint: disable=g-import-not-at-top  (no jax)
+from digen_jax.perf import devices as devices_lib  # pylint: disable=g-import-not-at-top  (no jax)
 
 if __name__ == '__main__':
   devices_lib.force_host_devices(sys.argv[1:])  # before anything imports jax

@@ -38,7 +38,7 @@ from digen_jax.experiment import pipeline_recipes
 
 VARIANTS = ('1.3b', '720p', 'full', 'disagg', 'tiny', 'tiny_pipeline')
 
-# LoRA on both attentions of every block (models/wan_convert.py ATTENTION_TARGETS): what
+# LoRA on both attentions of every block (models/io/wan_convert.py ATTENTION_TARGETS): what
 # Flow-GRPO's scripts/train_wan2_1.py adapts (to_q, to_k, to_v, to_out.0 of attn1 and attn2).
 ATTENTION_TARGETS = r'attn[12]\.(to_q|to_k|to_v|to_out\.0)$'
 

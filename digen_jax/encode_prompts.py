@@ -27,7 +27,7 @@ classifier-free guidance finds them. --prompts defaults to config.data.prompts: 
 prompt per line) or a tfds prompt dataset ('shapes', 'prompt_file/<name>'), whose --split
 defaults to config.data.split and config.eval.split. --out defaults to config.text.cache.
 
-The cache format is models/text_cache.py's. An existing cache made by the same encoder (same
+The cache format is models/text/text_cache.py's. An existing cache made by the same encoder (same
 files, same compute dtype, for FLUX the same max_sequence_length) gets only the prompts it lacks;
 a different encoder is an error. One shard is written at a time and the index replaced
 atomically after each, so an interrupted run keeps every completed shard and the next run carries
@@ -45,7 +45,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from digen_jax.models import text_cache
+from digen_jax.models.text import text_cache
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 

@@ -63,8 +63,8 @@ def trained_transformer(workdir: str):
   import jax  # pylint: disable=g-import-not-at-top
   from digen_jax.experiment import build as experiment  # pylint: disable=g-import-not-at-top
   from digen_jax.experiment import weights as weights_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.models import loading  # pylint: disable=g-import-not-at-top
-  from digen_jax.models import lora as lora_lib  # pylint: disable=g-import-not-at-top
+  from digen_jax.models.io import loading  # pylint: disable=g-import-not-at-top
+  from digen_jax.models.lora import adapters as lora_lib  # pylint: disable=g-import-not-at-top
   from digen_jax.outputs import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
 
@@ -107,9 +107,9 @@ def trained_transformer(workdir: str):
 def export(workdir: str, out: str, max_shard_bytes: int) -> dict:
   """Writes the diffusers folder `out` (module docstring); returns what was written."""
   from digen_jax.experiment import weights as weights_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.models import diffusers_export  # pylint: disable=g-import-not-at-top
+  from digen_jax.models.io import diffusers_export  # pylint: disable=g-import-not-at-top
   from digen_jax.models import family as family_lib  # pylint: disable=g-import-not-at-top
-  from digen_jax.models import streaming  # pylint: disable=g-import-not-at-top
+  from digen_jax.models.io import streaming  # pylint: disable=g-import-not-at-top
 
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
     raise ValueError(f'--out={out} exists and is not an empty folder; give a new one')

@@ -61,7 +61,7 @@ def prepare_tiny_pipeline(config, workdir: str):
   config.text.cache, each in a child process (torch never runs in the training process)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   from digen_jax.data import prompts as prompt_data  # pylint: disable=g-import-not-at-top
-  from digen_jax.models import text_cache  # pylint: disable=g-import-not-at-top
+  from digen_jax.models.text import text_cache  # pylint: disable=g-import-not-at-top
 
   def child(args):
     logging.info('tiny_pipeline: %s', ' '.join(args))

@@ -5,10 +5,10 @@ utilization of every mode, the best rollout/trainer split, a simulated timeline.
     python -m digen_jax.plan --config=configs/flux.py:full --cluster=16xH100 \
         [--config.k=v ...] [--trainer=8xH100] [--roofline=bytes] [--recompute]
 
-Costs come from the real compiled programs (sim/costs.py via the cache of sim/cache.py:
-digen_jax/sim/costs_data/ holds the real Qwen-Image-20B and FLUX.1 configs'; a config without an entry
-is compiled once, in a child process, and stored). sim/runmodel.py scales them to each role's
-devices and accelerator, sim/search.py runs every mode through the simulator (sim/engine.py:
+Costs come from the real compiled programs (perf/costs.py via the cache of perf/cache.py:
+digen_jax/perf/costs_data/ holds the real Qwen-Image-20B and FLUX.1 configs'; a config without an entry
+is compiled once, in a child process, and stored). perf/runmodel.py scales them to each role's
+devices and accelerator, perf/search.py runs every mode through the simulator (perf/engine.py:
 the runtime's own schedule on a virtual clock) over the splits of the cluster, and this file
 validates the input, prints the figures and writes DIR/plan.json, DIR/timeline.png (the best
 mode's simulated spans, drawn like a real run's), DIR/trace.json and DIR/timelines/<mode>.png.
@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file[:variant].')
 _CLUSTER = flags.DEFINE_string(
-    'cluster', None, "Devices, e.g. '16xH100' or '8xH100+8xH20' " '(kinds: sim/hardware.py).'
+    'cluster', None, "Devices, e.g. '16xH100' or '8xH100+8xH20' " '(kinds: perf/hardware.py).'
 )
 _OUT = flags.DEFINE_string('out', None, 'Directory for plan.json, timeline.png, trace.json.')
 _TRAINER = flags.DEFINE_string(
@@ -58,7 +58,7 @@ _MFU = flags.DEFINE_float(
     'mfu',
     0.0,
     'One achieved fraction of peak bf16 FLOP/s for every program; 0: the calibrated fractions '
-    '(sampling and training measured apart, per accelerator: sim/hardware.py).',
+    '(sampling and training measured apart, per accelerator: perf/hardware.py).',
 )
 _HBM = flags.DEFINE_float('hbm_efficiency', 0.8, 'Achieved fraction of HBM bandwidth.')
 _LINK = flags.DEFINE_float('link_efficiency', 0.8, 'Achieved fraction of link bandwidth.')
@@ -89,7 +89,7 @@ _TIMELINES = flags.DEFINE_enum(
 _TERMS = flags.DEFINE_string(
     'colocated_terms',
     'all',
-    "The baseline's terms (sim/baseline.py): all, none, or a subset of engine,reward,"
+    "The baseline's terms (perf/baseline.py): all, none, or a subset of engine,reward,"
     'behaviour_pass,offload,engine_sleep,layered_sync.',
 )
 _COSTS = flags.DEFINE_enum(
@@ -97,7 +97,7 @@ _COSTS = flags.DEFINE_enum(
     'xla',
     ['xla', 'analytic'],
     "'xla': the compiled programs' costs (the cache, else compiled once); 'analytic': the "
-    "family's FLOPs and the weights' bytes, nothing compiled (sim/analytic.py).",
+    "family's FLOPs and the weights' bytes, nothing compiled (perf/analytic.py).",
 )
 _OVERLAP = flags.DEFINE_bool(
     'overlap',
@@ -112,7 +112,7 @@ _TRAINED_STEPS = flags.DEFINE_list(
     'of K steps: Flow-GRPO-Fast, veRL-Omni); each is planned, the best of each summarised.',
 )
 _ACCELERATORS = flags.DEFINE_string(
-    'accelerators', None, 'JSON file of more accelerator kinds ' '(sim/hardware.load_json).'
+    'accelerators', None, 'JSON file of more accelerator kinds ' '(perf/hardware.load_json).'
 )
 
 
@@ -130,10 +130,10 @@ def _overrides(argv) -> list[str]:
 
 def main(argv):
   del argv
-  from digen_jax.sim import baseline  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import plan_report  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import splits  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import baseline  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import plan_report  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import planner as planning  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import splits  # pylint: disable=g-import-not-at-top
   import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
 
   t0 = time.time()

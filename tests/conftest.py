@@ -36,8 +36,8 @@ if "DIGEN_COMPILATION_CACHE" not in os.environ:  # a cold cache per session, nev
 # The session's runs skip reward.png and timeline.png (about a second each: matplotlib); the
 # tests that check the figures ask for them with the `plots` fixture.
 os.environ.setdefault("DIGEN_PLOTS", "0")
-# A planner test whose costs are not in digen_jax/sim/costs_data/ fails at once instead of compiling the
-# real programs for minutes (and writing into the repository): sim/cache.compute.
+# A planner test whose costs are not in digen_jax/perf/costs_data/ fails at once instead of compiling the
+# real programs for minutes (and writing into the repository): perf/cache.compute.
 os.environ.setdefault("DIGEN_COSTS_CACHE_ONLY", "1")
 
 if "DIGEN_DATA_DIR" not in os.environ:  # prompt datasets: one folder for the session's runs

@@ -26,7 +26,7 @@ ENTRY_POINTS = {'main', 'eval', 'plan', 'encode_prompts', 'export'}
 # never names them. The performance toolkit (simulator, planner, costs and their committed
 # cache) sits on the core too, and needs no task.
 TASKS = {'tasks'}
-PERF = {'sim'}
+PERF = {'perf'}
 # Folder -> the folders its modules may import (besides its own). Within the core the arrows go
 # one way (test_the_core_folders_go_one_way): model code knows nothing of RL or meshes' owners;
 # RL math nothing of meshes; programs nothing of the builder; process plumbing nothing of the

@@ -1,4 +1,4 @@
-"""models/attention.py: the one attention function of every family.
+"""models/attention/kernels.py: the one attention function of every family.
 
 The portable path is the one the diffusers parity tests run (tests/test_mmdit_parity.py,
 test_flux_parity.py, test_vae.py); here it is checked against a float64 softmax, the fused path's
@@ -18,8 +18,8 @@ import pytest
 from configs import qwenimage
 from digen_jax.experiment import config as configlib
 from digen_jax.experiment import build as experiment
-from digen_jax.models import attention as attention_lib
-from digen_jax.models import mmdit
+from digen_jax.models.attention import kernels as attention_lib
+from digen_jax.models.transformers import mmdit
 
 # bf16 tolerance of cuDNN fused vs portable (both bf16 operands, float32 softmax statistics):
 # outputs are convex combinations of bf16 values (|v| <= ~4 here), so they agree to a few bf16

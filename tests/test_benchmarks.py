@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from digen_jax.models import mmdit
-from digen_jax.models import rope
+from digen_jax.models.transformers import mmdit
+from digen_jax.models.transformers import rope
 from tests.helpers.paths import REPO
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))

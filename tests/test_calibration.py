@@ -1,12 +1,12 @@
-"""Calibrated efficiencies (sim/hardware.py) and the colocated baseline's calibration against
+"""Calibrated efficiencies (perf/hardware.py) and the colocated baseline's calibration against
 veRL-Omni's published runs."""
 
 import pytest
 
 from configs import qwenimage
 from digen_jax.models import family
-from digen_jax.sim import hardware
-from digen_jax.sim import runmodel as rm
+from digen_jax.perf import hardware
+from digen_jax.perf import runmodel as rm
 
 
 def test_the_calibration_flops_are_the_real_qwen_image_forward():
@@ -46,9 +46,9 @@ def test_knobs_use_sampling_and_training_fractions_apart():
 # The colocated baseline against veRL-Omni's published Qwen-Image OCR runs.
 
 from configs import verl_omni_ocr  # noqa: E402
-from digen_jax.sim import analytic  # noqa: E402
-from digen_jax.sim import baseline  # noqa: E402
-from digen_jax.sim import roles  # noqa: E402
+from digen_jax.perf import analytic  # noqa: E402
+from digen_jax.perf import baseline  # noqa: E402
+from digen_jax.perf import roles  # noqa: E402
 
 
 def _predicted(variant, terms=frozenset(baseline.TERMS)):
@@ -63,7 +63,7 @@ def _predicted(variant, terms=frozenset(baseline.TERMS)):
 @pytest.mark.parametrize('variant', ['lora', 'full'])
 def test_the_colocated_model_predicts_verl_omni_within_20_percent(variant):
   """4xH800 LoRA (0.305 images/GPU/s) and 4xH200 full (0.510), every term from a cited
-  measurement (configs/verl_omni_ocr.py, sim/hardware.py); nothing fitted to these figures."""
+  measurement (configs/verl_omni_ocr.py, perf/hardware.py); nothing fitted to these figures."""
   predicted, published, sec = _predicted(variant)
   print(f'{variant}: predicted {predicted:.3f} vs {published} images/GPU/s; {sec}')
   assert abs(predicted / published - 1) <= 0.20
@@ -90,9 +90,9 @@ def test_each_term_costs_time_and_switches_off():
 
 def test_analytic_costs_agree_with_the_compiled_programs():
   """The analytic run model of configs/qwenimage.py:full against XLA's counts of its compiled
-  programs (digen_jax/sim/costs_data/), at their matmul share: within 6 %."""
+  programs (digen_jax/perf/costs_data/), at their matmul share: within 6 %."""
   from configs import qwenimage  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import planner as planning  # pylint: disable=g-import-not-at-top
 
   c = qwenimage.get_config('full')
   ana = analytic.run_model_of(c, 'qwen')
@@ -107,8 +107,8 @@ def test_analytic_costs_agree_with_the_compiled_programs():
 
 
 def test_the_plan_prices_the_baseline_and_ranks_modes_against_it():
-  from digen_jax.sim import plan_report  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import plan_report  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import planner as planning  # pylint: disable=g-import-not-at-top
 
   c = verl_omni_ocr.get_config('lora')
   settings = planning.Settings(costs='analytic')

@@ -24,7 +24,7 @@ from digen_jax.tasks.shapes import pretrain
 from digen_jax import programs
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.parallel import mesh as mesh_lib
-from digen_jax.sim import abstract
+from digen_jax.perf import abstract
 from tests.helpers.paths import REPO
 
 CONFIG_NAMES = sorted(

@@ -1,4 +1,4 @@
-"""digen_jax.models.convert: diffusers folders (single file, sharded, pipeline layout, bf16) and clear errors."""
+"""digen_jax.models.io.convert: diffusers folders (single file, sharded, pipeline layout, bf16) and clear errors."""
 
 import copy
 import json
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from digen_jax.models.convert import load_diffusers_folder, load_diffusers_state
-from digen_jax.models.mmdit import MMDiT, MMDiTConfig
+from digen_jax.models.io.convert import load_diffusers_folder, load_diffusers_state
+from digen_jax.models.transformers.mmdit import MMDiT, MMDiTConfig
 from tests import diffusers_models
 
 import torch  # noqa: E402  (a missing test dependency must fail, not skip)

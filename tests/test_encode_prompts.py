@@ -1,4 +1,4 @@
-"""encode_prompts + models/text_cache.py against diffusers' QwenImagePipeline.encode_prompt.
+"""encode_prompts + models/text/text_cache.py against diffusers' QwenImagePipeline.encode_prompt.
 
 A toy Qwen-Image pipeline folder (digen_jax/experiment/tiny_pipeline.py, saved with diffusers'
 save_pretrained) is built once; the real CLI encodes a prompt file into a cache in a subprocess;
@@ -20,8 +20,8 @@ from diffusers import QwenImagePipeline
 from digen_jax.experiment import config as configlib
 from digen_jax import encode_prompts
 from digen_jax.experiment import tiny_pipeline
-from digen_jax.models import text_cache
-from digen_jax.models.text import TextEncoder
+from digen_jax.models.text import text_cache
+from digen_jax.models.text.encoders import TextEncoder
 from tests.helpers.paths import REPO
 
 PROMPTS = [
@@ -288,7 +288,7 @@ def test_gather_prompts_file_and_tfds(setup, tmp_path):
 def test_text_cache_reads_without_torch(setup):
   code = (
       'import sys\n'
-      'from digen_jax.models import text_cache\n'
+      'from digen_jax.models.text import text_cache\n'
       f'c = text_cache.EmbeddingCache({setup["cache"]!r}, max_length=32)\n'
       'e, m = c.encode(["cat", ""])\n'
       f'text_cache.encoder_fingerprint({setup["folder"]!r})\n'

@@ -1,4 +1,4 @@
-"""Parity of digen_jax.models.flux.Flux with diffusers' FluxTransformer2DModel (tiny, CPU, float32)."""
+"""Parity of digen_jax.models.transformers.flux.Flux with diffusers' FluxTransformer2DModel (tiny, CPU, float32)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from digen_jax.models import flux
-from digen_jax.models.flux import FluxConfig
-from digen_jax.models.flux_convert import config_from_diffusers, flux_key_table, load_flux_from_diffusers
+from digen_jax.models.transformers import flux
+from digen_jax.models.transformers.flux import FluxConfig
+from digen_jax.models.io.flux_convert import config_from_diffusers, flux_key_table, load_flux_from_diffusers
 from tests import diffusers_models
 from tests.helpers.parity import dot_flops, flux_pipeline_image_ids
 

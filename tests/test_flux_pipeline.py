@@ -24,9 +24,9 @@ from safetensors.numpy import load_file
 from configs import flux as flux_config
 from digen_jax.experiment import config as configlib
 from digen_jax.experiment import build as experiment
-from digen_jax.models import flux
-from digen_jax.models import flux_convert
-from digen_jax.models import lora
+from digen_jax.models.transformers import flux
+from digen_jax.models.io import flux_convert
+from digen_jax.models.lora import adapters as lora
 from tests import diffusers_models
 from tests.helpers import pipelines
 from tests.helpers.paths import REPO

@@ -1,4 +1,4 @@
-"""encode_prompts + models/text_cache.py against diffusers' FluxPipeline.encode_prompt.
+"""encode_prompts + models/text/text_cache.py against diffusers' FluxPipeline.encode_prompt.
 
 A toy FLUX.1 pipeline folder (digen_jax.experiment.tiny_pipeline.build_flux: FluxPipeline.save_pretrained of
 random tiny CLIPTextModel and T5EncoderModel, a byte-level BPE CLIPTokenizer and a Unigram T5
@@ -18,8 +18,8 @@ import torch
 from diffusers import FluxPipeline
 
 from digen_jax import encode_prompts
-from digen_jax.models import text_cache
-from digen_jax.models.text import PooledTextEncoder, TextEncoder
+from digen_jax.models.text import text_cache
+from digen_jax.models.text.encoders import PooledTextEncoder, TextEncoder
 from digen_jax.experiment import tiny_pipeline
 from tests.helpers.paths import REPO
 

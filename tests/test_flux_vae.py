@@ -1,4 +1,4 @@
-"""FLUX.1 VAE (digen_jax.models.flux_vae) against diffusers' AutoencoderKL on tiny random models
+"""FLUX.1 VAE (digen_jax.models.vae.flux_vae) against diffusers' AutoencoderKL on tiny random models
 saved with save_pretrained: decode, encode, FluxPipeline's packed decode and its encode scaling,
 tiled and sliced decode, quant convs and the attention-free mid block, the config reader, the key
 table and the loader's error messages, bf16 params."""
@@ -16,10 +16,10 @@ import pytest
 from safetensors.numpy import save_file
 import torch
 
-from digen_jax.models import flux_vae
+from digen_jax.models.vae import flux_vae
 from digen_jax.models import latents as latents_lib
-from digen_jax.models import tensor_source
-from digen_jax.models import vae as vae_lib
+from digen_jax.models.io import tensor_source
+from digen_jax.models.vae import qwen_vae as vae_lib
 from tests import diffusers_models
 
 # FLUX.1-dev's (and -schnell's) vae/config.json as published.

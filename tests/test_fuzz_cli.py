@@ -535,7 +535,7 @@ CASES = [
     # the simulator's profiler
     (
         'profile_fragment_grads',
-        'digen_jax.sim.profile',
+        'digen_jax.perf.profile',
         [TINY, '--out={w}/profile.json', '--fragment_grads=tsp,fast'],
         ['--fragment_grads=tsp,fast', 'plain,tsp'],
     ),

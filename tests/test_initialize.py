@@ -1,4 +1,4 @@
-"""models/initialize.py: a module's random params drawn by one jitted program equal the eager
+"""models/io/initialize.py: a module's random params drawn by one jitted program equal the eager
 construction's bit for bit (shipped bases and every seed-pinned result depend on it)."""
 
 import jax
@@ -10,7 +10,7 @@ from configs import flux as flux_config
 from configs import qwenimage
 from digen_jax.experiment import build as experiment
 from digen_jax.models import family
-from digen_jax.models import initialize
+from digen_jax.models.io import initialize
 from digen_jax.tasks.shapes import autoencoder as shapes_ae
 
 

@@ -12,7 +12,7 @@ from tests.helpers.paths import REPO
 sys.path.insert(0, REPO)
 
 from benchmarks import interpolate_params  # noqa: E402
-from digen_jax.models import params_io  # noqa: E402
+from digen_jax.models.io import params_io  # noqa: E402
 
 LATENT_BASE = os.path.join(REPO, 'assets', 'shapes_latent_base')
 PIXEL_BASE = os.path.join(REPO, 'assets', 'shapes_base')

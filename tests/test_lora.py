@@ -1,4 +1,4 @@
-"""digen_jax.models.lora on a tiny random diffusers QwenImage transformer.
+"""digen_jax.models.lora.adapters on a tiny random diffusers QwenImage transformer.
 
 B = 0 leaves the model bit for bit; targets pick whole stacks by diffusers module names;
 gradients reach every adapter; files round-trip exactly and load in diffusers' own LoRA loader
@@ -26,11 +26,11 @@ import diffusers
 import peft
 import torch
 
-from digen_jax.models import convert
-from digen_jax.models import lora
+from digen_jax.models.io import convert
+from digen_jax.models.lora import adapters as lora
 from tests import diffusers_models
 from tests.helpers.paths import REPO
-from digen_jax.models.mmdit import MMDiT, MMDiTConfig
+from digen_jax.models.transformers.mmdit import MMDiT, MMDiTConfig
 
 TINY = dict(
     patch_size=2,
@@ -147,7 +147,7 @@ def bits(x):
 
 def test_module_does_not_import_torch():
   # The training process imports lora.py and must stay torch-free.
-  code = 'import sys, digen_jax.models.lora; assert "torch" not in sys.modules, "torch imported"'
+  code = 'import sys, digen_jax.models.lora.adapters; assert "torch" not in sys.modules, "torch imported"'
   subprocess.run(
       [sys.executable, '-c', code],
       check=True,

@@ -1,4 +1,4 @@
-"""Parity of digen_jax.models.mmdit.MMDiT with diffusers' QwenImageTransformer2DModel (tiny, CPU, float32)."""
+"""Parity of digen_jax.models.transformers.mmdit.MMDiT with diffusers' QwenImageTransformer2DModel (tiny, CPU, float32)."""
 
 import math
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from digen_jax.models.convert import config_from_diffusers, load_diffusers_state
-from digen_jax.models.mmdit import MMDiT, MMDiTConfig, count_params, flops_per_forward, rope_positions
+from digen_jax.models.io.convert import config_from_diffusers, load_diffusers_state
+from digen_jax.models.transformers.mmdit import MMDiT, MMDiTConfig, count_params, flops_per_forward, rope_positions
 from tests.helpers.parity import dot_flops, subjaxprs
 
 import torch  # noqa: E402  (a missing test dependency must fail, not skip)

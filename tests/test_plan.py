@@ -1,6 +1,6 @@
 """python -m digen_jax.plan: the CLI on a toy config and on a cached real one, bad input as one
 line, the split search, heterogeneous role assignment, and the prediction's response to costs.
-Nothing here compiles a real-size program: the costs come from digen_jax/sim/costs_data/."""
+Nothing here compiles a real-size program: the costs come from digen_jax/perf/costs_data/."""
 
 import dataclasses
 import json
@@ -11,15 +11,15 @@ import sys
 import pytest
 
 from configs import qwenimage
-from digen_jax.sim import analytic
-from digen_jax.sim import cache
-from digen_jax.sim import cached_run
+from digen_jax.perf import analytic
+from digen_jax.perf import cache
+from digen_jax.perf import cached_run
 from digen_jax.parallel import tsp_grid
-from digen_jax.sim import hardware
-from digen_jax.sim import planner as planning
-from digen_jax.sim import roles
-from digen_jax.sim import runmodel as rm
-from digen_jax.sim import search
+from digen_jax.perf import hardware
+from digen_jax.perf import planner as planning
+from digen_jax.perf import roles
+from digen_jax.perf import runmodel as rm
+from digen_jax.perf import search
 from tests import xla_env
 from tests.helpers.paths import REPO
 
@@ -41,7 +41,7 @@ def qwen():
   """Qwen-Image-20B LoRA from the committed costs cache (XLA's figures of the real programs)."""
   config = qwenimage.get_config('')
   entries = cache.matching('configs/qwenimage.py', cache.config_digest(config), 'lora', 64)
-  assert entries, 'digen_jax/sim/costs_data/ has no Qwen-Image LoRA entry'
+  assert entries, 'digen_jax/perf/costs_data/ has no Qwen-Image LoRA entry'
   return cached_run.from_cache('configs/qwenimage.py', config, entries)
 
 
@@ -433,10 +433,10 @@ def test_committed_costs_match_the_configs_they_were_computed_for():
   make every plan recompile the 20B programs: each committed entry must match its config."""
   import importlib.util
 
-  from digen_jax.sim import cache as cache_lib
+  from digen_jax.perf import cache as cache_lib
 
   entries = cache_lib.entries()
-  assert entries, 'digen_jax/sim/costs_data/ holds no cached costs'
+  assert entries, 'digen_jax/perf/costs_data/ holds no cached costs'
   for e in entries:
     if e.key.overrides:
       continue

@@ -13,9 +13,9 @@ from configs import shapes_pretrain
 from digen_jax.experiment import build as experiment
 from digen_jax.tasks.shapes import pretrain
 from digen_jax.models import latents as latents_lib
-from digen_jax.models import mmdit
-from digen_jax.models import params_io
-from digen_jax.models import text as text_lib
+from digen_jax.models.transformers import mmdit
+from digen_jax.models.io import params_io
+from digen_jax.models.text import encoders as text_lib
 from tests.helpers.paths import REPO
 
 SHIPPED = os.path.join(REPO, shapes_pretrain.SHAPES_BASE_CHECKPOINT)
@@ -518,7 +518,7 @@ def tiny_ae(tmp_path_factory):
 
 def test_autoencoder_folder_round_trips_and_serves_as_a_vae(tiny_ae):
   from digen_jax.tasks.shapes import autoencoder as shapes_ae
-  from digen_jax.models import vae as vae_lib
+  from digen_jax.models.vae import qwen_vae as vae_lib
 
   folder, summary = tiny_ae
   assert summary['strict_ground_truth'] == 1.0 and np.isfinite(summary['recon_mse'])
@@ -723,7 +723,7 @@ def test_rl_rollout_decodes_with_the_autoencoder(tiny_ae, tmp_path):
   )
   assert images.shape == (2, 32, 32, 3) and float(jnp.abs(images).max()) <= 1.0
   ae = params_io.load_model(folder)
-  from digen_jax.models import vae as vae_lib
+  from digen_jax.models.vae import qwen_vae as vae_lib
 
   want = vae_lib.decode_packed(ae, traj.latents[-1], (8, 8), 1)
   np.testing.assert_allclose(np.asarray(images), np.asarray(want), atol=1e-5)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from digen_jax.data import prompts as prompt_data
-from digen_jax.models import text as text_lib
+from digen_jax.models.text import encoders as text_lib
 from digen_jax.rewards import eval_metrics
 from digen_jax.rewards import registry
 from digen_jax.tasks.shapes import grammar
@@ -28,10 +28,10 @@ def test_the_core_alone_loads_no_task_and_registers_none_of_theirs():
       'import digen_jax.experiment.build, digen_jax.experiment.evaluation\n'
       'import digen_jax.runtime.loop\n'
       'from digen_jax.data import prompts\n'
-      'from digen_jax.models import text\n'
+      'from digen_jax.models.text import encoders as text\n'
       'from digen_jax.rewards import eval_metrics, registry\n'
       'print(json.dumps({"loaded": sorted(m for m in sys.modules if m.startswith(\n'
-      '    ("digen_jax.tasks", "digen_jax.sim"))), "rewards": registry.registered_names(),\n'
+      '    ("digen_jax.tasks", "digen_jax.perf"))), "rewards": registry.registered_names(),\n'
       '    "prompt_sets": prompts.registered_prompt_sets(),\n'
       '    "vocabularies": text.registered_vocabularies(),\n'
       '    "eval_metrics": eval_metrics.registered_names()}))\n'

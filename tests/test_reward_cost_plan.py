@@ -10,12 +10,12 @@ import dataclasses
 import pytest
 
 from configs import qwenimage
-from digen_jax.sim import analytic
-from digen_jax.sim import hardware
-from digen_jax.sim import planner as planning
-from digen_jax.sim import roles
-from digen_jax.sim import runmodel as rm
-from digen_jax.sim import search
+from digen_jax.perf import analytic
+from digen_jax.perf import hardware
+from digen_jax.perf import planner as planning
+from digen_jax.perf import roles
+from digen_jax.perf import runmodel as rm
+from digen_jax.perf import search
 
 COST = 0.2  # device-seconds per sample on an H100: a large learned reward model
 

@@ -4,7 +4,7 @@ on CPU devices and through the simulator, takes the same actions per role in the
 Each mode runs STEPS optimizer steps of the tiny config through runtime/loop.train in one
 process (colocated on devices 0-1; disaggregated: trainer 0-1, rollout 2-3 in a thread), which
 returns what each role's handlers took: the Schedule's actions, and ClaimLost where a role named
-a fragment the other had claimed first. sim/engine.py then runs the same plan and modes on its
+a fragment the other had claimed first. perf/engine.py then runs the same plan and modes on its
 virtual clock, its programs costed at the run's own measured spans (trace.json), and logs what
 the same handlers took there.
 
@@ -43,7 +43,7 @@ from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import loop
 from digen_jax.runtime import roles
 from digen_jax.runtime import schedule as sched
-from digen_jax.sim import engine
+from digen_jax.perf import engine
 
 STEPS = 2
 GAP = {'schedule.fragments': 4, 'schedule.fragment_unit': 'sample'}

@@ -1,5 +1,5 @@
 """The schedule state machine (runtime/schedule.py) driven by the simulator's virtual clock
-(sim/engine.py, through runtime/roles.py's handlers) and synthetic costs: no devices, no
+(perf/engine.py, through runtime/roles.py's handlers) and synthetic costs: no devices, no
 threads, no compilation."""
 
 import math
@@ -10,7 +10,7 @@ from digen_jax.runtime import bts
 from digen_jax.runtime import roles
 from digen_jax.experiment import fragments
 from digen_jax.runtime import schedule as sched
-from digen_jax.sim import engine
+from digen_jax.perf import engine
 
 COSTS = dict(
     roll=1.0,
@@ -26,7 +26,7 @@ COSTS = dict(
 
 
 def _simulate(plan, steps, *, start=0, with_tag=False, phi=0.0, final_policy=False, **costs):
-  """Runs both roles on sim/engine.py's virtual clock (runtime/roles.py's handlers, each role
+  """Runs both roles on perf/engine.py's virtual clock (runtime/roles.py's handlers, each role
   its own Schedule): every action takes its cost in seconds. Returns the log [(t, role,
   action)] of what the roles took (actions, lost claims) and the Result (spans, makespan)."""
   c = dict(COSTS, **costs)

@@ -1,6 +1,6 @@
 """The memory tool on the real Wan2.1-14B (configs/wan21.py:disagg, 832x480 x 81 frames: 32,760
 tokens a sample): XLA's ahead-of-time memory analysis of the trainer's fragment gradient on 8
-fake CPU devices (`python -m digen_jax.sim.costs`, nothing runs), with each sample's tokens split
+fake CPU devices (`python -m digen_jax.perf.costs`, nothing runs), with each sample's tokens split
 over the 8 devices (config.parallel.sequence=8) and without: a fragment of one video over the
 recipe's K = 11 trained steps x 2 CFG branches, the steps one after another (rl.step_loop=scan),
 XLA:CPU without the pass that hoists f32 copies of whole bf16 stacks (--xla_pipeline=no_hoist,
@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from configs import wan21
-from digen_jax.sim import sequence_fit
+from digen_jax.perf import sequence_fit
 from tests import xla_env
 from tests.mp_scripts import launcher_util as util
 
@@ -29,7 +29,7 @@ def _grad_bytes(tmp_path, split: int) -> dict:
       [
           sys.executable,
           '-m',
-          'digen_jax.sim.costs',
+          'digen_jax.perf.costs',
           '--config=configs/wan21.py:disagg',
           '--devices=8',
           '--programs=grad',
@@ -67,7 +67,7 @@ def test_the_14b_fragment_gradient_fits_80gb_only_with_the_tokens_split(tmp_path
 
 @pytest.mark.slow
 def test_the_fit_search_tries_each_split_smallest_first():
-  """fit_sequence_split (python -m digen_jax.sim.costs --fit_gb) on wan21:tiny (2 heads) over 4
+  """fit_sequence_split (python -m digen_jax.perf.costs --fit_gb) on wan21:tiny (2 heads) over 4
   fake devices, a fragment of 1 video: the splits 1 and 2 in order; none fits 0 bytes, the
   first fits any budget, and the split lowers the per-device temporaries."""
   config = wan21.get_config('tiny')
@@ -87,11 +87,11 @@ def test_the_planner_compiles_a_split_the_cache_lacks_once(tmp_path, monkeypatch
   gradient (its K steps as a vmap and as a scan) compiled at config.parallel.sequence = 2 at
   one and two videos a row of 2 devices, stored under their own keys; the trainer's options at
   that split read exactly those compiles' temp memory; asked again, nothing is compiled."""
-  from digen_jax.sim import hardware  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import planner as planning  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import roles  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import runmodel as rm  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import splits  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import hardware  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import planner as planning  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import roles  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import runmodel as rm  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import splits  # pylint: disable=g-import-not-at-top
 
   monkeypatch.delenv('DIGEN_COSTS_CACHE_ONLY', raising=False)
   config = wan21.get_config('tiny')

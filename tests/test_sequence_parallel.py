@@ -1,4 +1,4 @@
-"""Sequence parallelism (config.parallel.sequence; models/sequence_parallel.py, parallel/
+"""Sequence parallelism (config.parallel.sequence; models/attention/sequence_parallel.py, parallel/
 sequence.py): each sample's tokens split over devices, attention through all-to-alls over
 heads ("Ulysses"). Exact: the split Wan transformer equals the unsplit one to float32 rounding,
 forward and gradient, on 4 fake CPU devices, with token counts the split does not divide; the
@@ -19,9 +19,9 @@ from configs import wan21
 from digen_jax import programs
 from digen_jax.experiment import build as experiment
 from digen_jax.experiment import config as configlib
-from digen_jax.models import mmdit
+from digen_jax.models.transformers import mmdit
 from digen_jax.models import family as family_lib
-from digen_jax.models import wan
+from digen_jax.models.transformers import wan
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.parallel import sequence
 from digen_jax.runtime import cluster as cluster_lib

@@ -140,7 +140,7 @@ def test_the_registered_vocabulary_and_the_toy_tokenizers_words_are_the_grammars
   tokenizer words (experiment/tiny_pipeline.py keeps its own copy: the core does not import the
   task) are the grammar's words in its order, so every ShapesBench word is one token."""
   from digen_jax.experiment import tiny_pipeline
-  from digen_jax.models import text as text_lib
+  from digen_jax.models.text import encoders as text_lib
 
   assert text_lib.vocabulary("word") == G.grammar_words()
   assert list(tiny_pipeline.TOY_WORDS) == G.grammar_words()

@@ -1,4 +1,4 @@
-"""python -m digen_jax.sim's documented form: --config profiles the config on this machine, then
+"""python -m digen_jax.perf's documented form: --config profiles the config on this machine, then
 predicts the ladder (it used to require --profile and had no --config)."""
 
 import json
@@ -11,7 +11,7 @@ from tests.helpers.paths import REPO
 
 
 def _sim(*args, timeout=900):
-  cmd = [sys.executable, '-m', 'digen_jax.sim', *args]
+  cmd = [sys.executable, '-m', 'digen_jax.perf', *args]
   return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -59,7 +59,7 @@ def test_a_colocated_config_is_profiled_disaggregated_in_the_disagg_layouts():
   'auto' roles (it used to fail config validation: TAG needs separate meshes); a disaggregated
   config keeps its own roles; the colocated layout runs colocated."""
   from configs import wan21  # pylint: disable=g-import-not-at-top
-  from digen_jax.sim import profile  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import profile  # pylint: disable=g-import-not-at-top
 
   config = wan21.get_config('tiny')
   assert config.runtime.mode == 'colocated'

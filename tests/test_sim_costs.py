@@ -1,4 +1,4 @@
-"""digen_jax/sim: XLA's counts of the real programs (trip counts included) against the analytic
+"""digen_jax/perf: XLA's counts of the real programs (trip counts included) against the analytic
 MMDiT / FLUX FLOP counts on toy sizes, per-device memory under FSDP, the accelerator table and
 cluster specs, and the roofline time model."""
 
@@ -11,12 +11,12 @@ import pytest
 
 from configs import flux as flux_config
 from configs import qwenimage
-from digen_jax.models import mmdit
+from digen_jax.models.transformers import mmdit
 from digen_jax.parallel import mesh as mesh_lib
-from digen_jax.sim import program_costs as costs
-from digen_jax.sim import abstract
-from digen_jax.sim import hardware
-from digen_jax.sim import timing
+from digen_jax.perf import program_costs as costs
+from digen_jax.perf import abstract
+from digen_jax.perf import hardware
+from digen_jax.perf import timing
 from tests import xla_env
 from tests.helpers.paths import REPO
 
@@ -155,7 +155,7 @@ def test_cli_prints_table_and_json(tmp_path):
       [
           sys.executable,
           '-m',
-          'digen_jax.sim.costs',
+          'digen_jax.perf.costs',
           '--config=configs/qwenimage.py:tiny',
           '--devices=2',
           '--programs=apply',
@@ -171,7 +171,7 @@ def test_cli_prints_table_and_json(tmp_path):
   assert 'apply' in proc.stdout and '2 devices' in proc.stdout
   data = json.loads(out.read_text())
   assert data['devices'] == 2 and data['programs']['apply']['memory']['total_bytes'] > 0
-  assert data['command'].startswith('python -m digen_jax.sim.costs')
+  assert data['command'].startswith('python -m digen_jax.perf.costs')
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""sim/engine.py: the real schedule on a virtual clock gives the closed-form answers where there
+"""perf/engine.py: the real schedule on a virtual clock gives the closed-form answers where there
 are some, and the schedule's own behaviour (BTS insertions, TCSS staleness) where there are not."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from digen_jax.experiment import fragments as frag_lib
 from digen_jax.runtime import trace as trace_lib
-from digen_jax.sim import engine
-from digen_jax.sim import predict
+from digen_jax.perf import engine
+from digen_jax.perf import predict
 
 G, P = 4, 8  # group size, prompts per step: B = 32
 
@@ -297,7 +297,7 @@ def test_fragments_sampled_as_the_runtime_samples_them_give_the_rollouts_costs()
   tsp = predict.rung_schedule('tsp', 4, 'group', 0.5)
   before = predict.step_costs(prof, 'mp2', tsp)
   assert before.rollout == 0.3 and before.gap == pytest.approx(0.05 + 0.01 + 0.001)
-  # Each fragment scored beside the next one's span (sim/profile.py's piped rollout).
+  # Each fragment scored beside the next one's span (perf/profile.py's piped rollout).
   piped = dict(prof, seconds={**prof['seconds'], 'rollout_piped/4': 0.34, 'rollout_host/4': 0.02})
   costs = predict.step_costs(piped, 'mp2', tsp)
   assert costs.rollout == 0.34 and costs.gap == pytest.approx(0.02 + 0.01)

@@ -1,4 +1,4 @@
-"""The planner's search (sim/search.py): its bound is a lower bound on every simulated step, and
+"""The planner's search (perf/search.py): its bound is a lower bound on every simulated step, and
 more candidates never make a mode's best worse (costing the uneven splits too, then
 `--pad`, used to lose FLUX full's gap_tag on 8xH100+8xH20, 3.46x -> 2.48x, because the ranking
 bound ignored TAG and only the top few by bound were simulated)."""
@@ -7,9 +7,9 @@ import pytest
 
 from configs import flux
 from configs import qwenimage
-from digen_jax.sim import hardware
-from digen_jax.sim import planner as planning
-from digen_jax.sim import search
+from digen_jax.perf import hardware
+from digen_jax.perf import planner as planning
+from digen_jax.perf import search
 
 CASES = [
     (flux, 'configs/flux.py', 'full', '8xH100+8xH20'),

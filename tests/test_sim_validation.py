@@ -1,5 +1,5 @@
 """The simulator's validation at CI size: the simulator, calibrated only with costs profiled on this
-machine (sim/profile.py), predicts the samples/s of real ladder runs (colocated on one process;
+machine (perf/profile.py), predicts the samples/s of real ladder runs (colocated on one process;
 two processes, naive disaggregation and GAP+TSP+TAG) within 10% on average and 15% at worst; at the programs' times
 the runs measured, within SCHEDULE_ERROR_MAX (the schedule itself). The full comparison
 (balance points, a heterogeneous case, every rung) is benchmarks/sim_validation.py's, in
@@ -76,7 +76,7 @@ def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
     if _within_targets(cmp):
       break
   # Its rungs (disagg, tag) train fragments with TSP only: the plain fragment gradient is neither
-  # compiled nor timed (sim/profile.py --fragment_grads).
+  # compiled nor timed (perf/profile.py --fragment_grads).
   with open(out / 'small' / 'profile.json') as f:
     seconds = json.load(f)['layouts']['mp2']['seconds']
   assert 'grad_tsp/8' in seconds and 'grad/8' not in seconds, sorted(seconds)
@@ -91,7 +91,7 @@ def test_simulator_predicts_measured_ladder_runs(tmp_path, monkeypatch):
 
 def _table(cmp) -> str:
   """Each rung's error, and how much of it the programs' own times explain (the rung simulated
-  at the spans its run measured; python -m digen_jax.sim --measured); the profiles' drift."""
+  at the spans its run measured; python -m digen_jax.perf --measured); the profiles' drift."""
   lines = [
       f'{x["mode"]}: measured {x["measured_sps"]:.2f} predicted '
       f'{x["predicted_sps"]:.2f} ({100 * x["sps_error"]:+.1f}%); at the measured spans '

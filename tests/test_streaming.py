@@ -1,4 +1,4 @@
-"""digen_jax.models.streaming: safetensors checkpoints stream slice by slice onto device meshes.
+"""digen_jax.models.io.streaming: safetensors checkpoints stream slice by slice onto device meshes.
 
 Sharded diffusers folders (save_pretrained with an index) and params_io folders load onto 1-D,
 2x2 and replicated layouts exactly as the in-memory converter loads them, with the requested
@@ -24,13 +24,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 import torch
 
-from digen_jax.models import convert
-from digen_jax.models import params_io
-from digen_jax.models import streaming
+from digen_jax.models.io import convert
+from digen_jax.models.io import params_io
+from digen_jax.models.io import streaming
 from tests import xla_env
-from digen_jax.models import tensor_source
-from digen_jax.models.mmdit import MMDiT, MMDiTConfig
-from digen_jax.models.tensor_source import TensorSource
+from digen_jax.models.io import tensor_source
+from digen_jax.models.transformers.mmdit import MMDiT, MMDiTConfig
+from digen_jax.models.io.tensor_source import TensorSource
 from digen_jax.parallel import mesh as mesh_lib
 from tests.helpers.paths import REPO
 
@@ -409,8 +409,8 @@ import gc, json, sys, tracemalloc
 import jax, jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from digen_jax.models import convert, streaming
-from digen_jax.models.mmdit import MMDiT
+from digen_jax.models.io import convert, streaming
+from digen_jax.models.transformers.mmdit import MMDiT
 from digen_jax.parallel import mesh as mesh_lib
 
 folder, layout = sys.argv[1:]

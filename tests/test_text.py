@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from digen_jax.tasks.shapes import grammar as G
-from digen_jax.models.text import (
+from digen_jax.models.text.encoders import (
     BOS,
     UNK,
     CachedEncoder,

@@ -1,4 +1,4 @@
-"""Qwen-Image VAE (digen_jax.models.vae) against diffusers' AutoencoderKLQwenImage on a tiny random
+"""Qwen-Image VAE (digen_jax.models.vae.qwen_vae) against diffusers' AutoencoderKLQwenImage on a tiny random
 model saved with save_pretrained: decode, encode, packed entry points, sliced and tiled decode,
 the loader's key table and error messages, bf16 params."""
 
@@ -16,9 +16,9 @@ from safetensors.numpy import save_file
 import torch
 
 from digen_jax.models import latents as latents_lib
-from digen_jax.models import tensor_source
-from digen_jax.models import vae
-from digen_jax.models import vae_blocks
+from digen_jax.models.io import tensor_source
+from digen_jax.models.vae import qwen_vae as vae
+from digen_jax.models.vae import vae_blocks
 from tests import diffusers_models
 
 # Three downsamplings (8x, as Qwen-Image), both 2-D and 3-D resample modes, resnets with and

@@ -1,4 +1,4 @@
-"""Parity of digen_jax.models.wan.Wan with diffusers' WanTransformer3DModel (tiny, CPU, float32),
+"""Parity of digen_jax.models.transformers.wan.Wan with diffusers' WanTransformer3DModel (tiny, CPU, float32),
 its loaders (state dict, folder, streamed onto a 4-device FSDP mesh), LoRA target names, analytic
 sizes and the family entry."""
 
@@ -12,11 +12,11 @@ from flax import nnx
 
 from digen_jax.models import family as family_lib
 from digen_jax.models import latents as latents_lib
-from digen_jax.models import lora
-from digen_jax.models import tensor_source
-from digen_jax.models import wan
-from digen_jax.models import wan_convert
-from digen_jax.models.wan import WanConfig
+from digen_jax.models.lora import adapters as lora
+from digen_jax.models.io import tensor_source
+from digen_jax.models.transformers import wan
+from digen_jax.models.io import wan_convert
+from digen_jax.models.transformers.wan import WanConfig
 from digen_jax.parallel import mesh as mesh_lib
 from tests import diffusers_models
 from tests.helpers.parity import dot_flops, rel_err

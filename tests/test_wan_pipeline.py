@@ -27,7 +27,7 @@ from digen_jax.experiment import build as experiment
 from digen_jax.experiment import config as configlib
 from digen_jax.experiment import tiny_pipeline
 from digen_jax.models import latents as latents_lib
-from digen_jax.models import wan
+from digen_jax.models.transformers import wan
 from digen_jax.parallel import mesh as mesh_lib
 from tests.helpers.paths import REPO
 from tests.helpers.pipelines import metrics_rows, run_main, run_main_two_processes
@@ -200,8 +200,8 @@ def test_diffusers_loads_the_runs_adapters(folder, straight):
   folder, adapters read back from the file)."""
   import diffusers
   from flax import nnx
-  from digen_jax.models import lora
-  from digen_jax.models import wan_convert
+  from digen_jax.models.lora import adapters as lora
+  from digen_jax.models.io import wan_convert
   from tests.helpers.parity import rel_err
   from tests.helpers.wan_forward import FRAMES, H, W, ours_forward, torch_forward
 

@@ -1,4 +1,4 @@
-"""encode_prompts + models/text_cache.py against diffusers' WanPipeline.encode_prompt.
+"""encode_prompts + models/text/text_cache.py against diffusers' WanPipeline.encode_prompt.
 
 A toy Wan2.1 pipeline folder (digen_jax.experiment.tiny_pipeline.build_wan: WanPipeline's
 save_pretrained of a random tiny UMT5EncoderModel, a Unigram T5 tokenizer trained locally, a tiny
@@ -19,9 +19,9 @@ from diffusers import WanPipeline
 from digen_jax import encode_prompts
 from digen_jax.experiment import tiny_pipeline
 from digen_jax.models import family as family_lib
-from digen_jax.models import text_cache
-from digen_jax.models import wan_vae
-from digen_jax.models.text import TextEncoder
+from digen_jax.models.text import text_cache
+from digen_jax.models.vae import wan_vae
+from digen_jax.models.text.encoders import TextEncoder
 from tests.helpers.paths import REPO
 
 LONG = 'a red circle and a blue square ' * 8  # past the test's umT5 length

@@ -1,4 +1,4 @@
-"""Wan2.1 VAE (digen_jax.models.wan_vae over causal_vae.py, the network Qwen-Image's VAE shares)
+"""Wan2.1 VAE (digen_jax.models.vae.wan_vae over causal_vae.py, the network Qwen-Image's VAE shares)
 against diffusers' AutoencoderKLWan on a tiny random model saved with save_pretrained: video decode
 and encode over several frame chunks, the packed entry points as WanPipeline uses them, batch
 chunks and tiles, one frame as the Qwen-Image VAE, the config and the key table."""
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from digen_jax.models import latents as latents_lib
-from digen_jax.models import tensor_source
-from digen_jax.models import vae
-from digen_jax.models import wan_vae
+from digen_jax.models.io import tensor_source
+from digen_jax.models.vae import qwen_vae as vae
+from digen_jax.models.vae import wan_vae
 from tests import diffusers_models
 
 # Wan2.1's layout at toy width: three spatial downsamplings (8x), two of them temporal (4x), so

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-from digen_jax.sim import devices as devices_lib  # imports nothing from jax
+from digen_jax.perf import devices as devices_lib  # imports nothing from jax
 
 # Tests check numbers, not speed: LLVM's optimisation of XLA's CPU code costs half of every
 # compile of the suite's tiny programs and buys nothing at their size (a FLUX tiny_pipeline run

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from digen_jax.experiment import tiny_pipeline
 from digen_jax.experiment import weights as weights_lib
 from digen_jax.models import family as family_lib
-from digen_jax.models import flux_vae
-from digen_jax.models import lora as lora_lib
-from digen_jax.models import vae as vae_lib
+from digen_jax.models.vae import flux_vae
+from digen_jax.models.lora import adapters as lora_lib
+from digen_jax.models.vae import qwen_vae as vae_lib
 
 
 def vae_config(config, spec: str):

@@ -24,11 +24,11 @@ from digen_jax.experiment import folder_config
 from digen_jax.experiment import run as run_lib
 from digen_jax.experiment import fragments
 from digen_jax.experiment import weights as weights_lib
-from digen_jax.models import attention as attention_lib
+from digen_jax.models.attention import kernels as attention_lib
 from digen_jax.models import family as family_lib
-from digen_jax.models import params_io
-from digen_jax.models import text as text_lib
-from digen_jax.models import text_cache
+from digen_jax.models.io import params_io
+from digen_jax.models.text import encoders as text_lib
+from digen_jax.models.text import text_cache
 from digen_jax.rewards import scoring as reward_scoring
 from digen_jax.rl import timesteps as timesteps_lib
 
@@ -49,7 +49,7 @@ def same_architecture(a, b) -> bool:
 
 
 def attention_choice(config) -> str:
-  """What the transformer's attention runs in this process (models/attention.py): 'cudnn' or
+  """What the transformer's attention runs in this process (models/attention/kernels.py): 'cudnn' or
   'portable'. config.model.attention='fused' where cuDNN cannot run is a ValueError naming why,
   raised before anything compiles."""
   m = config.model

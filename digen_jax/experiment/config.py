@@ -99,7 +99,7 @@ def _model_section() -> ml_collections.ConfigDict:
   model.num_single_layers = 0
   model.pooled_projection_dim = 768
   model.guidance_embeds = False
-  # Wan only (models/wan.py): the feed-forward width (Wan2.1-14B 13824, 1.3B 8960) and the
+  # Wan only (models/transformers/wan.py): the feed-forward width (Wan2.1-14B 13824, 1.3B 8960) and the
   # affine LayerNorm before cross-attention (Wan2.1: True). Its rotary axes follow from the head
   # dim (axes_dims_rope is not read).
   model.ffn_dim = 13824
@@ -108,7 +108,7 @@ def _model_section() -> ml_collections.ConfigDict:
   # pass, and run the blocks under lax.scan (False: unrolled; compile time grows with layers).
   model.remat = False
   model.scan_layers = True
-  # Attention kernel (models/attention.py): 'auto' = cuDNN's fused flash attention on a GPU with
+  # Attention kernel (models/attention/kernels.py): 'auto' = cuDNN's fused flash attention on a GPU with
   # bf16 compute, the portable XLA path elsewhere; 'portable' forces the XLA path everywhere;
   # 'fused' demands cuDNN (a clear error at start where it cannot run). Same math either way.
   model.attention = 'auto'
@@ -284,11 +284,11 @@ def _reward_section() -> ml_collections.ConfigDict:
 
 
 def _baseline_section() -> ml_collections.ConfigDict:
-  """config.baseline: how the colocated system the planner compares against runs (sim/
+  """config.baseline: how the colocated system the planner compares against runs (perf/
   baseline.py; no program reads it). The defaults are veRL-Omni's colocated Qwen-Image recipe
   (its hybrid engine: torch FSDP training, a generation engine that sleeps while it trains)."""
   b = ml_collections.ConfigDict()
-  b.engine = 'torch'  # whose calibrated efficiencies (sim/hardware.py): 'torch' | 'digen_jax'
+  b.engine = 'torch'  # whose calibrated efficiencies (perf/hardware.py): 'torch' | 'digen_jax'
   b.param_offload = True  # FSDP params to host memory while it samples, back to train
   b.optimizer_offload = True  # optimizer state likewise
   b.engine_sleep = True  # the generation engine's weights to host and back (vLLM sleep level 1)
@@ -362,7 +362,7 @@ def _parallel_section() -> ml_collections.ConfigDict:
   parallel = ml_collections.ConfigDict()
   # Sequence parallelism: each sample's tokens split over this many devices of the rollout and
   # trainer meshes ("Ulysses": all-to-all from token-split to head-split around attention;
-  # models/sequence_parallel.py). It must divide each role's device count and the model's
+  # models/attention/sequence_parallel.py). It must divide each role's device count and the model's
   # attention heads; the token count is padded to it. 1 = no split. What it buys: a device
   # holds 1/s of a sample's activations, so a fragment needs only n/s samples to fill n
   # devices (docs/design.md#attention-and-sequence-parallelism, docs/real_models.md "Long videos").

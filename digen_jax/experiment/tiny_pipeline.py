@@ -36,7 +36,7 @@ from typing import Any
 from absl import app
 from absl import flags
 
-from digen_jax.models import text_cache
+from digen_jax.models.text import text_cache
 
 # Toy sizes. The transformer's attention_head_dim is sum(axes_dims_rope); in_channels is
 # z_dim * patch_size**2 (packed 2x2 latent patches).

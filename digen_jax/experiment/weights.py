@@ -3,7 +3,7 @@
 Trainable params are what the optimizer holds and the trainer publishes: the whole MMDiT (full
 fine-tuning) or only LoRA adapters (config.model.lora.rank > 0). Frozen weights never change and
 never travel between roles: each mesh loads its own copy straight from the checkpoint files
-(models/streaming.py: tensor by tensor, each device's slice), once, and every program of that
+(models/io/streaming.py: tensor by tensor, each device's slice), once, and every program of that
 mesh takes them as an argument:
 
   frozen = {'base': MMDiT state (LoRA's base) or None, 'vae': VAE state or None}
@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from digen_jax.models import latents as latents_lib
-from digen_jax.models import lora as lora_lib
-from digen_jax.models import params_io
-from digen_jax.models import streaming
-from digen_jax.models import vae as vae_lib
+from digen_jax.models.lora import adapters as lora_lib
+from digen_jax.models.io import params_io
+from digen_jax.models.io import streaming
+from digen_jax.models.vae import qwen_vae as vae_lib
 from digen_jax.parallel import mesh as mesh_lib
 
 PIPELINE_INDEX = 'model_index.json'

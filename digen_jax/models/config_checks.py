@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from digen_jax.models import attention as attention_lib
+from digen_jax.models.attention import kernels as attention_lib
 
 
 def require_positive_ints(owner: str, config: Any, names: Iterable[str]) -> None:
@@ -37,7 +37,7 @@ def require_bools(owner: str, config: Any, names: Iterable[str]) -> None:
 
 def check_attention_choice(owner: str, choice: str) -> None:
   """A model config's `attention` field: a config choice ('auto', 'portable', 'fused') or an
-  implementation of models/attention.py ('cudnn', 'xla')."""
+  implementation of models/attention/kernels.py ('cudnn', 'xla')."""
   known = tuple(dict.fromkeys(attention_lib.CONFIG_CHOICES + attention_lib.IMPLEMENTATIONS))
   if choice not in known:
     raise ValueError(f'{owner}.attention must be one of {known}, got {choice!r}')

@@ -5,9 +5,9 @@ its diffusers checkpoints, names its params the diffusers way (LoRA targets and 
 forward on the conditioning dict, and says which conditioning arrays that forward takes. Everything
 else (sampler, objective, programs, runtime) is family-agnostic and goes through this table.
 
-  'qwenimage': models/mmdit.py (Qwen-Image MMDiT; also the ShapesBench base generator), vae.py
-  'flux':      models/flux.py  (FLUX.1 -dev / -schnell), flux_vae.py (AutoencoderKL)
-  'wan':       models/wan.py   (Wan2.1 text-to-video), wan_vae.py (AutoencoderKLWan)
+  'qwenimage': models/transformers/mmdit.py (Qwen-Image MMDiT; also the ShapesBench base generator), vae.py
+  'flux':      models/transformers/flux.py  (FLUX.1 -dev / -schnell), flux_vae.py (AutoencoderKL)
+  'wan':       models/transformers/wan.py   (Wan2.1 text-to-video), wan_vae.py (AutoencoderKLWan)
 
 Conditioning dicts hold batch-leading arrays: 'text' [B, L, D] and 'text_mask' [B, L] always
 (FLUX and Wan ignore the mask: FLUX's T5 sequence is padded and every token attends, Wan's umT5
@@ -25,16 +25,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from digen_jax.models import convert
-from digen_jax.models import flux
-from digen_jax.models import flux_convert
-from digen_jax.models import flux_vae
-from digen_jax.models import initialize
-from digen_jax.models import mmdit
-from digen_jax.models import vae as qwen_vae
-from digen_jax.models import wan
-from digen_jax.models import wan_convert
-from digen_jax.models import wan_vae
+from digen_jax.models.io import convert
+from digen_jax.models.transformers import flux
+from digen_jax.models.io import flux_convert
+from digen_jax.models.vae import flux_vae
+from digen_jax.models.io import initialize
+from digen_jax.models.transformers import mmdit
+from digen_jax.models.vae import qwen_vae
+from digen_jax.models.transformers import wan
+from digen_jax.models.io import wan_convert
+from digen_jax.models.vae import wan_vae
 
 FAMILIES = ('qwenimage', 'flux', 'wan')
 
@@ -49,14 +49,14 @@ class Family:
   key_table: Callable[[Any], dict]  # arch config -> {our dotted path: diffusers source}
   cond_keys: tuple[str, ...]  # conditioning arrays the forward reads
   # (module, latents, sigma, cond, img_shape, guidance, token_mesh=None) -> v; token_mesh: the
-  # (samples, tokens) mesh each sample's tokens are split over (models/sequence_parallel.py)
+  # (samples, tokens) mesh each sample's tokens are split over (models/attention/sequence_parallel.py)
   forward: Callable[..., jax.Array]
   count_params: Callable[[Any], int]  # arch config -> parameter count
   flops_per_forward: Callable[..., float]  # (arch config, batch, n_img, n_txt) -> matmul FLOPs
   # The pipeline's VAE module: read_vae_config(folder), abstract_vae(cfg, dtype) ->
   # (graphdef, abstract), vae_key_table(cfg), decode_packed(model, tokens, latent_hw, patch, ...)
-  # and a config with latent_channels and spatial_compression (models/vae.py, models/flux_vae.py;
-  # models/wan_vae.py's decode_packed takes latent_shape=(frames, h, w) and returns videos).
+  # and a config with latent_channels and spatial_compression (models/vae/qwen_vae.py, models/vae/flux_vae.py;
+  # models/vae/wan_vae.py's decode_packed takes latent_shape=(frames, h, w) and returns videos).
   vae: Any = None
 
   def new(self, cfg, seed: int):

@@ -2,7 +2,7 @@
 (config.parallel.sequence = s, docs/design.md#attention-and-sequence-parallelism). The role's n
 devices are viewed as (n / s) x s, row-major (a second Mesh over the same devices in the same order,
 as TSP's grid: the jit's device assignment is unchanged): samples go over the first axis, each
-sample's tokens over the s devices of the second. models/sequence_parallel.py runs attention on that
+sample's tokens over the s devices of the second. models/attention/sequence_parallel.py runs attention on that
 view ("Ulysses").
 
 `check` is the arithmetic a config load runs (no JAX: validation and runtime.cluster call it

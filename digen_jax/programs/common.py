@@ -25,7 +25,8 @@ def make_velocity_fn(
   (Run.conditioning). guidance: FLUX.1-dev's distilled guidance input. With a bf16 compute
   dtype the float32 master params are cast inside the jitted program, so gradients flow back to
   float32. token_mesh: a (samples, tokens) view of the program's mesh (parallel/sequence.py)
-  over which each sample's tokens are split (models/sequence_parallel.py); None: no split."""
+  over which each sample's tokens are split (models/attention/sequence_parallel.py); None: no split.
+  """
   forward = (family or family_lib.get('qwenimage')).forward
 
   def velocity_fn(params, latents, sigma, cond):

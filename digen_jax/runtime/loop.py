@@ -9,7 +9,7 @@ The trainer's executor, which runs the real programs for those handlers, is here
 (`TrainerLoop`), the rollout's in runtime/rollout.py (`RolloutRole`). The roles meet through a
 runtime/links.Link: in one process the rollout runs in a thread (LocalLink: jax.device_put
 between the meshes), across two processes each process runs its role (ChannelLink: the
-transfer server). sim/engine.py is the same handlers' executor on a virtual clock.
+transfer server). perf/engine.py is the same handlers' executor on a virtual clock.
 
 Per logical batch (step s): the trainer publishes policy s, the rollout samples and scores
 the fragments it claims and streams them to the trainer; the trainer computes a fragment's

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax.models import lora as lora_lib
+from digen_jax.models.lora import adapters as lora_lib
 from digen_jax.parallel import mesh as mesh_lib
 
 

@@ -4,7 +4,7 @@ A role's turn asks its runtime/schedule.Schedule for the next action and runs it
 executor. The executor owns the devices and the clock; these handlers own the order of the
 state machine's effects around what the executor runs. runtime/loop.py (the trainer) and
 runtime/rollout.py (the rollout) are executors that run the real programs and call each
-completion at once; sim/engine.py is an executor that charges modelled seconds on a virtual
+completion at once; perf/engine.py is an executor that charges modelled seconds on a virtual
 clock and calls each completion when its program ends there.
 
 The trainer's executor (`TrainerSide`) and the rollout's (`RolloutSide`) take these calls:

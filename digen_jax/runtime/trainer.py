@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from digen_jax import programs
-from digen_jax.models import lora as lora_lib
+from digen_jax.models.lora import adapters as lora_lib
 from digen_jax.outputs import checkpoint as ckpt_lib
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.rl import advantages as adv_lib

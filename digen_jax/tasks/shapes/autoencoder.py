@@ -25,7 +25,7 @@ measured on rendered images (`latent_mean`, `latent_std`, fixed after training),
 model sees N(0, 1)-scaled data. The decoder is trained on lightly perturbed latents as well as
 clean ones, so the slightly-off latents a generator produces still decode to clean shapes.
 
-The interface is the pipeline VAEs' (models/vae.py, flux_vae.py): `latent_channels`,
+The interface is the pipeline VAEs' (models/vae/qwen_vae.py, flux_vae.py): `latent_channels`,
 `spatial_compression`, `encode`, `decode` (clipped to [-1, 1]), `normalize`, `denormalize`, so
 `vae.decode_packed` decodes packed generator tokens with it.
 """
@@ -39,11 +39,11 @@ from flax import nnx
 import jax
 import jax.numpy as jnp
 
-from digen_jax.models import params_io
-from digen_jax.models import streaming
+from digen_jax.models.io import params_io
+from digen_jax.models.io import streaming
 from digen_jax.tasks.shapes.grammar import SHAPES
 
-# config.json's format of an autoencoder params folder (models/params_io.py).
+# config.json's format of an autoencoder params folder (models/io/params_io.py).
 AE_FORMAT = 'digen_jax.shapes_ae/1'
 
 

@@ -20,9 +20,9 @@ import optax
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.experiment import build as experiment
 from digen_jax.models import latents as latents_lib
-from digen_jax.models import mmdit
-from digen_jax.models import params_io
-from digen_jax.models import vae as vae_lib
+from digen_jax.models.transformers import mmdit
+from digen_jax.models.io import params_io
+from digen_jax.models.vae import qwen_vae as vae_lib
 
 SIGMA_SAMPLING = ('logit_normal', 'uniform')
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from digen_jax.experiment import weights as weights_lib
-from digen_jax.models import params_io
+from digen_jax.models.io import params_io
 from digen_jax.tasks.shapes import autoencoder as shapes_ae
 
 

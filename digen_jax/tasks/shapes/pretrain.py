@@ -53,10 +53,10 @@ import optax
 
 from digen_jax.diffusion import sde as sde_lib
 from digen_jax.experiment import build as experiment
-from digen_jax.models import initialize
-from digen_jax.models import mmdit
-from digen_jax.models import params_io
-from digen_jax.models import text as text_lib
+from digen_jax.models.io import initialize
+from digen_jax.models.transformers import mmdit
+from digen_jax.models.io import params_io
+from digen_jax.models.text import encoders as text_lib
 from digen_jax.outputs import metrics as metrics_lib
 from digen_jax.outputs import visualize
 from digen_jax.process import cli

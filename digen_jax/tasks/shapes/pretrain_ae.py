@@ -44,8 +44,8 @@ import numpy as np
 import optax
 
 from digen_jax.tasks.shapes import training as training_data
-from digen_jax.models import initialize
-from digen_jax.models import params_io
+from digen_jax.models.io import initialize
+from digen_jax.models.io import params_io
 from digen_jax.tasks.shapes import autoencoder as shapes_ae
 from digen_jax.tasks.shapes import checker as shapes_checker
 

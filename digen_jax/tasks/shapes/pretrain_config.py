@@ -13,9 +13,9 @@ import ml_collections
 
 from digen_jax.experiment import build as experiment
 from digen_jax.experiment import config as configlib
-from digen_jax.models import initialize
-from digen_jax.models import mmdit
-from digen_jax.models import params_io
+from digen_jax.models.io import initialize
+from digen_jax.models.transformers import mmdit
+from digen_jax.models.io import params_io
 from digen_jax.tasks.shapes import autoencoder as shapes_ae
 from digen_jax.tasks.shapes import training as training_data
 from digen_jax.tasks.shapes.flow_matching import POOLED_TEXT_OUTPUT, SIGMA_SAMPLING

@@ -1,0 +1,1 @@
+"""LoRA adapters: targets, initialization, merge and manifests."""
