@@ -25,7 +25,7 @@ memory is its own programs', and JAX and PyTorch never share a device's memory):
 Targets (benchmark figures, not pass/fail): forward >= 1.25x diffusers, forward + backward
 >= 2x torch, our gradient program's peak <= 1.1x torch's at the same batch and checkpointing,
 the main job <= 2 minutes on one H200. `--size tiny` shrinks every model and run so the whole
-check takes a few minutes on a 2-core CPU (tests/test_gpu_check.py), so it cannot rot.
+check takes a few minutes on a 2-core CPU (tests/perf/test_gpu_check.py), so it cannot rot.
 
 A GPU machine whose Python lacks diffusers, ml-collections, tensorflow-datasets, array-record
 or tensorboardX: bring them as wheels (README "Running on GPUs", benchmarks/gpu_wheels.sh).

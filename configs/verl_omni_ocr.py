@@ -1,5 +1,5 @@
 """veRL-Omni's Flow-GRPO Qwen-Image OCR recipes as configs: the colocated runs the planner's
-baseline is calibrated against (tests/test_calibration.py, benchmarks/RESULTS.md).
+baseline is calibrated against (tests/perf/test_calibration.py, benchmarks/RESULTS.md).
 
     python -m digen_jax.plan --config=configs/verl_omni_ocr.py:lora --cluster=4xH800
     python -m digen_jax.plan --config=configs/verl_omni_ocr.py:full --cluster=4xH200

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 from tests import run  # imports nothing from jax
-from tests import xla_env  # imports nothing from jax
+from tests.helpers import xla_env  # imports nothing from jax
 from tests.helpers import durations  # imports nothing from jax
 from tests.helpers import paths
 from tests.helpers.paths import REPO

@@ -6,7 +6,7 @@
    per core here; --dist loadfile, so a module's fixtures are built once; the files in
    conftest's order, the longest first by tests/durations.json, so both workers finish
    together; --write-durations updates that file from this run's figures);
-2. the `serial` tests alone on the machine: they measure throughput (tests/test_sim_validation.py
+2. the `serial` tests alone on the machine: they measure throughput (tests/perf/test_sim_validation.py
    compares the simulator with timed runs) and another test beside them would skew the timing.
    Unless the arguments name test paths, only the files that mark a test serial are collected
    (serial_files: a text scan of tests/ and its subfolders; collecting the whole suite imports torch and more, ~18 s here);

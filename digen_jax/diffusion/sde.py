@@ -29,7 +29,7 @@ SDE kinds (a = ``noise_level``):
   so clip ranges tuned on Flow-GRPO's cps log-probs do not transfer one to one.
   Note cps's std does not shrink with the step size: with an exact x0 prediction it lands on the
   forward marginals at any T, but with a posterior-mean predictor it under-disperses (tested in
-  tests/test_sampler.py); flow_grpo/dance converge to the marginals as T grows.
+  tests/core/diffusion/test_sampler.py); flow_grpo/dance converge to the marginals as T grows.
 
 Log-probs are reduced over the latent dims: ``mean`` (default, as Flow-GRPO and DanceGRPO do) or
 ``sum`` (the true joint log-density); the PPO clip range depends on the choice.

@@ -225,7 +225,7 @@ def _rl_section() -> ml_collections.ConfigDict:
   # Whose behaviour log-probs the importance ratio uses: the rollout's (stored with the
   # trajectory), or the trainer's own forward under stop_gradient (one on-policy epoch: the
   # ratio is exactly 1, at no extra cost). With bf16 compute the rollout's and the trainer's
-  # programs round differently and |ratio - 1| reaches ~3e-3 (tests/test_ratio_mmdit.py), far
+  # programs round differently and |ratio - 1| reaches ~3e-3 (tests/core/rl/test_ratio_mmdit.py), far
   # beyond a 1e-4 clip range; metrics.jsonl's rollout_ratio_max_dev keeps reporting that gap.
   # Needs rl.inner_epochs = 1 and no TCSS (stale fragments need their own version's log-probs).
   rl.behaviour_logprobs = 'rollout'

@@ -283,7 +283,7 @@ def parse_cluster(spec: str) -> tuple[ClusterPart, ...]:
 # Calibrated efficiencies.
 
 # Matmul FLOPs of one Qwen-Image-20B forward on one row of 1024 image + 128 text tokens
-# (models/mmdit.flops_per_forward of the real architecture; tests/test_calibration.py checks it).
+# (models/mmdit.flops_per_forward of the real architecture; tests/perf/test_calibration.py checks it).
 QWEN_IMAGE_512PX_FORWARD = 16.650874650624e12
 
 

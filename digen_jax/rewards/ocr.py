@@ -13,7 +13,7 @@ Here the engine is rapidocr-onnxruntime: PaddleOCR's PP-OCRv4 det/rec models as 
 inside its wheel (nothing is downloaded), run by onnxruntime in a reward worker process, with
 PaddleOCR's detector sizing (the longer side capped at 960 px). One difference stays: the wheel's
 recogniser is PP-OCRv4's Chinese-English one (ch_PP-OCRv4_rec), where PaddleOCR(lang='en') loads
-the English one; the wheel's reads the task's capitals and digits (tests/test_ocr_reward.py:
+the English one; the wheel's reads the task's capitals and digits (tests/tasks/text_render/test_ocr_reward.py:
 139 of its 140 clean renders exactly). A prompt without a quoted text scores against the whole prompt (as GenRL's port does). Where
 Flow-GRPO scores an image the engine raises on 0, the exception goes on here: the worker marks
 that sample's reward failed and the run masks it out of its group (rewards/workers.py).

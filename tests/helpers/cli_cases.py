@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests import xla_env
+from tests.helpers import xla_env
 from tests.helpers.paths import REPO
 
 

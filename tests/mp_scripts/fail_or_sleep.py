@@ -1,4 +1,4 @@
-"""Launched by tests/test_launch.py. argv: SCRATCH_DIR MODE.
+"""Launched by tests/core/runtime/test_launch.py. argv: SCRATCH_DIR MODE.
 
 Every rank >= 1 starts a sleeping grandchild, writes "<own pid> <grandchild pid>" to
 SCRATCH_DIR/pids.<rank> and sleeps. Rank 0, in MODE 'fail', waits until all those files exist

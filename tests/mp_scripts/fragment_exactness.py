@@ -1,5 +1,5 @@
 """A fragment's update on n devices against the colocated update of the same batch on one device
-(tests/test_tsp_grid.py, tests/test_uneven_fragments.py). Run as a script under a forced CPU
+(tests/core/parallel/test_tsp_grid.py, tests/core/experiment/test_uneven_fragments.py). Run as a script under a forced CPU
 device count:
 
   python -m tests.mp_scripts.fragment_exactness N '[{"K": 5, "B": 4}, ...]'

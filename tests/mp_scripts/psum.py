@@ -1,4 +1,4 @@
-"""Launched by tests/test_launch.py: a cross-process sum over all processes' devices (gloo)."""
+"""Launched by tests/core/runtime/test_launch.py: a cross-process sum over all processes' devices (gloo)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Launched by tests/test_transfer.py with 2 processes x 2 CPU devices.
+"""Launched by tests/core/runtime/test_transfer.py with 2 processes x 2 CPU devices.
 
 Process 0 sends pytrees (f32 + bf16 + int32, several shapes and shardings) to process 1, which
 receives them on several layouts of its own devices; then process 1 sends to process 0. Every

@@ -1,7 +1,7 @@
 """FLUX.1 transformer (double-stream + single-stream MMDiT) in flax NNX.
 
 Matches diffusers' ``FluxTransformer2DModel`` (0.42.1; FLUX.1-dev with guidance_embeds=True,
-FLUX.1-schnell with False) to float32 rounding; see tests/test_flux_parity.py. Weights are loaded
+FLUX.1-schnell with False) to float32 rounding; see tests/core/models/test_flux_parity.py. Weights are loaded
 from diffusers checkpoints by ``digen_jax.models.io.flux_convert``.
 
 Most of the model is QwenImage's (``digen_jax.models.transformers.mmdit``) with other diffusers names: the

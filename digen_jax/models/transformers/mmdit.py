@@ -2,7 +2,7 @@
 
 Matches diffusers' ``QwenImageTransformer2DModel`` (0.42.1, default variant: no guidance
 embedding, no ``zero_cond_t``, no additional timestep condition, plain ``QwenEmbedRope``) to
-float32 rounding; see tests/test_mmdit_parity.py. Weights are loaded from diffusers checkpoints
+float32 rounding; see tests/core/models/test_mmdit_parity.py. Weights are loaded from diffusers checkpoints
 by ``digen_jax.models.io.convert``.
 
 Layout of our parameters (names mirror diffusers so the converter table reads one-to-one):

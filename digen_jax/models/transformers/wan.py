@@ -1,7 +1,7 @@
 """Wan2.1 video transformer (text-to-video) in flax NNX.
 
 Matches diffusers' ``WanTransformer3DModel`` (0.42.1; the Wan2.1 T2V layout: no image
-conditioning) to float32 rounding; see tests/test_wan_parity.py. Weights are loaded from diffusers
+conditioning) to float32 rounding; see tests/core/models/test_wan_parity.py. Weights are loaded from diffusers
 checkpoints by ``digen_jax.models.io.wan_convert``.
 
 A video latent [B, F, H, W, C] enters as packed tokens [B, F*(H/p)*(W/p), C*p*p]

@@ -105,7 +105,7 @@ maximum for an upper one), against its gate:
   gap       > 0.02     square    0.045  0.066  0.073  0.082  0.041  0.023  0.066  0.064
   gap       > 0.02     triangle  0.125  0.148  0.166  0.177  0.083  0.051  0.146  0.138
 holes is 0 on every rendered object; a 1-pixel hole in a 16 px circle is ~0.05. Strict accuracy
-on all eight sets: 100%. Near misses (tests/test_checker_adversarial.py; 16 px, 32 px) measure
+on all eight sets: 100%. Near misses (tests/tasks/shapes/test_checker_adversarial.py; 16 px, 32 px) measure
 e.g. aspect 1.46, 1.49 (1.5:1 ellipse) and 1.89, 1.97 (2:1); upside-down triangle skew_y +0.52,
 +0.55 and err 0.31, 0.33; sideways triangle |skew_x| 0.52, 0.55; diamond fill 0.59, 0.54 (and
 err_triangle 0.20); L-shape solidity 0.81, 0.75 and err 0.31 to 0.35; ring / frame holes 0.69
