@@ -408,7 +408,14 @@ def _child_command(layout: str, argv: list[str], out: str) -> tuple[list[str], d
   """argv and environment of the processes that profile `layout`."""
   d = _DEVICES.value
   words = [a for a in argv[1:] if not a.startswith(('--out', '--layouts', '--child'))]
-  cmd = [sys.executable, '-m', 'digen_jax.perf.profile', *words, f'--child={layout}', f'--out={out}']
+  cmd = [
+      sys.executable,
+      '-m',
+      'digen_jax.perf.profile',
+      *words,
+      f'--child={layout}',
+      f'--out={out}',
+  ]
   env = dict(
       os.environ,
       PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get('PYTHONPATH')) if p),
