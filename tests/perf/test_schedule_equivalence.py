@@ -28,6 +28,7 @@ side starts and the other does not given the same answer.
 """
 
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -39,6 +40,7 @@ import pytest
 from configs import qwenimage
 from digen_jax.experiment import build as experiment
 from digen_jax.experiment import config as configlib
+from digen_jax.experiment import run as run_lib
 from digen_jax.runtime import cluster as cluster_lib
 from digen_jax.runtime import loop
 from digen_jax.runtime import roles
@@ -70,9 +72,11 @@ def _run(mode: str, workdir: str):
       time.sleep(0.4)
       return score(images, prompts)
 
-    exp.reward_fn = slow
+    exp = dataclasses.replace(exp, reward_fn=slow)
   cluster = (
-      cluster_lib.colocated(jax.devices()[:2]) if mode == 'colocated' else cluster_lib.resolve(c)
+      cluster_lib.colocated(jax.devices()[:2])
+      if mode == 'colocated'
+      else cluster_lib.resolve(run_lib.cluster_spec(c))
   )
   out = loop.train(exp, workdir, cluster)
   events = json.load(open(os.path.join(workdir, 'trace.json')))['traceEvents']
