@@ -300,6 +300,9 @@ def value_problem(config, run: Run) -> str | None:
   config_flags.DEFINE_config_dict(
       'config', copy.deepcopy(config), flag_values=values, sys_argv=argv
   )
+  # The configs name the tasks' prompt sets and rewards: register them as the entry points do.
+  import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top
+
   try:
     values(argv)
     configlib.validate(values.config, 1)
