@@ -135,7 +135,7 @@ def build(base, K: int, B: int, layout: str, devices, workdir: str) -> dict:
   grad = programs.make_fragment_grad(
       exp, mesh, psh, programs.trajectory_shardings(mesh), tsp=tsp, samples=B
   )
-  args = lambda: (params, zero(params), traj, cond, cond, adv, valid, indices, None)
+  args = lambda: (params, zero(params), traj, cond, cond, adv, valid, indices, None, None)
   t0 = time.perf_counter()
   compiled = grad.lower(*args()).compile()
   compile_s = time.perf_counter() - t0

@@ -5,6 +5,9 @@
   python -m digen_jax.main --config=configs/shapes.py:pixel --workdir=/tmp/pixel  # the first base
   python launch/local.py --num_processes=2 -- \
       python -m digen_jax.main --config=configs/shapes.py:disagg --workdir=/tmp/shapes_disagg
+  python -m digen_jax.main --config=configs/shapes.py:nft --workdir=/tmp/nft   # DiffusionNFT
+  python -m digen_jax.main --config=configs/shapes.py:awm --workdir=/tmp/awm   # AWM
+  python -m digen_jax.main --config=configs/shapes.py:grpo_fast --workdir=/tmp/fast  # Flow-GRPO-Fast
 
 The base model (assets/shapes_latent_base, generating in the latent space of the small
 autoencoder assets/shapes_ae; configs/shapes_pretrain.py:ae) draws every shape, colour and count
@@ -18,7 +21,7 @@ ladder and simulator figures of benchmarks/RESULTS.md were measured on it and na
 
 from digen_jax.experiment import config as configlib
 
-VARIANTS = ('jpeg', 'pixel', 'latent', 'disagg')
+VARIANTS = ('jpeg', 'pixel', 'latent', 'disagg', 'nft', 'awm', 'grpo_fast')
 
 
 def get_config(arg: str | None = None):
@@ -70,6 +73,12 @@ def get_config(arg: str | None = None):
       c.eval.every = 20
     elif v in ('pixel', 'latent'):
       pass  # the base, chosen above ('latent', the default, is accepted for older commands)
+    elif v == 'nft':
+      _nft(c)
+    elif v == 'awm':
+      _awm(c)
+    elif v == 'grpo_fast':
+      _grpo_fast(c)
     elif v == 'disagg':
       # Rollout and trainer on their own meshes ('auto' layout: 2 processes -> one role each;
       # 1 process -> half of its devices each); same math as the colocated default.
@@ -80,3 +89,41 @@ def get_config(arg: str | None = None):
           '(comma-separated, e.g. :jpeg,disagg)'
       )
   return c
+
+
+def _nft(c):
+  """DiffusionNFT on the same base, prompts, reward and eval: ODE rollouts (no log-probs), the
+  NFT loss on forward-process noise levels of the clean samples (rl/nft.py). Settings chosen on
+  the val split (benchmarks/RESULTS.md, "Choosing an objective"); the rest is the paper's
+  recipe: beta 1, advantages clipped at 5, the old policy's decay type 1 (0.001 a step up to
+  0.5), advantages over the global std."""
+  c.rl.algorithm = 'nft'
+  c.rl.rollout_sampler = 'ode'
+  c.rl.train_noise_levels = 2
+  c.rl.nft_beta = 1.0
+  c.rl.adv_std = 'global'
+  c.optim.lr = 3e-4
+
+
+def _awm(c):
+  """Advantage Weighted Matching: ODE rollouts, the advantage-weighted flow-matching loss
+  (rl/awm.py) on stratified noise levels, AWM's ghuber weighting and EMA KL (its decay up to
+  0.3). Settings chosen on the val split as for nft."""
+  c.rl.algorithm = 'awm'
+  c.rl.rollout_sampler = 'ode'
+  c.rl.train_noise_levels = 2
+  c.rl.clip_range = 1.0  # AWM's ratio clip (the ratio is 1: one step per rollout)
+  c.rl.old_policy_uprate = 0.001
+  c.rl.old_policy_uphold = 0.3
+  c.rl.adv_std = 'global'
+  c.optim.lr = 3e-4
+
+
+def _grpo_fast(c):
+  """The Flow-GRPO-Fast recipe users run: no CFG (ShapesBench has none), an SDE window of 2
+  steps at the start (the rest Euler), coefficients-preserving sampling (CPS) at noise 0.8."""
+  c.rl.timesteps = 'fixed_window'
+  c.rl.window_start = 0
+  c.rl.window_size = 2
+  c.sampler.sde = 'cps'
+  c.sampler.noise_level = 0.8

@@ -1,4 +1,5 @@
-"""The rollout: T sampler steps as one ``jax.lax.scan``, recording what GRPO training needs.
+"""The rollout: T sampler steps as one ``jax.lax.scan``, recording what GRPO training needs, or
+(``keep='final'``) only the final samples, which is all a likelihood-free objective trains on.
 
 ``sample`` is jit-able with ``velocity_fn``, ``latent_shape``, ``sde_cfg`` and ``norm_rescale`` static
 (``sample_jit`` is that jit). Every other input may live on device, so a jitted call moves nothing
@@ -21,7 +22,16 @@ import jax.numpy as jnp
 
 from digen_jax.diffusion.sde import SDEConfig, cfg_velocity, euler_step, sde_step
 
-__all__ = ["Trajectory", "sample", "sample_jit", "SAMPLE_STATIC_ARGNAMES"]
+__all__ = [
+    "CleanSamples",
+    "KEEP",
+    "Trajectory",
+    "sample",
+    "sample_jit",
+    "SAMPLE_STATIC_ARGNAMES",
+]
+
+KEEP = ("trajectory", "final")
 
 _F32 = jnp.float32
 
@@ -44,6 +54,10 @@ class Trajectory:
   sde_steps: jax.Array
   stds: jax.Array
 
+  # The per-sample fields and their batch axis (take_rows, padding, shardings); the rest
+  # (sigmas, sde_steps) is the schedule, shared by every sample.
+  BATCH_AXES = {"latents": 1, "log_probs": 1, "stds": 1}
+
   @property
   def num_steps(self) -> int:
     return self.log_probs.shape[0]
@@ -52,6 +66,28 @@ class Trajectory:
   def final(self) -> jax.Array:
     """The sampled latents x_0 [B, N, C]."""
     return self.latents[-1]
+
+
+@flax.struct.dataclass
+class CleanSamples:
+  """What a rollout for a likelihood-free objective (DiffusionNFT, AWM) hands to the trainer:
+  the final samples and, per sample, the key of its training noise (a pytree of arrays).
+
+  latents: float32 [B, N, C]; the sampled x_0.
+  keys:    uint32 [B, 2]; raw key data (jax.random.key_data) each sample's forward-process
+           noise levels and noise are drawn from at training time: derived from the sample's own
+           rollout key, so a batch cut into fragments trains on the same noise as the whole.
+  """
+
+  latents: jax.Array
+  keys: jax.Array
+
+  BATCH_AXES = {"latents": 0, "keys": 0}
+
+  @property
+  def final(self) -> jax.Array:
+    """The sampled latents x_0 [B, N, C]."""
+    return self.latents
 
 
 def _key_layout(noise_key) -> tuple[jax.Array, bool]:
@@ -124,7 +160,8 @@ def sample(
     uncond: Any = None,
     norm_rescale: bool = False,
     initial_latents: Optional[jax.Array] = None,
-) -> Trajectory:
+    keep: str = "trajectory",
+) -> Trajectory | jax.Array:
   """Sample B trajectories of T steps.
 
   Args:
@@ -135,14 +172,19 @@ def sample(
     noise_key: one PRNG key or [B] keys (see module docstring).
     latent_shape: (B, N, C), static.
     sde_cfg: the SDE variant, static.
-    sde_steps: bool [T]; True = SDE step with log-prob, False = deterministic Euler, log-prob 0.
+    sde_steps: bool [T]; True = SDE step with log-prob, False = deterministic Euler, log-prob 0;
+      None: every step Euler (the ODE), and no step noise is drawn at all.
     guidance_scale: None (no CFG) or the CFG scale (may be traced); needs ``uncond``.
     uncond: negative/empty-prompt cond, same structure and shapes as ``cond``.
     norm_rescale: QwenImage's true-CFG norm rescale, static.
     initial_latents: optional x at σ_0 [B, N, C]; by default standard normal from the key.
+    keep: 'trajectory' (every latent, log-prob and std: GRPO's training data) or 'final' (the
+      scan carries x only and stores nothing per step), static.
   Returns:
-    Trajectory.
+    Trajectory, or with keep='final' the final latents float32 [B, N, C].
   """
+  if keep not in KEEP:
+    raise ValueError(f"sample: keep={keep!r}: use one of {KEEP}.")
   latent_shape = tuple(int(d) for d in latent_shape)
   if len(latent_shape) < 2:
     raise ValueError(f"sample: latent_shape={latent_shape} must be (B, ...) with a batch dim.")
@@ -151,7 +193,8 @@ def sample(
   if sigmas.ndim != 1 or sigmas.shape[0] < 2:
     raise ValueError(f"sample: sigmas has shape {sigmas.shape}; expected [T+1] with T >= 1.")
   t_steps = sigmas.shape[0] - 1
-  sde_steps = jnp.asarray(sde_steps, jnp.bool_)
+  ode = sde_steps is None
+  sde_steps = jnp.zeros((t_steps,), jnp.bool_) if ode else jnp.asarray(sde_steps, jnp.bool_)
   if sde_steps.shape != (t_steps,):
     raise ValueError(f"sample: sde_steps has shape {sde_steps.shape}; expected [T]=({t_steps},).")
   x0, step_noise = _noise(noise_key, latent_shape, initial_latents)
@@ -160,14 +203,20 @@ def sample(
     s = jnp.broadcast_to(sigmas[t], (b,))
     sn = jnp.broadcast_to(sigmas[t + 1], (b,))
     v = cfg_velocity(velocity_fn, params, x, s, cond, uncond, guidance_scale, norm_rescale)
-    x_sde, logp, _, std = sde_step(x, v, s, sn, step_noise(t), sde_cfg)
     x_ode = euler_step(x, v, s, sn)
-    stochastic = sde_steps[t]
-    x_next = jnp.where(stochastic, x_sde, x_ode)
-    logp = jnp.where(stochastic, logp, 0.0)
-    std = jnp.where(stochastic, std, 0.0)
-    return x_next, (x_next, logp, std)
+    if ode:
+      x_next, logp, std = x_ode, jnp.zeros((b,), _F32), jnp.zeros((b,), _F32)
+    else:
+      x_sde, logp, _, std = sde_step(x, v, s, sn, step_noise(t), sde_cfg)
+      stochastic = sde_steps[t]
+      x_next = jnp.where(stochastic, x_sde, x_ode)
+      logp = jnp.where(stochastic, logp, 0.0)
+      std = jnp.where(stochastic, std, 0.0)
+    return x_next, (None if keep == "final" else (x_next, logp, std))
 
+  if keep == "final":
+    final, _ = jax.lax.scan(body, x0, jnp.arange(t_steps))
+    return final
   _, (xs, log_probs, stds) = jax.lax.scan(body, x0, jnp.arange(t_steps))
   latents = jnp.concatenate([x0[None], xs], axis=0)
   return Trajectory(
@@ -175,5 +224,5 @@ def sample(
   )
 
 
-SAMPLE_STATIC_ARGNAMES = ("velocity_fn", "latent_shape", "sde_cfg", "norm_rescale")
+SAMPLE_STATIC_ARGNAMES = ("velocity_fn", "latent_shape", "sde_cfg", "norm_rescale", "keep")
 sample_jit = jax.jit(sample, static_argnames=SAMPLE_STATIC_ARGNAMES)

@@ -30,6 +30,7 @@ from digen_jax.models.io import params_io
 from digen_jax.models.text import encoders as text_lib
 from digen_jax.models.text import text_cache
 from digen_jax.rewards import scoring as reward_scoring
+from digen_jax.rl import old_policy
 from digen_jax.rl import timesteps as timesteps_lib
 
 
@@ -245,11 +246,18 @@ def learning_rate(config) -> optax.Schedule:
 
 
 def build_optimizer(config) -> optax.GradientTransformation:
+  """AdamW after a global-norm clip; for a likelihood-free objective that keeps an old policy,
+  wrapped so that its state carries it (rl/old_policy.py)."""
   o = config.optim
-  return optax.chain(
+  optimizer = optax.chain(
       optax.clip_by_global_norm(o.grad_clip),
       optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
   )
+  rl = run_lib.rl_spec(config)
+  if not rl.keeps_old_policy:
+    return optimizer
+  decay = old_policy.decay_schedule(rl.old_policy_flat, rl.old_policy_uprate, rl.old_policy_uphold)
+  return old_policy.with_old_policy(optimizer, decay)
 
 
 def _prompts(config, split: str, split_field: str, data_dir: str):

@@ -229,6 +229,37 @@ def _rl_section() -> ml_collections.ConfigDict:
   # beyond a 1e-4 clip range; metrics.jsonl's rollout_ratio_max_dev keeps reporting that gap.
   # Needs rl.inner_epochs = 1 and no TCSS (stale fragments need their own version's log-probs).
   rl.behaviour_logprobs = 'rollout'
+  # The objective (docs/design.md#objectives). 'grpo': the SDE trajectory's exact log-probs and
+  # the fields above. 'nft' (DiffusionNFT) and 'awm' (Advantage Weighted Matching) are
+  # likelihood-free: they train on the rollout's clean samples through the forward (noising)
+  # process, so the rollout runs any sampler, stores no trajectory and no log-probs, and the
+  # GRPO-only fields (clip_range for nft, timesteps, window_*, behaviour_logprobs) are unused.
+  rl.algorithm = 'grpo'  # 'grpo' | 'nft' | 'awm'
+  # nft/awm: the rollout's sampler, config.sampler.num_steps steps: 'ode' (Euler) or 'sde'
+  # (config.sampler.sde on every step but the last).
+  rl.rollout_sampler = 'ode'
+  # nft/awm: forward-process noise levels trained per sample and update, each with fresh
+  # noise: nft K distinct sigmas of the rollout's grid (0: DiffusionNFT's K = int(0.99 * T)),
+  # awm K stratified ones (0: AWM's K = 6).
+  rl.train_noise_levels = 0
+  rl.nft_beta = 1.0  # nft: beta of the implicit policies v+- (DiffusionNFT: 1.0; 0.1 for OCR)
+  # nft/awm: the old (sampling) policy's soft update after every optimizer step, decay
+  # min((step - flat) * uprate, uphold) after `flat` steps, 0 before (DiffusionNFT decay_type 1:
+  # 0, 0.001, 0.5; uprate 0 keeps the old policy equal to the current one, no second forward).
+  rl.old_policy_flat = 0
+  rl.old_policy_uprate = 0.001
+  rl.old_policy_uphold = 0.5
+  # awm: the matching loss's weighting rho(mse, t) ('Uniform' | 't' | 't**2' | 'huber' |
+  # 'ghuber') and ghuber's power; the advantage clip(A, +-adv_clip) / adv_clip * advantage_max;
+  # the velocity KL to the EMA policy (the old policy above; AWM: uphold 0.3); the stratified
+  # levels over the first timestep_fraction of the grid, sigma_0 included or not
+  # (AWM's config/dgx_awm.py: ghuber 0.25, 1.0, 1.0, 0.9, True; rl/awm.py).
+  rl.awm_weighting = 'ghuber'
+  rl.awm_ghuber_power = 0.25
+  rl.awm_advantage_max = 1.0
+  rl.awm_ema_kl_beta = 1.0
+  rl.awm_timestep_fraction = 0.9
+  rl.awm_include_init = True
   return rl
 
 

@@ -26,6 +26,7 @@ from digen_jax.experiment import fragments
 from digen_jax.experiment import weights as weights_lib
 from digen_jax.models import family as family_lib
 from digen_jax.rewards import registry as reward_registry
+from digen_jax.rl import nft as nft_lib
 from digen_jax.rl import timesteps as timesteps_lib
 
 
@@ -70,6 +71,40 @@ class RLSpec:
   adv_std: str
   adv_eps: float
   adv_clip: float
+  # The objective and the likelihood-free objectives' fields (config.rl; docs/design.md#objectives).
+  algorithm: str  # 'grpo' | 'nft' | 'awm'
+  rollout_sampler: str  # nft/awm: 'ode' | 'sde'
+  train_noise_levels: int  # nft/awm: K levels per sample (resolved: never 0)
+  nft_beta: float
+  old_policy_flat: int
+  old_policy_uprate: float
+  old_policy_uphold: float
+  awm_weighting: str
+  awm_ghuber_power: float
+  awm_advantage_max: float
+  awm_ema_kl_beta: float
+  awm_timestep_fraction: float
+  awm_include_init: bool
+
+  @property
+  def old_policy_max_decay(self) -> float:
+    """The largest decay the old policy's soft update reaches (0: it is the current policy)."""
+    return self.old_policy_uphold if self.old_policy_uprate > 0 else 0.0
+
+  @property
+  def keeps_old_policy(self) -> bool:
+    """Whether the optimizer state carries an old policy copy (rl/old_policy.py): a
+    likelihood-free objective whose old policy can differ from the current params inside an
+    update (a decay that is ever > 0, or several epochs over one batch)."""
+    if self.algorithm == 'nft':
+      return self.old_policy_max_decay > 0 or self.inner_epochs > 1
+    return self.algorithm == 'awm' and self.old_policy_max_decay > 0 and self.awm_ema_kl_beta > 0
+
+  @property
+  def samples_with_old_policy(self) -> bool:
+    """Whether the rollout samples with the old policy: DiffusionNFT collects data with v_old
+    (NVlabs/DiffusionNFT scripts/train_nft_sd3.py); AWM with the current policy."""
+    return self.algorithm == 'nft' and self.keeps_old_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +423,21 @@ def model_spec(config) -> ModelSpec:
   )
 
 
+def train_noise_levels(config) -> int:
+  """K of a likelihood-free objective: config.rl.train_noise_levels, or for 0 the method's own:
+  DiffusionNFT's int(0.99 * T) distinct levels of the T-step rollout grid
+  (rl/nft.num_train_levels), AWM's 6."""
+  k = int(config.rl.train_noise_levels)
+  if k > 0:
+    return k
+  if config.rl.algorithm == 'awm':
+    return AWM_LEVELS
+  return nft_lib.num_train_levels(int(config.sampler.num_steps), 0.99)
+
+
+AWM_LEVELS = 6  # AWM's K (config/dgx_awm.py: 6 stratified levels)
+
+
 def rl_spec(config) -> RLSpec:
   r = config.rl
   return RLSpec(
@@ -401,6 +451,19 @@ def rl_spec(config) -> RLSpec:
       adv_std=r.adv_std,
       adv_eps=float(r.adv_eps),
       adv_clip=float(r.adv_clip),
+      algorithm=r.algorithm,
+      rollout_sampler=r.rollout_sampler,
+      train_noise_levels=train_noise_levels(config),
+      nft_beta=float(r.nft_beta),
+      old_policy_flat=int(r.old_policy_flat),
+      old_policy_uprate=float(r.old_policy_uprate),
+      old_policy_uphold=float(r.old_policy_uphold),
+      awm_weighting=r.awm_weighting,
+      awm_ghuber_power=float(r.awm_ghuber_power),
+      awm_advantage_max=float(r.awm_advantage_max),
+      awm_ema_kl_beta=float(r.awm_ema_kl_beta),
+      awm_timestep_fraction=float(r.awm_timestep_fraction),
+      awm_include_init=bool(r.awm_include_init),
   )
 
 

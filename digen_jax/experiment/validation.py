@@ -37,6 +37,9 @@ _CHOICES = {
     'rl.timesteps': ('all_but_last', 'random_fraction', 'fixed_window', 'sliding_window'),
     'rl.step_loop': ('auto', 'scan', 'vmap'),
     'rl.behaviour_logprobs': ('rollout', 'trainer'),
+    'rl.algorithm': ('grpo', 'nft', 'awm'),
+    'rl.rollout_sampler': ('ode', 'sde'),
+    'rl.awm_weighting': ('Uniform', 't', 't**2', 'huber', 'ghuber'),
     'optim.compute_dtype': ('float32', 'bfloat16'),
     'model.frozen_dtype': ('float32', 'bfloat16'),
     'optim.schedule': ('constant', 'cosine', 'linear'),
@@ -63,6 +66,8 @@ _INT_MIN = {
     'rl.window_start': 0,
     'rl.window_size': 1,
     'rl.slide_every': 1,
+    'rl.train_noise_levels': 0,
+    'rl.old_policy_flat': 0,
     'sampler.num_steps': 2,
     'latent.height': 1,
     'latent.width': 1,
@@ -111,6 +116,7 @@ _INT_HINTS = {
     'parallel.sequence': '1 = no split',
     'sample_grid_every': '0 = off',
     'model.lora.rank': '0 = full fine-tuning',
+    'rl.train_noise_levels': 'nft/awm: 0 = int(0.99 * sampler.num_steps)',
     'latent.image_height': 'pixels; 0 = latent.height as given',
     'latent.image_width': 'pixels; 0 = latent.width as given',
     'runtime.max_consecutive_skips': 'updates skipped in a row for NaN/inf before the run stops',
@@ -135,6 +141,13 @@ _FLOAT_RANGES = {  # field: (lo, lo_inclusive, hi, hi_inclusive, hint)
     'rl.clip_range': (0.0, False, _INF, False, 'the PPO epsilon'),
     'rl.kl_beta': (0.0, True, _INF, False, '0 = no KL'),
     'rl.timestep_fraction': (0.0, False, 1.0, True, ''),
+    'rl.nft_beta': (0.0, False, _INF, False, 'DiffusionNFT: 1.0 (0.1 for OCR)'),
+    'rl.old_policy_uprate': (0.0, True, _INF, False, '0 = the old policy is the current one'),
+    'rl.old_policy_uphold': (0.0, True, 1.0, False, 'the largest decay; DiffusionNFT: 0.5'),
+    'rl.awm_ghuber_power': (0.0, False, _INF, False, 'AWM: 0.25'),
+    'rl.awm_advantage_max': (0.0, False, _INF, False, 'AWM: 1.0'),
+    'rl.awm_ema_kl_beta': (0.0, True, _INF, False, 'AWM: 1.0; 0 = no EMA KL'),
+    'rl.awm_timestep_fraction': (0.0, False, 1.0, True, 'AWM: 0.9'),
     'sampler.noise_level': (0.0, True, _INF, False, ''),
     'sampler.shift': (0.0, True, _INF, False, "0 = the scheduler's dynamic shift"),
     'sampler.guidance_scale': (0.0, True, _INF, False, '<= 1 = no CFG'),
@@ -160,6 +173,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> fragments.F
   _check_checkpoint(config)
   _check_scheduler(config)
   _check_lr_schedule(config)
+  _check_objective(config)
   check_transfer_host(config.cluster.transfer_host)
   _check_reward(config)
   _check_real_model(config)
@@ -343,6 +357,30 @@ def _check_lr_schedule(config: ml_collections.ConfigDict) -> None:
         f'config.optim: lr={o.lr} must be > 0, warmup_steps={o.warmup_steps} in '
         f'[0, total_steps * rl.inner_epochs = {config.total_steps * config.rl.inner_epochs}) '
         f'and final_lr_frac={o.final_lr_frac} in [0, 1]'
+    )
+
+
+def _check_objective(config: ml_collections.ConfigDict) -> None:
+  """The likelihood-free objectives' fields (config.rl.algorithm 'nft' | 'awm')."""
+  rl = config.rl
+  if rl.algorithm == 'grpo':
+    return
+  t = int(config.sampler.num_steps)
+  if rl.algorithm == 'awm' and rl.inner_epochs > 1:
+    raise ValueError(
+        f'config.rl.inner_epochs={rl.inner_epochs}: awm takes one optimizer step per rollout '
+        "(AWM's recipe; its ratio is then exactly 1): set --config.rl.inner_epochs=1"
+    )
+  if rl.algorithm == 'nft' and int(rl.train_noise_levels) > t:
+    raise ValueError(
+        f'config.rl.train_noise_levels={rl.train_noise_levels}: {rl.algorithm} trains on '
+        f'distinct sigmas of the {t}-step rollout grid (config.sampler.num_steps): lower it to '
+        f'at most {t}, or 0 for int(0.99 * {t})'
+    )
+  if rl.behaviour_logprobs != 'rollout':
+    raise ValueError(
+        f"config.rl.behaviour_logprobs={rl.behaviour_logprobs!r} chooses GRPO's behaviour "
+        f'log-probs; rl.algorithm={rl.algorithm!r} has none: leave it at its default rollout'
     )
 
 

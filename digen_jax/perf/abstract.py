@@ -16,7 +16,6 @@ import numpy as np
 from digen_jax import programs
 from digen_jax.experiment import abstract_weights
 from digen_jax.experiment import build as experiment
-from digen_jax.rl import timesteps as timesteps_lib
 from digen_jax.parallel import mesh as mesh_lib
 
 
@@ -97,9 +96,9 @@ def rollout_param_dtype(exp):
   return jnp.float32
 
 
-def _metric_sums(mesh):
+def _metric_sums(exp, mesh):
   """The gradient accumulator's metric sums, as programs.make_zero_acc makes them."""
-  return {k: _scalar(mesh, jnp.float32) for k in programs.ACC_SUM_KEYS}
+  return {k: _scalar(mesh, jnp.float32) for k in programs.acc_sum_keys(exp)}
 
 
 def run_programs(
@@ -148,7 +147,7 @@ class _RunPrograms:
     self.fsdp_sh = mesh_lib.fsdp_shardings(exp.params, mesh)
     self.params = laid_out(exp.params, self.fsdp_sh, jnp.float32)
     self.cond = abstract_cond(exp, batch, mesh)
-    self.traj_sh = programs.trajectory_shardings(mesh)
+    self.traj_sh = programs.trajectory_shardings(mesh, exp)
     self.step = _scalar(mesh, jnp.int32)
     opt_shapes = jax.eval_shape(exp.optimizer.init, self.params)
     self.opt_sh = mesh_lib.fsdp_shardings(opt_shapes, mesh)
@@ -210,10 +209,11 @@ class _RunPrograms:
     program = programs.make_fragment_grad(
         exp, self.mesh, self.fsdp_sh, self.traj_sh, tsp=tsp, frozen=frozen, samples=self.samples
     )
-    k = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
+    k = programs.trained_levels(exp)
     indices = jax.ShapeDtypeStruct((k,), jnp.int32, sharding=self.rep)
-    acc = {'grads': self.params, 'sums': _metric_sums(self.mesh)}
-    return program, (self.params, acc, *self._batch(), indices, self.ref)
+    acc = {'grads': self.params, 'sums': _metric_sums(exp, self.mesh)}
+    old = self.params if programs.old_policy_of_used(exp) else None
+    return program, (self.params, acc, *self._batch(), indices, self.ref, old)
 
   def grad(self):
     return self._grad(False)
@@ -222,12 +222,12 @@ class _RunPrograms:
     return self._grad(True)
 
   def apply(self):
-    acc = {'grads': self.params, 'sums': _metric_sums(self.mesh)}
+    acc = {'grads': self.params, 'sums': _metric_sums(self.exp, self.mesh)}
     program = programs.make_apply(self.exp, self.mesh, self.fsdp_sh, self.opt_sh)
     return program, (self.params, self.opt, acc)
 
   def zero_acc(self):
-    return programs.make_zero_acc(self.fsdp_sh, self.mesh), (self.params,)
+    return programs.make_zero_acc(self.fsdp_sh, self.mesh, self.exp), (self.params,)
 
   def select(self):
     return programs.make_select(self.exp, self.mesh), (_key(self.mesh), self.step)

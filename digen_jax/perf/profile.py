@@ -311,7 +311,7 @@ class _Profile:
     from digen_jax import programs  # pylint: disable=g-import-not-at-top
     from digen_jax.runtime import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
 
-    sh = programs.trajectory_shardings(self.cluster.trainer.mesh)
+    sh = programs.trajectory_shardings(self.cluster.trainer.mesh, self.exp)
     key = f'handover/{plan.size}'
     if not self.multi:
       move = lambda: jax.block_until_ready(jax.device_put(frag.traj, sh))

@@ -4,6 +4,8 @@ sampling scan + decode; update.py: the GRPO update, full-batch and per fragment)
 from digen_jax.programs.common import (
     Bound,
     behaviour_of,
+    likelihood_free,
+    trained_levels,
     captured_arrays,
     clear_memo,
     cond_shardings,
@@ -21,19 +23,25 @@ from digen_jax.programs import tsp
 from digen_jax.programs.rollout import abstract_trajectory, make_rollout
 from digen_jax.programs.update import (
     ACC_SUM_KEYS,
+    acc_sum_keys,
     make_apply,
     make_fragment_grad,
     make_select,
     make_update,
     make_zero_acc,
+    old_policy_of,
+    old_policy_of_used,
     tsp_steps,
 )
 
 __all__ = [
     'ACC_SUM_KEYS',
+    'acc_sum_keys',
     'Bound',
     'abstract_trajectory',
     'behaviour_of',
+    'likelihood_free',
+    'trained_levels',
     'captured_arrays',
     'clear_memo',
     'cond_shardings',
@@ -46,6 +54,8 @@ __all__ = [
     'make_update',
     'make_velocity_fn',
     'make_zero_acc',
+    'old_policy_of',
+    'old_policy_of_used',
     'ref_shardings',
     'row_unit',
     'step_loop_for',

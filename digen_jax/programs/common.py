@@ -15,6 +15,7 @@ from digen_jax.diffusion import sampler as sampler_lib
 from digen_jax.models import family as family_lib
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.parallel import sequence as sequence_lib
+from digen_jax.rl import timesteps as timesteps_lib
 
 
 def make_velocity_fn(
@@ -69,9 +70,30 @@ def row_unit(exp, mesh) -> int:
   return mesh.devices.size if view is None else view.shape[sequence_lib.SAMPLES]
 
 
-def trajectory_shardings(mesh) -> sampler_lib.Trajectory:
-  """Trajectory layout on `mesh`: batch-sharded per-sample fields, replicated schedule."""
+def likelihood_free(exp) -> bool:
+  """Whether the run's objective trains on clean samples (config.rl.algorithm 'nft' | 'awm'):
+  its rollout hands over CleanSamples, not a Trajectory."""
+  return exp is not None and exp.rl.algorithm != 'grpo'
+
+
+def trained_levels(exp) -> int:
+  """K: the trained steps per trajectory (GRPO) or the forward-process noise levels per sample
+  (config.rl.train_noise_levels, the likelihood-free objectives)."""
+  if likelihood_free(exp):
+    return int(exp.rl.train_noise_levels)
+  return timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
+
+
+def trajectory_shardings(mesh, exp=None):
+  """Layout on `mesh` of what the rollout hands the trainer: GRPO's Trajectory (batch-sharded
+  per-sample fields, replicated schedule), or for a likelihood-free `exp` its CleanSamples
+  (batch-sharded). exp None: a GRPO run's."""
   rep = mesh_lib.replicated(mesh)
+  if likelihood_free(exp):
+    return sampler_lib.CleanSamples(
+        latents=mesh_lib.batch_sharding(mesh, 3),  # [B, N, C]
+        keys=mesh_lib.batch_sharding(mesh, 2),  # [B, 2]
+    )
   return sampler_lib.Trajectory(
       latents=mesh_lib.batch_sharding(mesh, 4, 1),  # [T+1, B, N, C]
       log_probs=mesh_lib.batch_sharding(mesh, 2, 1),  # [T, B]
@@ -96,8 +118,8 @@ def computed_rows(rows: int, samples: int | None, n: int) -> int:
 
 
 def take_rows(batch, rows: int, sharding_of=None):
-  """(traj, cond, uncond, adv, valid) cut to its first `rows` rows (the Trajectory's per-sample
-  fields on axis 1, the rest on axis 0); sharding_of(ndim, axis), when given, lays each cut
+  """(traj, cond, uncond, adv, valid) cut to its first `rows` rows (traj's per-sample fields on
+  their BATCH_AXES, the rest on axis 0); sharding_of(ndim, axis), when given, lays each cut
   array out (a sharding constraint). Unchanged when it has `rows` rows."""
   traj, cond, uncond, adv, valid = batch
   if adv.shape[0] == rows:
@@ -109,9 +131,7 @@ def take_rows(batch, rows: int, sharding_of=None):
       return a
     return jax.lax.with_sharding_constraint(a, sharding_of(a.ndim, axis))
 
-  traj = traj.replace(
-      latents=cut(traj.latents, 1), log_probs=cut(traj.log_probs, 1), stds=cut(traj.stds, 1)
-  )
+  traj = traj.replace(**{f: cut(getattr(traj, f), ax) for f, ax in traj.BATCH_AXES.items()})
   rest = jax.tree.map(lambda a: cut(a, 0), (cond, uncond, adv, valid))
   return (traj, *rest)
 

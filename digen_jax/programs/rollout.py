@@ -1,4 +1,7 @@
-"""The rollout program: the whole sampling scan, then the decode, in one jitted program."""
+"""The rollout program: the whole sampling scan, then the decode, in one jitted program. For GRPO
+it records the Trajectory; for a likelihood-free objective (config.rl.algorithm 'nft' | 'awm')
+the same program keeps only the final samples (sampler.sample keep='final', config.rl
+.rollout_sampler: the ODE or the run's SDE, no log-probs) and each sample's training-noise key."""
 
 from __future__ import annotations
 
@@ -11,17 +14,27 @@ from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.programs import common
 from digen_jax.rl import timesteps as timesteps_lib
 
+# fold_in salt of a sample's training-noise key (CleanSamples.keys) from its rollout key.
+TRAIN_NOISE_SALT = 0x7E41
+
 
 def _pad_by_cycling(traj, rows: int):
-  """`traj` of s samples extended to `rows` by repeating them (sample i -> i mod s): weight-0
-  padding rows whose stored log-probs are their own, so every ratio stays finite."""
-  s = traj.log_probs.shape[1]
+  """`traj` (Trajectory or CleanSamples) of s samples extended to `rows` by repeating them
+  (sample i -> i mod s): weight-0 padding rows whose stored log-probs are their own, so every
+  ratio stays finite."""
+  ax = traj.BATCH_AXES['latents']
+  s = traj.latents.shape[ax]
   if s == rows:
     return traj
   idx = np.arange(rows) % s
   return traj.replace(
-      latents=traj.latents[:, idx], log_probs=traj.log_probs[:, idx], stds=traj.stds[:, idx]
+      **{f: jnp.take(getattr(traj, f), idx, axis=a) for f, a in traj.BATCH_AXES.items()}
   )
+
+
+def _train_keys(keys) -> jax.Array:
+  """uint32 [B, 2]: each sample's training-noise key data from its rollout key [B]."""
+  return jax.vmap(lambda k: jax.random.key_data(jax.random.fold_in(k, TRAIN_NOISE_SALT)))(keys)
 
 
 def _rollout_fn(exp, deterministic: bool, mesh, samples: int | None):
@@ -36,9 +49,15 @@ def _rollout_fn(exp, deterministic: bool, mesh, samples: int | None):
   T = len(exp.sigmas) - 1
   guidance, norm_rescale = common.guidance_of(exp)
 
+  clean = common.likelihood_free(exp) and not deterministic
+
   def rollout(params, cond, uncond, key, step, offset, frozen):
     if deterministic:
       sde_steps = jnp.zeros((T,), bool)
+    elif clean:
+      # The likelihood-free objectives' sampler: the ODE, or the run's SDE on every step but
+      # the last (no log-probs either way).
+      sde_steps = None if exp.rl.rollout_sampler == 'ode' else jnp.arange(T) < T - 1
     else:
       sde_steps = timesteps_lib.sde_step_mask(exp.selection, T, step)
     rows = cond['text'].shape[0]
@@ -62,8 +81,11 @@ def _rollout_fn(exp, deterministic: bool, mesh, samples: int | None):
         guidance_scale=guidance,
         uncond=uncond if guidance is not None else None,
         norm_rescale=norm_rescale,
+        keep='final' if clean else 'trajectory',
     )
-    images = exp.weights.decode(frozen, traj.latents[-1])
+    if clean:
+      traj = sampler_lib.CleanSamples(latents=traj, keys=_train_keys(keys))
+    images = exp.weights.decode(frozen, traj.final)
     return images if deterministic else (_pad_by_cycling(traj, rows), images)
 
   return rollout
@@ -138,9 +160,9 @@ def make_rollout(
   return common.Bound(common.memoized('rollout', exp, parts, make), frozen)
 
 
-def abstract_trajectory(exp, batch: int) -> sampler_lib.Trajectory:
-  """The rollout's Trajectory for `batch` samples (ShapeDtypeStructs): the program traced on
-  one local device, nothing compiled or allocated."""
+def abstract_trajectory(exp, batch: int):
+  """The rollout's Trajectory (or CleanSamples) for `batch` samples (ShapeDtypeStructs): the
+  program traced on one local device, nothing compiled or allocated."""
   mesh = mesh_lib.make_mesh(jax.local_devices()[:1])
   sds = jax.ShapeDtypeStruct
   cond = exp.cond_abstract(batch)

@@ -17,16 +17,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from digen_jax.parallel import tsp_grid
 from digen_jax.programs import common
-from digen_jax.rl import timesteps as timesteps_lib
 
 STEPS, SAMPLES = 'tsp_steps', 'tsp_samples'  # the grid's axis names
 Layout = tsp_grid.Layout
 
 
 def layout(exp, mesh, samples: int | None = None) -> Layout:
-  """The TSP layout of `exp`'s trained steps on the trainer `mesh` for fragments of `samples`
+  """The TSP layout of `exp`'s trained steps (or noise levels: common.trained_levels) on the trainer `mesh` for fragments of `samples`
   samples (default: the run's fragment size, exp.plan.size)."""
-  K = timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1)
+  K = common.trained_levels(exp)
   n = mesh.devices.size
   samples = exp.plan.size if samples is None else samples
   return tsp_grid.choose(K, n, samples, int(exp.schedule.tsp_steps_axis))

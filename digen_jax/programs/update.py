@@ -1,7 +1,8 @@
-"""The update programs: the GRPO gradient of a fragment (accumulated over a logical batch) and
-the optimizer step, or both fused into one program for a batch trained as a single fragment.
+"""The update programs: the gradient of a fragment (accumulated over a logical batch) and the
+optimizer step, or both fused into one program for a batch trained as a single fragment.
 
-One loss (`grpo_loss`) and one optimizer step (`optimizer_step`) serve both forms. The loss of
+One loss per objective (`grpo_loss`; forward_process.lf_loss for the likelihood-free ones, picked
+by `loss_of`) and one optimizer step (`optimizer_step`) serve both forms. The loss of
 the logical batch is sum(w * l) / D with D = sum(w) over the whole batch; D is known only when
 every group is scored, so fragments accumulate the unnormalised gradient of sum(w * l)
 (denominator 1) and `make_apply` divides by D: the same update as the fused program's, to
@@ -17,14 +18,63 @@ import optax
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.parallel import sequence as sequence_lib
 from digen_jax.programs import common
+from digen_jax.programs import forward_process
 from digen_jax.programs import tsp as tsp_lib
 from digen_jax.rl import objective as objective_lib
+from digen_jax.rl import old_policy
 from digen_jax.rl import timesteps as timesteps_lib
 
-_SUM_KEYS = ('loss', 'policy_loss', 'approx_kl', 'clip_frac', 'ratio_mean', 'kl')
-_MAX_KEYS = ('ratio_max_dev', 'rollout_ratio_max_dev')
-# The accumulator's metric scalars (make_zero_acc): summed, maxed, and the total pair weight.
-ACC_SUM_KEYS = _SUM_KEYS + _MAX_KEYS + ('weight_sum',)
+# Metrics that are sums over the batch's pairs with denominator 1 (divided by the total pair
+# weight at apply), and GRPO's weighted means and maxima.
+_TOTAL_KEYS = ('loss', 'policy_loss')
+_GRPO_MEAN_KEYS = ('approx_kl', 'clip_frac', 'ratio_mean', 'kl')
+_GRPO_MAX_KEYS = ('ratio_max_dev', 'rollout_ratio_max_dev')
+
+
+def metric_keys(exp) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+  """(totals, weighted means, maxima): the metric scalars of the run's objective as the fragment
+  accumulator keeps them (make_zero_acc), beside the total pair weight 'weight_sum'."""
+  if exp is None or exp.rl.algorithm == 'grpo':
+    return _TOTAL_KEYS, _GRPO_MEAN_KEYS, _GRPO_MAX_KEYS
+  return (*forward_process.metric_names(exp), ())
+
+
+def acc_sum_keys(exp) -> tuple[str, ...]:
+  """Every scalar of the accumulator's 'sums' (exp None: GRPO's)."""
+  return sum(metric_keys(exp), ()) + ('weight_sum',)
+
+
+# GRPO's accumulator scalars (what make_zero_acc keeps for a GRPO run).
+ACC_SUM_KEYS = acc_sum_keys(None)
+
+
+def loss_of(exp, velocity_fn, frozen, batch, ref_params, old_params, indices, **options):
+  """loss(params) -> (loss, metrics) of the run's objective (config.rl.algorithm) on `batch`;
+  indices: GRPO's trained steps, or the likelihood-free objectives' level slots."""
+  if exp.rl.algorithm == 'grpo':
+    return grpo_loss(exp, velocity_fn, frozen, batch, ref_params, indices, **options)
+  options.pop('behaviour', None)
+  return forward_process.lf_loss(
+      exp, velocity_fn, frozen, batch, ref_params, old_params, indices, **options
+  )
+
+
+def old_policy_of_used(exp) -> bool:
+  """Whether the run's updates read an old policy copy (old_policy_of is not None)."""
+  return exp.rl.keeps_old_policy
+
+
+def old_policy_of(exp, opt_state):
+  """The old policy's params an update reads (None: the current params serve, with no second
+  forward): the likelihood-free objectives' EMA copy in the optimizer state."""
+  return old_policy.old_params(opt_state) if old_policy_of_used(exp) else None
+
+
+def select_indices(exp, key, step) -> jax.Array:
+  """int32 [K]: GRPO's trained steps for (key, step), or every level slot 0 .. K-1."""
+  if exp.rl.algorithm == 'grpo':
+    return timesteps_lib.select_timesteps(exp.selection, len(exp.sigmas) - 1, key, step)
+  return jnp.arange(common.trained_levels(exp), dtype=jnp.int32)
 
 
 def grpo_loss(exp, velocity_fn, frozen, batch, ref_params, indices, **options):
@@ -130,16 +180,16 @@ def make_update(
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = common.velocity_fn_of(exp, mesh)
   r = exp.rl
-  T = len(exp.sigmas) - 1
 
   def update(params, opt_state, traj, cond, uncond, adv, valid, key, step, ref_params, frozen):
-    indices = timesteps_lib.select_timesteps(exp.selection, T, key, step)
-    loss_fn = grpo_loss(
+    indices = select_indices(exp, key, step)
+    loss_fn = loss_of(
         exp,
         velocity_fn,
         frozen,
         _real_rows(exp, (traj, cond, uncond, adv, valid), mesh, samples),
         ref_params,
+        old_policy_of(exp, opt_state),  # the step's old policy, before its epochs move params
         indices,
         step_loop=common.step_loop_for(r.step_loop, mesh),
     )
@@ -186,30 +236,31 @@ def make_update(
 
 
 def make_select(exp, mesh):
-  """select(key, step) -> int32 [K] trained step indices (replicated)."""
-  T = len(exp.sigmas) - 1
+  """select(key, step) -> int32 [K] trained step indices or level slots (replicated)."""
   rep = mesh_lib.replicated(mesh)
   return common.memoized(
       'select',
       exp,
       (mesh,),
       lambda: jax.jit(
-          lambda key, step: timesteps_lib.select_timesteps(exp.selection, T, key, step),
+          lambda key, step: select_indices(exp, key, step),
           in_shardings=(rep, rep),
           out_shardings=rep,
       ),
   )
 
 
-def make_zero_acc(param_shardings, mesh):
-  """zero_acc(params) -> {'grads': zeros like params (same shardings), 'sums': zero scalars}."""
+def make_zero_acc(param_shardings, mesh, exp=None):
+  """zero_acc(params) -> {'grads': zeros like params (same shardings), 'sums': zero scalars of
+  the run's objective (acc_sum_keys; exp None: GRPO's)}."""
   rep = mesh_lib.replicated(mesh)
+  keys = acc_sum_keys(exp)
 
   def zero(params):
-    sums = {k: jnp.zeros((), jnp.float32) for k in ACC_SUM_KEYS}
+    sums = {k: jnp.zeros((), jnp.float32) for k in keys}
     return {'grads': jax.tree.map(jnp.zeros_like, params), 'sums': sums}
 
-  sums_sh = {k: rep for k in ACC_SUM_KEYS}
+  sums_sh = {k: rep for k in keys}
   return jax.jit(
       zero,
       in_shardings=(param_shardings,),
@@ -217,18 +268,20 @@ def make_zero_acc(param_shardings, mesh):
   )
 
 
-def _accumulate(acc, loss, metrics, grads, adv):
-  """acc + one fragment's gradient and metric sums. policy_loss / loss are already sums
-  (denominator 1); the others are weighted means. A non-finite advantage poisons the loss sum,
+def _accumulate(exp, acc, loss, metrics, grads, adv):
+  """acc + one fragment's gradient and metric sums. The totals (loss, policy_loss, ...) are
+  already sums (denominator 1); the means are weighted means. A non-finite advantage poisons the loss sum,
   so `apply` skips the whole logical batch."""
+  totals, means, maxima = metric_keys(exp)
   w = metrics['weight_sum']
   sums = dict(acc['sums'])
   sums['loss'] = sums['loss'] + loss + jnp.where(common.all_finite(adv), 0.0, jnp.nan)
-  sums['policy_loss'] = sums['policy_loss'] + metrics['policy_loss']
-  for k in ('approx_kl', 'clip_frac', 'ratio_mean', 'kl'):
+  for k in totals[1:]:
+    sums[k] = sums[k] + metrics[k]
+  for k in means:
     sums[k] = sums[k] + metrics[k] * w
   sums['weight_sum'] = sums['weight_sum'] + w
-  for k in _MAX_KEYS:
+  for k in maxima:
     sums[k] = jnp.maximum(sums[k], metrics[k])
   return {'grads': jax.tree.map(jnp.add, acc['grads'], grads), 'sums': sums}
 
@@ -243,8 +296,10 @@ def make_fragment_grad(
     frozen=None,
     samples: int | None = None,
 ):
-  """grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params) -> acc + this
-  fragment's gradient of sum(w * l) and its metric sums (acc donated).
+  """grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params, old_params) -> acc +
+  this fragment's gradient of sum(w * l) and its metric sums (acc donated). traj: a Trajectory
+  (GRPO) or CleanSamples (the likelihood-free objectives); old_params: old_policy_of(exp,
+  opt_state) (None for GRPO or when the current params serve).
 
   tsp: the K selected steps x the fragment's samples as one vmap laid out on the (t, b) view of
   `mesh` (programs/tsp.py); else config.rl.step_loop over K (step_loop_for), the batch axis
@@ -256,7 +311,7 @@ def make_fragment_grad(
     frozen = exp.weights.frozen(mesh, fsdp=True, decode=False)
   velocity_fn = common.velocity_fn_of(exp, mesh)
 
-  def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params, frozen):
+  def grad(params, acc, traj, cond, uncond, adv, valid, indices, ref_params, old_params, frozen):
     batch = (traj, cond, uncond, adv, valid)
     if tsp:
       lay = tsp_lib.layout(exp, mesh, adv.shape[0] if samples is None else samples)
@@ -264,21 +319,22 @@ def make_fragment_grad(
     else:
       batch = _real_rows(exp, batch, mesh, samples)
       options = dict(step_loop=common.step_loop_for(exp.rl.step_loop, mesh))
-    loss_fn = grpo_loss(
+    loss_fn = loss_of(
         exp,
         velocity_fn,
         frozen,
         batch,
         ref_params,
+        old_params,
         indices,
         denominator=1.0,
         **options,
     )
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return _accumulate(acc, loss, metrics, grads, adv)
+    return _accumulate(exp, acc, loss, metrics, grads, adv)
 
   rep = mesh_lib.replicated(mesh)
-  acc_sh = {'grads': param_shardings, 'sums': {k: rep for k in ACC_SUM_KEYS}}
+  acc_sh = {'grads': param_shardings, 'sums': {k: rep for k in acc_sum_keys(exp)}}
   frozen_sh = common.frozen_shardings(frozen)
   in_sh = (
       param_shardings,
@@ -286,6 +342,7 @@ def make_fragment_grad(
       *_batch_shardings(exp, mesh, traj_shardings),
       rep,
       common.ref_shardings(exp, param_shardings),
+      param_shardings if old_policy_of_used(exp) else None,
       frozen_sh,
   )
 
@@ -309,6 +366,7 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
   anything, the loss a non-finite advantage poisons included, is not finite). Donates params
   and optimizer state."""
   rep = mesh_lib.replicated(mesh)
+  totals, means, maxima = metric_keys(exp)
 
   def apply(params, opt_state, acc):
     s = acc['sums']
@@ -319,12 +377,12 @@ def make_apply(exp, mesh, param_shardings, opt_shardings):
     params, opt_state, grad_norm, nonfinite = optimizer_step(
         exp.optimizer, params, opt_state, grads, loss
     )
-    metrics = {k: s[k] * inv for k in _SUM_KEYS}
-    metrics.update({k: s[k] for k in _MAX_KEYS})
+    metrics = {k: s[k] * inv for k in totals + means}
+    metrics.update({k: s[k] for k in maxima})
     metrics.update(weight_sum=den, grad_norm=grad_norm, nonfinite=nonfinite)
     return params, opt_state, metrics
 
-  acc_sh = {'grads': param_shardings, 'sums': {k: rep for k in ACC_SUM_KEYS}}
+  acc_sh = {'grads': param_shardings, 'sums': {k: rep for k in acc_sum_keys(exp)}}
   return common.memoized(
       'apply',
       exp,

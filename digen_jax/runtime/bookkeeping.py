@@ -112,10 +112,10 @@ class Bookkeeping:
     t = time.perf_counter()
     with inputs.guard(self.level):
       if devices is None:
-        out = send(self.trainer.params, version)
+        out = send(self.trainer.sampling_params, version)
       else:
         with self.tracer.span(devices, 'trainer', 'publish', step=version, version=version):
-          out = send(self.trainer.params, version)
+          out = send(self.trainer.sampling_params, version)
     self.published_at[version] = time.time()
     self.published_at.pop(version - 2, None)
     return out, time.perf_counter() - t

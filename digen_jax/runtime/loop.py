@@ -355,7 +355,7 @@ class TrainerLoop:
     published ones: no optimizer step happens inside a batch); done: (device, wall) seconds."""
     b = self.batch(step)
     t0 = time.perf_counter()
-    frag = self.tag_sampler.sample(self.trainer.params, step, b.prompts, step, f)
+    frag = self.tag_sampler.sample(self.trainer.sampling_params, step, b.prompts, step, f)
     dt = time.perf_counter() - t0
     b.tag_s += dt
     b.add(frag)

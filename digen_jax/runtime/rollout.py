@@ -59,7 +59,7 @@ class Sampler:
     self.exp, self.mesh, self.plan, self.role, self.tracer = exp, mesh, plan, role, tracer
     self.guard_level = guard_level
     inputs.check_rows(plan, mesh, role)
-    self.traj_shardings = programs.trajectory_shardings(mesh)
+    self.traj_shardings = programs.trajectory_shardings(mesh, exp)
     self._rep = rep = mesh_lib.replicated(mesh)
     # Compiled ahead of time: a first TAG insertion must not pay (and BTS must not profile)
     # the compilation, and the timeline then shows run time only.

@@ -66,7 +66,7 @@ class Trainer:
     )
     self._restore(jax.random.key(exp.seed))
     self._rep = mesh_lib.replicated(mesh)
-    self.traj_shardings = programs.trajectory_shardings(mesh)
+    self.traj_shardings = programs.trajectory_shardings(mesh, exp)
     self._uncond = inputs.uncond(exp, plan.rows, mesh)
     self._build_programs(tsp=bool(exp.schedule.tsp if tsp is None else tsp))
     self._advs: dict[tuple[int, int], Any] = {}
@@ -126,7 +126,7 @@ class Trainer:
           samples=self.plan.size,
       )
       return
-    self._zero = programs.make_zero_acc(ps, mesh)
+    self._zero = programs.make_zero_acc(ps, mesh, exp)
     self._gather_base = None
     frozen = self.frozen
     if exp.schedule.frozen_once_per_step and exp.weights.lora is not None:
@@ -183,7 +183,9 @@ class Trainer:
       self._update.lower(*args).compile()
       return
     acc = state['acc']
-    self._grad.lower(self.params, acc, *batch, state['indices'], self.ref_params).compile()
+    self._grad.lower(
+        self.params, acc, *batch, state['indices'], self.ref_params, self._old_params()
+    ).compile()
     self._apply.lower(self.params, self.opt_state, acc).compile()
 
   # ------------------------------------------------------------------ one logical batch
@@ -249,13 +251,25 @@ class Trainer:
       )
       self.params_step = self._step + 1
       return state
-    args = (adv, valid, state['indices'], self.ref_params)
+    args = (adv, valid, state['indices'], self.ref_params, self._old_params())
     if 'frozen' in state:  # the step's gathered base instead of the bound FSDP one
       grad, args = self._grad.program, args + (state['frozen'],)
     else:
       grad = self._grad
     state['acc'] = grad(self.params, state['acc'], traj, cond, uncond, *args)
     return state
+
+  def _old_params(self):
+    """The old policy the fragment gradients read (None: the current params serve)."""
+    return programs.old_policy_of(self.exp, self.opt_state)
+
+  @property
+  def sampling_params(self):
+    """The params the rollout samples with: DiffusionNFT's old policy when the run keeps one
+    (it collects data with v_old: rl/old_policy.py), else the params."""
+    if self.exp.rl.samples_with_old_policy:
+      return programs.old_policy_of(self.exp, self.opt_state)
+    return self.params
 
   def apply(self, state: dict):
     """The batch's optimizer step (already made by the fused program). Returns its metrics

@@ -155,7 +155,7 @@ def _on_devices(exp, devices, program, traj, cond, adv, valid, key, step, B):
   grad = programs.make_fragment_grad(exp, mesh, psh, traj_sh, tsp=program == 'tsp', samples=B)
   with jax.transfer_guard('disallow'):
     acc = grad(params, programs.make_zero_acc(psh, mesh)(params), traj, cond, cond, adv, valid,
-               indices, None)  # fmt: skip
+               indices, None, None)  # fmt: skip
     sums = jax.device_get(acc['sums'])
     grads = jax.device_get(acc['grads'])
     return (sums, grads), programs.make_apply(exp, mesh, psh, opt_sh)(params, opt, acc)

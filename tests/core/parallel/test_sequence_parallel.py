@@ -216,6 +216,7 @@ def test_programs_with_the_split_equal_them_without(tmp_path):
         valid,
         indices,
         None,
+        None,
     )
     out[name] = jax.device_get((traj.latents, traj.log_probs, videos, acc))
   (lat, lp, vid, acc), (lat_s, lp_s, vid_s, acc_s) = out['plain'], out['split']

@@ -145,7 +145,7 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   zero = programs.make_zero_acc(psh, mesh)
   tsp = programs.make_fragment_grad(exp, mesh, psh, programs.trajectory_shardings(mesh), tsp=True)
   with jax.transfer_guard('disallow'):
-    acc = tsp(params, zero(params), traj, cond, cond, adv, valid, indices, None)
+    acc = tsp(params, zero(params), traj, cond, cond, adv, valid, indices, None, None)
   velocity_fn = programs.velocity_fn_of(exp)
 
   def serial(p):

@@ -1,0 +1,266 @@
+"""The likelihood-free objectives (config.rl.algorithm 'nft' | 'awm') through the one step loop:
+their rollout hands over clean samples only, and every on-policy schedule (GAP by sample and by
+group, TSP over the noise-level axis, TAG/BTS, two processes) gives colocated's update."""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import qwenimage
+from digen_jax import programs
+from digen_jax.diffusion import sampler as sampler_lib
+from digen_jax.experiment import build as experiment
+from digen_jax.experiment import config as configlib
+from digen_jax.experiment import run as run_lib
+from digen_jax.outputs import checkpoint as ckpt_lib
+from digen_jax.parallel import mesh as mesh_lib
+from digen_jax.rl import old_policy
+from digen_jax.runtime import cluster as cluster_lib
+from digen_jax.runtime import loop
+from tests.mp_scripts import launcher_util as util
+
+STEPS = 3
+# As for GRPO (test_schedule_modes.py): the schedules cut and place the batch differently, so
+# reductions round in another order; parameters agree to ~1e-6 after 3 Adam steps.
+PARAM_ATOL = 1e-5
+# Adam moves a weight by ~lr * sign(g) whatever |g| is; these objectives' gradients have a few
+# components at the rounding level (|g| ~ 1e-6, where the schedules' gradients differ by
+# ~1e-6: test_fragment_and_tsp_gradients_equal_the_whole_batch's), so with eps 1e-8 one or two
+# of 32768 weights moved by the sign of rounding noise (up to 3.5e-5 after 3 steps at lr 1e-4,
+# measured). eps 1e-4 keeps such a component's step proportional to it; every other weight
+# moves as before.
+ADAM_EPS = 1e-4
+LR = 3e-4  # the recipes' (tiny's 1e-4 with eps 1e-4 moves the weights too little to compare)
+# nft with its old policy trailing the params (decay 0.3 from the first step, so the second
+# forward and the old policy's publish are exercised); awm with its EMA KL on.
+OBJECTIVES = {
+    'nft': {
+        'rl.algorithm': 'nft',
+        'rl.train_noise_levels': 3,
+        'rl.old_policy_uprate': 0.3,
+        'rl.old_policy_uphold': 0.3,
+        'rl.kl_beta': 1e-2,
+    },
+    'awm': {
+        'rl.algorithm': 'awm',
+        'rl.train_noise_levels': 3,
+        'rl.clip_range': 1.0,
+        'rl.old_policy_uprate': 0.3,
+        'rl.old_policy_uphold': 0.3,
+    },
+}
+
+
+def _tiny(algorithm, **overrides):
+  return configlib.apply_overrides(
+      qwenimage.get_config('tiny'),
+      {
+          'total_steps': STEPS,
+          'optim.eps': ADAM_EPS,
+          'optim.lr': LR,
+          **OBJECTIVES[algorithm],
+          **overrides,
+      },
+  )
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def _rows(workdir):
+  return [
+      json.loads(l)
+      for l in open(os.path.join(workdir, 'metrics.jsonl'))
+      if 'reward_mean' in json.loads(l)
+  ]
+
+
+def _assert_same_update(params, opt_state, rows, ref):
+  for x, y in zip(_leaves(params), _leaves(ref['params'])):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=PARAM_ATOL)
+  # The moments and the old policy (inside the optimizer state) follow the gradient's scale,
+  # which a wrong loss denominator would change while Adam's params hid it.
+  for x, y in zip(_leaves(opt_state), _leaves(ref['opt_state'])):
+    if x.dtype.kind == 'f' and x.size:
+      np.testing.assert_allclose(x, y, atol=1e-3 * float(np.abs(y).max()) + 1e-12)
+  assert [r['step'] for r in rows] == list(range(1, STEPS + 1))
+  for a, b in zip(rows, ref['rows']):
+    assert a['reward_mean'] == pytest.approx(b['reward_mean'], rel=1e-5, abs=1e-6)
+    assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-3)
+    assert a['loss'] == pytest.approx(b['loss'], rel=1e-4, abs=1e-6)
+
+
+@pytest.fixture(scope='module', params=sorted(OBJECTIVES))
+def colocated_ref(request, tmp_path_factory):
+  algorithm = request.param
+  wd = str(tmp_path_factory.mktemp(f'colocated_{algorithm}'))
+  exp = experiment.build(_tiny(algorithm), wd, 2)
+  out = loop.train(exp, wd, cluster_lib.colocated(jax.devices()[:2]))
+  out['rows'] = _rows(wd)
+  out['algorithm'] = algorithm
+  init = experiment.build_model(_tiny(algorithm))[2]
+  moved = max(float(np.abs(a - b).max()) for a, b in zip(_leaves(out['params']), _leaves(init)))
+  assert moved > 30 * PARAM_ATOL, 'the updates are too small for the tolerance to mean much'
+  # The old policy trails the params: neither the initial weights nor the trained ones.
+  old = _leaves(old_policy.old_params(out['opt_state']))
+  gap = max(float(np.abs(a - b).max()) for a, b in zip(old, _leaves(out['params'])))
+  assert gap > PARAM_ATOL
+  return out
+
+
+def test_the_rollout_hands_over_clean_samples_drawn_by_the_ode(tmp_path):
+  """The same rollout program with the trajectory outputs off: CleanSamples whose latents are
+  the ODE's final samples (the eval rollout's, which draws the same initial noise), and
+  per-sample training keys that do not depend on how the batch is cut."""
+  exp = experiment.build(_tiny('nft'), str(tmp_path), 1)
+  mesh = mesh_lib.make_mesh(jax.devices()[:1])
+  texts = ['a red square', 'a blue circle', 'a red square', 'a blue circle']
+  cond = exp.conditioning(texts)
+  key, step = jax.random.key(3), np.int32(0)
+  rollout = programs.make_rollout(exp, mesh, with_offset=True)
+  samples, images = rollout(exp.params, cond, cond, key, step, np.int32(0))
+  assert isinstance(samples, sampler_lib.CleanSamples)
+  assert samples.latents.shape == (4, *exp.latent_shape) and samples.keys.shape == (4, 2)
+  ode = programs.make_rollout(exp, mesh, with_offset=True, deterministic=True)
+  ode_images = ode(exp.params, cond, cond, key, step, np.int32(0))
+  np.testing.assert_array_equal(np.asarray(images), np.asarray(ode_images))
+  # The second half as its own fragment (offset 2): the same keys, and the same samples to the
+  # rounding of a 2-row batch's matmuls against a 4-row one.
+  half = {k: v[2:] for k, v in cond.items()}
+  part, _ = rollout(exp.params, half, half, key, step, np.int32(2))
+  np.testing.assert_allclose(np.asarray(part.latents), np.asarray(samples.latents)[2:], atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(part.keys), np.asarray(samples.keys)[2:])
+  assert len(set(map(tuple, np.asarray(samples.keys).tolist()))) == 4
+
+
+def test_colocated_rows_carry_the_objectives_metrics(colocated_ref):
+  """The colocated run of each objective (the fixture's parameter): finite rows with the
+  objective's own metrics."""
+  algorithm, rows = colocated_ref['algorithm'], colocated_ref['rows']
+  assert all(np.isfinite(r['loss']) and r['nonfinite'] == 0 for r in rows)
+  if algorithm == 'nft':
+    assert all(0 <= r['r_mean'] <= 1 for r in rows)
+  else:
+    assert all(abs(r['ratio_mean'] - 1.0) < 1e-6 for r in rows)  # on-policy: ratio 1
+
+
+@pytest.mark.parametrize('algorithm', sorted(OBJECTIVES))
+def test_fragment_and_tsp_gradients_equal_the_whole_batch(tmp_path, algorithm):
+  """One batch's gradient and metric sums as one fragment, as 4 fragments (each with its own
+  rows, offset and training keys) and with TSP over the noise levels: equal to float rounding,
+  with the old policy and (nft) the KL reference in the loss."""
+  exp = experiment.build(_tiny(algorithm), str(tmp_path), 2)
+  mesh = mesh_lib.make_mesh(jax.devices()[:2])
+  texts = [t for t in exp.prompts.next_batch() for _ in range(exp.rl.group_size)]
+  b = len(texts)
+  cond = exp.conditioning(texts)
+  rollout = programs.make_rollout(exp, mesh, with_offset=True)
+  samples, _ = rollout(exp.params, cond, cond, jax.random.key(1), np.int32(0), np.int32(0))
+  psh = mesh_lib.fsdp_layout(exp.params, mesh).shardings
+  params = jax.device_put(exp.params, psh)
+  ref = jax.tree.map(lambda x: x * 0.999, params)
+  old = jax.tree.map(lambda x: x * 1.001, params)
+  adv = np.random.RandomState(0).randn(b).astype(np.float32)
+  valid = np.ones(b, bool)
+  sh = programs.trajectory_shardings(mesh, exp)
+  zero = programs.make_zero_acc(psh, mesh, exp)
+  indices = programs.make_select(exp, mesh)(jax.random.key(0), np.int32(0))
+
+  def grads(tsp, fragments):
+    grad = programs.make_fragment_grad(exp, mesh, psh, sh, tsp=tsp)
+    acc, n = zero(params), b // fragments
+    for f in range(fragments):
+      rows = slice(f * n, (f + 1) * n)
+      part = jax.device_put(jax.tree.map(lambda a: a[rows], samples), sh)
+      c = {k: v[rows] for k, v in cond.items()}
+      acc = grad(params, acc, part, c, c, adv[rows], valid[rows], indices, ref, old)
+    return jax.device_get(acc)
+
+  whole = grads(False, 1)
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(whole['grads']))
+  assert scale > 0
+  for got in (grads(False, 4), grads(True, 1)):
+    for x, y in zip(jax.tree.leaves(got['grads']), jax.tree.leaves(whole['grads'])):
+      np.testing.assert_allclose(x, y, atol=1e-5 * scale)
+    for k, v in whole['sums'].items():
+      assert float(got['sums'][k]) == pytest.approx(float(v), rel=1e-4, abs=1e-6), k
+
+
+def _slow_reward(exp, seconds):
+  fn = exp.reward_fn
+
+  def slow(images, prompts):
+    time.sleep(seconds)
+    return fn(images, prompts)
+
+  return dataclasses.replace(exp, reward_fn=slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('unit, m', [('sample', 4), ('group', 2)])
+def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit, m):
+  """GAP (M fragments) + TSP over the noise levels + TAG/BTS in one process: colocated's
+  params, moments and old policy after 3 steps."""
+  wd = str(tmp_path / 'run')
+  c = configlib.set_disagg(
+      _tiny(
+          colocated_ref['algorithm'],
+          **{
+              'schedule.fragments': m,
+              'schedule.fragment_unit': unit,
+              'schedule.tsp': True,
+              'schedule.tag': True,
+          },
+      ),
+      trainer=(0, 1),
+      rollout=(2, 3),
+  )
+  exp = _slow_reward(experiment.build(c, wd, 2), 0.4)
+  out = loop.train(exp, wd, cluster_lib.resolve(run_lib.cluster_spec(c)))
+  rows = _rows(wd)
+  _assert_same_update(out['params'], out['opt_state'], rows, colocated_ref)
+  assert all(r['fragments'] == m for r in rows)
+  assert sum(r['tag_fragments'] for r in rows) >= 1
+
+
+@pytest.mark.slow
+def test_gap_tsp_two_processes_equal_colocated(colocated_ref, tmp_path):
+  """launch/local.py, one process per role (2 CPU devices each), GAP by sample (M=4) + TSP:
+  colocated's update, the old policy published over the transfer server."""
+  algorithm = colocated_ref['algorithm']
+  wd = str(tmp_path / 'run')
+  launch = ['--num_processes=2', '--devices_per_process=2', '--timeout_s=240', '--grace_s=45']
+  overrides = [f'--config.{k}={v}' for k, v in OBJECTIVES[algorithm].items()]
+  main = [
+      sys.executable,
+      '-m',
+      'digen_jax.main',
+      '--config=configs/qwenimage.py:tiny_disagg',
+      f'--workdir={wd}',
+      f'--config.total_steps={STEPS}',
+      '--config.schedule.fragments=4',
+      '--config.schedule.fragment_unit=sample',
+      '--config.schedule.tsp=True',
+      '--config.runtime.shutdown_timeout_s=30',
+      f'--config.optim.eps={ADAM_EPS}',
+      f'--config.optim.lr={LR}',
+      *overrides,
+  ]
+  code, out = util.run(launch, main, timeout_s=330)
+  assert code == 0, out[-12000:]
+  ckpt = ckpt_lib.Checkpointer(os.path.join(wd, 'checkpoints'))
+  template = {
+      'params': colocated_ref['params'],
+      'opt_state': colocated_ref['opt_state'],
+      'rng': ckpt_lib.key_to_data(jax.random.key(0)),
+  }
+  state, _ = ckpt.restore(STEPS, template)
+  ckpt.close()
+  _assert_same_update(state['params'], state['opt_state'], _rows(wd), colocated_ref)
