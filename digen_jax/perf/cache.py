@@ -80,6 +80,23 @@ IGNORED_OVERRIDES = (
 CACHE_ONLY_ENV = 'DIGEN_COSTS_CACHE_ONLY'
 # Config sections the compiled programs read (the digest of a cached entry).
 PROGRAM_SECTIONS = ('model', 'latent', 'text', 'sampler', 'rl', 'optim', 'cluster')
+# config.rl's fields of the likelihood-free objectives (experiment/config.py), left out of a
+# GRPO run's digest.
+LIKELIHOOD_FREE_FIELDS = (
+    'algorithm',
+    'rollout_sampler',
+    'train_noise_levels',
+    'nft_beta',
+    'old_policy_flat',
+    'old_policy_uprate',
+    'old_policy_uphold',
+    'awm_weighting',
+    'awm_ghuber_power',
+    'awm_advantage_max',
+    'awm_ema_kl_beta',
+    'awm_timestep_fraction',
+    'awm_include_init',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +189,12 @@ def config_digest(config) -> str:
   # cached before it existed keep their digest.
   if d.get('parallel', {}).get('sequence', 1) != 1:
     keep['parallel'] = d['parallel']
+  # The likelihood-free objectives' fields (config.rl.algorithm and after) came later too:
+  # keyed only for those objectives, so GRPO's entries keep their digest.
+  rl = keep.get('rl')
+  if isinstance(rl, dict) and rl.get('algorithm', 'grpo') == 'grpo':
+    for name in LIKELIHOOD_FREE_FIELDS:
+      rl.pop(name, None)
   for dotted in IGNORED_OVERRIDES:
     path = dotted.rstrip('.').split('.')
     node = keep

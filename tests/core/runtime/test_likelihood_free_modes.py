@@ -26,15 +26,19 @@ from digen_jax.runtime import loop
 from tests.mp_scripts import launcher_util as util
 
 STEPS = 3
-# As for GRPO (test_schedule_modes.py): the schedules cut and place the batch differently, so
-# reductions round in another order; parameters agree to ~1e-6 after 3 Adam steps.
-PARAM_ATOL = 1e-5
-# Adam moves a weight by ~lr * sign(g) whatever |g| is; these objectives' gradients have a few
-# components at the rounding level (|g| ~ 1e-6, where the schedules' gradients differ by
-# ~1e-6: test_fragment_and_tsp_gradients_equal_the_whole_batch's), so with eps 1e-8 one or two
-# of 32768 weights moved by the sign of rounding noise (up to 3.5e-5 after 3 steps at lr 1e-4,
-# measured). eps 1e-4 keeps such a component's step proportional to it; every other weight
-# moves as before.
+# The schedules cut and place the batch differently (and TAG samples some fragments on the
+# trainer's mesh), so reductions round in another order: the gradients agree to ~1e-6 of their
+# scale (test_fragment_and_tsp_gradients_equal_the_whole_batch, the sharp check). Adam then
+# moves each weight by ~lr whatever |g| is, so a weight whose gradient is itself at the
+# rounding level (|g| ~ 1e-6, a few per run) takes a step set by rounding: with Adam's eps 1e-8
+# one or two of 32768 weights differed by 3.5e-5 after 3 steps at lr 1e-4 (measured). eps 1e-4
+# keeps such a step proportional to its gradient. TAG samples some fragments on the trainer's
+# mesh, whose clean samples differ from the rollout mesh's in the last bits, and every level of
+# those samples is trained on: a few weights then differ by up to 6.4e-5 (2 of 8192, nft, GAP
+# by group + TAG; measured) of the 9e-4 that 3 steps at lr 3e-4 can move one. So: 5e-5 for all
+# but 0.1 % of the weights, 2e-4 for every one (a wrong noise key, level or denominator moves
+# them all), and the moments to 1e-3 of their scale.
+PARAM_ATOL = 5e-5
 ADAM_EPS = 1e-4
 LR = 3e-4  # the recipes' (tiny's 1e-4 with eps 1e-4 moves the weights too little to compare)
 # nft with its old policy trailing the params (decay 0.3 from the first step, so the second
@@ -83,8 +87,17 @@ def _rows(workdir):
 
 
 def _assert_same_update(params, opt_state, rows, ref):
-  for x, y in zip(_leaves(params), _leaves(ref['params'])):
-    np.testing.assert_allclose(x, y, rtol=1e-5, atol=PARAM_ATOL)
+  got, want = np.concatenate([x.ravel() for x in _leaves(params)]), np.concatenate(
+      [y.ravel() for y in _leaves(ref['params'])]
+  )
+  dev = np.abs(got - want)
+  print(
+      f'max |dparams| {dev.max():.3g}; {int((dev > PARAM_ATOL).sum())} of {dev.size} > {PARAM_ATOL}'
+  )
+  # Every weight within 4x the tolerance, all but 0.1 % of them within it (measured: at most
+  # 2 of 32768 above 5e-5, none above 6.4e-5).
+  assert dev.max() <= 4 * PARAM_ATOL
+  assert (dev > PARAM_ATOL).mean() <= 1e-3
   # The moments and the old policy (inside the optimizer state) follow the gradient's scale,
   # which a wrong loss denominator would change while Adam's params hid it.
   for x, y in zip(_leaves(opt_state), _leaves(ref['opt_state'])):
@@ -94,7 +107,8 @@ def _assert_same_update(params, opt_state, rows, ref):
   for a, b in zip(rows, ref['rows']):
     assert a['reward_mean'] == pytest.approx(b['reward_mean'], rel=1e-5, abs=1e-6)
     assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-3)
-    assert a['loss'] == pytest.approx(b['loss'], rel=1e-4, abs=1e-6)
+    # awm's loss is -mean(advantage) (ratio 1) + KLs: ~0, a sum with cancellations.
+    assert a['loss'] == pytest.approx(b['loss'], rel=1e-4, abs=1e-5)
 
 
 @pytest.fixture(scope='module', params=sorted(OBJECTIVES))
@@ -107,7 +121,7 @@ def colocated_ref(request, tmp_path_factory):
   out['algorithm'] = algorithm
   init = experiment.build_model(_tiny(algorithm))[2]
   moved = max(float(np.abs(a - b).max()) for a, b in zip(_leaves(out['params']), _leaves(init)))
-  assert moved > 30 * PARAM_ATOL, 'the updates are too small for the tolerance to mean much'
+  assert moved > 8 * PARAM_ATOL, 'the updates are too small for the tolerance to mean much'
   # The old policy trails the params: neither the initial weights nor the trained ones.
   old = _leaves(old_policy.old_params(out['opt_state']))
   gap = max(float(np.abs(a - b).max()) for a, b in zip(old, _leaves(out['params'])))
