@@ -233,7 +233,8 @@ def _rl_section() -> ml_collections.ConfigDict:
   # the fields above. 'nft' (DiffusionNFT) and 'awm' (Advantage Weighted Matching) are
   # likelihood-free: they train on the rollout's clean samples through the forward (noising)
   # process, so the rollout runs any sampler, stores no trajectory and no log-probs, and the
-  # GRPO-only fields (clip_range for nft, timesteps, window_*, behaviour_logprobs) are unused.
+  # GRPO-only fields (clip_range for nft, timesteps, window_*, behaviour_logprobs) are unused
+  # (so a family config's GRPO recipe switches with --config.rl.algorithm alone).
   rl.algorithm = 'grpo'  # 'grpo' | 'nft' | 'awm'
   # nft/awm: the rollout's sampler, config.sampler.num_steps steps: 'ode' (Euler) or 'sde'
   # (config.sampler.sde on every step but the last).

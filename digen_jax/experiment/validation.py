@@ -377,11 +377,6 @@ def _check_objective(config: ml_collections.ConfigDict) -> None:
         f'distinct sigmas of the {t}-step rollout grid (config.sampler.num_steps): lower it to '
         f'at most {t}, or 0 for int(0.99 * {t})'
     )
-  if rl.behaviour_logprobs != 'rollout':
-    raise ValueError(
-        f"config.rl.behaviour_logprobs={rl.behaviour_logprobs!r} chooses GRPO's behaviour "
-        f'log-probs; rl.algorithm={rl.algorithm!r} has none: leave it at its default rollout'
-    )
 
 
 def check_transfer_host(host, field: str = 'config.cluster.transfer_host') -> str:

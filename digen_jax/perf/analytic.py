@@ -34,9 +34,10 @@ from __future__ import annotations
 import dataclasses
 
 from digen_jax.models.transformers import flux
-from digen_jax.rl import timesteps as timesteps_lib
+from digen_jax import programs
 from digen_jax.perf import abstract
 from digen_jax.perf import program_costs
+from digen_jax.perf import program_flops
 from digen_jax.perf import roles
 from digen_jax.perf import runmodel as rm
 
@@ -227,13 +228,16 @@ def run_model_of(config, name: str) -> rm.RunModel:
   program_costs.analytic_flops counts the compiled programs; the weights' bytes as the programs
   hold them. Nothing is compiled; the VAE decode is left out."""
   exp, _ = abstract.abstract_run(config)
-  rows = program_costs.cfg_branches(exp)
-  fwd = program_costs.forward_flops(exp, rows)
-  attn = program_costs.attention_flops(exp, rows)
+  rows = program_flops.cfg_branches(exp)
+  fwd = program_flops.forward_flops(exp, rows)  # the rollout's, per sample-step
+  train_rows = program_flops.train_branches(exp)
+  train_fwd = program_flops.forward_flops(exp, train_rows)
+  attn = program_flops.attention_flops(exp, train_rows)
   if exp.weights.lora is None:
-    backward = 2 * fwd
+    backward = 2 * train_fwd
   else:
-    backward = (fwd - attn) + 2 * attn + program_costs.lora_weight_grad_flops(exp, rows)
+    backward = (train_fwd - attn) + 2 * attn + program_flops.lora_weight_grad_flops(exp, train_rows)
+  extra = program_flops.extra_forwards(exp) * train_fwd
   m = config.model
   layers = int(m.num_layers) + (int(m.num_single_layers) if m.family == 'flux' else 0)
   tokens = exp.latent_shape[0] + int(config.text.max_length)
@@ -248,9 +252,9 @@ def run_model_of(config, name: str) -> rm.RunModel:
       24.0 * rows * tokens * hidden * layers,
       rows * tokens * hidden,
       layers,
-      {bool(m.remat): fwd + backward + (fwd if m.remat else 0.0)},
+      {bool(m.remat): train_fwd + backward + extra + (train_fwd if m.remat else 0.0)},
   )
-  rollout.fixed_flops = program_costs.lora_merge_flops(exp)
+  rollout.fixed_flops = program_flops.lora_merge_flops(exp)
   params = exp.family.count_params(exp.model_config)
   trainable = sizes['trainable_bytes'] // 4
   lora = exp.weights.lora is not None
@@ -260,7 +264,8 @@ def run_model_of(config, name: str) -> rm.RunModel:
       prompts=int(config.rl.prompts_per_step),
       group_size=int(config.rl.group_size),
       T=len(exp.sigmas) - 1,
-      K=timesteps_lib.num_selected(exp.selection, len(exp.sigmas) - 1),
+      K=programs.trained_levels(exp),
+      clean_samples=programs.likelihood_free(exp),
       image_tokens=exp.latent_shape[0],
       latent_channels=int(m.in_channels),
       layers=layers,
@@ -275,7 +280,7 @@ def run_model_of(config, name: str) -> rm.RunModel:
           f'{params / 1e9:.2f}B params, {exp.latent_shape[0]} image + {config.text.max_length} '
           f'text tokens, {rows} row(s) per sample'
       ],
-      lora_weight_grad_flops=program_costs.lora_weight_grad_flops(exp, rows),
+      lora_weight_grad_flops=program_flops.lora_weight_grad_flops(exp, rows),
       **sizes,
       **rm.reward_terms(config),
   )

@@ -172,6 +172,7 @@ def from_cache(
       grads=grads,
       apply=roles.program_model(c.programs['apply']),
       ref_bytes=c.trainable_bytes if config.rl.kl_beta > 0 and not lora else 0,
+      clean_samples=config.rl.get('algorithm', 'grpo') != 'grpo',
       finetune=s['finetune'],
       tcss_fraction=float(config.schedule.tcss_fraction),
       scans=scan_models(memory),

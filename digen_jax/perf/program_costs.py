@@ -51,9 +51,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from digen_jax import programs
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.perf import abstract
+from digen_jax.perf import program_flops
 
 PROGRAMS = ('rollout', 'grad', 'apply')
 METHODS = ('extrapolate', 'unrolled', 'raw')
@@ -212,92 +212,6 @@ def build_apply(exp, mesh, batch: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Analytic counts (matmuls only).
-
-
-def attention_flops(exp, batch: int) -> float:
-  """The attention matmuls (QK^T and PV, all heads) of one forward on `batch` samples: the part
-  of family.flops_per_forward whose backward is two matmuls even when the weights are frozen."""
-  m = exp.model
-  s = exp.latent_shape[0] + m.text_max_length
-  blocks = m.num_layers + (m.num_single_layers if m.family == 'flux' else 0)
-  return 2.0 * batch * blocks * 2 * s * s * exp.model_config.inner_dim
-
-
-def forward_flops(exp, batch: int) -> float:
-  return exp.family.flops_per_forward(
-      exp.model_config, batch, exp.latent_shape[0], exp.model.text_max_length
-  )
-
-
-def lora_merge_flops(exp) -> float:
-  """scale * A @ B for every adapted kernel (lora.merge), once per program."""
-  if exp.weights.lora is None:
-    return 0.0
-  total = 0.0
-  for entry in exp.params.values():
-    a, b = entry['a'], entry['b']  # [..., in, r], [..., r, out]
-    total += 2.0 * np.prod(a.shape) * b.shape[-1]
-  return total
-
-
-def lora_weight_grad_flops(exp, rows: int) -> float:
-  """The full weight gradient x^T dy of every adapted kernel, one backward on `rows` samples:
-  LoRA trains through the merged weight W + s A B (lora.merge), so the backward forms dW of
-  each adapted kernel before projecting it onto A and B. A kernel sees its stream's tokens
-  (text for add_* / to_add_out, all of them in FLUX's single-stream blocks, else image)."""
-  if exp.weights.lora is None:
-    return 0.0
-  n_img, n_txt = exp.latent_shape[0], exp.model.text_max_length
-  total = 0.0
-  for path, entry in exp.params.items():
-    a, b = entry['a'], entry['b']  # [..., in, r], [..., r, out]
-    if path.startswith('single_blocks.'):
-      tokens = n_img + n_txt
-    elif '.add_' in path or 'to_add_out' in path:
-      tokens = n_txt
-    else:
-      tokens = n_img
-    total += 2.0 * rows * tokens * np.prod(a.shape[:-1]) * b.shape[-1]
-  return total
-
-
-def cfg_branches(exp) -> int:
-  return 2 if programs.guidance_of(exp)[0] is not None else 1
-
-
-def trained_steps(exp, mesh) -> int:
-  """Steps a fragment's forward/backward runs: K, or K padded to the mesh under TSP."""
-  k, k_pad = programs.tsp_steps(exp, mesh)
-  return k_pad if exp.schedule.tsp else k
-
-
-def analytic_flops(name: str, exp, mesh, batch: int) -> float:
-  """Per-device matmul FLOPs of program `name`: forwards x steps x CFG branches, the backward
-  (full: 2 forwards; LoRA: data gradients = the linear layers once + attention twice, plus the
-  adapted kernels' full weight gradients), the remat recompute (one more forward: an upper
-  bound, XLA drops the recomputed ops the backward does not read) and the LoRA merge."""
-  n = mesh.devices.size
-  if name == 'apply':
-    return 0.0
-  rows = batch * cfg_branches(exp)
-  merge = lora_merge_flops(exp)
-  if name == 'rollout':
-    return ((len(exp.sigmas) - 1) * forward_flops(exp, rows) + merge) / n
-  fwd = trained_steps(exp, mesh) * forward_flops(exp, rows)
-  attn = trained_steps(exp, mesh) * attention_flops(exp, rows)
-  if exp.weights.lora is None:
-    backward = 2 * fwd
-  else:
-    backward = (
-        (fwd - attn) + 2 * attn + trained_steps(exp, mesh) * lora_weight_grad_flops(exp, rows)
-    )
-  remat = fwd if exp.model_config.remat else 0.0
-  # The merge's backward: dA = dW B^T and dB = A^T dW, each the merge's size.
-  return (fwd + backward + remat + 3 * merge) / n
-
-
-# ---------------------------------------------------------------------------------------------
 # Compiling and reading XLA's analyses.
 
 
@@ -355,7 +269,7 @@ def _build(name, config, mesh, batch, layout, vae, samples=None):
 
 def outer_trip(name: str, exp, mesh) -> int:
   """The trip count t of the program's outer loop: T sampler steps, or a fragment's steps."""
-  return len(exp.sigmas) - 1 if name == 'rollout' else trained_steps(exp, mesh)
+  return len(exp.sigmas) - 1 if name == 'rollout' else program_flops.trained_steps(exp, mesh)
 
 
 def fit_counts(name: str, config, mesh, batch: int, layout: str, vae: str, samples=None):
@@ -421,7 +335,7 @@ def trip_counts(name: str, exp, mesh) -> dict[str, int]:
   if name == 'apply':
     return {}
   out['steps'] = outer_trip(name, exp, mesh)
-  out['cfg_branches'] = cfg_branches(exp)
+  out['cfg_branches'] = program_flops.cfg_branches(exp)
   return out
 
 
@@ -466,7 +380,7 @@ def program_cost(
       flops=float(counted[0]),
       bytes_accessed=float(counted[1]),
       transcendentals=float(counted[2]),
-      analytic_flops=analytic_flops(name, exp, mesh, batch),
+      analytic_flops=program_flops.analytic_flops(name, exp, mesh, batch),
       memory=memory,
       raw_flops=float(raw[0]),
       raw_bytes_accessed=float(raw[1]),
@@ -558,10 +472,10 @@ def run_costs(
           'finetune': 'lora' if lora else 'full',
           'lora_rank': int(config.model.lora.rank),
           'remat': bool(exp.model_config.remat),
-          'cfg': cfg_branches(exp) == 2,
+          'cfg': program_flops.cfg_branches(exp) == 2,
           'compute_dtype': jnp.dtype(compute).name,
           'num_steps': len(exp.sigmas) - 1,
-          'trained_steps': trained_steps(exp, mesh),
+          'trained_steps': program_flops.trained_steps(exp, mesh),
           'tsp': bool(config.schedule.tsp),
           'image_tokens': exp.latent_shape[0],
           'text_tokens': int(config.text.max_length),

@@ -72,6 +72,9 @@ class RunModel:
   grads: dict[bool, roles.ProgramModel]  # by remat
   apply: roles.ProgramModel
   ref_bytes: int = 0  # the KL reference (rl.kl_beta > 0), FSDP
+  # The rollout hands over clean samples only (a likelihood-free objective: CleanSamples), not
+  # a trajectory; K is then the noise levels trained per sample.
+  clean_samples: bool = False
   finetune: str = 'lora'
   tcss_fraction: float = 0.0  # the config's (0: the plan uses 0.5, the ladder's)
   # Scoring on the accelerators (config.reward.device_s_per_sample on cost_accelerator): 0 for
@@ -144,7 +147,10 @@ class RunModel:
     return [m for m in range(1, self.prompts + 1) if self.prompts % m == 0]
 
   def trajectory_bytes(self, samples: int) -> float:
-    """What a fragment hands to the trainer: float32 latents [T+1, b, N, C], log-probs, stds."""
+    """What a fragment hands to the trainer: float32 latents [T+1, b, N, C], log-probs, stds;
+    for clean samples the final latents [b, N, C] and a uint32 [b, 2] key each."""
+    if self.clean_samples:
+      return samples * (4.0 * self.image_tokens * self.latent_channels + 8.0)
     return samples * 4.0 * ((self.T + 1) * self.image_tokens * self.latent_channels + 2 * self.T)
 
   def reward_seconds(self, samples: int, group: roles.Group) -> float:

@@ -278,3 +278,31 @@ def test_gap_tsp_two_processes_equal_colocated(colocated_ref, tmp_path):
   state, _ = ckpt.restore(STEPS, template)
   ckpt.close()
   _assert_same_update(state['params'], state['opt_state'], _rows(wd), colocated_ref)
+
+
+@pytest.mark.slow
+def test_tcss_trains_on_samples_at_most_one_version_old(tmp_path):
+  """TCSS with nft: up to half of a batch's fragments may come from the previous sampling
+  policy (docs/design.md#objectives: the loss takes them as they are); rows report the mix."""
+  wd = str(tmp_path / 'run')
+  c = configlib.set_disagg(
+      _tiny(
+          'nft',
+          **{
+              'schedule.fragments': 4,
+              'schedule.fragment_unit': 'sample',
+              'schedule.tcss_fraction': 0.5,
+          },
+      ),
+      trainer=(0, 1),
+      rollout=(2, 3),
+  )
+  out = loop.train(experiment.build(c, wd, 2), wd, cluster_lib.resolve(run_lib.cluster_spec(c)))
+  rows = _rows(wd)
+  assert [r['step'] for r in rows] == [1, 2, 3]
+  for r in rows:
+    mix = r['staleness_mix']
+    assert set(mix) == {'0', '1'} and mix['1'] <= 0.5 + 1e-9
+    assert np.isfinite(r['loss']) and r['nonfinite'] == 0
+  assert any(r['staleness_mix']['1'] > 0 for r in rows[1:])
+  assert all(np.isfinite(x).all() for x in _leaves(out['params']))
