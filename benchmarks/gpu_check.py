@@ -284,14 +284,32 @@ def xla_memory(compiled) -> dict:
   }
 
 
-def transformer_torch(family: str, size: str, reps: int) -> dict:
+def torch_spec(family: str, size: str) -> dict:
+  """What transformer_torch needs of configs/<family>.py, as JSON: the diffusers constructor's
+  arguments, the shapes and the input widths. The parent passes it to the torch child, which
+  then never imports the configs (they import JAX and the package: ~8 s a child)."""
+  config = family_config(family, size)
+  m = config.model
+  widths = ('in_channels', 'joint_attention_dim', 'pooled_projection_dim', 'guidance_embeds')
+  return {
+      'kwargs': diffusers_kwargs(config),
+      'shapes': shapes_of(config, size),
+      'model': {k: m.get(k) for k in widths},
+  }
+
+
+def transformer_torch(family: str, size: str, reps: int, spec: dict | None = None) -> dict:
   """diffusers' transformer, eager, bf16: forward under inference_mode, then forward + backward
-  with gradient checkpointing; peak memory reset between phases."""
+  with gradient checkpointing; peak memory reset between phases. `spec`: torch_spec's (None:
+  computed here)."""
+  import types  # pylint: disable=g-import-not-at-top
+
   import diffusers  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
 
-  config = family_config(family, size)
-  sh = shapes_of(config, size)
+  spec = json.loads(json.dumps(spec or torch_spec(family, size)))  # the child's view of it
+  sh = dict(spec['shapes'], img_shape=tuple(spec['shapes']['img_shape']))
+  kwargs = dict(spec['kwargs'], axes_dims_rope=tuple(spec['kwargs']['axes_dims_rope']))
   dev = 'cuda' if torch.cuda.is_available() else 'cpu'
   cuda = dev == 'cuda'
   torch.manual_seed(0)
@@ -302,13 +320,13 @@ def transformer_torch(family: str, size: str, reps: int) -> dict:
   )
   torch.set_default_dtype(torch.bfloat16)
   with torch.device(dev):
-    model = cls(**diffusers_kwargs(config))
+    model = cls(**kwargs)
   torch.set_default_dtype(torch.float32)
   model = model.to(dev, torch.bfloat16)
   sync = (lambda _: torch.cuda.synchronize()) if cuda else (lambda _: None)
   out = {'torch': torch.__version__, 'diffusers': diffusers.__version__}
   gen = torch.Generator(device=dev).manual_seed(1)
-  m = config.model
+  m = types.SimpleNamespace(**spec['model'])
 
   def inputs(b):
     rand = lambda *shape: torch.randn(*shape, generator=gen, device=dev, dtype=torch.bfloat16)
@@ -470,15 +488,24 @@ def device_info() -> dict:
       'python': sys.version.split()[0],
       'date': time.strftime('%Y-%m-%d %H:%M %Z'),
   }
-  try:
-    import diffusers  # pylint: disable=g-import-not-at-top
-    import torch  # pylint: disable=g-import-not-at-top
+  # The versions from the installed packages' metadata: importing torch and diffusers here would
+  # cost this process ~15 s (the torch children import them anyway). Only a GPU machine asks
+  # torch which device it sees.
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
 
-    info.update(torch=torch.__version__, diffusers=diffusers.__version__)
-    if torch.cuda.is_available():
-      info['torch_device'] = torch.cuda.get_device_name()
-  except ImportError as e:
-    info['torch_missing'] = str(e)
+  try:
+    info.update(torch=metadata.version('torch'), diffusers=metadata.version('diffusers'))
+  except metadata.PackageNotFoundError as e:
+    info['torch_missing'] = f'No module named {str(e)!r}'
+    return info
+  if d.platform == 'gpu':
+    try:
+      import torch  # pylint: disable=g-import-not-at-top
+
+      if torch.cuda.is_available():
+        info['torch_device'] = torch.cuda.get_device_name()
+    except ImportError as e:
+      info['torch_missing'] = str(e)
   return info
 
 
@@ -527,10 +554,16 @@ def main(argv=None):
   p.add_argument('--timeout', type=int, default=900, help='seconds per child process')
   p.add_argument('--child', choices=('jax', 'torch', 'programs'), help=argparse.SUPPRESS)
   p.add_argument('--family', default='qwenimage', help=argparse.SUPPRESS)
+  p.add_argument('--torch_spec', default=None, help=argparse.SUPPRESS)  # torch_spec's JSON
   a = p.parse_args(argv)
   if a.child:
-    fn = {'jax': transformer_jax, 'torch': transformer_torch}.get(a.child)
-    res = fn(a.family, a.size, a.reps) if fn else project_programs(a.size, a.reps)
+    if a.child == 'torch':
+      spec = json.loads(a.torch_spec) if a.torch_spec else None
+      res = transformer_torch(a.family, a.size, a.reps, spec)
+    elif a.child == 'jax':
+      res = transformer_jax(a.family, a.size, a.reps)
+    else:
+      res = project_programs(a.size, a.reps)
     print(json.dumps(res))
     return
   if not a.out:
@@ -555,7 +588,13 @@ def main(argv=None):
       result['transformers'][family] = {
           'flops': transformer_flops(family, a.size),
           'jax': _child(['--child', 'jax', '--family', family, *common], a.timeout),
-          'torch': _child(['--child', 'torch', '--family', family, *common], a.timeout),
+          'torch': _child(
+              [
+                  *('--child', 'torch', '--family', family, *common),
+                  f'--torch_spec={json.dumps(torch_spec(family, a.size))}',
+              ],
+              a.timeout,
+          ),
       }
   if 'programs' in parts:
     result['programs'] = _child(['--child', 'programs', *common], a.timeout)

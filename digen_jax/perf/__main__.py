@@ -1,18 +1,20 @@
 """python -m digen_jax.perf: the ladder (benchmarks/ladder.py) predicted by the simulator.
 
-    python -m digen_jax.perf --config=configs/shapes.py --json=OUT.json [--config.k=v ...]
+    python -m digen_jax.perf --config=configs/shapes.py --json=OUT.json [--repeats 5] \
+        [--config.k=v ...]
     python -m digen_jax.perf --profile=PROFILE.json --json=OUT.json
         [--steps 8] [--rungs ...] [--variants mp2,sp] [--fragments 16] [--fragment_unit group]
         [--tcss_fraction 0.5] [--measured=LADDER.json] [--timelines=DIR]
 
 --config profiles the config's programs on this machine first (python -m digen_jax.perf.profile
-in the layouts the variants need, same --config.k=v overrides; the profile is kept beside OUT as
-OUT.profile.json), then predicts; --profile predicts from a profile taken before (same config and
-overrides as the ladder run it predicts). OUT.json has the ladder's keys (docs/design.md#measuring:
-'modes', 'modes_by_variant', 'rows'), so predicted and measured rungs compare line by line;
---measured prints that comparison (relative error of samples/s, absolute error of utilization)
-and stores it under 'comparison'. --timelines writes each simulated rung's timeline.png in a
-real run's format. For accelerator clusters see python -m digen_jax.plan.
+in the layouts the variants need, same --config.k=v overrides, --repeats timed calls of each
+program; the profile is kept beside OUT as OUT.profile.json), then predicts; --profile predicts
+from a profile taken before (same config and overrides as the ladder run it predicts). OUT.json
+has the ladder's keys (docs/design.md#measuring: 'modes', 'modes_by_variant', 'rows'), so
+predicted and measured rungs compare line by line; --measured prints that comparison (relative
+error of samples/s, absolute error of utilization) and stores it under 'comparison'.
+--timelines writes each simulated rung's timeline.png in a real run's format. For accelerator
+clusters see python -m digen_jax.plan.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def parse_args(argv):
   p.add_argument('--fragments', type=int, default=16)
   p.add_argument('--fragment_unit', default='group', choices=('group', 'sample'))
   p.add_argument('--tcss_fraction', type=float, default=0.5)
+  p.add_argument(
+      '--repeats',
+      type=int,
+      default=None,
+      help="with --config: timed calls per program in the profile (perf/profile.py's default)",
+  )
   p.add_argument('--measured', default=None, help='a ladder JSON to compare with')
   p.add_argument('--timelines', default=None, help='directory for <run>.png timelines')
   a, rest = p.parse_known_args(argv)
@@ -57,6 +65,8 @@ def parse_args(argv):
       p.error(f'--variants: unknown variant {v!r}; use a subset of {",".join(predict.VARIANTS)}')
   if a.steps < 2:
     p.error(f'--steps={a.steps}: need >= 2 (the first step fills the pipeline)')
+  if a.repeats is not None and (a.repeats < 1 or not a.config):
+    p.error(f'--repeats={a.repeats}: needs --config and a value >= 1')
   if not 0 < a.tcss_fraction <= 1:
     p.error(f'--tcss_fraction={a.tcss_fraction} must be in (0, 1]')
   for path in (a.profile, a.measured, a.config and a.config.partition(':')[0]):
@@ -83,6 +93,7 @@ def take_profile(a) -> str:
       f'--fragments={a.fragments}',
       f'--fragment_unit={a.fragment_unit}',
       *([f'--fragment_grads={",".join(grads)}'] if grads else []),
+      *([f'--repeats={a.repeats}'] if a.repeats is not None else []),
       *a.overrides,
   ]
   print(f'[sim] profiling: {" ".join(cmd[1:])}', flush=True)

@@ -15,19 +15,33 @@ def _sim(*args, timeout=900):
   return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize(
-    'args,message',
-    [
-        (['--json=/tmp/x.json'], 'one of the arguments --profile --config is required'),
-        (['--config=configs/shapes.py', '--profile=p.json', '--json=x'], 'not allowed with'),
-        (['--config=configs/nope.py', '--json=x'], 'configs/nope.py: no such file'),
-        (['--profile=p.json', '--json=x', '--config.seed=1'], 'overrides need --config'),
-        (['--config=configs/shapes.py', '--json=x', '--bogus=1'], 'unrecognized arguments'),
-    ],
-)
-def test_bad_arguments_fail_in_one_line(args, message):
+BAD_ARGUMENTS = [
+    (['--json=/tmp/x.json'], 'one of the arguments --profile --config is required'),
+    (['--config=configs/shapes.py', '--profile=p.json', '--json=x'], 'not allowed with'),
+    (['--config=configs/nope.py', '--json=x'], 'configs/nope.py: no such file'),
+    (['--profile=p.json', '--json=x', '--config.seed=1'], 'overrides need --config'),
+    (['--config=configs/shapes.py', '--json=x', '--bogus=1'], 'unrecognized arguments'),
+    (['--config=configs/shapes.py', '--json=x', '--repeats=0'], 'needs --config and a value >= 1'),
+]
+
+
+def test_bad_arguments_fail_in_one_line_from_the_command():
+  args, message = BAD_ARGUMENTS[0]
   r = _sim(*args, timeout=60)
   assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize('args,message', BAD_ARGUMENTS)
+def test_bad_arguments_fail_in_one_line(args, message, monkeypatch, capsys):
+  """The command's own argument parsing (its main, in this process: an interpreter a case
+  would cost ~4 s of imports; the command itself is the test above)."""
+  from digen_jax.perf import __main__ as sim  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.chdir(REPO)  # the config paths are the repository's
+  with pytest.raises(SystemExit) as e:
+    sim.main(args)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and message in err, err
 
 
 @pytest.mark.slow
@@ -40,6 +54,7 @@ def test_config_form_profiles_then_predicts(tmp_path):
       '--variants=sp',
       '--steps=3',
       '--fragments=4',
+      '--repeats=1',  # one timed call per program: the profile's keys, not its precision
       '--config.rl.prompts_per_step=4',
   )
   assert r.returncode == 0, r.stderr[-3000:]
@@ -49,7 +64,7 @@ def test_config_form_profiles_then_predicts(tmp_path):
   # The fragments were also sampled as the runtime samples them (each scored beside the next).
   seconds = profile['layouts']['sp']['seconds']
   assert {'rollout_piped/8', 'rollout_host/8'} <= set(seconds), sorted(seconds)
-  assert '--config.rl.prompts_per_step=4' in profile['argv']
+  assert '--config.rl.prompts_per_step=4' in profile['argv'] and '--repeats=1' in profile['argv']
   modes = doc['modes']
   assert modes['colocated']['samples_per_s'] > 0 and modes['disagg']['samples_per_s'] > 0
 

@@ -39,11 +39,16 @@ def _module(name):
 
 
 def _specs(pretraining: bool):
+  """Every config and variant; the variants' RL programs are slow-marked (2-4 s of tracing
+  each, ~30 of them): the fast tier traces each config file's default, the full suite every
+  variant."""
   out = []
   for name in CONFIG_NAMES:
     for variant in ('',) + tuple(_module(name).VARIANTS):
       if hasattr(_module(name).get_config(variant or None), 'pretrain') == pretraining:
-        out.append(f'{name}:{variant}' if variant else name)
+        spec = f'{name}:{variant}' if variant else name
+        slow = variant and not pretraining
+        out.append(pytest.param(spec, marks=pytest.mark.slow) if slow else spec)
   return out
 
 
