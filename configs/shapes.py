@@ -99,7 +99,8 @@ def _nft(c):
   0.5), advantages over the global std."""
   c.rl.algorithm = 'nft'
   c.rl.rollout_sampler = 'ode'
-  c.rl.train_noise_levels = 2
+  # 4 of the 10 grid levels per sample (val, seed 0, step 50: 54.25 % with 4, 28.75 % with 2).
+  c.rl.train_noise_levels = 4
   c.rl.nft_beta = 1.0
   c.rl.adv_std = 'global'
   c.optim.lr = 3e-4
@@ -111,7 +112,7 @@ def _awm(c):
   0.3). Settings chosen on the val split as for nft."""
   c.rl.algorithm = 'awm'
   c.rl.rollout_sampler = 'ode'
-  c.rl.train_noise_levels = 2
+  c.rl.train_noise_levels = 2  # val, seed 0: 41.0 % at step 50 (the one setting tried)
   c.rl.clip_range = 1.0  # AWM's ratio clip (the ratio is 1: one step per rollout)
   c.rl.old_policy_uprate = 0.001
   c.rl.old_policy_uphold = 0.3

@@ -86,6 +86,18 @@ def _rows(workdir):
   ]
 
 
+def _states(opt_state):
+  """The optimizer state's float leaves grouped by the subtree (params-shaped tree) they sit in:
+  [[leaves of mu], [leaves of nu], [leaves of the old policy]]."""
+  groups = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(jax.device_get(opt_state)):
+    x = np.asarray(x)
+    if x.dtype.kind == 'f' and x.size and x.ndim:
+      i = next((i for i, k in enumerate(path) if isinstance(k, jax.tree_util.DictKey)), len(path))
+      groups.setdefault(jax.tree_util.keystr(path[:i]), []).append(x)
+  return list(groups.values())
+
+
 def _assert_same_update(params, opt_state, rows, ref):
   got, want = np.concatenate([x.ravel() for x in _leaves(params)]), np.concatenate(
       [y.ravel() for y in _leaves(ref['params'])]
@@ -100,9 +112,14 @@ def _assert_same_update(params, opt_state, rows, ref):
   assert (dev > PARAM_ATOL).mean() <= 1e-3
   # The moments and the old policy (inside the optimizer state) follow the gradient's scale,
   # which a wrong loss denominator would change while Adam's params hid it.
-  for x, y in zip(_leaves(opt_state), _leaves(ref['opt_state'])):
-    if x.dtype.kind == 'f' and x.size:
-      np.testing.assert_allclose(x, y, atol=1e-3 * float(np.abs(y).max()) + 1e-12)
+  # Against the scale of each kind of state (first moments, second moments, old policy) over
+  # the whole tree, not leaf by leaf: a leaf whose gradient is itself rounding noise (nft, GAP
+  # by group + TAG: a [1, 128] bias whose moments are ~1e-6 where others are ~1e-2, measured)
+  # has no reproducible moments of its own, while a wrong denominator scales every leaf.
+  for part, ref_part in zip(_states(opt_state), _states(ref['opt_state'])):
+    scale = max(float(np.abs(y).max()) for y in ref_part)
+    for x, y in zip(part, ref_part):
+      np.testing.assert_allclose(x, y, atol=1e-3 * scale + 1e-12)
   assert [r['step'] for r in rows] == list(range(1, STEPS + 1))
   for a, b in zip(rows, ref['rows']):
     assert a['reward_mean'] == pytest.approx(b['reward_mean'], rel=1e-5, abs=1e-6)
@@ -111,14 +128,19 @@ def _assert_same_update(params, opt_state, rows, ref):
     assert a['loss'] == pytest.approx(b['loss'], rel=1e-4, abs=1e-5)
 
 
-@pytest.fixture(scope='module', params=sorted(OBJECTIVES))
-def colocated_ref(request, tmp_path_factory):
-  algorithm = request.param
-  wd = str(tmp_path_factory.mktemp(f'colocated_{algorithm}'))
-  exp = experiment.build(_tiny(algorithm), wd, 2)
+def _colocated(algorithm, wd, **overrides):
+  """The colocated run of `algorithm` on 2 devices: its params, optimizer state and rows."""
+  exp = experiment.build(_tiny(algorithm, **overrides), wd, 2)
   out = loop.train(exp, wd, cluster_lib.colocated(jax.devices()[:2]))
   out['rows'] = _rows(wd)
   out['algorithm'] = algorithm
+  return out
+
+
+@pytest.fixture(scope='module', params=sorted(OBJECTIVES))
+def colocated_ref(request, tmp_path_factory):
+  algorithm = request.param
+  out = _colocated(algorithm, str(tmp_path_factory.mktemp(f'colocated_{algorithm}')))
   init = experiment.build_model(_tiny(algorithm))[2]
   moved = max(float(np.abs(a - b).max()) for a, b in zip(_leaves(out['params']), _leaves(init)))
   assert moved > 8 * PARAM_ATOL, 'the updates are too small for the tolerance to mean much'
@@ -245,10 +267,15 @@ def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit,
 
 
 @pytest.mark.slow
-def test_gap_tsp_two_processes_equal_colocated(colocated_ref, tmp_path):
+@pytest.mark.parametrize('algorithm', sorted(OBJECTIVES))
+def test_gap_tsp_two_processes_equal_colocated(tmp_path, algorithm):
   """launch/local.py, one process per role (2 CPU devices each), GAP by sample (M=4) + TSP:
-  colocated's update, the old policy published over the transfer server."""
-  algorithm = colocated_ref['algorithm']
+  colocated's update, the old policy published over the transfer server (the subprocesses score
+  with the config's JPEG reward, the reference with it too)."""
+  # The processes score with the config's own (JPEG) reward, a registry name the test's
+  # reward is not in theirs: the reference here does too.
+  jpeg = qwenimage.get_config('tiny').reward.weights
+  colocated_ref = _colocated(algorithm, str(tmp_path / 'colocated'), **{'reward.weights': jpeg})
   wd = str(tmp_path / 'run')
   launch = ['--num_processes=2', '--devices_per_process=2', '--timeout_s=240', '--grace_s=45']
   overrides = [f'--config.{k}={v}' for k, v in OBJECTIVES[algorithm].items()]
