@@ -2,11 +2,9 @@
 serial, and exactness of GAP + TSP + TAG against colocated in one process and in two; TCSS
 staleness bookkeeping."""
 
-import dataclasses
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ from digen_jax.runtime import loop
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.runtime import inputs
 from digen_jax.experiment import run as run_lib
+from tests.helpers import runs
 from tests.mp_scripts import launcher_util as util
 
 STEPS = 3
@@ -39,25 +38,13 @@ def _tiny(**overrides):
   )
 
 
-def _leaves(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
-
-
-def _rows(workdir):
-  return [
-      json.loads(l)
-      for l in open(os.path.join(workdir, 'metrics.jsonl'))
-      if 'reward_mean' in json.loads(l)
-  ]
-
-
 def _assert_same_update(params, opt_state, rows, ref):
   """params/opt_state/rows of a scheduled run vs the colocated reference (dict)."""
-  for x, y in zip(_leaves(params), _leaves(ref['params'])):
+  for x, y in zip(runs.leaves(params), runs.leaves(ref['params'])):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=PARAM_ATOL)
   # Adam is invariant to a constant gradient scale; its moments and the grad norm are not, so
   # they catch a wrong loss denominator the parameters alone would hide.
-  for x, y in zip(_leaves(opt_state), _leaves(ref['opt_state'])):
+  for x, y in zip(runs.leaves(opt_state), runs.leaves(ref['opt_state'])):
     if x.dtype.kind == 'f' and x.size:
       np.testing.assert_allclose(x, y, atol=1e-3 * float(np.abs(y).max()) + 1e-12)
   assert [r['step'] for r in rows] == list(range(1, STEPS + 1))
@@ -166,9 +153,9 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
   (loss, m), g = jax.jit(jax.value_and_grad(serial, has_aux=True))(exp.params)
   assert float(acc['sums']['loss']) == pytest.approx(float(loss), rel=1e-4, abs=1e-7)
   assert float(acc['sums']['weight_sum']) == float(m['weight_sum']) == 5 * int(valid.sum())
-  scale = max(float(np.abs(x).max()) for x in _leaves(g))
+  scale = max(float(np.abs(x).max()) for x in runs.leaves(g))
   assert scale > 0
-  for x, y in zip(_leaves(acc['grads']), _leaves(g)):
+  for x, y in zip(runs.leaves(acc['grads']), runs.leaves(g)):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5 * scale)
 
 
@@ -179,22 +166,13 @@ def test_tsp_gradient_equals_the_serial_loop(tmp_path):
 def colocated_ref(tmp_path_factory):
   wd = str(tmp_path_factory.mktemp('colocated'))
   out = loop.train(experiment.build(_tiny(), wd, 2), wd, cluster_lib.colocated(jax.devices()[:2]))
-  out['rows'] = _rows(wd)
+  out['rows'] = runs.train_rows(wd)
   init = experiment.build_model(_tiny())[2]
-  moved = max(float(np.abs(a - b).max()) for a, b in zip(_leaves(out['params']), _leaves(init)))
+  moved = max(
+      float(np.abs(a - b).max()) for a, b in zip(runs.leaves(out['params']), runs.leaves(init))
+  )
   assert moved > 30 * PARAM_ATOL, 'the updates are too small for the tolerance to mean much'
   return out
-
-
-def _slow_reward(exp, seconds):
-  """Makes sampling a fragment slower than training one, so BTS has bubbles to fill."""
-  fn = exp.reward_fn
-
-  def slow(images, prompts):
-    time.sleep(seconds)
-    return fn(images, prompts)
-
-  return dataclasses.replace(exp, reward_fn=slow)
 
 
 @pytest.mark.slow
@@ -215,12 +193,12 @@ def test_gap_tsp_tag_one_process_equals_colocated(colocated_ref, tmp_path, unit,
       trainer=(0, 1),
       rollout=(2, 3),
   )
-  exp = _slow_reward(experiment.build(c, wd, 2), 0.4)
+  exp = runs.slow_reward(experiment.build(c, wd, 2), 0.4)
   out = loop.train(exp, wd, cluster_lib.resolve(run_lib.cluster_spec(c)))
-  rows = _rows(wd)
+  rows = runs.train_rows(wd)
   print(
       f'GAP({unit}, M={m})+TSP+TAG vs colocated: max |dparams| = '
-      f'{max(float(np.abs(a - b).max()) for a, b in zip(_leaves(out["params"]), _leaves(colocated_ref["params"]))):.3g}; '
+      f'{max(float(np.abs(a - b).max()) for a, b in zip(runs.leaves(out["params"]), runs.leaves(colocated_ref["params"]))):.3g}; '
       f'TAG fragments per step {[r["tag_fragments"] for r in rows]}'
   )
   _assert_same_update(out['params'], out['opt_state'], rows, colocated_ref)
@@ -277,7 +255,7 @@ def test_gap_tsp_tag_two_processes_equal_colocated(colocated_ref, tmp_path, wait
   state, meta = ckpt.restore(STEPS, template)
   ckpt.close()
   assert meta['data_position'] == STEPS * 2
-  _assert_same_update(state['params'], state['opt_state'], _rows(wd), colocated_ref)
+  _assert_same_update(state['params'], state['opt_state'], runs.train_rows(wd), colocated_ref)
   trace_json = json.load(open(os.path.join(wd, 'trace.json')))
   roles = {e['cat'] for e in trace_json['traceEvents'] if e['ph'] == 'X'}
   assert roles == {'rollout', 'trainer'}
@@ -301,7 +279,7 @@ def test_tcss_mixes_at_most_one_version_of_staleness(tmp_path):
       rollout=(2, 3),
   )
   out = loop.train(experiment.build(c, wd, 2), wd, cluster_lib.resolve(run_lib.cluster_spec(c)))
-  rows = _rows(wd)
+  rows = runs.train_rows(wd)
   assert [r['step'] for r in rows] == [1, 2, 3]
   for r in rows:
     mix = r['staleness_mix']
@@ -312,4 +290,4 @@ def test_tcss_mixes_at_most_one_version_of_staleness(tmp_path):
   # The rollout finishes its share before the trainer's last gradient + step + publish, so
   # later batches do start with the previous policy.
   assert any(r['staleness_mix']['1'] > 0 for r in rows[1:])
-  assert all(np.isfinite(x).all() for x in _leaves(out['params']))
+  assert all(np.isfinite(x).all() for x in runs.leaves(out['params']))
