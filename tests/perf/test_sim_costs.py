@@ -14,6 +14,7 @@ from configs import qwenimage
 from digen_jax.models.transformers import mmdit
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.perf import program_costs as costs
+from digen_jax.perf import program_flops as flops
 from digen_jax.perf import abstract
 from digen_jax.perf import hardware
 from digen_jax.perf import timing
@@ -56,7 +57,7 @@ def test_rollout_flops_count_every_step_and_layer():
   assert rel(fitted[0], unrolled[0]) < 1e-3, (fitted, unrolled)
   assert rel(fitted[1], unrolled[1]) < 0.02, (fitted, unrolled)  # bytes: fusion may differ
   exp, _ = abstract.abstract_run(config)
-  analytic = costs.analytic_flops('rollout', exp, mesh, batch)
+  analytic = flops.analytic_flops('rollout', exp, mesh, batch)
   assert rel(fitted[0], analytic) < ANALYTIC_RTOL, (fitted[0], analytic)
   # Per step per layer: one block forward on B x 2 (CFG) rows, on each of 4 devices.
   block = (
@@ -101,14 +102,14 @@ def test_grad_lora_backward_counts():
   s, d = exp.latent_shape[0] + config.text.max_length, exp.model_config.inner_dim
   forward = 2 * rows * mmdit.block_macs(d, s)
   attention = 2 * rows * 2 * s * s * d
-  weight_grads = costs.lora_weight_grad_flops(exp, rows) / layers
+  weight_grads = flops.lora_weight_grad_flops(exp, rows) / layers
   data_grads = forward + attention  # linear once, attention twice
   per_block = fit['c_num_layers']
   assert rel(per_block, forward + data_grads + weight_grads) < ANALYTIC_RTOL, fit
   assert per_block > (1 + ANALYTIC_RTOL) * (forward + data_grads)
   assert per_block < 0.9 * 3 * forward
   # The whole program: within a looser bound (XLA hoists step-invariant work out of the K steps).
-  assert rel(fitted[0], costs.analytic_flops('grad', exp, mesh, batch)) < 2 * ANALYTIC_RTOL
+  assert rel(fitted[0], flops.analytic_flops('grad', exp, mesh, batch)) < 2 * ANALYTIC_RTOL
 
 
 @pytest.mark.slow
@@ -128,7 +129,7 @@ def test_flux_rollout_counts_both_block_kinds():
       'd_num_layers',
       'd_num_single_layers',
   }
-  assert rel(fitted[0], costs.analytic_flops('rollout', exp, mesh, batch)) < ANALYTIC_RTOL
+  assert rel(fitted[0], flops.analytic_flops('rollout', exp, mesh, batch)) < ANALYTIC_RTOL
   # A double-stream block costs more than a single-stream one (two streams' projections).
   assert fit['c_num_layers'] > fit['c_num_single_layers'] > 0
 

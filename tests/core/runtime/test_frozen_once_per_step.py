@@ -49,7 +49,8 @@ def _all_gathers(trainer, state, frag, cond, adv):
   """(all-gather ops, bytes they gather) in the trainer's compiled fragment gradient (XLA's
   optimised HLO text: a loop body's once)."""
   frozen = state.get('frozen', trainer.frozen)
-  args = (frag.traj, cond, cond, *adv, state['indices'], trainer.ref_params, frozen)
+  args = (frag.traj, cond, cond, *adv, state['indices'], trainer.ref_params, trainer._old_params())
+  args += (frozen,)
   hlo = trainer._grad.program.lower(trainer.params, state['acc'], *args).compile().as_text()
   shapes = re.findall(r'= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(', hlo)
   size = lambda dims: int(np.prod([int(d) for d in dims.split(',') if d]))
