@@ -45,6 +45,8 @@ from configs import wan21
 from digen_jax.perf import analytic
 from digen_jax.perf import baseline
 from digen_jax.perf import cache
+from digen_jax.perf import calibrations
+from digen_jax.perf import comparisons
 from digen_jax.perf import cached_run
 from digen_jax.perf import hardware
 from digen_jax.perf import planner as planning
@@ -97,7 +99,7 @@ def plan_one(run: rm.RunModel, spec: str, settings: planning.Settings) -> dict:
   scaled = dataclasses.replace(run, prompts=run.prompts * scale, notes=list(run.notes))
   parts = hardware.parse_cluster(spec)
   p = planning.plan(scaled, parts, settings, cluster=spec)
-  p['baseline_off'] = planning.baseline_row(
+  p['baseline_off'] = comparisons.baseline_row(
       scaled, parts, settings.knobs(), baseline.Recipe(), frozenset()
   )
   p.pop('_results', None)
@@ -285,7 +287,7 @@ def main(argv=None) -> int:
   t0 = time.time()
   runs = families()
   settings = planning.Settings()
-  out_md = ['\n'.join(planning.hardware.describe_calibration('digen_jax', [hardware.get('H100')]))]
+  out_md = ['\n'.join(calibrations.describe('digen_jax', [hardware.get('H100')]))]
   doc = {'paper': PAPER, 'calibration': out_md[0], 'tables': {}, 'scaling': None}
   for k in a.trained_steps.split(','):
     rows = []

@@ -9,7 +9,8 @@ Variants (none: lora):
           128) on the attention projections and MLPs of both streams, true CFG 4.0, lr 3e-4
   full    run_qwen_image_ocr.sh: every weight, no CFG (true_cfg_scale 1.0), lr 3e-5
   full64  the same on 64 H100s with the parameters resident (their performance page: VeOmni
-          and FSDP1 with param_offload=False, optimizer_offload=True)
+          and FSDP1 with param_offload=False, optimizer_offload=True), FSDP over all 64 GPUs
+          as its script shards them (run_qwen_image_ocr_veomni_64cards.sh sets no fsdp_size)
 
 Common to all (the scripts and the defaults they inherit): 32 prompts x 16 images = 512 per step,
 512 x 512 px, 10 sampler steps, an SDE window of 2 steps (sde_window_size=2, within steps
@@ -85,4 +86,11 @@ def get_config(arg: str | None = None):
     c.optim.lr = 3e-5
   c.baseline.param_offload = variant != 'full64'
   c.baseline.optimizer_offload = True
+  if variant == 'full64':
+    # examples/flowgrpo_trainer/qwen_image/run_qwen_image_ocr_veomni_64cards.sh (verl-omni at
+    # a1139baf) sets no fsdp_size and no reshard_after_forward: one FSDP group over all 64
+    # GPUs, across the 8 nodes, resharding after the forward (the multi-node guide's
+    # within-node sharding is not what this published run used).
+    c.baseline.fsdp_size = 64
+    c.baseline.reshard_after_forward = 'yes'
   return c

@@ -320,7 +320,7 @@ def _baseline_section() -> ml_collections.ConfigDict:
   baseline.py; no program reads it). The defaults are veRL-Omni's colocated Qwen-Image recipe
   (its hybrid engine: torch FSDP training, a generation engine that sleeps while it trains)."""
   b = ml_collections.ConfigDict()
-  b.engine = 'torch'  # whose calibrated efficiencies (perf/hardware.py): 'torch' | 'digen_jax'
+  b.engine = 'torch'  # whose measured efficiencies (perf/calibrations.py): 'torch' | 'digen_jax'
   b.param_offload = True  # FSDP params to host memory while it samples, back to train
   b.optimizer_offload = True  # optimizer state likewise
   b.engine_sleep = True  # the generation engine's weights to host and back (vLLM sleep level 1)
@@ -328,6 +328,13 @@ def _baseline_section() -> ml_collections.ConfigDict:
   b.behaviour_pass = True  # a forward over the trained steps for the old log-probs
   b.mini_batches = 2  # optimizer steps per batch (veRL's ppo_mini_batch_size: 16 of 32 prompts)
   b.micro_batch = 16  # samples per device per forward/backward (ppo_micro_batch_size_per_gpu)
+  # FSDP as veRL-Omni's multi-node guide configures it (docs/start/multi_node_training.md):
+  # shard groups of one node's devices (fsdp_size=$GPUS_PER_NODE; 0 here), replicated across
+  # nodes; reshard_after_forward 'auto' = 'no' across nodes (the guide), 'yes' on one node (the
+  # single-node scripts keep FSDP's default).
+  b.fsdp_size = 0
+  b.reshard_after_forward = 'auto'  # 'auto' | 'yes' | 'no'
+  b.adapter_only_sync = True  # LoRA: the engine receives only the adapters each step
   return b
 
 

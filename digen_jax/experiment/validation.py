@@ -50,6 +50,7 @@ _CHOICES = {
     'cluster.rollout.param_sharding': ('replicated', 'fsdp'),
     'schedule.fragment_unit': ('group', 'sample'),
     'baseline.engine': ('torch', 'digen_jax'),
+    'baseline.reshard_after_forward': ('auto', 'yes', 'no'),
 }
 
 
@@ -106,10 +107,12 @@ _INT_MIN = {
     'sample_grid_every': 0,
     'baseline.mini_batches': 1,
     'baseline.micro_batch': 1,
+    'baseline.fsdp_size': 0,
 }
 _INT_HINTS = {
     'rl.group_size': 'GRPO needs at least 2 samples per prompt',
     'runtime.num_devices': '0 = all local devices',
+    'baseline.fsdp_size': "0 = one node's devices (veRL-Omni's multi-node guide)",
     'eval.num_prompts': '0 = the whole split',
     'eval.every': '0 = off',
     'schedule.tsp_steps_axis': '0 = auto',

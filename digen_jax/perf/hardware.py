@@ -10,9 +10,7 @@ its source says so.
 Extend it with `register(Accelerator(...))` or `load_json(path)` (a list of objects with the
 Accelerator fields, bandwidths in bytes/s; `aliases` optional).
 
-Calibrations (`calibration(engine, kind)`): the fraction of peak that an engine's sampling and
-training programs reach on a kind, measured; a kind without its own measurement takes the
-measured kind of the same tensor-core generation (`Calibration.measured_on` says which).
+What fraction of these peaks an engine's programs reach: perf/calibrations.py.
 
     parse_cluster('8xH100+8xH20') -> (ClusterPart(8, H100 SXM), ClusterPart(8, H20))
 """
@@ -277,101 +275,3 @@ def parse_cluster(spec: str) -> tuple[ClusterPart, ...]:
       raise ValueError(f'cluster spec {spec!r}: part {raw.strip()!r}: {e}') from None
     parts.append(ClusterPart(count, acc))
   return tuple(parts)
-
-
-# ---------------------------------------------------------------------------------------------
-# Calibrated efficiencies.
-
-# Matmul FLOPs of one Qwen-Image-20B forward on one row of 1024 image + 128 text tokens
-# (models/mmdit.flops_per_forward of the real architecture; tests/perf/test_calibration.py checks it).
-QWEN_IMAGE_512PX_FORWARD = 16.650874650624e12
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-  """Achieved fractions of peak dense bf16 FLOP/s of one engine's programs on one kind, counting
-  the FLOPs a program executes (a training step with per-block checkpointing counts its
-  recompute: 4 forwards of full fine-tuning, 3 of LoRA)."""
-
-  engine: str  # 'digen_jax' | 'torch' (diffusers eager sampling, torch eager training: the peers)
-  accelerator: str  # the kind it was measured on
-  sampling: float  # the rollout's sampler forward (and any forward-only pass)
-  training: float  # forward + backward with per-block checkpointing
-  source: str
-  date: str
-  measured_on: str = ''  # set when a kind borrows another kind's measurement
-
-  def __post_init__(self):
-    for field in ('sampling', 'training'):
-      v = getattr(self, field)
-      if not 0 < v <= 1:
-        raise ValueError(
-            f'Calibration {self.engine}/{self.accelerator}: {field}={v!r} not in (0, 1]'
-        )
-
-
-def _mfu(rows: int, passes: int, seconds: float, acc_name: str) -> float:
-  """Executed FLOPs of `passes` forwards of Qwen-Image at 512 px on `rows` rows in `seconds`,
-  as a fraction of the kind's peak."""
-  return rows * passes * QWEN_IMAGE_512PX_FORWARD / (seconds * get(acc_name).peak_bf16_flops)
-
-
-_H200_PROBE = (
-    'a probe on one H200 (Qwen-Image-20B transformer, 512 px: 1024 image + 128 text '
-    'tokens, bf16, random weights; jax 0.11.2 CUDA / diffusers 0.42.1 on torch 2.11; project at '
-    'c004c89)'
-)
-CALIBRATIONS = {
-    ('digen_jax', 'H200'): Calibration(
-        'digen_jax',
-        'H200',
-        sampling=_mfu(16, 1, 0.521, 'H200'),
-        training=_mfu(2, 4, 0.389, 'H200'),
-        source=f'{_H200_PROBE}: forward at batch 16 with cuDNN fused attention 521 ms (the GPU '
-        'default, models/attention/kernels.py); forward + backward with per-block checkpointing at batch '
-        '2, 389 ms',
-        date='2026-11-28',
-    ),
-    ('torch', 'H200'): Calibration(
-        'torch',
-        'H200',
-        sampling=_mfu(16, 1, 0.656, 'H200'),
-        training=_mfu(2, 4, 0.932, 'H200'),
-        source=f'{_H200_PROBE}: diffusers QwenImageTransformer2DModel forward at batch 16, 656 '
-        'ms; torch forward + backward with per-block checkpointing at batch 2, 932 ms',
-        date='2026-11-28',
-    ),
-}
-# Kinds that borrow a measured kind's fractions: the same Hopper tensor cores at the same clocks
-# (H100 SXM, H800, H200: 989.4 TFLOP/s), or Hopper at a lower clock (H20; its 4.0 TB/s HBM per
-# FLOP is 5x an H200's, so the compute fraction is, if anything, higher). No measurement of
-# other generations exists here: they fall back to the same figures, said so in the report.
-BORROWED_FROM = {'H100 SXM': 'H200', 'H800': 'H200', 'H20': 'H200'}
-CALIBRATED_ENGINES = ('digen_jax', 'torch')
-
-
-def calibration(engine: str, accelerator: Accelerator) -> Calibration:
-  """The calibration of `engine` on `accelerator` (its own measurement, else the measured kind it
-  borrows from, else the H200's with measured_on naming it)."""
-  if engine not in CALIBRATED_ENGINES:
-    raise ValueError(f'engine {engine!r} has no calibration; known: {CALIBRATED_ENGINES}')
-  own = CALIBRATIONS.get((engine, accelerator.name))
-  if own is not None:
-    return own
-  source = BORROWED_FROM.get(accelerator.name, 'H200')
-  base = CALIBRATIONS[(engine, source)]
-  return dataclasses.replace(base, accelerator=accelerator.name, measured_on=source)
-
-
-def describe_calibration(engine: str, kinds, *, sources: bool = False) -> list[str]:
-  """One line per kind: the fractions used and where they were measured (with `sources`, the
-  measurement itself)."""
-  out = []
-  for acc in kinds:
-    c = calibration(engine, acc)
-    where = f"{c.measured_on}'s" if c.measured_on else 'its own'
-    out.append(
-        f'{engine} on {acc.name}: sampling {c.sampling:.3f}, training {c.training:.3f} of peak '
-        f'({where}, measured {c.date}' + (f': {c.source})' if sources else ')')
-    )
-  return out

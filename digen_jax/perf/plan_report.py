@@ -27,6 +27,17 @@ def format_k_summary(plans: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+def baselines_lines(p: dict) -> list[str]:
+  """The three baselines every plan compares against (their terms' sources: plan.json)."""
+  lines = ['baselines (each term\'s source: plan.json "baselines"):']
+  for key, b in p['baselines'].items():
+    if b is None:
+      lines.append(f'  {key:15} -  (does not fit)')
+      continue
+    lines.append(f'  {key:15} {b["samples_per_s"]:10.4g} samples/s on {b["devices"]}')
+  return lines
+
+
 def baseline_lines(b: dict) -> list[str]:
   """The compared colocated system's step, term by term, on each placement planned."""
   lines = [
@@ -52,13 +63,15 @@ def format_plan(p: dict) -> str:
       f'{r["image_tokens"]} image tokens; costs {p["source"]}; roofline '
       f'{p["settings"]["roofline"]}, '
       + (
-          f'MFU {p["settings"]["mfu"]:.0%} for every program'
+          f'MFU {p["settings"]["mfu"]:.0%} for our programs'
           if p['settings']['mfu']
-          else 'calibrated fractions of peak (perf/hardware.py CALIBRATIONS):'
+          else 'measured fractions of peak (perf/calibrations.py):'
       )
   ]
   lines += [f'  {c}' for c in p['calibration']]
+  lines += [f'  assumed: {a}' for a in p['assumed']]
   lines += baseline_lines(p['baseline'])
+  lines += baselines_lines(p)
   head = (
       f'{"mode":18}{"samples/s":>10}{"util":>6}{"busy t/r":>10}{"x base":>7}{"x coloc":>8}'
       f'{"x disagg":>9}{"M":>4}{"step s":>8}  split'

@@ -14,6 +14,7 @@ from typing import Callable
 from digen_jax.perf import analytic
 from digen_jax.perf import baseline
 from digen_jax.perf import cache
+from digen_jax.perf import comparisons
 from digen_jax.perf import cached_run
 from digen_jax.perf import hardware
 from digen_jax.perf import roles
@@ -29,7 +30,7 @@ GIB = 1024**3
 @dataclasses.dataclass(frozen=True)
 class Settings:
   roofline: str = 'compute'  # 'compute' | 'bytes'
-  mfu: float = 0.0  # 0: the calibrated fractions (hardware.calibration); else one for all
+  mfu: float = 0.0  # 0: the calibrated fractions (perf/calibrations.py); else one for all
   hbm_efficiency: float = 0.8
   link_efficiency: float = 0.8
   devices_per_node: int = 8
@@ -286,22 +287,6 @@ def _log(log):
 # The plan.
 
 
-def baseline_row(run, parts, knobs, recipe: baseline.Recipe, terms: frozenset) -> dict:
-  """The compared colocated system on all the devices and, on a mixed cluster, on its fastest
-  part alone (a colocated run need not use the slow devices): samples/s and seconds by term."""
-  out = {'recipe': dataclasses.asdict(recipe), 'terms': sorted(terms)}
-  groups = {'all': roles.Group(parts)}
-  if len(parts) > 1:
-    fast = max(parts, key=lambda p: p.accelerator.peak_bf16_flops)
-    if fast.count % run.sequence == 0:  # the split must divide the devices
-      groups['fast_part'] = roles.Group((fast,))
-  for key, g in groups.items():
-    sec = baseline.step_seconds(run, g, knobs, recipe, terms)
-    out[key] = {'devices': g.label, 'samples_per_s': run.batch / sec['total'], 'seconds': sec}
-  out['samples_per_s'] = max(v['samples_per_s'] for k, v in out.items() if k in groups)
-  return out
-
-
 def plan(
     run: rm.RunModel,
     parts,
@@ -334,13 +319,17 @@ def plan(
   modes = found['modes']
   if all(c is None for c in modes.values()):
     raise PlanError(diagnose(run, parts, knobs, cluster))
-  base = baseline_row(
-      run, parts, knobs, recipe or baseline.Recipe(), baseline.parse_terms(settings.colocated_terms)
-  )
+  recipe = recipe or baseline.Recipe()
+  terms = baseline.parse_terms(settings.colocated_terms)
+  base = comparisons.baseline_row(run, parts, knobs, recipe, terms)
   out_modes, results = _mode_rows(planner, modes, settings)
+  compared = comparisons.baselines_of(base, modes, roles.Group(parts).label)
   for row in out_modes.values():
     sps = row['samples_per_s']
     row['x_baseline'] = sps / base['samples_per_s'] if sps else None
+    row['x_baselines'] = {
+        k: (sps / b['samples_per_s'] if sps and b else None) for k, b in compared.items()
+    }
   fitted = [k for k in search.MODES + search.EXTRA_MODES if modes[k] is not None]
   best = max(fitted, key=lambda k: modes[k].samples_per_s)
   on_policy = [k for k in fitted if not k.endswith('tcss')]
@@ -357,21 +346,17 @@ def plan(
       ]
       for k, v in found['tried'].items()
   }
-  kinds = list({p.accelerator.name: p.accelerator for p in parts}.values())
-  uniform = knobs.engine == 'uniform'
-  calibration = [] if uniform else hardware.describe_calibration(knobs.engine, kinds)
-  sources = [] if uniform else hardware.describe_calibration(knobs.engine, kinds, sources=True)
   return {
       'model': run.name,
       'cluster': cluster,
-      'calibration': calibration,
-      'calibration_sources': sources,
+      **comparisons.efficiency_report(parts, knobs, recipe, terms),
       'devices': sum(p.count for p in parts),
       'source': run.source,
       'run': run_json(run),
       'settings': dataclasses.asdict(settings),
       'modes': out_modes,
       'baseline': base,
+      'baselines': compared,
       'best': best,
       'best_on_policy': best_on,
       'best_split': out_modes[best_on or best].get('split'),

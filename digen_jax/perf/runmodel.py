@@ -44,6 +44,7 @@ import math
 from digen_jax.experiment import run as run_lib
 from digen_jax.parallel import tsp_grid
 from digen_jax.rewards import scoring as reward_scoring
+from digen_jax.perf import calibrations
 from digen_jax.perf import hardware
 from digen_jax.perf import roles
 from digen_jax.perf import timing
@@ -204,8 +205,9 @@ class SplitMemory:
 class Knobs:
   """Planner settings that are not the run's: efficiencies, node size, memory headroom.
 
-  engine: whose measured fractions of peak the programs reach (hardware.calibration: the
-  sampler's forward for the rollout, forward + backward for the gradient and the apply), or
+  engine: whose measured fractions of peak the programs reach (calibrations.calibration: the
+  sampler's forward for the rollout, forward + backward for the gradient and the apply, the
+  gradient-free forward for a baseline's behaviour pass), or
   'uniform' for eff.mfu everywhere. The calibrations count a model's matmul FLOPs, so a
   program's FLOPs are taken at their matmul share (roles.ProgramModel.matmul_share)."""
 
@@ -214,16 +216,16 @@ class Knobs:
   memory_fraction: float = 0.9  # of the accelerator's memory a program may use
   sharded_decode: bool = False  # model the rollout's VAE decode sharded (not as compiled)
   hbm: bool = True  # False: compute-bound roofline (FLOPs only)
-  engine: str = 'digen_jax'  # hardware.CALIBRATED_ENGINES, or 'uniform'
+  engine: str = 'digen_jax'  # calibrations.ENGINES, or 'uniform'
   # FSDP's collectives overlapped with the layers' compute (process/xla_flags.py on GPUs: the
   # next layer's gather prefetched during this one), only the first layer's exposed; False:
   # every collective after the compute.
   overlap: bool = True
 
   def __post_init__(self):
-    if self.engine not in hardware.CALIBRATED_ENGINES + ('uniform',):
+    if self.engine not in calibrations.ENGINES + ('uniform',):
       raise ValueError(
-          f'Knobs.engine={self.engine!r}: use one of {hardware.CALIBRATED_ENGINES + ("uniform",)}'
+          f'Knobs.engine={self.engine!r}: use one of {calibrations.ENGINES + ("uniform",)}'
       )
 
   def exposed(self, comm: float, compute: float, layers: int) -> float:
@@ -233,17 +235,22 @@ class Knobs:
     return max(0.0, comm - compute) + comm / max(1, layers)
 
   def efficiency(self, acc: hardware.Accelerator, work: str) -> timing.Efficiency:
-    """The fractions of `acc`'s peaks for `work` ('sampling' | 'training')."""
+    """The fractions of `acc`'s peaks for `work` (calibrations.WORKS)."""
     if self.engine == 'uniform':
       return self.eff
-    cal = hardware.calibration(self.engine, acc)
-    return dataclasses.replace(self.eff, mfu=cal.sampling if work == 'sampling' else cal.training)
+    return dataclasses.replace(self.eff, mfu=calibrations.calibration(self.engine, acc).of(work))
 
   def seconds(
-      self, group: roles.Group, prog: roles.ProgramModel, flops: float, bytes_accessed: float
+      self,
+      group: roles.Group,
+      prog: roles.ProgramModel,
+      flops: float,
+      bytes_accessed: float,
+      work: str | None = None,
   ) -> float:
-    """One call of `prog` with these per-device counts on `group`: its slowest kind."""
-    work = 'sampling' if prog.name == 'rollout' else 'training'
+    """One call of `prog` with these per-device counts on `group`: its slowest kind. `work`:
+    whose fraction of peak (default: sampling for the rollout, training for the rest)."""
+    work = work or ('sampling' if prog.name == 'rollout' else 'training')
     return max(
         timing.roofline_seconds(
             flops * prog.matmul_share,
