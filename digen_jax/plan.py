@@ -111,6 +111,12 @@ _TRAINED_STEPS = flags.DEFINE_list(
     "Trained steps per trajectory to plan instead of the config's K, e.g. 1,2,5 (a window "
     'of K steps: Flow-GRPO-Fast, veRL-Omni); each is planned, the best of each summarised.',
 )
+_PRICES = flags.DEFINE_string(
+    'prices',
+    '',
+    'USD per accelerator-hour over the cited list (perf/prices.py), KIND=USD,...: e.g. '
+    'H20=1.2. A kind without a price gets no per-dollar figures.',
+)
 _ACCELERATORS = flags.DEFINE_string(
     'accelerators', None, 'JSON file of more accelerator kinds ' '(perf/hardware.load_json).'
 )
@@ -164,6 +170,7 @@ def main(argv):
       colocated_terms=_TERMS.value,
       costs=_COSTS.value,
       overlap=_OVERLAP.value,
+      prices=_PRICES.value,
   )
   try:
     parts, trainer = planning.validate(

@@ -27,6 +27,10 @@ def format_k_summary(plans: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+def _usd(x: float | None) -> str:
+  return '-' if x is None else f'{x:.4g}'
+
+
 def baselines_lines(p: dict) -> list[str]:
   """The three baselines every plan compares against (their terms' sources: plan.json)."""
   lines = ['baselines (each term\'s source: plan.json "baselines"):']
@@ -34,7 +38,38 @@ def baselines_lines(p: dict) -> list[str]:
     if b is None:
       lines.append(f'  {key:15} -  (does not fit)')
       continue
-    lines.append(f'  {key:15} {b["samples_per_s"]:10.4g} samples/s on {b["devices"]}')
+    lines.append(
+        f'  {key:15} {b["samples_per_s"]:10.4g} samples/s, {_usd(b.get("samples_per_usd"))} '
+        f'samples/USD on {b["devices"]}'
+    )
+  return lines
+
+
+def verdict_lines(p: dict) -> list[str]:
+  """'Should I disaggregate?': the best on-policy mode against each baseline, and the cost."""
+  v, cost = p['verdict'], p['cost']
+  if cost['usd_per_hour'] is None:
+    price = f'no per-USD figures: no cited price for {", ".join(cost["unpriced"])} (--prices)'
+  else:
+    price = f'the cluster at {cost["usd_per_hour"]:.4g} USD an hour (perf/prices.py)'
+  if v['best_on_policy'] is None:
+    return ['', f'Should I disaggregate? No on-policy mode fits; {price}.']
+  ours = v['against'].get('ours_colocated') or {}
+  if v['disaggregate']:
+    head = f'yes for speed: {v["best_on_policy"]} beats our colocated mode at its best placement'
+    if ours.get('x_per_usd') is not None and ours['x_per_usd'] < 1:
+      head += ', but not per USD'
+  else:
+    head = 'no: our colocated mode is the fastest on-policy mode on this cluster'
+  lines = ['', f'Should I disaggregate? {head}; {price}.']
+  for name, a in v['against'].items():
+    if a is None:
+      lines.append(f'  against {name}: -')
+      continue
+    per_usd = '' if a['x_per_usd'] is None else f', {a["x_per_usd"]:.2f}x per USD'
+    lines.append(
+        f'  {v["best_on_policy"]} against {name}: {a["x_samples_per_s"]:.2f}x samples/s{per_usd}'
+    )
   return lines
 
 
@@ -93,7 +128,9 @@ def format_plan(p: dict) -> str:
     )
   lines.append(
       'busy t/r: the share of a step the trainer / the rollout runs a program '
-      '(colocated: the same devices); x base: over the baseline (its best placement)'
+      '(colocated: the same devices); x base: over veRL-Omni (verl_omni), x coloc: over our '
+      'colocated mode (ours_colocated), x disagg: over naive disaggregation, each at its best '
+      'placement'
   )
   lines += [
       '',
@@ -123,6 +160,7 @@ def format_plan(p: dict) -> str:
       f'best: {p["best"]} ({p["modes"][p["best"]]["samples_per_s"]:.3f} samples/s); '
       f'best on-policy: {p["best_on_policy"]}; split: {p["best_split"]}',
   ]
+  lines += verdict_lines(p)
   for n in p['notes']:
     lines.append(f'note: {n}')
   return '\n'.join(lines)

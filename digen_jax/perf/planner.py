@@ -15,6 +15,7 @@ from digen_jax.perf import analytic
 from digen_jax.perf import baseline
 from digen_jax.perf import cache
 from digen_jax.perf import comparisons
+from digen_jax.perf import prices
 from digen_jax.perf import cached_run
 from digen_jax.perf import hardware
 from digen_jax.perf import roles
@@ -47,6 +48,7 @@ class Settings:
   overlap: bool = True  # FSDP collectives behind compute (runmodel.Knobs.overlap)
   trace_devices: int = 32  # up to this many devices the best candidates' traces hold
   # every device; above, one row per role
+  prices: str = ''  # kind=USD an hour over perf/prices.py's list ('H20=1.2,...')
 
   def knobs(self) -> rm.Knobs:
     if self.mfu < 0:
@@ -92,6 +94,10 @@ def validate(
     baseline.parse_terms(settings.colocated_terms)
   except ValueError as e:
     raise PlanError(f'--colocated_terms={settings.colocated_terms}: {e}') from None
+  try:
+    prices.parse(settings.prices)
+  except ValueError as e:
+    raise PlanError(f'--prices={settings.prices}: {e}') from None
   if not 0 < settings.memory_fraction <= 1:
     raise PlanError(f'--memory_fraction={settings.memory_fraction} must be in (0, 1]')
   if settings.steps < 2:
@@ -321,15 +327,20 @@ def plan(
     raise PlanError(diagnose(run, parts, knobs, cluster))
   recipe = recipe or baseline.Recipe()
   terms = baseline.parse_terms(settings.colocated_terms)
-  base = comparisons.baseline_row(run, parts, knobs, recipe, terms)
+  price_list = prices.parse(settings.prices)
+  usd, unpriced = prices.usd_per_hour(parts, price_list)
+  base = comparisons.baseline_row(run, parts, knobs, recipe, terms, price_list)
   out_modes, results = _mode_rows(planner, modes, settings)
-  compared = comparisons.baselines_of(base, modes, roles.Group(parts).label)
+  fast_part, fast_colocated = _colocated_on_fast_part(run, parts, knobs, settings)
+  compared = comparisons.baselines_of(base, modes, parts, price_list, fast_colocated, fast_part)
   for row in out_modes.values():
     sps = row['samples_per_s']
     row['x_baseline'] = sps / base['samples_per_s'] if sps else None
+    row['samples_per_usd'] = comparisons.per_usd(sps, usd)
     row['x_baselines'] = {
         k: (sps / b['samples_per_s'] if sps and b else None) for k, b in compared.items()
     }
+    row['x_colocated'] = row['x_baselines']['ours_colocated']  # at its best placement
   fitted = [k for k in search.MODES + search.EXTRA_MODES if modes[k] is not None]
   best = max(fitted, key=lambda k: modes[k].samples_per_s)
   on_policy = [k for k in fitted if not k.endswith('tcss')]
@@ -357,6 +368,12 @@ def plan(
       'modes': out_modes,
       'baseline': base,
       'baselines': compared,
+      'cost': {
+          'usd_per_hour': usd,
+          'unpriced': unpriced,
+          'prices': {k: dataclasses.asdict(v) for k, v in price_list.items()},
+      },
+      'verdict': comparisons.verdict(out_modes, compared, best_on),
       'best': best,
       'best_on_policy': best_on,
       'best_split': out_modes[best_on or best].get('split'),
@@ -365,6 +382,29 @@ def plan(
       'notes': list(run.notes) + _reward_worker_notes(run, parts) + planner.notes(modes),
       '_results': results,
   }
+
+
+def _colocated_on_fast_part(run: rm.RunModel, parts, knobs: rm.Knobs, settings: Settings):
+  """(the fastest part, our colocated mode on it alone) on a mixed cluster, else (None, None):
+  a colocated run need not use the slow devices, so the fair colocated baseline may not."""
+  if len(parts) < 2:
+    return None, None
+  fast = max(parts, key=lambda p: p.accelerator.peak_bf16_flops)
+  if fast.count % run.sequence:
+    return fast, None
+  planner = search.Planner(
+      run,
+      (fast,),
+      knobs,
+      steps=settings.steps,
+      simulate_top=settings.simulate_top,
+      grid=settings.grid,
+      tcss_fraction=settings.tcss_fraction or None,
+  )
+  col = planner.colocated()
+  if col is not None:
+    planner.simulate(col)
+  return fast, col
 
 
 def _reward_worker_notes(run: rm.RunModel, parts) -> list[str]:
