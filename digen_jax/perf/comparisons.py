@@ -139,13 +139,13 @@ def verdict(out_modes: dict, compared: dict, best_on: str | None) -> dict:
     if row.get('samples_per_usd') and b.get('samples_per_usd'):
       usd_ratio = row['samples_per_usd'] / b['samples_per_usd']
     against[name] = {
-        'x_samples_per_s': row['samples_per_s'] / b['samples_per_s'],
-        'x_per_usd': usd_ratio,
+        'x_samples_per_s': float(row['samples_per_s'] / b['samples_per_s']),
+        'x_per_usd': None if usd_ratio is None else float(usd_ratio),
     }
   ours = against.get('ours_colocated')
   return {
       'best_on_policy': best_on,
       # Disaggregating pays when a split mode beats our own colocated mode at its best placement.
-      'disaggregate': best_on != 'colocated' and bool(ours) and ours['x_samples_per_s'] > 1,
+      'disaggregate': bool(best_on != 'colocated' and ours and ours['x_samples_per_s'] > 1),
       'against': against,
   }
