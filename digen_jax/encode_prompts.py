@@ -37,6 +37,7 @@ on. Torch runs in this process only.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from typing import Any, Optional, Sequence, Union
@@ -571,4 +572,7 @@ def main(argv, cli):
 
 if __name__ == '__main__':
   _cli = _define_flags()
+  from digen_jax.process import usage  # pylint: disable=g-import-not-at-top
+
+  usage.exit_on_help(sys.argv, __doc__, ('digen_jax.process.cli',))
   app.run(lambda argv: main(argv, _cli), flags_parser=_cli.parse_flags)

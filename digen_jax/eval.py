@@ -8,6 +8,7 @@ DIR/eval/eval_<step>.json and .png."""
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import app
 from absl import logging
@@ -76,4 +77,7 @@ def _evaluate(config, workdir: str, n: int):
 
 
 if __name__ == '__main__':
+  from digen_jax.process import usage  # pylint: disable=g-import-not-at-top
+
+  usage.exit_on_help(sys.argv, __doc__, ('digen_jax.process.cli',))
   app.run(main, flags_parser=cli.parse_flags)

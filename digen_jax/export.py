@@ -181,4 +181,7 @@ def main(argv):
 
 if __name__ == '__main__':
   _define_flags()
+  from digen_jax.process import usage  # pylint: disable=g-import-not-at-top
+
+  usage.exit_on_help(sys.argv, __doc__)
   app.run(main)

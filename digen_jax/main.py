@@ -216,4 +216,7 @@ def _train(info, config, workdir: str, n: int):
 
 
 if __name__ == '__main__':
+  from digen_jax.process import usage  # pylint: disable=g-import-not-at-top
+
+  usage.exit_on_help(sys.argv, __doc__, ('digen_jax.process.cli',))
   app.run(main, flags_parser=cli.parse_flags)

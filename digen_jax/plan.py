@@ -209,6 +209,9 @@ def main(argv):
 
 
 def _run():
+  from digen_jax.process import usage  # pylint: disable=g-import-not-at-top
+
+  usage.exit_on_help(sys.argv, __doc__)
   try:
     argv = flags.FLAGS(sys.argv)
   except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:

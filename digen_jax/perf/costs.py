@@ -234,4 +234,7 @@ if __name__ == '__main__':
   from absl import app as _app  # pylint: disable=g-import-not-at-top
 
   _FLAGS = _define_flags()
+  from digen_jax.process import usage  # pylint: disable=g-import-not-at-top
+
+  usage.exit_on_help(sys.argv, __doc__)
   _app.run(main)
