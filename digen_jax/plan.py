@@ -216,6 +216,13 @@ def _run():
     argv = flags.FLAGS(sys.argv)
   except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
     text = ' '.join(str(e).replace('\\n', ' ').split())
+    if isinstance(e, KeyError) or isinstance(e.args[0] if e.args else None, KeyError):
+      from digen_jax.process import config_errors  # pylint: disable=g-import-not-at-top
+
+      name = text.strip('\'"\\').split("'")[0].strip('\\')
+      said = config_errors.unknown_field(sys.argv, name)
+      if said:
+        fail(f'bad --config: {said}')
     if 'Traceback' in text:
       text = text.split('Traceback')[0] + text.rsplit(':', 1)[-1]
     fail(f'bad flags: {text}')

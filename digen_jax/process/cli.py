@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import logging as logging_std
 import os
+import re
 import sys
 import traceback
 
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
+
+from digen_jax.process import config_errors
 
 CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Config file, e.g. configs/qwenimage.py:tiny.'
@@ -66,6 +69,12 @@ def repo_config_path(argv: list[str]) -> list[str]:
   return out
 
 
+def _quoted_name(text: str) -> str:
+  """The first 'quoted' name in an error text ('' when none)."""
+  match = re.search(r"'([^'\\]+)'", text)
+  return match.group(1) if match else ''
+
+
 def parse_flags(argv):
   """absl's parser, but a bad config file/override is one clear line, not a traceback."""
   argv = repo_config_path(argv)
@@ -92,8 +101,13 @@ def parse_flags(argv):
           f'cannot load --config={path}: it defines no get_config() (a config file is Python '
           'with def get_config(variant=None) returning a ConfigDict, e.g. configs/shapes.py)'
       )
+    if isinstance(e, (KeyError, AttributeError)) or isinstance(wrapped, KeyError):
+      # An override whose path leaves the config (config_flags raises AttributeError(KeyError),
+      # or AttributeError for a field of a leaf): the override, the section, the nearest names.
+      said = config_errors.unknown_field(argv, _quoted_name(' '.join(lines)))
+      if said:
+        fail(f'bad --config: {said}')
     if isinstance(e, KeyError) or isinstance(wrapped, KeyError):
-      # An override of a field the config does not have (config_flags raises AttributeError(KeyError)).
       lines = ['the config has no field ' + ' '.join(lines).replace("\\'", "'")]
     fail('bad --config: ' + ' '.join(lines))
 

@@ -177,14 +177,30 @@ CASES = [
         ['config.rl.timestep_fraction=1.5'],
     ),
     # unknown keys, bad choices, broken config files
-    ('unknown_key', MAIN, [TINY, '--config.rl.grup_size=3'], ['no field', 'grup_size']),
-    ('unknown_section', MAIN, [TINY, '--config.nonexistent.x=1'], ['no field', 'nonexistent']),
+    (
+        'unknown_key',
+        MAIN,
+        [TINY, '--config.rl.grup_size=3'],
+        ["--config.rl.grup_size: config.rl has no field 'grup_size'; nearest: group_size"],
+    ),
+    (
+        'unknown_section',
+        MAIN,
+        [TINY, '--config.nonexistent.x=1'],
+        ["config has no field 'nonexistent' (so no config.nonexistent.x)", 'config has: '],
+    ),
+    (
+        'field_of_a_leaf',
+        MAIN,
+        [TINY, '--config.optim.lr.x=1'],
+        ['config.optim.lr = ', "(float), not a section: it has no field 'x'"],
+    ),
     ('bad_choice', MAIN, [TINY, '--config.sampler.sde=ddim'], ['config.sampler.sde', 'flow_grpo']),
     (
         'typo_key',
         MAIN,
         [TINY, '--config.totl_steps=3'],
-        ['the config has no field \'totl_steps\' Did you mean "total_steps"'],
+        ["--config.totl_steps: config has no field 'totl_steps'; nearest: total_steps"],
     ),
     ('unknown_variant', MAIN, ['--config=configs/qwenimage.py:big'], ['unknown variant']),
     (
