@@ -394,7 +394,7 @@ def gather_prompts(config, prompts: str = '', split: str = '', data_dir: str = '
   if os.path.isfile(source):
     if split not in ('', 'train'):
       raise ValueError(f'--split={split!r}: a prompt file ({source}) has only the split train')
-    out += [p for _, p in prompt_data.read_prompt_file(source)]
+    out += [p for _, p in prompt_data.read_prompt_file(source, int(config.data.max_prompt_chars))]
   else:
     if not data_dir:
       raise ValueError('data_dir is required for a tfds prompt dataset')
@@ -403,7 +403,7 @@ def gather_prompts(config, prompts: str = '', split: str = '', data_dir: str = '
     )
     for i, s in enumerate(wanted):
       try:
-        seq = prompt_data.load_prompts(source, s, data_dir)
+        seq = prompt_data.load_prompts(source, s, data_dir, int(config.data.max_prompt_chars))
       except ValueError as e:
         if split or i == 0 or 'has no split' not in str(e):
           raise

@@ -77,16 +77,35 @@ def prepare_tiny_pipeline(config, workdir: str):
   config_flags = [a for a in sys.argv[1:] if a.startswith('--config')]
   data_dir = prompt_data.resolve_data_dir(config.data.data_dir, workdir)
   # verify=False: only the index is read here (the run's own open hashes every shard).
-  cache = (
-      text_cache.EmbeddingCache(config.text.cache, config.text.max_length, verify=False)
-      if os.path.isdir(config.text.cache)
-      else None
-  )
+  try:
+    cache = (
+        text_cache.EmbeddingCache(config.text.cache, config.text.max_length, verify=False)
+        if os.path.isdir(config.text.cache)
+        else None
+    )
+  except ValueError as e:
+    cli.fail(
+        f'config.text.cache={config.text.cache!r} (config.text.max_length='
+        f'{config.text.max_length}): {e}'
+    )
+
+  def prompts_of(split: str, field: str) -> list[str]:
+    try:
+      return list(
+          prompt_data.load_prompts(
+              config.data.prompts, split, data_dir, config.data.max_prompt_chars
+          )
+      )
+    except ValueError as e:
+      cli.fail(f'config.data.prompts={config.data.prompts!r} ({field}={split!r}): {e}')
+
   missing = [
       split
-      for split in dict.fromkeys((config.data.split, config.eval.split))
-      if cache is None
-      or cache.missing(list(prompt_data.load_prompts(config.data.prompts, split, data_dir)))
+      for split, field in {
+          config.data.split: 'config.data.split',
+          config.eval.split: 'config.eval.split',
+      }.items()
+      if cache is None or cache.missing(prompts_of(split, field))
   ]
   if missing:  # one child for every split: the text encoders load once (torch's start is ~7 s)
     child(

@@ -142,6 +142,11 @@ def is_prepared(path) -> bool:
 # ----------------------------------------------------------------------------- PromptFile
 
 
+class PromptTooLong(ValueError):
+  """A prompt file's line is longer than the limit the caller set (its message names the file,
+  the line and the limit; the caller names the setting that raises it)."""
+
+
 def read_prompt_file(path: str, max_chars: int = DEFAULT_MAX_CHARS) -> list[tuple[int, str]]:
   """[(1-based line, prompt)] of a UTF-8 text file with one prompt per line.
 
@@ -176,9 +181,8 @@ def read_prompt_file(path: str, max_chars: int = DEFAULT_MAX_CHARS) -> list[tupl
           "per line (is this a binary file?)"
       )
     if len(prompt) > max_chars:
-      raise ValueError(
-          f"{path}:{i}: prompt has {len(prompt)} characters, more than "
-          f"max_chars={max_chars}; shorten it or raise max_chars"
+      raise PromptTooLong(
+          f"{path}:{i}: prompt has {len(prompt)} characters, more than max_chars={max_chars}"
       )
     out.append((i, prompt))
   return out

@@ -264,7 +264,14 @@ def _prompts(config, split: str, split_field: str, data_dir: str):
   """(load_prompts(...), every prompt of it as a list) with the config fields named in its
   errors."""
   try:
-    seq = prompt_data.load_prompts(config.data.prompts, split, data_dir)
+    seq = prompt_data.load_prompts(
+        config.data.prompts, split, data_dir, config.data.max_prompt_chars
+    )
+  except prompt_data.PromptTooLong as e:
+    raise ValueError(
+        f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): {e}; shorten '
+        f'it or raise config.data.max_prompt_chars (now {config.data.max_prompt_chars})'
+    ) from None
   except ValueError as e:
     raise ValueError(
         f'config.data.prompts={config.data.prompts!r} ({split_field}={split!r}): ' f'{e}'

@@ -176,6 +176,7 @@ def _data_section() -> ml_collections.ConfigDict:
   data.prompts = 'shapes'  # 'shapes' (ShapesBench) or a path to a text file, one prompt per line
   data.split = 'train'
   data.data_dir = ''  # tfds data_dir; '' = $DIGEN_DATA_DIR, else <workdir>/data
+  data.max_prompt_chars = 512  # a prompt file's longest allowed line, in characters
   return data
 
 

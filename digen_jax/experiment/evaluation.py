@@ -21,7 +21,7 @@ def eval_prompts(exp, workdir: str) -> list[str]:
   """The eval split's prompts (all of them, or the first eval.num_prompts)."""
   e = exp.eval
   data_dir = prompt_data.resolve_data_dir(e.data_dir, workdir)
-  source = prompt_data.load_prompts(e.prompts, e.split, data_dir)
+  source = prompt_data.load_prompts(e.prompts, e.split, data_dir, e.max_prompt_chars)
   n = len(source) if e.num_prompts <= 0 else min(e.num_prompts, len(source))
   return list(source[:n])
 

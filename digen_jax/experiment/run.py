@@ -202,6 +202,7 @@ class EvalSpec:
   batch_size: int
   prompts: str  # config.data.prompts
   data_dir: str  # config.data.data_dir ('' resolves against the workdir)
+  max_prompt_chars: int = 512  # config.data.max_prompt_chars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,6 +494,7 @@ def eval_spec(config) -> EvalSpec:
       batch_size=int(e.batch_size),
       prompts=config.data.prompts,
       data_dir=config.data.data_dir,
+      max_prompt_chars=int(config.data.max_prompt_chars),
   )
 
 

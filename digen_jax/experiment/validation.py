@@ -108,6 +108,7 @@ _INT_MIN = {
     'baseline.mini_batches': 1,
     'baseline.micro_batch': 1,
     'baseline.fsdp_size': 0,
+    'data.max_prompt_chars': 1,
 }
 _INT_HINTS = {
     'rl.group_size': 'GRPO needs at least 2 samples per prompt',

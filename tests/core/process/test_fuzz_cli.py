@@ -382,7 +382,7 @@ CASES = [
         'prompts_huge_line',
         MAIN,
         [TINY, '--config.data.prompts={d}/huge_line.txt'],
-        ['config.data.prompts', 'huge_line.txt:1', 'more than max_chars'],
+        ['config.data.prompts', 'huge_line.txt:1', 'raise config.data.max_prompt_chars (now 512)'],
     ),
     (
         'prompts_nul',
