@@ -375,8 +375,25 @@ def call_within(timeout_s: float, fn, *args):
   return _TimedCaller(timeout_s)(fn, *args)
 
 
+def fault_summary(faults: list[str], n: int) -> str:
+  """One line for a batch's faults: the fault itself, or how many and the first (a reward that
+  fails on every sample would otherwise log a line per sample)."""
+  if len(faults) <= 1:
+    return faults[0] if faults else ""
+  return f"{len(faults)} faults in a batch of {n} samples; the first: {faults[0]}"
+
+
+_ON_FAILURE = {
+    "mask": "these samples score NaN and are masked out of their groups (config.reward.failed)",
+    "skip": "these samples score NaN and the update is skipped (config.reward.failed='skip')",
+}
+
+
 def guarded(
-    fn: RewardFn, timeout_s: float = 0.0, field: str = "config.reward.timeout_s"
+    fn: RewardFn,
+    timeout_s: float = 0.0,
+    field: str = "config.reward.timeout_s",
+    on_failure: str = "mask",
 ) -> RewardFn:
   """`fn` whose faults become NaN scores, logged as errors with the prompts that caused them.
 
@@ -389,7 +406,8 @@ def guarded(
     - a call that returns nothing within timeout_s (> 0; `field` names the setting) scores
       the whole batch NaN.
   The returned function keeps fn's attributes (.weights, .components) and adds .faults, the
-  messages of its last call."""
+  messages of its last call; the log holds one line a call (fault_summary), whatever the count.
+  on_failure: config.reward.failed, for what the line says happens next."""
   call = _TimedCaller(timeout_s)
 
   def scored(images, prompts) -> np.ndarray:
@@ -432,8 +450,8 @@ def guarded(
             _short(str(batch_error), 200),
             n,
         )
-    for f in faults:
-      logging.error("%s; these samples score NaN and the update is skipped", f)
+    if faults:
+      logging.error("%s; %s", fault_summary(faults, n), _ON_FAILURE[on_failure])
     scored.faults = faults
     return out
 

@@ -179,8 +179,8 @@ class PendingScores:
       lines += info['faults']
       t_done = max(t_done, pending.t_done or time.perf_counter())
       n = got.shape[1]
-    for line in lines:  # the in-process rewards' faults are logged by their guard
-      logging.error('%s', line)
+    if lines:  # one line a batch (the in-process rewards' faults are logged by their guard)
+      logging.error('%s', registry.fault_summary(lines, n or 0))
     parts.update(self._host)
     stack = np.stack([parts[k] for k in r.names]).astype(np.float32)
     w = np.asarray([r.weights[k] for k in r.names], np.float32)[:, None]
@@ -203,7 +203,9 @@ class Rewards:
     self.where = where_each(r, self.weights)
     self.failed_mode = r.failed
     self._host = {
-        n: registry.guarded(functools.partial(registry.call_reward, n), r.timeout_s)
+        n: registry.guarded(
+            functools.partial(registry.call_reward, n), r.timeout_s, on_failure=r.failed
+        )
         for n, at in self.where.items()
         if at == 'host'
     }

@@ -68,6 +68,24 @@ def test_guarded_reward_turns_nan_scores_into_named_faults(caplog):
   assert list(g(_images(2), ['y', 'y'])) == [0.5, 0.5] and g.faults == []
 
 
+def test_a_reward_that_fails_on_every_sample_logs_one_line(caplog):
+  """All-NaN scores on a batch of 64: one error line with the count and the first fault, and
+  what happens next as config.reward.failed says, not a line per sample."""
+  g = registry.guarded(lambda im, p: np.full(len(p), np.nan, np.float32), on_failure='mask')
+  with caplog.at_level(logging.ERROR):
+    out = g(_images(64), [f'prompt {i}' for i in range(64)])
+  assert np.isnan(out).all() and len(g.faults) == 64
+  errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+  assert len(errors) == 1, errors
+  assert errors[0].startswith('64 faults in a batch of 64 samples; the first: reward raised ')
+  assert "on prompt 'prompt 0'" in errors[0] and 'masked out of their groups' in errors[0]
+  caplog.clear()
+  skip = registry.guarded(lambda im, p: np.full(len(p), np.nan, np.float32), on_failure='skip')
+  with caplog.at_level(logging.ERROR):
+    skip(_images(2), ['a', 'b'])
+  assert 'the update is skipped' in caplog.records[-1].getMessage()
+
+
 def test_guarded_reward_times_out_and_does_not_pile_up_threads():
   gate = {'sleep': 5.0}
 
