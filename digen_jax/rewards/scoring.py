@@ -32,6 +32,11 @@ from digen_jax.rewards import remote
 from digen_jax.rewards import workers
 
 FAILED_MODES = ('mask', 'skip')
+# A score beyond this magnitude counts as failed (NaN, named in the log), like a non-finite one:
+# the update's float32 group statistics square the scores and sum them over a batch, which
+# overflows to inf from ~1.8e19 (sqrt of float32's max), so nothing would be learned. 1e15 leaves
+# room for a million samples' squares.
+SCORE_LIMIT = 1e15
 COMBINE_MODES = ('sum', 'advantages')  # rl/advantages.py's, checked here before anything starts
 
 
@@ -183,9 +188,21 @@ class PendingScores:
       logging.error('%s', registry.fault_summary(lines, n or 0))
     parts.update(self._host)
     stack = np.stack([parts[k] for k in r.names]).astype(np.float32)
+    huge = np.isfinite(stack) & (np.abs(stack) > SCORE_LIMIT)
+    if huge.any():  # finite, but past what the update's statistics can hold
+      k, i = np.argwhere(huge)[0]
+      line = (
+          f'{int(huge.sum())} scores beyond +-{SCORE_LIMIT:g} (the first: reward '
+          f'{r.names[k]!r} scored {float(stack[k, i]):.3g} on sample {i}); they count as failed '
+          '(float32 group statistics would overflow)'
+      )
+      logging.error('%s', line)
+      lines.append(line)
+      stack = np.where(huge, np.nan, stack)
     w = np.asarray([r.weights[k] for k in r.names], np.float32)[:, None]
     total = np.sum(w * np.nan_to_num(stack), axis=0).astype(np.float32)
     total[~np.all(np.isfinite(stack), axis=0)] = np.nan
+    total[np.abs(total) > SCORE_LIMIT] = np.nan  # weights can carry a sum past it too
     del n
     return Scores(total, stack, t_done - self._t0, compute_s, retries, lines)
 

@@ -129,6 +129,33 @@ def test_fault_settings_are_validated(field, value, match):
     configlib.validate(config, 2)
 
 
+@registry.register('test_faults_overflowing')
+def _overflowing_reward(images, prompts):
+  """1e38 (finite in float32) on prompts that say 'huge', else 0.5."""
+  return np.asarray([1e38 if 'huge' in p else 0.5 for p in prompts], np.float32)
+
+
+def test_a_finite_score_too_large_for_the_statistics_counts_as_failed(caplog):
+  """A reward of 1e38 is finite, but its group's float32 statistics overflow (reward_mean inf,
+  nothing learned): it counts as failed, named in one line."""
+  from digen_jax.experiment import config as configlib  # pylint: disable=g-import-not-at-top
+  from digen_jax.rewards import scoring  # pylint: disable=g-import-not-at-top
+
+  r = configlib.base_config().reward
+  r.weights = 'test_faults_overflowing:1'
+  rewards = scoring.build(r, registry.parse_weights(r.weights))
+  try:
+    with caplog.at_level(logging.ERROR):
+      s = rewards.submit(_images(4), ['a', 'a huge one', 'b', 'huge']).result()
+  finally:
+    rewards.close()
+  assert s.failed == 2 and list(np.isnan(s.total)) == [False, True, False, True]
+  assert list(s.total[[0, 2]]) == [0.5, 0.5]
+  line = caplog.records[-1].getMessage()
+  assert line.startswith("2 scores beyond +-1e+15 (the first: reward 'test_faults_overflowing' ")
+  assert 'count as failed' in line and s.faults == [line]
+
+
 # --------------------------------------------------------------------------------- end to end
 
 _PLAN = {'nan_at': set(), 'raise_at': set(), 'calls': 0, 'prompts': {}, 'bad': None}
