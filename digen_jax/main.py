@@ -194,6 +194,8 @@ def _train(info, config, workdir: str, n: int):
     if tiny_pipeline:
       prepare_tiny_pipeline(config, workdir)
     exp = entry.build_experiment(config, workdir, n)  # also rejects unknown modes
+    for line in entry.check_resume(workdir, exp, config):
+      logging.info('%s', line)
     logging.info(
         'workdir %s  mode %s  devices %d  batch %d', workdir, config.runtime.mode, n, exp.batch_size
     )
@@ -216,6 +218,8 @@ def _train(info, config, workdir: str, n: int):
   elif tiny_pipeline:
     prepare_tiny_pipeline(config, workdir)
   exp = entry.build_experiment(config, workdir, n_check)
+  for line in entry.check_resume(workdir, exp, config, record=writer):
+    logging.info('%s', line)
   transfer.set_host(config.cluster.transfer_host)  # checked by configlib.validate above
   if info.num_processes > 1 and writer:
     distributed.barrier('digen/experiment_built', timeout_s=1800)

@@ -371,6 +371,11 @@ def _runtime_section() -> ml_collections.ConfigDict:
   # SIGTERM/SIGINT: the trainer checkpoints its last completed step and every process exits
   # within this many seconds (after it, a process still busy exits anyway; see interrupt.py).
   runtime.shutdown_timeout_s = 60.0
+  # Resuming a workdir whose checkpoints were saved under other settings that change the run
+  # (optimizer, batch, reward, ...) is refused; naming the fields here (comma-separated, e.g.
+  # 'optim.lr') accepts them and records the change in <workdir>/config_history.jsonl
+  # (experiment/resume_guard.py).
+  runtime.resume_changed = ''
   return runtime
 
 

@@ -7,6 +7,7 @@ import sys
 
 from digen_jax.experiment import build as experiment
 from digen_jax.experiment import folder_config
+from digen_jax.experiment import resume_guard
 from digen_jax.process import cli
 
 
@@ -17,4 +18,15 @@ def build_experiment(config, workdir: str, num_devices: int):
         config, workdir, num_devices, explicit=folder_config.explicit_fields(sys.argv[1:])
     )
   except (ValueError, FileNotFoundError) as e:
+    cli.fail(str(e))
+
+
+def check_resume(workdir: str, exp, config, *, record: bool = True) -> list[str]:
+  """resume_guard.check for a run about to train in `workdir`: a resume under settings that
+  change the run is one line before anything compiles; returns the accepted changes' lines."""
+  try:
+    return resume_guard.check(
+        workdir, exp.output.config_json, config.runtime.resume_changed, record=record
+    )
+  except ValueError as e:
     cli.fail(str(e))
