@@ -15,6 +15,7 @@ code and stderr). A cold interpreter per case would cost ~7 s here, the fork ~1 
 import glob
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -637,6 +638,8 @@ def test_a_workdir_that_saw_every_failure_runs_and_corrupt_checkpoints_are_one_l
       f'--config.reward.callables=nanr={reward}:score',
       '--config.reward.weights=nanr',
       '--config.runtime.max_consecutive_skips=1',
+      # A resume under another reward changes the run: accepted explicitly (resume_guard).
+      '--config.runtime.resume_changed=reward.callables,reward.weights',
   ]
   cases = failures + [
       ('good', _argv(MAIN, [TINY, '--config.total_steps=2'], d, wd), wd),
@@ -659,12 +662,18 @@ def test_a_workdir_that_saw_every_failure_runs_and_corrupt_checkpoints_are_one_l
   ckpts = os.path.join(wd, 'checkpoints')
   assert sorted(os.listdir(ckpts)) == ['1', '2']
 
-  # A resume with a changed model: the checkpoint's line alone (it used to be followed by two
-  # "Event loop is closed" tracebacks), and the config.json of the run that wrote it kept.
+  # A resume with a changed model: refused before anything compiles, naming the fields and the
+  # flag that accepts them; accepted, the checkpoint's line alone (it used to be followed by
+  # two "Event loop is closed" tracebacks). The config.json of the run that wrote it is kept.
   config_json = open(os.path.join(wd, 'config.json')).read()
   changed = [TINY, '--config.model.attention_head_dim=16', '--config.model.axes_dims_rope=4,6,6']
   out = run_cases([('changed_model', _argv(MAIN, changed, d, wd), wd)], timeout_s=120)
-  r = out['changed_model']
+  line = last_line(out['changed_model']['stderr'])
+  assert line.startswith(f'digen_jax: {wd} holds a run saved with other settings'), line
+  assert 'model.attention_head_dim' in line and 'reward.weights' in line, line
+  accept = re.search(r'(--config\.runtime\.resume_changed=\S+) \(recorded', line).group(1)
+  out = run_cases([('accepted', _argv(MAIN, changed + [accept], d, wd), wd)], timeout_s=120)
+  r = out['accepted']
   assert r['code'] != 0 and 'Traceback' not in r['stderr'], r['stderr'][-3000:]
   assert 'Event loop is closed' not in r['stderr'] and 'Exception ignored' not in r['stderr']
   line = last_line(r['stderr'])
@@ -680,7 +689,11 @@ def test_a_workdir_that_saw_every_failure_runs_and_corrupt_checkpoints_are_one_l
       f.truncate(os.path.getsize(data) // 2)
   out = run_cases(
       [
-          ('main', _argv(MAIN, [TINY, '--config.total_steps=3'], d, wd), wd),
+          (
+              'main',
+              _argv(MAIN, [TINY, '--config.total_steps=3', nan_run[-1]], d, wd),
+              wd,
+          ),
           ('eval', _argv(EVAL, [TINY], d, wd), wd),
       ],
       timeout_s=120,
