@@ -123,11 +123,14 @@ def prepare_tiny_pipeline(config, workdir: str):
 def _run(info):
   from digen_jax.process import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
 
-  config, workdir, n = cli.setup()
-  # Before anything is written to the workdir (data/, config.json, metrics, checkpoints): one
-  # run per workdir.
-  lock = _lock_workdir(workdir, info) if info.num_processes > 1 else workdir_lib.acquire(workdir)
+  # One run per workdir, decided before anything is written there (data/, config.json, metrics,
+  # checkpoints) and, for one process, before JAX's backend starts (seconds, not the backend's
+  # start under load): a second run on a busy workdir is refused at once.
+  lock = workdir_lib.acquire(cli.WORKDIR.value) if info.num_processes == 1 else None
   try:
+    config, workdir, n = cli.setup()
+    if info.num_processes > 1:
+      lock = _lock_workdir(workdir, info)
     _train(info, config, workdir, n)
   finally:
     if lock is not None:

@@ -154,7 +154,9 @@ def test_a_second_run_on_a_workdir_refuses_and_a_killed_runs_lock_is_taken_over(
     (line,) = _last_lines(second.stderr)  # one line, no traceback
     assert line.startswith(f'digen_jax: --workdir={wd} is in use by another run (pid {first.pid} ')
     assert f'--workdir={wd} --config.total_steps=1000' in line, line
-    assert seconds < 60, seconds  # refused at its start, before compiling anything
+    # Refused at its start: before JAX's backend (39.6 s beside a training run when the lock came
+    # after it), let alone a compile.
+    assert seconds < 5, seconds
     assert first.poll() is None  # the first run goes on, its outputs untouched
     assert (sorted(os.listdir(wd)), open(os.path.join(wd, 'config.json')).read()) == before
     assert json.loads(before[1])['seed'] == 0
