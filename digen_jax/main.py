@@ -186,6 +186,11 @@ def _train(info, config, workdir: str, n: int):
   from digen_jax.runtime import transfer  # pylint: disable=g-import-not-at-top
 
   interrupt.install(config.runtime.shutdown_timeout_s)  # after jax.distributed's own handler
+  if info.num_processes == 1:
+    # Until the first update (runtime/loop.py) nothing is lost by stopping: a signal during the
+    # start (restoring, compiling for minutes) exits at once in one line. (Two processes stop
+    # together through the schedule's safe points.)
+    interrupt.nothing_to_save('before its first update (while starting or compiling)')
   tiny_pipeline = config.model.get('build_tiny_pipeline', False)
   if config.runtime.mode != 'disagg':
     if info.num_processes > 1:

@@ -21,6 +21,7 @@ import os
 import select
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -43,7 +44,9 @@ class Interrupted(faults.RunError):
 
 
 _lock = threading.Lock()
-_state = {'signum': None, 'generation': 0}
+# nothing_to_save: why this process holds nothing a stop must save (its start: restoring,
+# compiling, the first step before its update), or None once it does.
+_state = {'signum': None, 'generation': 0, 'nothing_to_save': None}
 _installed = {'timeout_s': None}
 
 
@@ -64,6 +67,14 @@ def check(where: str) -> None:
     dead = peers.dead_peer()
     why = f'{dead}: stopped' if dead else f'interrupted by {name(signum)}'
     raise Interrupted(signum, f'{why} {where}')
+
+
+def nothing_to_save(why: str | None) -> None:
+  """Marks the process as holding nothing a stop must save (`why`, e.g. 'before its first
+  update') or, with None, as holding progress again. While marked, a signal exits at once with
+  one line: the main thread may be inside a compile of minutes that no Python handler
+  interrupts, and the last checkpoint already holds everything."""
+  _state['nothing_to_save'] = why
 
 
 def _note(signum: int) -> bool:
@@ -92,13 +103,17 @@ def _watch(read_fd: int, timeout_s: float) -> None:
     ready, _, _ = select.select([read_fd], [], [], wait)
     if not ready:  # the deadline passed
       if _state['generation'] == generation and _state['signum'] is not None:
+        # A shutdown that does not finish is a hang somewhere: the stacks say where, in a file
+        # (the log keeps its one line).
+        stacks = os.path.join(tempfile.gettempdir(), f'digen_jax_stacks_{os.getpid()}.txt')
+        with open(stacks, 'w') as f:
+          faulthandler.dump_traceback(file=f, all_threads=True)
         _say(
             f'interrupted by {name(first)}: shutdown did not finish within '
             f'runtime.shutdown_timeout_s={timeout_s:g} s; exiting now (the last committed '
-            'checkpoint is intact; rerun the same command to resume); the stacks of its threads:'
+            "checkpoint is intact; rerun the same command to resume; the threads' stacks: "
+            f'{stacks})'
         )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        sys.stderr.flush()
         os._exit(128 + first)
       deadline = None  # reset() in between: a test, not a shutdown
       continue
@@ -112,6 +127,13 @@ def _watch(read_fd: int, timeout_s: float) -> None:
       deadline, generation, first = time.monotonic() + timeout_s, _state['generation'], signum
       if peers.dead_peer() is not None:
         continue  # a peer died: the process's last line says so (one line, peers.py)
+      idle = _state['nothing_to_save']
+      if idle:
+        _say(
+            f'interrupted by {name(signum)} {idle}: nothing to save (the last checkpoint is '
+            'intact; rerun the same command to resume)'
+        )
+        os._exit(128 + signum)
       _say(
           f'{name(signum)} received: stopping at the next safe point, checkpointing the last '
           f'completed step, exiting within {timeout_s:g} s (a second signal exits at once)'

@@ -379,6 +379,9 @@ class TrainerLoop:
     """The batch's optimizer step (and further PPO epochs over it). Its row is written after
     the next publish (`after_publish`) or at the end."""
     b = self.batch(step)
+    # From here the process holds progress a stop must save (the entry point marked its start
+    # as holding none: a signal there exits at once).
+    interrupt.nothing_to_save(None)
     self._evals = self.link.get(f'evals/{step}')
     self.book.write_rows(self._evals['rows'])
     self.link.weights_delivered()  # the rollout holds its copy: params may be donated

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -60,9 +61,73 @@ def test_a_process_stuck_after_sigterm_exits_at_the_bound():
   assert r.returncode == 143, r.stderr
   assert 'SIGTERM received' in r.stderr and 'did not finish within' in r.stderr, r.stderr
   assert 'runtime.shutdown_timeout_s=1.5' in r.stderr
-  # The stuck thread's stack names where it hangs.
-  assert 'File "<string>", line 7 in <module>' in r.stderr, r.stderr  # the os.read line
+  # One line; the stuck thread's stack, which names where it hangs, in the file it names.
+  assert 'Thread' not in r.stderr and len(r.stderr.strip().splitlines()) == 2, r.stderr
+  stacks = re.search(r"the threads' stacks: (\S+)\)", r.stderr).group(1)
+  with open(stacks) as f:
+    assert 'File "<string>", line 7 in <module>' in f.read()  # the os.read line
+  os.remove(stacks)
   assert seconds < 20
+
+
+def test_a_signal_while_nothing_is_to_save_exits_at_once_in_one_line():
+  """A run's start (restoring, compiling for minutes inside XLA, where no Python handler
+  runs): the watchdog exits at once, one line, no stacks."""
+  r, seconds = _python("""
+      import os, signal, threading
+      from digen_jax.process import interrupt
+      interrupt.install(300)
+      interrupt.nothing_to_save('while compiling')
+      threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+      r, w = os.pipe()
+      os.read(r, 1)  # blocks for ever, like a compile
+      """)
+  assert r.returncode == 143, r.stderr
+  (line,) = r.stderr.strip().splitlines()
+  assert line == (
+      'digen_jax: interrupted by SIGTERM while compiling: nothing to save (the last checkpoint '
+      'is intact; rerun the same command to resume)'
+  )
+  assert seconds < 20
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_first_compile_exits_at_once(tmp_path):
+  """python -m digen_jax.main stopped while it starts and compiles: 143 within seconds, one
+  line, nothing of a run left but its config (a watchdog dump of 64 lines after 60 s before)."""
+  wd = str(tmp_path / 'run')
+  proc = subprocess.Popen(
+      [
+          sys.executable,
+          '-m',
+          'digen_jax.main',
+          '--config=configs/qwenimage.py:tiny',
+          f'--workdir={wd}',
+      ],
+      cwd=REPO,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
+  try:
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(wd, 'config.json')):  # restored: compiling next
+      assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+      time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    stop_s = time.monotonic() - t0
+  finally:
+    proc.kill()
+  said = [l for l in err.splitlines() if l.strip() and not l.startswith(('I1', 'W1'))]
+  assert proc.returncode == 143, err[-3000:]
+  assert len(said) == 1 and said[0].startswith('digen_jax: interrupted by SIGTERM '), said
+  assert 'nothing to save' in said[0] and 'Thread' not in err
+  assert stop_s < 10, stop_s
+  assert not os.path.exists(os.path.join(wd, 'checkpoints')) or not os.listdir(
+      os.path.join(wd, 'checkpoints')
+  )
 
 
 def test_a_second_signal_exits_at_once():
