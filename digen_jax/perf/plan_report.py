@@ -27,6 +27,11 @@ def format_k_summary(plans: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+def _seconds(s: float) -> str:
+  """A step's seconds in 9 columns or fewer, never an exponent (1140 s, not 1.14e+03)."""
+  return f'{s:.3g}' if s < 100 else f'{s:.0f}'
+
+
 def _usd(x: float | None) -> str:
   return '-' if x is None else f'{x:.4g}'
 
@@ -109,7 +114,7 @@ def format_plan(p: dict) -> str:
   lines += baselines_lines(p)
   head = (
       f'{"mode":18}{"samples/s":>10}{"util":>6}{"busy t/r":>10}{"x base":>7}{"x coloc":>8}'
-      f'{"x disagg":>9}{"M":>4}{"step s":>8}  split'
+      f'{"x disagg":>9}{"M":>4} {"step s":>9}  split'
   )
   lines += ['', head]
   for k in search.MODES + search.EXTRA_MODES:
@@ -123,7 +128,7 @@ def format_plan(p: dict) -> str:
     busy = f'{m["trainer_busy"]:.2f}/{m["rollout_busy"]:.2f}'
     lines.append(
         f'{k:18}{m["samples_per_s"]:10.4g}{m["utilization"]:6.2f}{busy:>10}{xb:>7}{xc:>8}{xd:>9}'
-        f'{m["fragments"]:4d}{m["wall_s"]:8.3g}  {m["split"]}'
+        f'{m["fragments"]:4d} {_seconds(m["wall_s"]):>9}  {m["split"]}'
         + ('  (TSP off: not a ladder rung)' if k in search.EXTRA_MODES else '')
     )
   lines.append(

@@ -74,3 +74,19 @@ def test_one_node_of_h100s_prices_all_three_baselines():
   for name, b in p['baselines'].items():
     assert b['samples_per_usd'] == pytest.approx(b['samples_per_s'] * 3600 / (8 * 4.916)), name
   assert set(p['verdict']['against']) == {'verl_omni', 'ours_colocated', 'naive_disagg'}
+
+
+def test_the_mode_table_keeps_its_columns_apart_and_writes_no_exponents():
+  """'11.14e+03' was M = 1 and a 1140 s step run together."""
+  assert [plan_report._seconds(x) for x in (0.5, 19.3, 123.4, 1140.0)] == [
+      '0.5',
+      '19.3',
+      '123',
+      '1140',
+  ]
+  p = _plan('8xH100')
+  rows = [l for l in plan_report.format_plan(p).splitlines() if l.split()[:1] == ['colocated']]
+  m = p['modes']['colocated']
+  tokens = rows[0].split()
+  assert tokens[7] == str(m['fragments']) and tokens[8] == plan_report._seconds(m['wall_s'])
+  assert 'e+' not in rows[0]
