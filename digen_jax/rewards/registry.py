@@ -55,6 +55,10 @@ class RewardShapeError(ValueError):
   """A reward returned the wrong shape: a bug in the reward, not a fault of one sample."""
 
 
+class NonFiniteScores(ValueError):
+  """A reward returned NaN or inf for some samples (their fault: the guard retries them alone)."""
+
+
 def register(name: str, *, takes: str = "images") -> Callable[[RewardFn], RewardFn]:
   """Decorator: `@register("my_reward") def fn(images, prompts): ...`; takes='videos' for a
   reward of whole uint8 videos (module docstring).
@@ -175,7 +179,7 @@ def call_reward(name: str, images: np.ndarray, prompts: Sequence[str]) -> np.nda
         f"reward {name!r} returned shape {out.shape}; expected ({images.shape[0]},)"
     )
   if not np.all(np.isfinite(out)):
-    raise ValueError(f"reward {name!r} returned non-finite values: {out}")
+    raise NonFiniteScores(f"reward {name!r} returned non-finite values: {out}")
   return out
 
 

@@ -282,8 +282,10 @@ class Rewards:
 
   def probe(self, prompts, size: int = 64) -> None:
     """Scores 2 mid-grey images with the run's first prompts: a reward that returns the wrong
-    shape (any reward), or fails there (workers and remote scorers), is a ValueError now,
-    before anything compiles (an in-process reward's other faults are the guard's, per call)."""
+    shape or raises there (it cannot score the run's prompts: e.g. a task's reward on other
+    prompts) is a ValueError now, in one line, before anything compiles. A NaN score is not:
+    a grey image may have none, and a NaN is masked at run time (config.reward.failed); a
+    probe that times out is the guard's, per call (a first call may load a model)."""
     prompts = (list(prompts) * 2)[:2]
     images = np.full((2, size, size, 3), 128, np.uint8)
     fail = lambda why: ValueError(
@@ -296,13 +298,25 @@ class Rewards:
         registry.call_within(self.config.timeout_s, registry.call_reward, name, x, prompts)
       except registry.RewardShapeError as e:
         raise fail(e) from None
-      except Exception:  # pylint: disable=broad-except  (a fault, a hang: the run's guard's)
-        pass
+      except registry.NonFiniteScores:
+        logging.warning(
+            "reward %r scores NaN on the probe's grey images (masked at run time)", name
+        )
+      except registry.RewardTimeout:
+        logging.warning(
+            'reward %r: the probe timed out; the run goes on (its guard times calls)', name
+        )
+      except Exception as e:  # pylint: disable=broad-except  (user code: any error is the finding)
+        raise fail(
+            f'reward {name!r} raised {type(e).__name__}: {" ".join(str(e).split())[:300]}'
+        ) from None
     for pool in self.pools:
       got, info = pool.submit(images, prompts).result()
+      if info['faults']:
+        raise fail(info['faults'][0])
       bad = [n for n, row in zip(pool.names, got) if not np.all(np.isfinite(row))]
-      if info['faults'] or bad:
-        raise fail(info['faults'][0] if info['faults'] else f'NaN scores from {bad}')
+      if bad:
+        logging.warning("rewards %s score NaN on the probe's grey images (masked at run time)", bad)
 
   def close(self) -> None:
     for pool in self.pools:

@@ -156,6 +156,36 @@ def test_a_finite_score_too_large_for_the_statistics_counts_as_failed(caplog):
   assert 'count as failed' in line and s.faults == [line]
 
 
+@registry.register('test_faults_parser')
+def _parsing_reward(images, prompts):
+  """A task reward that parses its prompts (as ShapesBench's does): others raise."""
+  if not all(p.startswith('task:') for p in prompts):
+    raise ValueError(f'cannot parse prompt {prompts[0]!r}')
+  return np.full(len(prompts), np.nan if 'nan' in prompts[0] else 0.5, np.float32)
+
+
+def test_the_probe_fails_a_reward_that_cannot_score_the_runs_prompts():
+  """Before: the probe swallowed the error and the run compiled for minutes before every call
+  failed. Now one line before anything compiles; a NaN on the grey probe images passes (masked
+  at run time)."""
+  from digen_jax.experiment import config as configlib  # pylint: disable=g-import-not-at-top
+  from digen_jax.rewards import scoring  # pylint: disable=g-import-not-at-top
+
+  r = configlib.base_config().reward
+  r.weights = 'test_faults_parser:1'
+  rewards = scoring.build(r, registry.parse_weights(r.weights))
+  try:
+    with pytest.raises(ValueError) as e:
+      rewards.probe(['a cat on a mat'])
+    said = str(e.value)
+    assert said.startswith("config.reward.weights='test_faults_parser:1': a probe batch")
+    assert "reward 'test_faults_parser' raised ValueError: cannot parse prompt 'a cat" in said
+    rewards.probe(['task: two circles'])
+    rewards.probe(['task: nan'])
+  finally:
+    rewards.close()
+
+
 # --------------------------------------------------------------------------------- end to end
 
 _PLAN = {'nan_at': set(), 'raise_at': set(), 'calls': 0, 'prompts': {}, 'bad': None}
