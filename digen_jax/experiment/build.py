@@ -173,18 +173,33 @@ def check_prompt_cache(config, text_encoder, prompt_lists) -> None:
   before anything compiles."""
   if config.text.encoder == 'word':
     return
-  prompts = [config.sampler.negative_prompt] + [p for ps in prompt_lists for p in ps]
-  expected = None
-  if config.model.checkpoint and weights_lib.is_pipeline_folder(config.model.checkpoint):
-    # A FLUX cache's T5 sequences are padded to the run's text length (unused for Qwen-Image).
-    expected = text_cache.encoder_fingerprint(
-        config.model.checkpoint, max_sequence_length=config.text.max_length
-    )
-  text_encoder.check(
-      list(dict.fromkeys(prompts)),
-      expected,
-      command=text_cache.encode_command(sys.argv[1:], config.text.cache),
+  prompts = list(
+      dict.fromkeys([config.sampler.negative_prompt] + [p for ps in prompt_lists for p in ps])
   )
+  command = text_cache.encode_command(sys.argv[1:], config.text.cache)
+  expected = None
+  folder = config.model.checkpoint
+  if folder and weights_lib.is_pipeline_folder(folder):
+    if not os.path.isdir(os.path.join(folder, 'text_encoder')):
+      # Training reads only the cache; the encoder is needed to encode what it lacks and to
+      # check that it came from this folder's encoder.
+      try:
+        text_encoder.check(prompts, None, command=command)
+      except ValueError as e:
+        raise ValueError(
+            f'config.model.checkpoint={folder!r} has no text_encoder/, so the prompts '
+            f'config.text.cache={config.text.cache!r} lacks cannot be encoded here: {e} (or '
+            "copy the release's text_encoder/ and tokenizer/ into the folder)"
+        ) from None
+      logging.warning(
+          '%s has no text_encoder/: config.text.cache holds every prompt of the run and is used '
+          "as it is, its record of the encoder that made it not checked against the folder's",
+          folder,
+      )
+      return
+    # A FLUX cache's T5 sequences are padded to the run's text length (unused for Qwen-Image).
+    expected = text_cache.encoder_fingerprint(folder, max_sequence_length=config.text.max_length)
+  text_encoder.check(prompts, expected, command=command)
 
 
 SCHEDULER_CONFIG = os.path.join('scheduler', 'scheduler_config.json')

@@ -5,13 +5,17 @@ processes, and resumed after a restart. The training process must never import t
 meta-path hook makes any torch import in it fail loudly."""
 
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from digen_jax.experiment import tiny_pipeline
-from tests.helpers.pipelines import metrics_rows, run_main, run_main_two_processes
+from tests.helpers.paths import REPO
+from tests.helpers.pipelines import flags, metrics_rows, run_main, run_main_two_processes
 
 
 @pytest.fixture(scope='module')
@@ -78,6 +82,26 @@ def test_colocated_lora_runs_and_resumes(folder, tmp_path):
   assert sorted(again) == sorted(adapters)
   for k in adapters:
     np.testing.assert_array_equal(again[k], adapters[k], err_msg=k)
+
+  # A folder without its text encoder trains on a complete cache (a warning says it is used
+  # unchecked); a prompt the cache lacks is one line saying why it cannot be encoded here.
+  bare = tmp_path / 'no_text_encoder'
+  shutil.copytree(folder, bare, ignore=shutil.ignore_patterns('text_encoder'))
+  r = run_main(bare, tmp_path / 'bare_run', '--config.total_steps=1')
+  assert 'has no text_encoder/: config.text.cache holds every prompt' in r.stderr
+  r = subprocess.run(
+      [sys.executable, '-m', 'digen_jax.main']
+      + flags(
+          bare, tmp_path / 'bare_new', 'tiny_pipeline', '--config.sampler.negative_prompt=new words'
+      ),
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  said = [l for l in r.stderr.splitlines() if l.startswith('digen_jax: ')]
+  assert r.returncode == 1 and len(said) == 1, r.stderr[-3000:]
+  assert f"config.model.checkpoint='{bare}' has no text_encoder/, so the prompts" in said[0]
 
 
 @pytest.mark.slow
