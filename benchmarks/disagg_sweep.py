@@ -28,6 +28,7 @@ from configs import qwenimage
 from digen_jax.perf import baseline
 from digen_jax.perf import hardware
 from digen_jax.perf import planner as planning
+from digen_jax.perf import run_models
 
 # pylint: enable=wrong-import-position
 
@@ -58,9 +59,9 @@ def rows(clusters, price_spec: str) -> list[dict]:
       for cfg in (True, False) if has_cfg else (False,):
         config = config_of(module, variant, objective, cfg)
         name = f'{path}:{variant}' if variant else path
-        run = planning.run_model(name, config, [], settings)
+        run = run_models.run_model(name, config, [], settings)
         for k in K_VALUES:
-          variant_run = run if k == 'config' else planning.trained_step_variants(run, [k])[0]
+          variant_run = run if k == 'config' else run_models.trained_step_variants(run, [k])[0]
           for cluster in clusters:
             parts = hardware.parse_cluster(cluster)
             try:

@@ -50,6 +50,7 @@ from digen_jax.perf import comparisons
 from digen_jax.perf import cached_run
 from digen_jax.perf import hardware
 from digen_jax.perf import planner as planning
+from digen_jax.perf import run_models
 from digen_jax.perf import runmodel as rm
 from digen_jax.perf import search
 
@@ -83,7 +84,7 @@ def families() -> dict[str, rm.RunModel]:
     run = run_from_cache(module, path, 'full') or run_from_cache(module, path, 'lora')
     out[f'{label} ({run.finetune}, XLA)'] = run
   out['HunyuanVideo-13B (full, analytic)'] = analytic.run_model(analytic.HUNYUAN_VIDEO)
-  wan = planning.run_model('configs/wan21.py', wan21.get_config(''), [], planning.Settings())
+  wan = run_models.run_model('configs/wan21.py', wan21.get_config(''), [], planning.Settings())
   out[f'Wan2.1-14B ({wan.finetune}, XLA)'] = wan
   return out
 

@@ -139,6 +139,7 @@ def main(argv):
   from digen_jax.perf import baseline  # pylint: disable=g-import-not-at-top
   from digen_jax.perf import plan_report  # pylint: disable=g-import-not-at-top
   from digen_jax.perf import planner as planning  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import run_models  # pylint: disable=g-import-not-at-top
   from digen_jax.perf import splits  # pylint: disable=g-import-not-at-top
   import digen_jax.tasks  # noqa: F401  pylint: disable=g-import-not-at-top  (registers the tasks)
 
@@ -177,7 +178,7 @@ def main(argv):
         _CLUSTER.value, _TRAINER.value, settings, accelerators=_ACCELERATORS.value
     )
     config_arg, overrides = _config_arg(sys.argv[1:]), _overrides(sys.argv[1:])
-    run = planning.run_model(config_arg, config, overrides, settings)
+    run = run_models.run_model(config_arg, config, overrides, settings)
     compute_split = None
     if settings.costs == 'xla':  # a split's memory the cache lacks: compiled (minutes)
       compute_split = splits.split_computer(config_arg, config, overrides, run)
@@ -192,7 +193,7 @@ def main(argv):
             sequence=int(config.parallel.sequence),
             split_memory=compute_split,
         )
-        for variant in planning.trained_step_variants(run, _TRAINED_STEPS.value)
+        for variant in run_models.trained_step_variants(run, _TRAINED_STEPS.value)
     ]
   except planning.PlanError as e:
     fail(str(e))

@@ -10,6 +10,7 @@ from configs import qwenimage
 from digen_jax.models import family
 from digen_jax.perf import calibrations
 from digen_jax.perf import hardware
+from digen_jax.perf import run_models
 from digen_jax.perf import runmodel as rm
 from tests.helpers.paths import REPO
 
@@ -199,7 +200,7 @@ def test_analytic_costs_agree_with_the_compiled_programs():
 
   c = qwenimage.get_config('full')
   ana = analytic.run_model_of(c, 'qwen')
-  xla = planning.run_model('configs/qwenimage.py:full', c, [], planning.Settings())
+  xla = run_models.run_model('configs/qwenimage.py:full', c, [], planning.Settings())
   assert ana.K == xla.K and ana.T == xla.T
   roll = xla.rollout.per_unit * xla.rollout.matmul_share
   assert ana.rollout.per_unit == pytest.approx(roll, rel=0.06)
@@ -215,7 +216,7 @@ def test_the_plan_prices_the_baseline_and_ranks_modes_against_it():
 
   c = verl_omni_ocr.get_config('lora')
   settings = planning.Settings(costs='analytic')
-  run = planning.run_model('configs/verl_omni_ocr.py:lora', c, [], settings)
+  run = run_models.run_model('configs/verl_omni_ocr.py:lora', c, [], settings)
   parts = hardware.parse_cluster('2xH100+2xH20')
   p = planning.plan(run, parts, settings, cluster='2xH100+2xH20', recipe=baseline.recipe_of(c))
   b = p['baseline']
@@ -229,7 +230,9 @@ def test_the_plan_prices_the_baseline_and_ranks_modes_against_it():
     assert terms and terms <= set(comp['source']), name  # a source for every term
     assert all(comp['source'][t] for t in terms), name
     assert col['x_baselines'][name] == pytest.approx(col['samples_per_s'] / comp['samples_per_s'])
-  assert p['baselines']['ours_colocated']['samples_per_s'] == col['samples_per_s']
+  # On this mixed cluster our colocated mode runs faster on the H100s alone: that is the baseline.
+  ours = p['baselines']['ours_colocated']
+  assert ours['devices'] == '2xH100 SXM' and ours['samples_per_s'] > col['samples_per_s']
   train_source = p['baselines']['verl_omni']['source']['train']
   assert 'perf/calibrations.py' in train_source and 'multi_node_training.md' in train_source
   text = plan_report.format_plan(p)

@@ -17,6 +17,7 @@ from digen_jax.perf import cached_run
 from digen_jax.parallel import tsp_grid
 from digen_jax.perf import hardware
 from digen_jax.perf import planner as planning
+from digen_jax.perf import run_models
 from digen_jax.perf import roles
 from digen_jax.perf import runmodel as rm
 from digen_jax.perf import search
@@ -129,7 +130,7 @@ def wan():
   from configs import wan21  # pylint: disable=g-import-not-at-top
 
   config = wan21.get_config('')
-  return planning.run_model('configs/wan21.py', config, [], planning.Settings())
+  return run_models.run_model('configs/wan21.py', config, [], planning.Settings())
 
 
 def test_a_split_takes_its_memory_from_its_compile_and_its_flops_from_split_1(wan):
@@ -276,7 +277,7 @@ def test_pretraining_config_is_refused():
   from configs import shapes_pretrain  # pylint: disable=g-import-not-at-top
 
   with pytest.raises(planning.PlanError, match='pretraining config'):
-    planning.run_model(
+    run_models.run_model(
         'configs/shapes_pretrain.py', shapes_pretrain.get_config(), [], planning.Settings()
     )
 
@@ -450,14 +451,14 @@ def test_committed_costs_match_the_configs_they_were_computed_for():
 def test_trained_step_windows_are_planned_as_asked(qwen):
   """--trained_steps: each K planned (a K-step window costs K/K0 of the gradient); a K outside
   1..T-1 is refused naming the flag."""
-  k2, k1 = planning.trained_step_variants(qwen, ['2', '1'])
-  assert (k2.K, k1.K) == (2, 1) and planning.trained_step_variants(qwen, []) == [qwen]
+  k2, k1 = run_models.trained_step_variants(qwen, ['2', '1'])
+  assert (k2.K, k1.K) == (2, 1) and run_models.trained_step_variants(qwen, []) == [qwen]
   g = roles.Group(hardware.parse_cluster('8xH100'))
   full, two = (rm.best(rm.grad_options(r, g, 16, rm.Knobs(), tsp=False)) for r in (qwen, k2))
   assert two.detail['compute_s'] == pytest.approx(full.detail['compute_s'] * 2 / 5, rel=0.02)
   for bad in ('0', str(qwen.T), 'two'):
     with pytest.raises(planning.PlanError, match='--trained_steps'):
-      planning.trained_step_variants(qwen, [bad])
+      run_models.trained_step_variants(qwen, [bad])
 
 
 def test_overlapped_fsdp_exposes_only_the_first_layer(qwen):

@@ -9,13 +9,14 @@ from configs import qwenimage
 from digen_jax.perf import hardware
 from digen_jax.perf import plan_report
 from digen_jax.perf import planner as planning
+from digen_jax.perf import run_models
 from digen_jax.perf import prices
 
 
 @functools.cache
 def _plan(cluster: str, price_spec: str = '') -> dict:
   settings = planning.Settings(costs='analytic', prices=price_spec, steps=3, simulate_top=2)
-  run = planning.run_model('configs/qwenimage.py', qwenimage.get_config(), [], settings)
+  run = run_models.run_model('configs/qwenimage.py', qwenimage.get_config(), [], settings)
   parts = hardware.parse_cluster(cluster)
   return planning.plan(run, parts, settings, cluster=cluster)
 

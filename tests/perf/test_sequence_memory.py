@@ -89,6 +89,7 @@ def test_the_planner_compiles_a_split_the_cache_lacks_once(tmp_path, monkeypatch
   that split read exactly those compiles' temp memory; asked again, nothing is compiled."""
   from digen_jax.perf import hardware  # pylint: disable=g-import-not-at-top
   from digen_jax.perf import planner as planning  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import run_models  # pylint: disable=g-import-not-at-top
   from digen_jax.perf import roles  # pylint: disable=g-import-not-at-top
   from digen_jax.perf import runmodel as rm  # pylint: disable=g-import-not-at-top
   from digen_jax.perf import splits  # pylint: disable=g-import-not-at-top
@@ -97,7 +98,7 @@ def test_the_planner_compiles_a_split_the_cache_lacks_once(tmp_path, monkeypatch
   config = wan21.get_config('tiny')
   log = tmp_path / 'log.txt'
   with open(log, 'w') as f:
-    run = planning.run_model(
+    run = run_models.run_model(
         'configs/wan21.py:tiny', config, [], planning.Settings(), directory=str(tmp_path), log=f
     )
     assert run.split_memory == {}

@@ -9,6 +9,7 @@ from configs import flux
 from configs import qwenimage
 from digen_jax.perf import hardware
 from digen_jax.perf import planner as planning
+from digen_jax.perf import run_models
 from digen_jax.perf import search
 
 CASES = [
@@ -21,7 +22,7 @@ CASES = [
 def _run(module, path, variant):
   config = module.get_config(variant)
   arg = f'{path}:{variant}' if variant else path
-  return planning.run_model(arg, config, [], planning.Settings())
+  return run_models.run_model(arg, config, [], planning.Settings())
 
 
 def _planner(run, cluster, **kw):
