@@ -149,3 +149,16 @@ def verdict(out_modes: dict, compared: dict, best_on: str | None) -> dict:
       'disaggregate': bool(best_on != 'colocated' and ours and ours['x_samples_per_s'] > 1),
       'against': against,
   }
+
+
+def add_ratios(out_modes: dict, base: dict, compared: dict, usd: float | None) -> None:
+  """Each mode row's speed-ups in place: over veRL-Omni (x_baseline), over each baseline
+  (x_baselines; x_colocated: our colocated mode at its best placement), and samples per USD."""
+  for row in out_modes.values():
+    sps = row['samples_per_s']
+    row['x_baseline'] = sps / base['samples_per_s'] if sps else None
+    row['samples_per_usd'] = per_usd(sps, usd)
+    row['x_baselines'] = {
+        k: (sps / b['samples_per_s'] if sps and b else None) for k, b in compared.items()
+    }
+    row['x_colocated'] = row['x_baselines']['ours_colocated']

@@ -197,14 +197,7 @@ def plan(
   out_modes, results = _mode_rows(planner, modes, settings)
   fast_part, fast_colocated = _colocated_on_fast_part(run, parts, knobs, settings)
   compared = comparisons.baselines_of(base, modes, parts, price_list, fast_colocated, fast_part)
-  for row in out_modes.values():
-    sps = row['samples_per_s']
-    row['x_baseline'] = sps / base['samples_per_s'] if sps else None
-    row['samples_per_usd'] = comparisons.per_usd(sps, usd)
-    row['x_baselines'] = {
-        k: (sps / b['samples_per_s'] if sps and b else None) for k, b in compared.items()
-    }
-    row['x_colocated'] = row['x_baselines']['ours_colocated']  # at its best placement
+  comparisons.add_ratios(out_modes, base, compared, usd)
   fitted = [k for k in search.MODES + search.EXTRA_MODES if modes[k] is not None]
   best = max(fitted, key=lambda k: modes[k].samples_per_s)
   on_policy = [k for k in fitted if not k.endswith('tcss')]
@@ -221,6 +214,8 @@ def plan(
       ]
       for k, v in found['tried'].items()
   }
+  cost = {'usd_per_hour': usd, 'unpriced': unpriced}
+  cost['prices'] = {k: dataclasses.asdict(v) for k, v in price_list.items()}
   return {
       'model': run.name,
       'cluster': cluster,
@@ -232,11 +227,7 @@ def plan(
       'modes': out_modes,
       'baseline': base,
       'baselines': compared,
-      'cost': {
-          'usd_per_hour': usd,
-          'unpriced': unpriced,
-          'prices': {k: dataclasses.asdict(v) for k, v in price_list.items()},
-      },
+      'cost': cost,
       'verdict': comparisons.verdict(out_modes, compared, best_on),
       'best': best,
       'best_on_policy': best_on,
