@@ -88,6 +88,43 @@ def _at_wall(c: dict, budget: float):
   return done[-1] if done else None
 
 
+def targets(curves: dict, baseline: str, steps: int) -> str:
+  """The issue's two targets per objective: (1) it reaches the baseline's mean final accuracy
+  within a third of the baseline's wall time on every seed; (2) its accuracy at the baseline's
+  wall budget is at least 35 points over the base (step 0) on every seed."""
+  base_runs = {seed: c for (name, seed), c in curves.items() if name == baseline}
+  finals = [next((a for s, a, _, _ in c['evals'] if s == steps), None) for c in base_runs.values()]
+  if not base_runs or None in finals:
+    return f'(targets need every {baseline} run finished at step {steps})'
+  mean_final = sum(finals) / len(finals)
+  walls = ', '.join(f'{c["wall"]:.0f}' for c in base_runs.values())
+  lines = [
+      f'{baseline} mean final accuracy {100 * mean_final:.2f} % over seeds '
+      f'{sorted(base_runs)}; its wall {walls} s',
+      '',
+      f'| run | s to {100 * mean_final:.2f} % (/ {baseline} wall) | <= 1/3? | at {baseline} wall: '
+      'points over base | >= +35? |',
+      '|---|---|---|---|---|',
+  ]
+  for (name, seed), c in sorted(curves.items()):
+    if name == baseline or seed not in base_runs:
+      continue
+    wall = base_runs[seed]['wall']
+    hit = _first(c, mean_final)
+    base_acc = c['evals'][0][1] if c['evals'] and c['evals'][0][0] == 0 else None
+    at = _at_wall(c, wall)
+    gain = None if at is None or base_acc is None else 100 * (at - base_acc)
+    frac = None if hit is None else hit[0] / wall
+    lines.append(
+        f'| {name} s{seed} | '
+        + ('-' if hit is None else f'{hit[0]:.0f} ({frac:.2f})')
+        + f' | {"yes" if frac is not None and frac <= 1 / 3 else "no"} | '
+        + ('-' if gain is None else f'{gain:+.2f}')
+        + f' | {"yes" if gain is not None and gain >= 35 else "no"} |'
+    )
+  return '\n'.join(lines)
+
+
 def table(curves: dict, baseline: str, steps: int) -> str:
   """Markdown: one row per (objective, seed)."""
   head = (
@@ -133,7 +170,9 @@ def main(argv=None) -> int:
         _run(name, config, seed, args)
       if _rows(workdir):
         curves[(name, seed)] = curve(workdir)
-  text = table(curves, args.baseline, args.steps)
+  text = (
+      table(curves, args.baseline, args.steps) + '\n\n' + targets(curves, args.baseline, args.steps)
+  )
   print(text)
   with open(os.path.join(args.out, 'time_to_quality.md'), 'w') as f:
     f.write(text + '\n')
