@@ -12,6 +12,7 @@ holds while the next one is not published.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 
@@ -155,11 +156,30 @@ class Evals:
 
   def due(self, version: int, start: int) -> bool:
     """Before the rollout of step `version` (a run also evaluates once more at its end): the
-    base model of a fresh run, and every eval.every versions after the resume point (the run
-    that stopped there evaluated it)."""
+    base model of a fresh run, every eval.every versions after the resume point, and the
+    resume point itself when its eval was due and its row is not in metrics.jsonl (its row is
+    written with the next step's: a run stopped in between had evaluated it, or not, but
+    recorded nothing)."""
     if not self.enabled:
       return False
+    if version == start and start > 0 and start % self.every == 0:
+      return not self.recorded(start)
     return (version == 0 and start == 0) or (version > start and version % self.every == 0)
+
+  def recorded(self, version: int) -> bool:
+    """Whether metrics.jsonl holds the eval row of policy `version` (a torn line is no row)."""
+    path = os.path.join(self.workdir, 'metrics.jsonl')
+    if not os.path.isfile(path):
+      return False
+    with open(path) as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except ValueError:
+          continue
+        if row.get('step') == version and any(k.startswith('eval/') for k in row):
+          return True
+    return False
 
   def __call__(self, policy) -> dict:
     result = self.evaluator(policy.params, seed=self.exp.eval.seed)
