@@ -37,7 +37,13 @@ def parse_args(argv):
   p.add_argument('--steps', type=int, default=8, help='optimizer steps per rung (>= 2)')
   p.add_argument('--rungs', default=','.join(predict.RUNGS))
   p.add_argument('--variants', default=','.join(predict.VARIANTS))
-  p.add_argument('--fragments', type=int, default=16)
+  p.add_argument(
+      '--fragments',
+      type=int,
+      default=0,
+      help="M of the GAP rungs; 0: the profile's (with --config: the largest of 16, 8, 4, 2 "
+      "dividing the config's batch in --fragment_unit units)",
+  )
   p.add_argument('--fragment_unit', default='group', choices=('group', 'sample'))
   p.add_argument('--tcss_fraction', type=float, default=0.5)
   p.add_argument(
@@ -148,6 +154,8 @@ def main(argv=None) -> int:
       return 2
   with open(a.profile) as f:
     profile = json.load(f)
+  if not a.fragments:  # the profile's M (its fragment programs are compiled for it)
+    a.fragments = max(lay.get('fragments', 1) for lay in profile['layouts'].values())
   measured, spans = None, {}
   if a.measured:
     with open(a.measured) as f:

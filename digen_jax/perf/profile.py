@@ -55,7 +55,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 _OUT = flags.DEFINE_string('out', None, 'where the profile JSON goes')
 _LAYOUTS = flags.DEFINE_list('layouts', list(LAYOUTS), f'subset of {",".join(LAYOUTS)}')
-_FRAGMENTS = flags.DEFINE_integer('fragments', 16, 'M of the fragment programs profiled')
+_FRAGMENTS = flags.DEFINE_integer(
+    'fragments',
+    0,
+    'M of the fragment programs profiled; 0: the largest of 16, 8, 4, 2, 1 that divides the '
+    "config's batch in --fragment_unit units",
+)
 _UNIT = flags.DEFINE_enum('fragment_unit', 'group', ['group', 'sample'], 'fragment unit')
 _DEVICES = flags.DEFINE_integer('devices_per_process', 1, 'D (colocated and sp get 2*D)')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'timed calls per program (their mean kept)')
@@ -456,8 +461,18 @@ def machine() -> dict:
   }
 
 
+def fragments_for(config, unit: str, asked: int) -> int:
+  """`asked`, or (0) the largest of 16, 8, 4, 2, 1 dividing the batch in `unit` units: groups
+  (rl.prompts_per_step) or samples (times rl.group_size)."""
+  if asked:
+    return asked
+  units = config.rl.prompts_per_step * (config.rl.group_size if unit == 'sample' else 1)
+  return next(m for m in (16, 8, 4, 2, 1) if units % m == 0)
+
+
 def main(argv):
   config, _ = cli.config_and_workdir()
+  fragments = fragments_for(config, _UNIT.value, _FRAGMENTS.value)
   if _CHILD.value:
     # The timed checkpoints (tens of MB) go to a folder removed on the way out.
     with tempfile.TemporaryDirectory(prefix='digen_profile_') as workdir:
@@ -465,7 +480,7 @@ def main(argv):
           _CHILD.value,
           config,
           workdir,
-          _FRAGMENTS.value,
+          fragments,
           _UNIT.value,
           _REPEATS.value,
           tuple(_GRADS.value),
@@ -484,8 +499,8 @@ def main(argv):
     cli.fail(
         f'--fragment_grads={",".join(_GRADS.value)}: use a subset of {",".join(FRAGMENT_GRADS)}'
     )
-  if _REPEATS.value < 1 or _FRAGMENTS.value < 1 or _DEVICES.value < 1:
-    cli.fail('--repeats, --fragments and --devices_per_process must be >= 1')
+  if _REPEATS.value < 1 or _FRAGMENTS.value < 0 or _DEVICES.value < 1:
+    cli.fail('--repeats and --devices_per_process must be >= 1, --fragments >= 0 (0: auto)')
   layouts = {}
   for layout in _LAYOUTS.value:
     part = f'{_OUT.value}.{layout}.part'

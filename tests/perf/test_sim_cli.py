@@ -53,9 +53,8 @@ def test_config_form_profiles_then_predicts(tmp_path):
       '--rungs=colocated,disagg',
       '--variants=sp',
       '--steps=3',
-      '--fragments=4',
       '--repeats=1',  # one timed call per program: the profile's keys, not its precision
-      '--config.rl.prompts_per_step=4',
+      '--config.rl.prompts_per_step=4',  # no --fragments: M = 4, the largest that divides it
   )
   assert r.returncode == 0, r.stderr[-3000:]
   doc = json.loads(out.read_text())
@@ -67,6 +66,21 @@ def test_config_form_profiles_then_predicts(tmp_path):
   assert '--config.rl.prompts_per_step=4' in profile['argv'] and '--repeats=1' in profile['argv']
   modes = doc['modes']
   assert modes['colocated']['samples_per_s'] > 0 and modes['disagg']['samples_per_s'] > 0
+  assert profile['layouts']['sp']['fragments'] == 4
+
+
+def test_the_fragment_count_defaults_to_what_the_config_divides():
+  """configs/shapes.py (8 prompts x 8): M = 8 groups or 16 samples, never the 16 groups its
+  profile used to ask for (which validation refused: 16 must divide 8)."""
+  from configs import shapes  # pylint: disable=g-import-not-at-top
+  from digen_jax.perf import profile  # pylint: disable=g-import-not-at-top
+
+  c = shapes.get_config()
+  assert profile.fragments_for(c, 'group', 0) == c.rl.prompts_per_step == 8
+  assert profile.fragments_for(c, 'sample', 0) == 16
+  assert profile.fragments_for(c, 'group', 2) == 2
+  c.rl.prompts_per_step = 6
+  assert profile.fragments_for(c, 'group', 0) == 2
 
 
 def test_a_colocated_config_is_profiled_disaggregated_in_the_disagg_layouts():
