@@ -112,6 +112,27 @@ def test_the_reward_reads_rendered_words_and_scores_blank_and_distorted_images_l
   assert _score([_render('OPEN 24 HOUR')], ['OPEN 24 HOURS'])[0] == pytest.approx(1 - 1 / 11)
 
 
+def test_extra_missing_and_repeated_text_score_as_flow_grpo_scores_them():
+  """Rendered images against Flow-GRPO's rule (flow_grpo/ocr.py, kept by veRL-Omni's
+  genrm_ocr): the asked text inside a longer one scores 1 (extra text is not penalised, the
+  classic way RL games this reward: docs/rewards.md), a repeat scores 1, missing letters cost
+  their edit distance."""
+  images = [_render('BEST PIZZA IN TOWN'), _render('PIZZA PIZZA'), _render('PIZ'), _render('PIZZA')]
+  got = _score(images, ['PIZZA'] * 4)
+  reads = [_reward_reader().read(im) for im in images]
+  want = [ocr.ocr_score(r, 'a sign that says "PIZZA"') for r in reads]
+  assert list(got) == pytest.approx(want)
+  assert ocr.normalise(reads[0]) == 'bestpizzaintown' and got[0] == 1.0  # extra text
+  assert ocr.normalise(reads[1]) == 'pizzapizza' and got[1] == 1.0  # repeated
+  assert ocr.normalise(reads[2]) == 'piz' and got[2] == pytest.approx(1 - 2 / 5)  # missing
+  assert got[3] == 1.0
+
+
+@functools.lru_cache(maxsize=1)
+def _reward_reader():
+  return ocr.OcrReader()
+
+
 @pytest.mark.slow
 def test_clean_rendered_words_are_read_exactly_at_least_95_percent():
   """Every text of the task (70) in two fonts: >= 95 % read exactly (score 1)."""
