@@ -16,7 +16,23 @@ import types
 import ml_collections
 
 # Re-exported: configs/, the runtime and the tests call them as configlib.validate / ...
-from digen_jax.experiment.validation import check_transfer_host, validate
+
+
+def validate(config, num_devices: int):
+  """experiment/validation.validate: cross-field checks before anything compiles; returns the
+  fragment plan. Imported on first use: validation imports JAX, and loading a config file (every
+  command's first step, before a busy workdir is refused) need not."""
+  from digen_jax.experiment import validation  # pylint: disable=g-import-not-at-top
+
+  return validation.validate(config, num_devices)
+
+
+def check_transfer_host(host, field: str = 'config.cluster.transfer_host') -> str:
+  """experiment/validation.check_transfer_host (imported on first use, as validate)."""
+  from digen_jax.experiment import validation  # pylint: disable=g-import-not-at-top
+
+  return validation.check_transfer_host(host, field)
+
 
 __all__ = [
     'SHAPES_AE_CHECKPOINT',
