@@ -406,7 +406,8 @@ def _build_parts(config, workdir, plan, reward_fn, img_shape, num_tokens, specs)
       else []
   )  # a bad eval split fails now, not mid-run
   check_prompt_cache(config, text_encoder, [texts, eval_texts])
-  reward_fn.probe(texts[:2])
+  # A video run's rewards score videos: probe them with a few grey frames.
+  reward_fn.probe(texts[:2], frames=3 if config.latent.frames > 1 else 0)
   prompts = prompt_data.PromptIterator(source, config.rl.prompts_per_step, config.seed)
   mcfg, weights = build_weights(config)
   return run_lib.Run(

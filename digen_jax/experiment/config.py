@@ -345,7 +345,7 @@ def _baseline_section() -> ml_collections.ConfigDict:
   b.behaviour_pass = True  # a forward over the trained steps for the old log-probs
   b.mini_batches = 2  # optimizer steps per batch (veRL's ppo_mini_batch_size: 16 of 32 prompts)
   b.micro_batch = 16  # samples per device per forward/backward (ppo_micro_batch_size_per_gpu)
-  # FSDP as veRL-Omni's multi-node guide configures it (docs/start/multi_node_training.md):
+  # FSDP as veRL-Omni's multi-node guide configures it (verl-project/verl-omni docs/start/multi_node_training.md):
   # shard groups of one node's devices (fsdp_size=$GPUS_PER_NODE; 0 here), replicated across
   # nodes; reshard_after_forward 'auto' = 'no' across nodes (the guide), 'yes' on one node (the
   # single-node scripts keep FSDP's default).

@@ -46,7 +46,7 @@ RESHARD = ('auto', 'yes', 'no')
 
 # Where veRL-Omni's behaviour comes from (verl-project/verl-omni at a1139baf unless a page says
 # otherwise); each term's `source` in a plan names these.
-_GUIDE = 'verl-omni docs/start/multi_node_training.md (updated 2026-06-15), section 4'
+_GUIDE = 'verl-project/verl-omni docs/start/multi_node_training.md (2026-06-15), section 4'
 _WORKERS = 'verl-omni verl_omni/workers/engine_workers.py update_weights'
 _SLEEP = 'verl-omni verl_omni/workers/rollout/vllm_rollout/vllm_omni_async_server.py _sleep_hybrid'
 

@@ -280,16 +280,18 @@ class Rewards:
     s = self.submit(images, prompts).result()
     return dict(zip(self.names, s.parts))
 
-  def probe(self, prompts, size: int = 64) -> None:
+  def probe(self, prompts, size: int = 64, frames: int = 0) -> None:
     """Scores 2 mid-grey images with the run's first prompts: a reward that returns the wrong
     shape or raises there (it cannot score the run's prompts: e.g. a task's reward on other
     prompts) is a ValueError now, in one line, before anything compiles. A NaN score is not:
     a grey image may have none, and a NaN is masked at run time (config.reward.failed); a
     probe that times out is the guard's, per call (a first call may load a model)."""
     prompts = (list(prompts) * 2)[:2]
-    images = np.full((2, size, size, 3), 128, np.uint8)
+    shape = (2, frames, size, size, 3) if frames else (2, size, size, 3)  # frames: a video run
+    images = np.full(shape, 128, np.uint8)
+    what = f'2 grey videos of {frames} frames' if frames else '2 grey images'
     fail = lambda why: ValueError(
-        f'config.reward.weights={self.config.weights!r}: a probe batch (2 grey images with '
+        f'config.reward.weights={self.config.weights!r}: a probe batch ({what} with '
         f"the run's first prompts) failed before training: {why}"
     )
     x = images.astype(np.float32) / np.float32(127.5) - 1

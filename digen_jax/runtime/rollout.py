@@ -157,29 +157,32 @@ class Evals:
   def due(self, version: int, start: int) -> bool:
     """Before the rollout of step `version` (a run also evaluates once more at its end): the
     base model of a fresh run, every eval.every versions after the resume point, and the
-    resume point itself when its eval was due and its row is not in metrics.jsonl (its row is
-    written with the next step's: a run stopped in between had evaluated it, or not, but
-    recorded nothing)."""
+    resume point itself when the run was evaluating and that eval's row is not in metrics.jsonl
+    (its row is written with the next step's: a run stopped in between recorded nothing)."""
     if not self.enabled:
       return False
     if version == start and start > 0 and start % self.every == 0:
-      return not self.recorded(start)
+      evaluated = self.recorded()
+      return bool(evaluated) and start not in evaluated
     return (version == 0 and start == 0) or (version > start and version % self.every == 0)
 
-  def recorded(self, version: int) -> bool:
-    """Whether metrics.jsonl holds the eval row of policy `version` (a torn line is no row)."""
+  def recorded(self) -> set[int]:
+    """The policy versions metrics.jsonl holds an eval row of (a torn line is no row). A run
+    that never evaluated (eval turned on at the resume) has none: its resume point is not
+    re-evaluated."""
     path = os.path.join(self.workdir, 'metrics.jsonl')
+    out = set()
     if not os.path.isfile(path):
-      return False
+      return out
     with open(path) as f:
       for line in f:
         try:
           row = json.loads(line)
         except ValueError:
           continue
-        if row.get('step') == version and any(k.startswith('eval/') for k in row):
-          return True
-    return False
+        if isinstance(row, dict) and any(k.startswith('eval/') for k in row):
+          out.add(row.get('step'))
+    return out
 
   def __call__(self, policy) -> dict:
     result = self.evaluator(policy.params, seed=self.exp.eval.seed)
