@@ -114,15 +114,18 @@ def train_comm_seconds(run: rm.RunModel, group: roles.Group, knobs: rm.Knobs, re
   n, per_node = group.n, knobs.devices_per_node
   shard = recipe.shard_group(n, per_node)
   gathers = 2 if recipe.reshards(n, per_node) else 1
-  within = 0.0
-  if shard > 1:
-    within = max(
-        (shard - 1)
-        / shard
-        * (gathers * run.gathered_bytes + run.trainable_bytes)
-        / timing.link_bw(a, shard, group.per_node(per_node), knobs.eff)
-        for a in group.kinds
-    )
+  within = max(
+      timing.fsdp_seconds(
+          run.gathered_bytes,
+          run.trainable_bytes,
+          shard,
+          a,
+          gathers=gathers,
+          devices_per_node=group.per_node(per_node),
+          eff=knobs.eff,
+      )
+      for a in group.kinds
+  )
   replicas = n // shard
   across = 0.0
   if replicas > 1:
@@ -201,13 +204,13 @@ def term_sources(
   """Where each of step_seconds' terms comes from, in words (a plan's `source` per term)."""
   engine = recipe.engine if 'engine' in terms else knobs.engine
   kind = group.kinds[0]
-  frac = (
-      (
-          lambda w: f'{engine} {w} {calibrations.calibration(engine, kind).of(w):.3f} of peak (perf/calibrations.py)'
-      )
-      if engine != 'uniform'
-      else (lambda w: f'{knobs.eff.mfu:.0%} of peak (assumed)')
-  )
+
+  def frac(work: str) -> str:
+    if engine == 'uniform':
+      return f'{knobs.eff.mfu:.0%} of peak (assumed)'
+    value = calibrations.calibration(engine, kind).of(work)
+    return f'{engine} {work} {value:.3f} of peak (perf/calibrations.py)'
+
   n, per_node = group.n, knobs.devices_per_node
   shard = recipe.shard_group(n, per_node)
   off = lambda t: t not in terms
