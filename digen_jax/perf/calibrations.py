@@ -121,20 +121,19 @@ _VERL_IMAGES, _VERL_TRAINED_STEPS, _VERL_GPUS = 512, 2, 4
 _UPDATE_ACTOR_S, _ACTOR_MFU, _ACTOR_INFER_MFU = 115.59, 0.223, 0.327
 _VERL_ROW = ('id', 'verl-omni#124')
 
+_OURS_FORWARD = _probe(
+    'probe_cudnn.jsonl',
+    'jax',
+    'fwd_ms',
+    521.1,
+    16,
+    1,
+    'forward at batch 16 with cuDNN fused attention (the GPU default)',
+)
 _OURS_H200 = Calibration(
     'digen_jax',
     'H200',
-    sampling=Fraction.of(
-        _probe(
-            'probe_cudnn.jsonl',
-            'jax',
-            'fwd_ms',
-            521.1,
-            16,
-            1,
-            'forward at batch 16 with cuDNN fused attention (the GPU default)',
-        )
-    ),
+    sampling=Fraction.of(_OURS_FORWARD),
     training=Fraction.of(
         _probe(
             'probe_cudnn.jsonl',
@@ -147,9 +146,7 @@ _OURS_H200 = Calibration(
         )
     ),
     forward_only=Fraction(
-        _probe(
-            'probe_cudnn.jsonl', 'jax', 'fwd_ms', 521.1, 16, 1, 'the rollout forward'
-        ).fraction(),
+        _OURS_FORWARD.fraction(),
         assumed="our trainer runs no gradient-free forward; it is taken at the rollout forward's "
         'rate (used only by a baseline priced with our own programs)',
     ),
