@@ -77,16 +77,21 @@ def folder_values(config, path: str) -> tuple[dict[str, Any], dict[str, str]]:
   return m, files
 
 
+def pipeline_folder(config) -> str:
+  """The pipeline folder config's architecture is read from ('' when none is: another family,
+  random init, or no folder)."""
+  m = config.model
+  path = weights_lib.repo_path(m.checkpoint) if m.checkpoint else ''
+  if m.family not in FAMILIES or m.init != 'checkpoint':
+    return ''
+  return path if path and weights_lib.is_pipeline_folder(path) else ''
+
+
 def resolve(config, explicit: set[str] | frozenset = frozenset()) -> None:
   """Fills config's architecture fields from its pipeline folder in place (module docstring);
   the image size in pixels sets the latent grid. ValueError naming the field otherwise."""
-  m = config.model
-  path = weights_lib.repo_path(m.checkpoint) if m.checkpoint else ''
-  if (
-      m.family not in FAMILIES
-      or m.init != 'checkpoint'
-      or not (path and weights_lib.is_pipeline_folder(path))
-  ):
+  path = pipeline_folder(config)
+  if not path:
     return
   values, files = folder_values(config, path)
   for field, value in values.items():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 from digen_jax.experiment import folder_config
-from digen_jax.experiment import weights as weights_lib
 from digen_jax.perf import analytic
 from digen_jax.perf import cache
 from digen_jax.perf import cached_run
@@ -91,14 +90,8 @@ def planned_model(config, overrides: list[str]) -> str:
   except ValueError as e:
     raise PlanError(str(e)) from None
   m, lat = config.model, config.latent
-  path = weights_lib.repo_path(m.checkpoint) if m.checkpoint else ''
-  from_folder = (
-      m.family in folder_config.FAMILIES
-      and m.init == 'checkpoint'
-      and bool(path)
-      and weights_lib.is_pipeline_folder(path)
-  )
-  where = f'the folder {path}' if from_folder else "the config's sizes (no model folder read)"
+  path = folder_config.pipeline_folder(config)
+  where = f'the folder {path}' if path else "the config's sizes (no model folder read)"
   frames = f'{lat.frames} x ' if lat.frames > 1 else ''
   return (
       f'planned {m.family} from {where}: {m.num_layers} layers, {m.num_attention_heads} heads x '
