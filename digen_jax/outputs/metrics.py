@@ -106,7 +106,8 @@ def supersede_rows_after(workdir: str, step: int) -> int:
   after it; with step 0 all of them) to metrics.superseded.jsonl. Returns how many moved.
 
   A row at `step` itself stays when step > 0: its train row describes the restored checkpoint,
-  and its eval is not redone after a resume (runtime/rollout.Evals.due)."""
+  and its eval row, when there is one, is not redone after a resume (runtime/rollout.Evals.due
+  redoes only a missing one)."""
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return 0
@@ -134,6 +135,24 @@ def supersede_rows_after(workdir: str, step: int) -> int:
       SUPERSEDED,
   )
   return len(moved)
+
+
+def evaluated_steps(workdir: str) -> set[int]:
+  """The policy versions (steps) <workdir>/metrics.jsonl holds an eval row of; a torn line is no
+  row."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  out = set()
+  if not os.path.isfile(path):
+    return out
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(row, dict) and any(k.startswith('eval/') for k in row):
+        out.add(row.get('step'))
+  return out
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@ holds while the next one is not published.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -24,6 +23,7 @@ import numpy as np
 from digen_jax import programs
 from digen_jax.experiment import evaluation
 from digen_jax.outputs import eval_report
+from digen_jax.outputs import metrics as metrics_lib
 from digen_jax.outputs import visualize
 from digen_jax.parallel import mesh as mesh_lib
 from digen_jax.process import interrupt
@@ -162,27 +162,11 @@ class Evals:
     if not self.enabled:
       return False
     if version == start and start > 0 and start % self.every == 0:
-      evaluated = self.recorded()
+      # A run that never evaluated (eval turned on at the resume) has no eval rows: its resume
+      # point is not re-evaluated.
+      evaluated = metrics_lib.evaluated_steps(self.workdir)
       return bool(evaluated) and start not in evaluated
     return (version == 0 and start == 0) or (version > start and version % self.every == 0)
-
-  def recorded(self) -> set[int]:
-    """The policy versions metrics.jsonl holds an eval row of (a torn line is no row). A run
-    that never evaluated (eval turned on at the resume) has none: its resume point is not
-    re-evaluated."""
-    path = os.path.join(self.workdir, 'metrics.jsonl')
-    out = set()
-    if not os.path.isfile(path):
-      return out
-    with open(path) as f:
-      for line in f:
-        try:
-          row = json.loads(line)
-        except ValueError:
-          continue
-        if isinstance(row, dict) and any(k.startswith('eval/') for k in row):
-          out.add(row.get('step'))
-    return out
 
   def __call__(self, policy) -> dict:
     result = self.evaluator(policy.params, seed=self.exp.eval.seed)
