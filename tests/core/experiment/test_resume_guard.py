@@ -14,22 +14,16 @@ from digen_jax.experiment import resume_guard
 from tests.helpers.paths import REPO
 
 
-def _saved(tmp_path, **changes):
-  """A workdir holding config.json of the base config (with `changes`) and a checkpoint."""
+def _saved(tmp_path):
+  """A workdir holding config.json of the base config and a checkpoint."""
   c = configlib.base_config()
-  for dotted, v in changes.items():
-    node = c
-    *head, leaf = dotted.split('__')
-    for h in head:
-      node = node[h]
-    node[leaf] = v
   os.makedirs(tmp_path / 'checkpoints' / '3')
   (tmp_path / 'config.json').write_text(c.to_json_best_effort())
   return str(tmp_path), c
 
 
 def _json(c, **changes):
-  c = configlib.base_config() if c is None else c
+  """config.json text of `c` with the dotted `changes` applied."""
   d = json.loads(c.to_json_best_effort())
   for dotted, v in changes.items():
     node = d
